@@ -1,0 +1,152 @@
+// Package config reads the configuration of pdq's services from the
+// environment. Every name carries the PDQ_ prefix; the names are a contract
+// shared with the docs and tests (see architecture.md). One-shot tools take
+// flags instead.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"strings"
+
+	"github.com/kelseyhightower/envconfig"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// Prefix is the prefix of every environment variable pdq reads.
+const Prefix = "PDQ"
+
+// Log is the logging configuration every command shares.
+type Log struct {
+	// Level is debug, info, warn or error (PDQ_LOG_LEVEL).
+	Level string `envconfig:"LOG_LEVEL" default:"info"`
+	// Format is text (tint) or json; empty picks text on a terminal and JSON
+	// otherwise (PDQ_LOG_FORMAT).
+	Format string `envconfig:"LOG_FORMAT"`
+}
+
+// Config is the configuration of pdq's services.
+type Config struct {
+	Log
+
+	// NATSURL is the NATS server to join; empty in `pdq up` starts an
+	// embedded one.
+	NATSURL string `envconfig:"NATS_URL"`
+	// NATSListen is where the embedded server also listens for other
+	// processes, e.g. 127.0.0.1:4222; empty means in-process only.
+	NATSListen string `envconfig:"NATS_LISTEN"`
+	// DataDir holds the embedded server's JetStream store.
+	DataDir string `envconfig:"DATA_DIR" default:"./data"`
+	// HTTPAddr is the gateway's listen address.
+	HTTPAddr string `envconfig:"HTTP_ADDR" default:":8000"`
+
+	// PrefillEngines and DecodeEngines are engine base URLs for `pdq up`.
+	PrefillEngines []string `envconfig:"PREFILL_ENGINES"`
+	DecodeEngines  []string `envconfig:"DECODE_ENGINES"`
+	// EngineURL is the engine of a single `pdq prefill` or `pdq decode`.
+	EngineURL string `envconfig:"ENGINE_URL"`
+	// EngineSlots is the number of requests a worker runs on its engine at
+	// once; 0 picks the role's default.
+	EngineSlots int `envconfig:"ENGINE_SLOTS"`
+	// KVHost is advertised as remote_host when a prefill engine reports a
+	// loopback or unspecified one.
+	KVHost string `envconfig:"KV_HOST"`
+
+	// APIKeys, when set, are the bearer tokens the gateway accepts.
+	APIKeys []string `envconfig:"API_KEYS"`
+}
+
+// ErrInvalid is wrapped by every validation error.
+var ErrInvalid = errors.New("invalid configuration")
+
+// Load reads the configuration from the environment and validates it.
+func Load() (Config, error) {
+	var c Config
+	if err := envconfig.Process(Prefix, &c); err != nil {
+		return Config{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	c.PrefillEngines = trimAll(c.PrefillEngines)
+	c.DecodeEngines = trimAll(c.DecodeEngines)
+	c.APIKeys = trimAll(c.APIKeys)
+	if err := c.Validate(); err != nil {
+		return Config{}, err
+	}
+	return c, nil
+}
+
+// LoadLog reads only the logging configuration, for commands that need
+// nothing else.
+func LoadLog() (Log, error) {
+	var l Log
+	if err := envconfig.Process(Prefix, &l); err != nil {
+		return Log{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return l, l.Validate()
+}
+
+// Validate checks the logging settings.
+func (l Log) Validate() error {
+	if _, err := logging.ParseLevel(l.Level); err != nil {
+		return fmt.Errorf("%w: PDQ_LOG_LEVEL: %w", ErrInvalid, err)
+	}
+	switch strings.ToLower(l.Format) {
+	case logging.FormatAuto, logging.FormatText, logging.FormatJSON:
+		return nil
+	}
+	return fmt.Errorf("%w: PDQ_LOG_FORMAT: %q is not text or json", ErrInvalid, l.Format)
+}
+
+// Validate checks values that would otherwise fail later and less clearly.
+func (c Config) Validate() error {
+	var errs []error
+	if err := c.Log.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	check := func(name string, urls ...string) {
+		for _, u := range urls {
+			if err := checkEngineURL(u); err != nil {
+				errs = append(errs, fmt.Errorf("%w: %s: %w", ErrInvalid, name, err))
+			}
+		}
+	}
+	check("PDQ_PREFILL_ENGINES", c.PrefillEngines...)
+	check("PDQ_DECODE_ENGINES", c.DecodeEngines...)
+	if c.EngineURL != "" {
+		check("PDQ_ENGINE_URL", c.EngineURL)
+	}
+	if c.EngineSlots < 0 {
+		errs = append(errs, fmt.Errorf("%w: PDQ_ENGINE_SLOTS must not be negative, got %d", ErrInvalid, c.EngineSlots))
+	}
+	if c.HTTPAddr == "" {
+		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))
+	}
+	return errors.Join(errs...)
+}
+
+// checkEngineURL accepts an absolute http(s) URL with a host: the base URL
+// of an OpenAI-compatible engine, such as http://10.0.0.5:8000.
+func checkEngineURL(s string) error {
+	u, err := url.Parse(s)
+	if err != nil {
+		return fmt.Errorf("%q: %w", s, err)
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("%q is not an http(s) URL with a host", s)
+	}
+	return nil
+}
+
+func trimAll(in []string) []string {
+	out := in[:0]
+	for _, s := range in {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	if len(out) == 0 {
+		return nil
+	}
+	return out
+}

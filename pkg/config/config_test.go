@@ -1,0 +1,73 @@
+package config
+
+import (
+	"errors"
+	"os"
+	"slices"
+	"testing"
+)
+
+func TestLoad(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		env     map[string]string
+		check   func(t *testing.T, c Config)
+		wantErr bool
+	}{
+		{
+			name: "defaults",
+			check: func(t *testing.T, c Config) {
+				if c.HTTPAddr != ":8000" || c.Log.Level != "info" || c.Log.Format != "" || c.NATSURL != "" {
+					t.Errorf("defaults = %+v", c)
+				}
+			},
+		},
+		{
+			name: "engine lists are split and trimmed",
+			env: map[string]string{
+				"PDQ_PREFILL_ENGINES": "http://127.0.0.1:8100, http://127.0.0.1:8101,",
+				"PDQ_DECODE_ENGINES":  "https://d.example:443",
+				"PDQ_LOG_LEVEL":       "debug",
+				"PDQ_LOG_FORMAT":      "json",
+				"PDQ_ENGINE_SLOTS":    "8",
+			},
+			check: func(t *testing.T, c Config) {
+				if !slices.Equal(c.PrefillEngines, []string{"http://127.0.0.1:8100", "http://127.0.0.1:8101"}) {
+					t.Errorf("PrefillEngines = %q", c.PrefillEngines)
+				}
+				if !slices.Equal(c.DecodeEngines, []string{"https://d.example:443"}) {
+					t.Errorf("DecodeEngines = %q", c.DecodeEngines)
+				}
+				if c.Log.Level != "debug" || c.Log.Format != "json" || c.EngineSlots != 8 {
+					t.Errorf("got %+v", c)
+				}
+			},
+		},
+		{name: "engine without scheme", env: map[string]string{"PDQ_DECODE_ENGINES": "127.0.0.1:8100"}, wantErr: true},
+		{name: "negative slots", env: map[string]string{"PDQ_ENGINE_SLOTS": "-1"}, wantErr: true},
+		{name: "slots not a number", env: map[string]string{"PDQ_ENGINE_SLOTS": "many"}, wantErr: true},
+		{name: "bad level", env: map[string]string{"PDQ_LOG_LEVEL": "chatty"}, wantErr: true},
+		{name: "bad format", env: map[string]string{"PDQ_LOG_FORMAT": "xml"}, wantErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, k := range []string{"PDQ_PREFILL_ENGINES", "PDQ_DECODE_ENGINES", "PDQ_LOG_LEVEL", "PDQ_LOG_FORMAT", "PDQ_ENGINE_SLOTS", "PDQ_HTTP_ADDR", "PDQ_NATS_URL"} {
+				t.Setenv(k, "") // restored after the test
+				os.Unsetenv(k)
+			}
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			c, err := Load()
+			if tc.wantErr {
+				if !errors.Is(err, ErrInvalid) {
+					t.Fatalf("Load() error = %v, want ErrInvalid", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc.check(t, c)
+		})
+	}
+}

@@ -1,0 +1,92 @@
+// Package logging builds pdq's slog loggers: colored text from tint when a
+// person is watching a terminal, JSON lines when a machine collects the
+// output.
+package logging
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/lmittmann/tint"
+	"golang.org/x/term"
+)
+
+// Formats accepted by [New].
+const (
+	FormatAuto = ""     // text on a terminal, JSON otherwise
+	FormatText = "text" // tint
+	FormatJSON = "json"
+)
+
+// Keys of attributes that several components log, so that a request can be
+// followed across them with one filter.
+const (
+	KeyRequestID = "request_id"
+	KeyComponent = "component"
+	KeyError     = "err"
+)
+
+// ParseLevel reads a level name: debug, info, warn (or warning) or error.
+// The empty string is info.
+func ParseLevel(s string) (slog.Level, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "", "info":
+		return slog.LevelInfo, nil
+	case "debug":
+		return slog.LevelDebug, nil
+	case "warn", "warning":
+		return slog.LevelWarn, nil
+	case "error":
+		return slog.LevelError, nil
+	}
+	return 0, fmt.Errorf("unknown log level %q (want debug, info, warn or error)", s)
+}
+
+// New returns a logger that writes to w at the named level in the named
+// format (see [FormatAuto]).
+func New(w io.Writer, level, format string) (*slog.Logger, error) {
+	lvl, err := ParseLevel(level)
+	if err != nil {
+		return nil, err
+	}
+	tty := isTerminal(w)
+	switch strings.ToLower(format) {
+	case FormatAuto:
+		if !tty {
+			return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: lvl})), nil
+		}
+	case FormatText:
+	case FormatJSON:
+		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: lvl})), nil
+	default:
+		return nil, fmt.Errorf("unknown log format %q (want text or json)", format)
+	}
+	return slog.New(tint.NewTextHandler(w, &tint.Options{
+		Level:      lvl,
+		TimeFormat: time.TimeOnly + ".000",
+		NoColor:    !tty,
+	})), nil
+}
+
+// Discard returns a logger that drops everything, for tests that do not
+// look at logs.
+func Discard() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+// Ms is a duration attribute in milliseconds (two decimals), readable in
+// both formats: slog's JSON handler would write nanoseconds.
+func Ms(key string, d time.Duration) slog.Attr {
+	return slog.Float64(key, math.Round(float64(d)/1e4)/100)
+}
+
+// Err is the attribute for an error, under one key everywhere.
+func Err(err error) slog.Attr { return slog.Any(KeyError, err) }
+
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	return ok && term.IsTerminal(int(f.Fd()))
+}

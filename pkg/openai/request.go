@@ -1,0 +1,250 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+)
+
+// Request holds the fields of a chat or completions request that pdq reads.
+// Everything else in the body is passed on untouched, so callers keep the raw
+// bytes next to it; this struct is for reading, never for re-encoding a body.
+type Request struct {
+	Model    string    `json:"model"`
+	Messages []Message `json:"messages"`
+	// Prompt is a string, a list of token ids, or a list with one of those.
+	Prompt json.RawMessage `json:"prompt"`
+
+	Stream        bool           `json:"stream"`
+	StreamOptions *StreamOptions `json:"stream_options"`
+
+	MaxTokens           *int  `json:"max_tokens"`
+	MaxCompletionTokens *int  `json:"max_completion_tokens"`
+	MinTokens           *int  `json:"min_tokens"`
+	N                   *int  `json:"n"`
+	IgnoreEOS           bool  `json:"ignore_eos"`
+	Echo                *bool `json:"echo"`
+
+	// RequestID is vLLM's body fallback for the X-Request-Id header.
+	RequestID string `json:"request_id"`
+
+	// KVTransferParams is opaque: its keys and value types differ between
+	// vLLM versions.
+	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
+}
+
+// StreamOptions is the stream_options object of a streaming request.
+type StreamOptions struct {
+	IncludeUsage         bool `json:"include_usage"`
+	ContinuousUsageStats bool `json:"continuous_usage_stats"`
+}
+
+// Message is one chat message. Content is a string, a list of content parts,
+// or null.
+type Message struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+// Endpoint names the two generation endpoints.
+type Endpoint string
+
+// The endpoints pdq serves, with the prefix of their response ids.
+const (
+	Chat        Endpoint = "chat"
+	Completions Endpoint = "completions"
+)
+
+// Path is the URL path of the endpoint under an engine's base URL.
+func (e Endpoint) Path() string {
+	if e == Chat {
+		return "/v1/chat/completions"
+	}
+	return "/v1/completions"
+}
+
+// IDPrefix is the prefix vLLM puts before the base request id in the
+// response id.
+func (e Endpoint) IDPrefix() string {
+	if e == Chat {
+		return "chatcmpl-"
+	}
+	return "cmpl-"
+}
+
+// DecodeRequest parses body as a request for endpoint and checks the fields
+// every engine needs. Problems come back as a 400 *Error naming the field.
+func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
+	var req Request
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if err := dec.Decode(&req); err != nil {
+		return nil, decodeError(err)
+	}
+	if dec.More() {
+		return nil, NewError(http.StatusBadRequest, "request body holds more than one JSON value")
+	}
+	if req.Model == "" {
+		return nil, NewError(http.StatusBadRequest, "'model' is required").WithParam("model")
+	}
+	switch endpoint {
+	case Chat:
+		if len(req.Messages) == 0 {
+			return nil, NewError(http.StatusBadRequest, "'messages' is required and must not be empty").WithParam("messages")
+		}
+		for i, m := range req.Messages {
+			if m.Role == "" {
+				return nil, NewError(http.StatusBadRequest, "messages[%d].role is required", i).WithParam("messages")
+			}
+			if _, err := m.Text(); err != nil {
+				return nil, NewError(http.StatusBadRequest, "messages[%d].content: %v", i, err).WithParam("messages")
+			}
+		}
+	case Completions:
+		if _, err := ParsePrompt(req.Prompt); err != nil {
+			return nil, NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
+		}
+	}
+	for _, f := range []struct {
+		name string
+		v    *int
+		min  int
+	}{
+		{"max_tokens", req.MaxTokens, 1},
+		{"max_completion_tokens", req.MaxCompletionTokens, 1},
+		{"min_tokens", req.MinTokens, 0},
+		{"n", req.N, 1},
+	} {
+		if f.v != nil && *f.v < f.min {
+			return nil, NewError(http.StatusBadRequest, "'%s' must be at least %d, got %d", f.name, f.min, *f.v).WithParam(f.name)
+		}
+	}
+	if len(req.KVTransferParams) > 0 && !isJSONObjectOrNull(req.KVTransferParams) {
+		return nil, NewError(http.StatusBadRequest, "'kv_transfer_params' must be an object").WithParam("kv_transfer_params")
+	}
+	return &req, nil
+}
+
+// MaxOutputTokens is the output limit the client asked for: max_completion_tokens
+// when set (the newer name), else max_tokens; ok is false when neither is.
+func (r *Request) MaxOutputTokens() (n int, ok bool) {
+	if r.MaxCompletionTokens != nil {
+		return *r.MaxCompletionTokens, true
+	}
+	if r.MaxTokens != nil {
+		return *r.MaxTokens, true
+	}
+	return 0, false
+}
+
+// IncludeUsage reports whether a stream should end with a usage chunk.
+func (r *Request) IncludeUsage() bool {
+	return r.StreamOptions != nil && r.StreamOptions.IncludeUsage
+}
+
+// Text returns the text of a message: the string, or its text parts joined
+// by newlines. Other part types (images, audio) are refused.
+func (m Message) Text() (string, error) {
+	c := bytes.TrimSpace(m.Content)
+	if len(c) == 0 || bytes.Equal(c, []byte("null")) {
+		return "", nil
+	}
+	var s string
+	if err := json.Unmarshal(c, &s); err == nil {
+		return s, nil
+	}
+	var parts []struct {
+		Type string  `json:"type"`
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(c, &parts); err != nil {
+		return "", errors.New("must be a string or a list of content parts")
+	}
+	texts := make([]string, 0, len(parts))
+	for i, p := range parts {
+		if p.Type != "text" || p.Text == nil {
+			return "", fmt.Errorf("part %d: only text parts are supported, got type %q", i, p.Type)
+		}
+		texts = append(texts, *p.Text)
+	}
+	return strings.Join(texts, "\n"), nil
+}
+
+// Prompt is a parsed completions prompt: text or token ids.
+type Prompt struct {
+	Text   string
+	Tokens []int
+}
+
+// ParsePrompt reads a completions prompt: a string, a list of token ids, or
+// a list holding exactly one of those. Batches of several prompts are
+// refused: a P/D handoff carries the KV of one prompt (vLLM returns
+// kv_transfer_params for the first prompt only).
+func ParsePrompt(raw json.RawMessage) (Prompt, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return Prompt{}, errors.New("'prompt' is required")
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return Prompt{Text: s}, nil
+	}
+	var ids []int
+	if json.Unmarshal(raw, &ids) == nil {
+		if len(ids) == 0 {
+			return Prompt{}, errors.New("'prompt' must not be empty")
+		}
+		return Prompt{Tokens: ids}, nil
+	}
+	var list []json.RawMessage
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return Prompt{}, errors.New("'prompt' must be a string, a list of token ids, or a list of one of those")
+	}
+	if len(list) != 1 {
+		return Prompt{}, fmt.Errorf("'prompt' holds %d prompts; send one prompt per request", len(list))
+	}
+	var inner any
+	if json.Unmarshal(list[0], &inner) == nil {
+		if _, nested := inner.([]any); nested || isString(inner) {
+			return ParsePrompt(list[0])
+		}
+	}
+	return Prompt{}, errors.New("'prompt' must be a string, a list of token ids, or a list of one of those")
+}
+
+func isString(v any) bool {
+	_, ok := v.(string)
+	return ok
+}
+
+func isJSONObjectOrNull(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return bytes.Equal(raw, []byte("null")) || (len(raw) > 0 && raw[0] == '{')
+}
+
+// decodeError turns a json decoding error into a 400 that says what was
+// wrong and where, without echoing Go type names back to clients.
+func decodeError(err error) *Error {
+	var typeErr *json.UnmarshalTypeError
+	if errors.As(err, &typeErr) {
+		field := typeErr.Field
+		if field == "" {
+			return NewError(http.StatusBadRequest, "request body must be a JSON object")
+		}
+		return NewError(http.StatusBadRequest, "invalid type for '%s': got a JSON %s", field, typeErr.Value).WithParam(field)
+	}
+	var syntaxErr *json.SyntaxError
+	if errors.As(err, &syntaxErr) {
+		return NewError(http.StatusBadRequest, "malformed JSON at byte %d: %v", syntaxErr.Offset, syntaxErr)
+	}
+	if errors.Is(err, io.EOF) {
+		return NewError(http.StatusBadRequest, "request body is empty")
+	}
+	if errors.Is(err, io.ErrUnexpectedEOF) {
+		return NewError(http.StatusBadRequest, "malformed JSON: the body ends too early")
+	}
+	return NewError(http.StatusBadRequest, "malformed JSON: %v", err)
+}

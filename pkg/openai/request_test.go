@@ -1,0 +1,155 @@
+package openai
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+func TestDecodeRequest(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		endpoint Endpoint
+		body     string
+		param    string // "" with ok
+		ok       bool
+		check    func(t *testing.T, r *Request)
+	}{
+		{name: "chat", endpoint: Chat, ok: true,
+			body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":5,"kv_transfer_params":{"x":[1]}}`,
+			check: func(t *testing.T, r *Request) {
+				if !r.Stream || !r.IncludeUsage() || *r.MaxTokens != 5 || string(r.KVTransferParams) != `{"x":[1]}` {
+					t.Errorf("got %+v", r)
+				}
+				if n, ok := r.MaxOutputTokens(); !ok || n != 5 {
+					t.Errorf("MaxOutputTokens = %d, %v", n, ok)
+				}
+			}},
+		{name: "max_completion_tokens wins", endpoint: Chat, ok: true,
+			body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"max_completion_tokens":2}`,
+			check: func(t *testing.T, r *Request) {
+				if n, _ := r.MaxOutputTokens(); n != 2 {
+					t.Errorf("MaxOutputTokens = %d", n)
+				}
+			}},
+		{name: "content parts", endpoint: Chat, ok: true,
+			body: `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}`,
+			check: func(t *testing.T, r *Request) {
+				if s, _ := r.Messages[0].Text(); s != "a\nb" {
+					t.Errorf("text = %q", s)
+				}
+			}},
+		{name: "null content", endpoint: Chat, ok: true, body: `{"model":"m","messages":[{"role":"assistant","content":null}]}`},
+		{name: "unknown fields pass", endpoint: Chat, ok: true, body: `{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0.2,"tools":[]}`},
+		{name: "completion token ids", endpoint: Completions, ok: true, body: `{"model":"m","prompt":[1,2,3]}`},
+		{name: "completion one-element list", endpoint: Completions, ok: true, body: `{"model":"m","prompt":["hello"]}`},
+		{name: "completion nested ids", endpoint: Completions, ok: true, body: `{"model":"m","prompt":[[1,2]]}`},
+		{name: "no model", endpoint: Chat, param: "model", body: `{"messages":[{"role":"user","content":"x"}]}`},
+		{name: "empty messages", endpoint: Chat, param: "messages", body: `{"model":"m","messages":[]}`},
+		{name: "messages wrong type", endpoint: Chat, param: "messages", body: `{"model":"m","messages":"hi"}`},
+		{name: "content wrong type", endpoint: Chat, param: "messages", body: `{"model":"m","messages":[{"role":"user","content":5}]}`},
+		{name: "prompt missing", endpoint: Completions, param: "prompt", body: `{"model":"m"}`},
+		{name: "prompt object", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":{"a":1}}`},
+		{name: "prompt batch", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":["a","b"]}`},
+		{name: "prompt empty list", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":[]}`},
+		{name: "negative max_tokens", endpoint: Completions, param: "max_tokens", body: `{"model":"m","prompt":"x","max_tokens":-1}`},
+		{name: "float max_tokens", endpoint: Completions, param: "max_tokens", body: `{"model":"m","prompt":"x","max_tokens":1.5}`},
+		{name: "kv params array", endpoint: Completions, param: "kv_transfer_params", body: `{"model":"m","prompt":"x","kv_transfer_params":[1]}`},
+		{name: "two values", endpoint: Completions, body: `{"model":"m","prompt":"x"} {}`},
+		{name: "truncated", endpoint: Completions, body: `{"model":"m","prompt":"x"`},
+		{name: "not an object", endpoint: Completions, body: `"hi"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, apiErr := DecodeRequest(tc.endpoint, []byte(tc.body))
+			if tc.ok {
+				if apiErr != nil {
+					t.Fatalf("unexpected error %v", apiErr)
+				}
+				if tc.check != nil {
+					tc.check(t, r)
+				}
+				return
+			}
+			if apiErr == nil {
+				t.Fatal("want an error")
+			}
+			if apiErr.Code != http.StatusBadRequest || apiErr.Type != "BadRequestError" {
+				t.Errorf("error = %+v", apiErr)
+			}
+			got := ""
+			if apiErr.Param != nil {
+				got = *apiErr.Param
+			}
+			if got != tc.param {
+				t.Errorf("param = %q, want %q (message %q)", got, tc.param, apiErr.Message)
+			}
+			if strings.Contains(apiErr.Message, "Go value") || strings.Contains(apiErr.Message, "openai.") {
+				t.Errorf("message leaks Go internals: %q", apiErr.Message)
+			}
+		})
+	}
+}
+
+func TestParseError(t *testing.T) {
+	for _, tc := range []struct {
+		body string
+		msg  string
+		ok   bool
+	}{
+		{`{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}`, "bad", true},
+		{`{"object":"error","message":"old style","type":"BadRequestError","code":400}`, "old style", true},
+		{`{"error":"Unauthorized"}`, "Unauthorized", true},
+		{`{"detail":"Not Found"}`, "", false},
+		{`not json`, "", false},
+	} {
+		e, ok := ParseError([]byte(tc.body))
+		if ok != tc.ok || (ok && e.Message != tc.msg) {
+			t.Errorf("ParseError(%s) = %+v, %v", tc.body, e, ok)
+		}
+	}
+}
+
+func TestErrorEnvelope(t *testing.T) {
+	e := NewError(http.StatusNotFound, "The model `%s` does not exist.", "x").WithParam("model")
+	raw, _ := json.Marshal(ErrorResponse{Error: e})
+	want := `{"error":{"message":"The model ` + "`x`" + ` does not exist.","type":"NotFoundError","param":"model","code":404}}`
+	if string(raw) != want {
+		t.Errorf("envelope = %s\nwant %s", raw, want)
+	}
+	if (&Error{Code: 0}).Status() != 500 {
+		t.Error("a code that is no HTTP status must answer 500")
+	}
+}
+
+// FuzzDecodeRequest checks that no body makes request parsing panic, and
+// that every refusal is a 400 with a message. The seeds run in every
+// `go test`; `go test -fuzz FuzzDecodeRequest ./pkg/openai` explores more.
+func FuzzDecodeRequest(f *testing.F) {
+	for _, seed := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"model":"m","prompt":[[1,2]],"max_tokens":3,"kv_transfer_params":{"do_remote_decode":true}}`,
+		`{"model":"m","prompt":["a","b"]}`,
+		`{"model":1}`, `[]`, `null`, `{`, ``, `{"messages":[null]}`, `{"model":"m","prompt":[null]}`,
+	} {
+		f.Add(seed, true)
+		f.Add(seed, false)
+	}
+	f.Fuzz(func(t *testing.T, body string, chat bool) {
+		ep := Completions
+		if chat {
+			ep = Chat
+		}
+		r, apiErr := DecodeRequest(ep, []byte(body))
+		if apiErr != nil {
+			if apiErr.Code != http.StatusBadRequest || apiErr.Message == "" {
+				t.Fatalf("refusal %+v is not a 400 with a message", apiErr)
+			}
+			return
+		}
+		if r.Model == "" {
+			t.Fatal("accepted a request without a model")
+		}
+	})
+}

@@ -1,0 +1,154 @@
+package openai
+
+import (
+	"errors"
+	"io"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"testing/iotest"
+	"time"
+)
+
+func TestSSEReader(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		in      string
+		want    []string // data of each event
+		names   []string // event names, when checked
+		wantErr error    // how the stream ends; nil means io.EOF
+	}{
+		{name: "openai stream", in: "data: {\"a\":1}\n\ndata: [DONE]\n\n", want: []string{`{"a":1}`, "[DONE]"}},
+		{name: "crlf", in: "data: x\r\n\r\ndata: y\r\n\r\n", want: []string{"x", "y"}},
+		{name: "no space after colon", in: "data:x\n\n", want: []string{"x"}},
+		{name: "multi-line data", in: "data: a\ndata: b\n\n", want: []string{"a\nb"}},
+		{name: "comments and keep-alives skipped", in: ": ping\n\n: ping\ndata: x\n\n", want: []string{"x"}},
+		{name: "event name and id", in: "event: error\nid: 7\ndata: x\n\n", want: []string{"x"}, names: []string{"error"}},
+		{name: "empty data", in: "data:\n\n", want: []string{""}},
+		{name: "blank lines between events", in: "\n\ndata: x\n\n\n", want: []string{"x"}},
+		{name: "cut inside an event", in: "data: x\n\ndata: y\n", want: []string{"x"}, wantErr: io.ErrUnexpectedEOF},
+		{name: "cut inside a line", in: "data: x\n\ndata: {\"a\"", want: []string{"x"}, wantErr: io.ErrUnexpectedEOF},
+		{name: "empty stream", in: "", want: nil},
+	} {
+		for _, oneByte := range []bool{false, true} {
+			var src io.Reader = strings.NewReader(tc.in)
+			if oneByte {
+				src = iotest.OneByteReader(src)
+			}
+			r := NewSSEReader(src)
+			var got, names []string
+			var err error
+			for {
+				var ev Event
+				if ev, err = r.Next(); err != nil {
+					break
+				}
+				got = append(got, string(ev.Data))
+				names = append(names, ev.Name)
+			}
+			wantErr := tc.wantErr
+			if wantErr == nil {
+				wantErr = io.EOF
+			}
+			if !errors.Is(err, wantErr) {
+				t.Errorf("%s (one byte %v): ended with %v, want %v", tc.name, oneByte, err, wantErr)
+			}
+			if strings.Join(got, "|") != strings.Join(tc.want, "|") || len(got) != len(tc.want) {
+				t.Errorf("%s (one byte %v): events %q, want %q", tc.name, oneByte, got, tc.want)
+			}
+			if tc.names != nil && strings.Join(names, "|") != strings.Join(tc.names, "|") {
+				t.Errorf("%s: names %q, want %q", tc.name, names, tc.names)
+			}
+		}
+	}
+}
+
+// TestSSEReaderStreams checks that an event is returned as soon as it is
+// complete, without waiting for the rest of the body.
+func TestSSEReaderStreams(t *testing.T) {
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	go pw.Write([]byte("data: first\n\n")) // and then nothing until the test ends
+	got := make(chan string, 1)
+	go func() {
+		ev, err := NewSSEReader(pr).Next()
+		if err != nil {
+			got <- "error: " + err.Error()
+			return
+		}
+		got <- string(ev.Data)
+	}()
+	select {
+	case s := <-got:
+		if s != "first" {
+			t.Errorf("got %q", s)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the first event was not returned while the body stayed open")
+	}
+}
+
+func TestSSEReaderLimit(t *testing.T) {
+	r := NewSSEReader(strings.NewReader("data: " + strings.Repeat("x", 100) + "\n\n"))
+	r.max = 50
+	if _, err := r.Next(); !errors.Is(err, ErrEventTooLarge) {
+		t.Errorf("err = %v, want ErrEventTooLarge", err)
+	}
+	r = NewSSEReader(strings.NewReader(strings.Repeat("data: xxxxxxxxxx\n", 10) + "\n"))
+	r.max = 50
+	if _, err := r.Next(); !errors.Is(err, ErrEventTooLarge) {
+		t.Errorf("many lines: err = %v, want ErrEventTooLarge", err)
+	}
+}
+
+func TestSSEWriter(t *testing.T) {
+	rec := httptest.NewRecorder()
+	w := NewSSEWriter(rec)
+	if w.Started() {
+		t.Fatal("started before the first event")
+	}
+	if err := w.JSON(map[string]int{"a": 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Error(NewError(500, "boom")); err != nil {
+		t.Fatal(err)
+	}
+	want := "data: {\"a\":1}\n\n" +
+		"data: {\"error\":{\"message\":\"boom\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\n" +
+		"data: [DONE]\n\n"
+	if rec.Body.String() != want {
+		t.Errorf("body:\n%q\nwant\n%q", rec.Body.String(), want)
+	}
+	if ct := rec.Header().Get("Content-Type"); ct != "text/event-stream; charset=utf-8" {
+		t.Errorf("Content-Type = %q", ct)
+	}
+	if !rec.Flushed || rec.Code != 200 {
+		t.Errorf("flushed %v, code %d", rec.Flushed, rec.Code)
+	}
+}
+
+// TestSSERoundTrip checks that what the writer writes, the reader reads.
+func TestSSERoundTrip(t *testing.T) {
+	rec := httptest.NewRecorder()
+	w := NewSSEWriter(rec)
+	payloads := []string{`{"x":"a b"}`, `{"y":[1,2]}`, `""`}
+	for _, p := range payloads {
+		if err := w.Data([]byte(p)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.Done()
+	r := NewSSEReader(rec.Body)
+	for _, p := range payloads {
+		ev, err := r.Next()
+		if err != nil || string(ev.Data) != p {
+			t.Fatalf("read %q, %v; want %q", ev.Data, err, p)
+		}
+	}
+	if ev, err := r.Next(); err != nil || !ev.IsDone() {
+		t.Fatalf("want [DONE], got %q, %v", ev.Data, err)
+	}
+	if _, err := r.Next(); err != io.EOF {
+		t.Fatalf("want io.EOF at the end, got %v", err)
+	}
+}
