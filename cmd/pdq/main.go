@@ -1,0 +1,100 @@
+// Command pdq is the prefill/decode dispatcher for disaggregated LLM
+// serving, and its tools. Each subcommand is a component or tool with a
+// Run(ctx) error; main only parses, wires and exits.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"syscall"
+	"text/tabwriter"
+
+	"github.com/pdq-dev/pdq/pkg/config"
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// errUsage marks a command line that could not be parsed; main exits 2.
+var errUsage = errors.New("usage")
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	switch {
+	case err == nil:
+	case errors.Is(err, errUsage):
+		os.Exit(2)
+	default:
+		fmt.Fprintf(os.Stderr, "pdq: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// command is one subcommand.
+type command struct {
+	name    string
+	summary string
+	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+}
+
+func commands() []command {
+	return []command{
+		{"sim", "run a simulated vLLM engine with the NIXL handshake (prefill, decode, or both)", runSim},
+		{"version", "print the version", runVersion},
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		usage(stderr)
+		return errUsage
+	}
+	switch args[0] {
+	case "help", "-h", "-help", "--help":
+		usage(stdout)
+		return nil
+	}
+	for _, c := range commands() {
+		if c.name == args[0] {
+			return c.run(ctx, args[1:], stdout, stderr)
+		}
+	}
+	fmt.Fprintf(stderr, "pdq: unknown command %q\n\n", args[0])
+	usage(stderr)
+	return errUsage
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "pdq: prefill/decode dispatcher for disaggregated LLM serving")
+	fmt.Fprintln(w, "\nUsage: pdq <command> [flags]\n\nCommands:")
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	for _, c := range commands() {
+		fmt.Fprintf(tw, "  %s\t%s\n", c.name, c.summary)
+	}
+	tw.Flush()
+	fmt.Fprintln(w, "\nRun 'pdq <command> -h' for a command's flags. Services read PDQ_* environment variables (see README).")
+}
+
+// newLogger builds the logger from PDQ_LOG_LEVEL and PDQ_LOG_FORMAT.
+func newLogger(stderr io.Writer) (*slog.Logger, error) {
+	lc, err := config.LoadLog()
+	if err != nil {
+		return nil, err
+	}
+	return logging.New(stderr, lc.Level, lc.Format)
+}
+
+func runVersion(_ context.Context, _ []string, stdout, _ io.Writer) error {
+	version := "(devel)"
+	if info, ok := debug.ReadBuildInfo(); ok && info.Main.Version != "" {
+		version = info.Main.Version
+	}
+	_, err := fmt.Fprintf(stdout, "pdq %s\n", version)
+	return err
+}

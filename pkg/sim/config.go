@@ -1,0 +1,277 @@
+package sim
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// Protocol is the NIXL connector protocol the engine speaks.
+type Protocol string
+
+const (
+	// ProtocolV1 names a prefill's blocks by the decode engine's own internal
+	// request id, as vLLM did before remote_request_id existed: the two legs
+	// must carry the same X-Request-Id, and a mismatch kills the engine.
+	ProtocolV1 Protocol = "v1"
+	// ProtocolV2 names them by the remote_request_id the prefill returned.
+	ProtocolV2 Protocol = "v2"
+)
+
+// LoadFailurePolicy is what a decode engine does when it cannot load a
+// prefill's KV blocks (vLLM's kv_load_failure_policy).
+type LoadFailurePolicy string
+
+const (
+	// LoadFailureFail fails the request (vLLM's default since Feb 2026).
+	LoadFailureFail LoadFailurePolicy = "fail"
+	// LoadFailureRecompute prefills the prompt locally instead.
+	LoadFailureRecompute LoadFailurePolicy = "recompute"
+)
+
+// FaultKind is a kind of injected failure.
+type FaultKind string
+
+// The fault kinds. See [Fault].
+const (
+	FaultNone FaultKind = ""
+	Fault503  FaultKind = "503"   // answer 503 at once
+	Fault500  FaultKind = "500"   // answer 500 at once
+	FaultHang FaultKind = "hang"  // accept, never answer
+	FaultDrop FaultKind = "drop"  // close the connection mid-response
+	FaultNoKV FaultKind = "no-kv" // a prefill answers 200 without kv_transfer_params
+	FaultSlow FaultKind = "slow"  // the first byte comes Delay late
+)
+
+var faultKinds = []FaultKind{Fault503, Fault500, FaultHang, FaultDrop, FaultNoKV, FaultSlow}
+
+// Fault injects failures into a share of the generation requests.
+type Fault struct {
+	// Rate is the probability, 0 to 1, that a request gets the fault.
+	Rate float64   `json:"rate"`
+	Kind FaultKind `json:"kind"`
+	// Delay is how late the first byte comes with FaultSlow.
+	Delay Duration `json:"delay"`
+}
+
+// Validate checks the rate and kind.
+func (f Fault) Validate() error {
+	if f.Rate < 0 || f.Rate > 1 {
+		return fmt.Errorf("fault rate %v is not between 0 and 1", f.Rate)
+	}
+	if f.Rate > 0 && !knownFault(f.Kind) {
+		return fmt.Errorf("unknown fault kind %q (want one of %s)", f.Kind, faultKindList())
+	}
+	if f.Delay < 0 {
+		return errors.New("fault delay must not be negative")
+	}
+	return nil
+}
+
+func knownFault(k FaultKind) bool {
+	for _, f := range faultKinds {
+		if k == f {
+			return true
+		}
+	}
+	return false
+}
+
+func faultKindList() string {
+	s := make([]string, len(faultKinds))
+	for i, k := range faultKinds {
+		s[i] = string(k)
+	}
+	return strings.Join(s, ", ")
+}
+
+// Config configures a simulated engine. The zero value is not usable; start
+// from [DefaultConfig].
+type Config struct {
+	// Addr is the HTTP listen address.
+	Addr string
+	// Model is the one model the engine serves.
+	Model string
+	// Seed varies the generated text.
+	Seed uint64
+	// MaxModelLen bounds prompt plus output tokens, as vLLM's --max-model-len.
+	MaxModelLen int
+	// APIKey, when set, is required as a bearer token on /v1 (vLLM's --api-key).
+	APIKey string
+	// EngineID is the NIXL engine id; empty picks a random one, as vLLM does.
+	EngineID string
+
+	// KVHost is the side channel's bind address and the remote_host it
+	// advertises, as vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST (default localhost).
+	KVHost string
+	// KVPort is the side channel's port (VLLM_NIXL_SIDE_CHANNEL_PORT); 0 picks
+	// a free one.
+	KVPort int
+	// BlockSize is the number of tokens per KV block.
+	BlockSize int
+	// KVLease is how long a prefill holds blocks that no decode engine reads.
+	KVLease time.Duration
+	// KVHeartbeat is how often a decode engine extends the lease of a
+	// request that waits for a slot.
+	KVHeartbeat time.Duration
+	// Protocol is the NIXL protocol: v1 or v2.
+	Protocol Protocol
+	// KVLoadFailure is the policy on a failed KV load: fail or recompute.
+	KVLoadFailure LoadFailurePolicy
+
+	// PrefillOverhead and PrefillPerToken give the time to prefill a prompt.
+	PrefillOverhead time.Duration
+	PrefillPerToken time.Duration
+	// KVTransferPerBlock is the time to read one block from a prefill engine.
+	KVTransferPerBlock time.Duration
+	// ITL is the time between output tokens.
+	ITL time.Duration
+	// MaxNumSeqs is the number of requests that run at once; more wait.
+	MaxNumSeqs int
+
+	// Fault is the fault injected from the start; POST /sim/faults changes it.
+	Fault Fault
+}
+
+// DefaultConfig returns the defaults: small, realistic latencies for an
+// 8B-class model on one GPU, and vLLM's defaults where vLLM has one.
+func DefaultConfig() Config {
+	return Config{
+		Addr:               "127.0.0.1:8100",
+		Model:              "pdq-sim",
+		Seed:               1,
+		MaxModelLen:        8192,
+		KVHost:             "localhost",
+		KVPort:             5600,
+		BlockSize:          16,
+		KVLease:            30 * time.Second,
+		KVHeartbeat:        5 * time.Second,
+		Protocol:           ProtocolV2,
+		KVLoadFailure:      LoadFailureFail,
+		PrefillOverhead:    10 * time.Millisecond,
+		PrefillPerToken:    50 * time.Microsecond,
+		KVTransferPerBlock: 100 * time.Microsecond,
+		ITL:                10 * time.Millisecond,
+		MaxNumSeqs:         256,
+		Fault:              Fault{Delay: Duration(2 * time.Second)},
+	}
+}
+
+// RegisterFlags binds the configuration to command-line flags, with the
+// current values as defaults.
+func (c *Config) RegisterFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Addr, "addr", c.Addr, "HTTP listen address")
+	fs.StringVar(&c.Model, "model", c.Model, "model name served")
+	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed of the generated text")
+	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "maximum prompt plus output tokens")
+	fs.StringVar(&c.APIKey, "api-key", c.APIKey, "bearer token required on /v1 (empty: none)")
+	fs.StringVar(&c.EngineID, "engine-id", c.EngineID, "NIXL engine id (empty: random)")
+	fs.StringVar(&c.KVHost, "kv-host", c.KVHost, "side-channel host: bound, and advertised as remote_host")
+	fs.IntVar(&c.KVPort, "kv-port", c.KVPort, "side-channel port (0: any free port)")
+	fs.IntVar(&c.BlockSize, "block-size", c.BlockSize, "tokens per KV block")
+	fs.DurationVar(&c.KVLease, "kv-lease", c.KVLease, "how long unread prefill blocks stay held")
+	fs.DurationVar(&c.KVHeartbeat, "kv-heartbeat", c.KVHeartbeat, "lease heartbeat of a decode request waiting for a slot")
+	fs.Func("nixl-protocol", "NIXL protocol: v1 (blocks named by the decode's own request id) or v2 (by remote_request_id) (default v2)", func(s string) error {
+		c.Protocol = Protocol(s)
+		return nil
+	})
+	fs.Func("kv-load-failure", "on a failed KV load: fail or recompute (default fail)", func(s string) error {
+		c.KVLoadFailure = LoadFailurePolicy(s)
+		return nil
+	})
+	fs.DurationVar(&c.PrefillOverhead, "prefill-overhead", c.PrefillOverhead, "fixed time of a prefill")
+	fs.DurationVar(&c.PrefillPerToken, "prefill-per-token", c.PrefillPerToken, "prefill time per prompt token")
+	fs.DurationVar(&c.KVTransferPerBlock, "kv-transfer-per-block", c.KVTransferPerBlock, "time to read one KV block from a prefill engine")
+	fs.DurationVar(&c.ITL, "itl", c.ITL, "time between output tokens")
+	fs.IntVar(&c.MaxNumSeqs, "max-num-seqs", c.MaxNumSeqs, "requests running at once; more wait in a queue")
+	fs.Float64Var(&c.Fault.Rate, "fault-rate", c.Fault.Rate, "share of requests, 0 to 1, that get --fault-kind")
+	fs.Func("fault-kind", "fault to inject: "+faultKindList(), func(s string) error {
+		c.Fault.Kind = FaultKind(s)
+		return nil
+	})
+	fs.Func("fault-delay", "how late the first byte comes with --fault-kind slow (default 2s)", func(s string) error {
+		return c.Fault.Delay.Set(s)
+	})
+}
+
+// Validate reports every bad value at once.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if c.Model == "" {
+		bad("model must not be empty")
+	}
+	if c.MaxModelLen < 2 {
+		bad("max-model-len must be at least 2, got %d", c.MaxModelLen)
+	}
+	if c.KVPort < 0 || c.KVPort > 65535 {
+		bad("kv-port %d is out of range", c.KVPort)
+	}
+	if c.BlockSize < 1 {
+		bad("block-size must be at least 1, got %d", c.BlockSize)
+	}
+	if c.KVLease <= 0 {
+		bad("kv-lease must be positive, got %v", c.KVLease)
+	}
+	if c.KVHeartbeat <= 0 {
+		bad("kv-heartbeat must be positive, got %v", c.KVHeartbeat)
+	}
+	if c.Protocol != ProtocolV1 && c.Protocol != ProtocolV2 {
+		bad("nixl-protocol must be v1 or v2, got %q", c.Protocol)
+	}
+	if c.KVLoadFailure != LoadFailureFail && c.KVLoadFailure != LoadFailureRecompute {
+		bad("kv-load-failure must be fail or recompute, got %q", c.KVLoadFailure)
+	}
+	for name, d := range map[string]time.Duration{
+		"prefill-overhead": c.PrefillOverhead, "prefill-per-token": c.PrefillPerToken,
+		"kv-transfer-per-block": c.KVTransferPerBlock, "itl": c.ITL,
+	} {
+		if d < 0 {
+			bad("%s must not be negative, got %v", name, d)
+		}
+	}
+	if c.MaxNumSeqs < 1 {
+		bad("max-num-seqs must be at least 1, got %d", c.MaxNumSeqs)
+	}
+	if err := c.Fault.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// Duration is a time.Duration that reads and writes JSON as "1.5s", and also
+// reads a number of milliseconds.
+type Duration time.Duration
+
+// Set parses a Go duration string.
+func (d *Duration) Set(s string) error {
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// String formats the duration as Go does.
+func (d Duration) String() string { return time.Duration(d).String() }
+
+// MarshalJSON writes the duration as a string.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(d.String()) }
+
+// UnmarshalJSON reads "1.5s" or a number of milliseconds.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		return d.Set(s)
+	}
+	var ms float64
+	if err := json.Unmarshal(b, &ms); err != nil {
+		return errors.New(`duration must be a string like "1.5s" or a number of milliseconds`)
+	}
+	*d = Duration(ms * float64(time.Millisecond))
+	return nil
+}

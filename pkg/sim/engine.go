@@ -1,0 +1,223 @@
+package sim
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	mrand "math/rand/v2"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// shutdownGrace is how long Serve waits for running requests at shutdown
+// before it closes their connections.
+const shutdownGrace = 5 * time.Second
+
+// Engine is one simulated vLLM engine: an OpenAI HTTP server plus the KV
+// side channel. It plays either leg of a P/D pair, or both, depending on
+// each request's kv_transfer_params, as a vLLM engine with kv_role kv_both.
+type Engine struct {
+	cfg      Config
+	log      *slog.Logger
+	model    model
+	engineID string
+	compat   string
+	created  int64
+
+	stats    counters
+	dead     atomic.Bool
+	kv       *kvStore
+	faults   faultInjector
+	slots    chan struct{}
+	kvPort   atomic.Int64
+	registry *prometheus.Registry
+	handler  http.Handler
+}
+
+// New validates cfg and builds an engine. It does not listen yet.
+func New(cfg Config, log *slog.Logger) (*Engine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("sim config: %w", err)
+	}
+	e := &Engine{
+		cfg:      cfg,
+		log:      log.With(logging.KeyComponent, "sim", "model", cfg.Model),
+		model:    model{seed: cfg.Seed},
+		engineID: cfg.EngineID,
+		created:  time.Now().Unix(),
+		slots:    make(chan struct{}, cfg.MaxNumSeqs),
+	}
+	if e.engineID == "" {
+		e.engineID = randomHex(16)
+	}
+	// Engines pair only with engines of the same model, block size and
+	// protocol, as vLLM's compatibility hash demands matching builds.
+	sum := sha256.Sum256([]byte(fmt.Sprintf("pdq-sim|%s|%d|%s", cfg.Model, cfg.BlockSize, cfg.Protocol)))
+	e.compat = hex.EncodeToString(sum[:8])
+	e.kv = newKVStore(e.log, &e.stats, cfg.KVLease)
+	e.faults = faultInjector{fault: cfg.Fault, rng: mrand.New(mrand.NewPCG(cfg.Seed, 0x5eed))}
+	e.kvPort.Store(int64(cfg.KVPort))
+	e.registry = e.newRegistry()
+	e.handler = e.routes()
+	return e, nil
+}
+
+// Run listens on the configured HTTP address and side-channel host and port,
+// and serves until ctx ends.
+func (e *Engine) Run(ctx context.Context) error {
+	var lc net.ListenConfig
+	httpLn, err := lc.Listen(ctx, "tcp", e.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("sim: listen http: %w", err)
+	}
+	kvLn, err := lc.Listen(ctx, "tcp", net.JoinHostPort(e.cfg.KVHost, strconv.Itoa(e.cfg.KVPort)))
+	if err != nil {
+		httpLn.Close()
+		return fmt.Errorf("sim: listen kv side channel: %w", err)
+	}
+	return e.Serve(ctx, httpLn, kvLn)
+}
+
+// Serve serves HTTP on httpLn and the side channel on kvLn until ctx ends,
+// then shuts down gracefully. It closes both listeners. The advertised
+// remote_port is kvLn's port; remote_host stays Config.KVHost.
+func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
+	if addr, ok := kvLn.Addr().(*net.TCPAddr); ok {
+		e.kvPort.Store(int64(addr.Port))
+	}
+	srv := &http.Server{
+		Handler:           e.handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          slog.NewLogLogger(e.log.Handler(), slog.LevelDebug),
+	}
+	kvCtx, stopKV := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopKV()
+
+	errc := make(chan error, 2)
+	go func() {
+		if err := srv.Serve(httpLn); !errors.Is(err, http.ErrServerClosed) {
+			errc <- fmt.Errorf("sim: serve http: %w", err)
+			return
+		}
+		errc <- nil
+	}()
+	go func() { errc <- e.serveKV(kvCtx, kvLn) }()
+	e.log.Info("simulated engine ready",
+		"addr", httpLn.Addr().String(), "kv", net.JoinHostPort(e.cfg.KVHost, strconv.Itoa(e.KVPort())),
+		"engine_id", e.engineID, "nixl_protocol", e.cfg.Protocol, "kv_load_failure", e.cfg.KVLoadFailure,
+		"max_num_seqs", e.cfg.MaxNumSeqs, "kv_lease", e.cfg.KVLease.String())
+
+	var first error
+	pending := cap(errc)
+	select {
+	case <-ctx.Done():
+	case first = <-errc: // a listener failed: shut the other down too
+		pending--
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		srv.Close()
+	}
+	stopKV()
+	for ; pending > 0; pending-- {
+		if err := <-errc; err != nil && first == nil {
+			first = err
+		}
+	}
+	e.kv.close()
+	e.log.Info("simulated engine stopped")
+	return first
+}
+
+// Handler is the engine's HTTP handler, for tests that serve it themselves.
+func (e *Engine) Handler() http.Handler { return e.handler }
+
+// Stats returns the engine's counters.
+func (e *Engine) Stats() Stats { return e.snapshot() }
+
+// KVPort is the side channel's port: the bound one once Serve runs.
+func (e *Engine) KVPort() int { return int(e.kvPort.Load()) }
+
+// EngineID is the NIXL engine id the engine advertises.
+func (e *Engine) EngineID() string { return e.engineID }
+
+// SetFault changes the injected fault.
+func (e *Engine) SetFault(f Fault) error {
+	if err := f.Validate(); err != nil {
+		return err
+	}
+	e.faults.set(f)
+	return nil
+}
+
+// die marks the engine dead, as vLLM's EngineCore dies on an exception in
+// its scheduler: every request from now on fails and /health answers 503.
+func (e *Engine) die(requestID string, cause error) {
+	if e.dead.CompareAndSwap(false, true) {
+		e.log.Error("EngineCore died: KeyError in _update_from_kv_xfer_finished; the engine must be restarted",
+			logging.KeyRequestID, requestID, logging.Err(cause))
+	}
+}
+
+// faultInjector draws the fault of each request.
+type faultInjector struct {
+	mu    sync.Mutex
+	fault Fault
+	rng   *mrand.Rand
+}
+
+func (f *faultInjector) set(v Fault) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fault = v
+}
+
+func (f *faultInjector) get() Fault {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.fault
+}
+
+// draw picks the fault of one request: Kind with probability Rate.
+func (f *faultInjector) draw() (FaultKind, time.Duration) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fault.Rate <= 0 || (f.fault.Rate < 1 && f.rng.Float64() >= f.fault.Rate) {
+		return FaultNone, 0
+	}
+	return f.fault.Kind, time.Duration(f.fault.Delay)
+}
+
+// sleep waits d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func randomHex(nbytes int) string {
+	b := make([]byte, nbytes)
+	rand.Read(b) // never fails (crypto/rand, Go 1.24+)
+	return hex.EncodeToString(b)
+}

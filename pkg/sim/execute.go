@@ -1,0 +1,279 @@
+package sim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// kvLoadError is a failed KV load under --kv-load-failure fail: vLLM ends
+// such a request with finish_reason "error", a 500 or an in-stream error.
+type kvLoadError struct{ err error }
+
+func (e *kvLoadError) Error() string {
+	return "failed to load KV cache from the prefill engine: " + e.err.Error()
+}
+func (e *kvLoadError) Unwrap() error { return e.err }
+
+// notifyTimeout bounds a release notification sent after the request that
+// owed it has ended.
+const notifyTimeout = 2 * time.Second
+
+// token is one output token handed to the response writer.
+type token struct {
+	i, n   int    // index and total count
+	text   string // the token's text
+	finish string // set on the last token
+}
+
+// outcome is a finished request.
+type outcome struct {
+	tokens   int
+	finish   string
+	kvParams json.RawMessage
+}
+
+// execute runs a request through the engine: wait for a slot, get the KV
+// cache (prefill it, or read it from the prefill engine), then say the
+// tokens at the ITL, handing each to emit. It returns ctx's error when the
+// client went away.
+func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token) error) (outcome, error) {
+	release, err := e.admit(ctx, j)
+	if err != nil {
+		return outcome{}, err
+	}
+	defer release()
+
+	digest := j.prompt.digest
+	switch j.mode {
+	case modeDecode:
+		loaded, err := e.loadKV(ctx, j)
+		switch {
+		case err == nil:
+			if loaded != digest {
+				e.stats.kvMismatches.Add(1)
+				j.log.Warn("loaded KV cache belongs to another prompt; the output will be wrong", "kv_digest", loaded, "prompt_digest", digest)
+			}
+			digest = loaded
+			e.stats.kvReads.Add(1)
+		case ctx.Err() != nil:
+			return outcome{}, ctx.Err()
+		case e.cfg.Protocol == ProtocolV1 && errors.Is(err, errUnknownRequest):
+			e.stats.kvReadFailures.Add(1)
+			e.die(j.internalID, err)
+			return outcome{}, errEngineDead
+		default:
+			e.stats.kvReadFailures.Add(1)
+			if e.cfg.KVLoadFailure == LoadFailureFail {
+				j.log.Warn("KV load failed; failing the request (kv_load_failure_policy=fail)", logging.Err(err))
+				return outcome{}, &kvLoadError{err: err}
+			}
+			j.log.Warn("KV load failed; recomputing the prompt locally (kv_load_failure_policy=recompute)", logging.Err(err))
+			e.stats.recomputes.Add(1)
+			if err := sleep(ctx, e.prefillTime(j)); err != nil {
+				return outcome{}, err
+			}
+		}
+	default:
+		if err := sleep(ctx, e.prefillTime(j)); err != nil {
+			return outcome{}, err
+		}
+	}
+
+	n, finish := e.outputLength(j, digest)
+	for i := range n {
+		if i > 0 {
+			if err := sleep(ctx, e.cfg.ITL); err != nil {
+				return outcome{}, err
+			}
+		}
+		if e.dead.Load() {
+			return outcome{}, errEngineDead
+		}
+		t := token{i: i, n: n, text: e.model.token(digest, i)}
+		if i == n-1 {
+			t.finish = finish
+		}
+		if err := emit(t); err != nil {
+			return outcome{}, err
+		}
+	}
+
+	out := outcome{tokens: n, finish: finish}
+	switch j.mode {
+	case modePrefill:
+		switch {
+		case noKV:
+			e.stats.faults.Add(1)
+			j.log.Debug("injected fault: prefill answers without kv_transfer_params")
+		case finish != openai.FinishLength:
+			// vLLM returns params only for a length-capped prefill; a
+			// router that forgot max_tokens=1 gets null and no held blocks.
+			j.log.Warn("prefill stopped before max_tokens; no KV blocks held, kv_transfer_params is null", "tokens", n)
+		default:
+			blocks := e.kv.hold(j.internalID, j.baseID, e.numBlocks(j.prompt.tokens), j.prompt.tokens, j.prompt.digest)
+			if out.kvParams, err = e.paramsFor(j, blocks); err != nil {
+				return outcome{}, err
+			}
+			e.stats.prefills.Add(1)
+		}
+	case modeDecode:
+		e.stats.decodes.Add(1)
+	default:
+		e.stats.local.Add(1)
+	}
+	e.stats.promptTokens.Add(int64(j.prompt.tokens))
+	e.stats.generationTokens.Add(int64(n))
+	j.log.Debug("request finished", "prompt_tokens", j.prompt.tokens, "tokens", n, "finish_reason", finish,
+		logging.Ms("duration_ms", time.Since(j.start)))
+	return out, nil
+}
+
+// outputLength is how many tokens the request gets and why it stops: the
+// model's natural length (at least min_tokens) unless ignore_eos, capped by
+// max_tokens.
+func (e *Engine) outputLength(j *job, digest string) (int, string) {
+	if j.req.IgnoreEOS {
+		return j.maxTokens, openai.FinishLength
+	}
+	n := max(e.model.naturalLength(digest), j.minTokens)
+	if n >= j.maxTokens {
+		return j.maxTokens, openai.FinishLength
+	}
+	return n, openai.FinishStop
+}
+
+func (e *Engine) prefillTime(j *job) time.Duration {
+	return e.cfg.PrefillOverhead + time.Duration(j.prompt.tokens)*e.cfg.PrefillPerToken
+}
+
+// admit waits for one of the engine's --max-num-seqs slots. A decode request
+// that waits keeps its prefill's blocks alive with heartbeats, and frees
+// them if its client gives up first, as vLLM's decode does.
+func (e *Engine) admit(ctx context.Context, j *job) (release func(), err error) {
+	select {
+	case e.slots <- struct{}{}:
+	default:
+		e.stats.waiting.Add(1)
+		stopHeartbeat := func() {}
+		if j.mode == modeDecode {
+			stopHeartbeat = e.heartbeat(ctx, j)
+		}
+		select {
+		case e.slots <- struct{}{}:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+		stopHeartbeat()
+		e.stats.waiting.Add(-1)
+		if err != nil {
+			if j.mode == modeDecode {
+				e.releaseRemote(ctx, j)
+			}
+			return nil, err
+		}
+	}
+	e.stats.running.Add(1)
+	return func() {
+		e.stats.running.Add(-1)
+		<-e.slots
+	}, nil
+}
+
+// remoteID is the id under which this engine asks the prefill engine for a
+// request's blocks: the prefill's remote_request_id in v2, but its own
+// internal id in v1, which only matches when both legs had one X-Request-Id.
+func (e *Engine) remoteID(j *job) string {
+	if e.cfg.Protocol == ProtocolV1 {
+		return j.internalID
+	}
+	return j.remote.requestID
+}
+
+// loadKV reads a request's blocks from the prefill engine and returns the
+// digest of the prompt they hold. After a successful read it always
+// notifies the prefill engine, so the blocks are freed even if the client
+// goes away during the transfer; if the request is aborted before the read,
+// it notifies too.
+func (e *Engine) loadKV(ctx context.Context, j *job) (string, error) {
+	id := e.remoteID(j)
+	c, err := dialKV(ctx, j.remote.addr())
+	if err != nil {
+		if ctx.Err() != nil {
+			e.releaseRemote(ctx, j)
+		}
+		return "", err
+	}
+	defer c.close()
+	hs, err := c.call(ctx, kvRequest{Op: opHandshake, EngineID: e.engineID, Compat: e.compat})
+	if err == nil && hs.EngineID != j.remote.engineID {
+		err = fmt.Errorf("handshake with %s: engine id is %q, kv_transfer_params say %q", j.remote.addr(), hs.EngineID, j.remote.engineID)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			e.releaseRemote(ctx, j)
+		}
+		return "", err
+	}
+	rd, err := c.call(ctx, kvRequest{Op: opRead, EngineID: e.engineID, RequestID: id, BlockIDs: j.remote.blockIDs, PeerRequestID: j.baseID})
+	if err != nil {
+		if ctx.Err() != nil {
+			e.releaseRemote(ctx, j)
+		}
+		return "", err
+	}
+	transferErr := sleep(ctx, time.Duration(len(j.remote.blockIDs))*e.cfg.KVTransferPerBlock)
+	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
+	defer cancel()
+	if _, err := c.call(nctx, kvRequest{Op: opNotify, RequestID: id, TPSize: j.remote.tpSize}); err != nil {
+		j.log.Warn("could not notify the prefill engine that its KV blocks are read; they stay held until the lease ends", logging.Err(err))
+	}
+	if transferErr != nil {
+		return "", transferErr
+	}
+	return rd.Digest, nil
+}
+
+// releaseRemote tells the prefill engine to free a request's blocks that
+// this engine will never read (the empty-block notification of vLLM's
+// request_finished).
+func (e *Engine) releaseRemote(ctx context.Context, j *job) {
+	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
+	defer cancel()
+	err := kvOneShot(nctx, j.remote.addr(), kvRequest{Op: opNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize})
+	if err != nil {
+		j.log.Warn("could not release the prefill engine's KV blocks of an aborted request; they stay held until the lease ends", logging.Err(err))
+		return
+	}
+	j.log.Debug("released the prefill engine's KV blocks of an aborted request")
+}
+
+// heartbeat renews the prefill's lease every --kv-heartbeat until stopped.
+func (e *Engine) heartbeat(ctx context.Context, j *job) (stop func()) {
+	hctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(e.cfg.KVHeartbeat)
+		defer t.Stop()
+		for {
+			select {
+			case <-hctx.Done():
+				return
+			case <-t.C:
+			}
+			if err := kvOneShot(hctx, j.remote.addr(), kvRequest{Op: opHeartbeat, RequestID: e.remoteID(j)}); err != nil && hctx.Err() == nil {
+				j.log.Warn("KV lease heartbeat failed", logging.Err(err))
+			}
+		}
+	})
+	return func() {
+		cancel()
+		wg.Wait()
+	}
+}

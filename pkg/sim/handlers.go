@@ -1,0 +1,343 @@
+package sim
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// maxBodyBytes bounds a request body.
+const maxBodyBytes = 64 << 20
+
+// engineDeadMessage is what vLLM answers once its EngineCore has died.
+const engineDeadMessage = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+var (
+	// errDropped ends a response whose connection a fault closed.
+	errDropped = errors.New("connection dropped by injected fault")
+	// errClientGone wraps a failed write to a client that went away.
+	errClientGone = errors.New("client went away")
+)
+
+func (e *Engine) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", e.generate(openai.Chat))
+	mux.HandleFunc("POST /v1/completions", e.generate(openai.Completions))
+	mux.HandleFunc("GET /v1/models", e.models)
+	mux.HandleFunc("GET /health", e.health)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /sim/stats", e.getStats)
+	mux.HandleFunc("GET /sim/faults", e.getFaults)
+	mux.HandleFunc("POST /sim/faults", e.setFaults)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		openai.WriteError(w, openai.NewError(http.StatusNotFound, "no route for %s %s", r.Method, r.URL.Path))
+	})
+	return e.requireKey(mux)
+}
+
+// requireKey checks the bearer token on /v1 routes, as vLLM's --api-key
+// does, with vLLM's exact 401 body.
+func (e *Engine) requireKey(next http.Handler) http.Handler {
+	if e.cfg.APIKey == "" {
+		return next
+	}
+	want := []byte("Bearer " + e.cfg.APIKey)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/v1/") && subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), want) != 1 {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusUnauthorized)
+			io.WriteString(w, `{"error":"Unauthorized"}`)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// generate serves one of the two generation endpoints.
+func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		e.stats.requests.Add(1)
+		if e.dead.Load() {
+			e.fail(w, openai.NewError(http.StatusInternalServerError, engineDeadMessage))
+			return
+		}
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+		if err != nil {
+			var tooBig *http.MaxBytesError
+			if errors.As(err, &tooBig) {
+				e.fail(w, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", tooBig.Limit))
+				return
+			}
+			e.stats.aborts.Add(1)
+			return // the client went away while sending
+		}
+		j, apiErr := e.parse(endpoint, r, body)
+		if apiErr != nil {
+			e.fail(w, apiErr)
+			return
+		}
+		ctx := r.Context()
+		kind, delay := e.faults.draw()
+		switch kind {
+		case Fault503:
+			e.stats.faults.Add(1)
+			e.fail(w, openai.NewError(http.StatusServiceUnavailable, "injected fault: the engine is overloaded, try again later"))
+			return
+		case Fault500:
+			e.stats.faults.Add(1)
+			e.fail(w, openai.NewError(http.StatusInternalServerError, "injected fault: internal engine error"))
+			return
+		case FaultHang:
+			e.stats.faults.Add(1)
+			j.log.Debug("injected fault: hanging until the client goes away")
+			<-ctx.Done()
+			e.stats.aborts.Add(1)
+			return
+		case FaultSlow:
+			e.stats.faults.Add(1)
+			if sleep(ctx, delay) != nil {
+				e.stats.aborts.Add(1)
+				return
+			}
+		}
+		if j.req.Stream {
+			e.stream(ctx, w, j, kind == FaultDrop)
+		} else {
+			e.respond(ctx, w, j, kind)
+		}
+	}
+}
+
+// respond runs a non-streaming request and writes its JSON.
+func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, j *job, kind FaultKind) {
+	var text strings.Builder
+	out, err := e.execute(ctx, j, kind == FaultNoKV, func(t token) error {
+		text.WriteString(t.text)
+		return nil
+	})
+	if err != nil {
+		e.finishWithError(ctx, w, j, nil, err)
+		return
+	}
+	if kind == FaultDrop {
+		e.stats.faults.Add(1)
+		e.dropConnection(w, j)
+		return
+	}
+	usage := openai.NewUsage(j.prompt.tokens, out.tokens)
+	var resp any
+	switch j.endpoint {
+	case openai.Chat:
+		resp = openai.ChatCompletion{
+			ID: j.respID, Object: openai.ObjectChatCompletion, Created: j.created, Model: e.cfg.Model,
+			Choices: []openai.ChatChoice{{
+				Message:      openai.ChatMessage{Role: "assistant", Content: text.String(), ToolCalls: []any{}},
+				FinishReason: out.finish,
+			}},
+			Usage: usage, KVTransferParams: out.kvParams,
+		}
+	default:
+		finish := out.finish
+		resp = openai.Completion{
+			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model,
+			Choices: []openai.CompletionChoice{{Text: text.String(), FinishReason: &finish}},
+			Usage:   usage, KVTransferParams: out.kvParams,
+		}
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// stream runs a streaming request with vLLM's SSE framing: for chat a first
+// chunk with the role, one chunk per token with finish_reason on the last,
+// a usage chunk with empty choices when include_usage is set, then [DONE].
+func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop bool) {
+	sse := openai.NewSSEWriter(w)
+	withUsage := j.req.IncludeUsage()
+	continuous := withUsage && j.req.StreamOptions.ContinuousUsageStats
+	send := func(v any) error {
+		if err := sse.JSON(v); err != nil {
+			return errors.Join(errClientGone, err)
+		}
+		return nil
+	}
+	usageAt := func(completion int) *openai.Usage {
+		if !continuous {
+			return nil
+		}
+		return openai.NewUsage(j.prompt.tokens, completion)
+	}
+	out, err := e.execute(ctx, j, false, func(t token) error {
+		if drop && t.i == t.n/2 {
+			e.stats.faults.Add(1)
+			e.dropConnection(w, j)
+			return errDropped
+		}
+		var finish *string
+		if t.finish != "" {
+			finish = &t.finish
+		}
+		if j.endpoint == openai.Chat {
+			if t.i == 0 {
+				empty := ""
+				if err := send(e.chatChunk(j, openai.ChatDelta{Role: "assistant", Content: &empty}, nil, usageAt(0))); err != nil {
+					return err
+				}
+			}
+			c := e.chatChunk(j, openai.ChatDelta{Content: &t.text}, finish, usageAt(t.i+1))
+			if finish != nil {
+				c.Choices[0].StopReason = json.RawMessage("null")
+			}
+			return send(c)
+		}
+		return send(openai.CompletionChunk{
+			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model,
+			Choices: []openai.CompletionChoice{{Text: t.text, FinishReason: finish}},
+			Usage:   usageAt(t.i + 1),
+		})
+	})
+	if err != nil {
+		e.finishWithError(ctx, w, j, sse, err)
+		return
+	}
+	if withUsage {
+		usage := openai.NewUsage(j.prompt.tokens, out.tokens)
+		var chunk any = openai.ChatChunk{ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model, Choices: []openai.ChatChunkChoice{}, Usage: usage}
+		if j.endpoint == openai.Completions {
+			chunk = openai.CompletionChunk{ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model, Choices: []openai.CompletionChoice{}, Usage: usage}
+		}
+		if send(chunk) != nil {
+			e.stats.aborts.Add(1)
+			return
+		}
+	}
+	if sse.Done() != nil {
+		e.stats.aborts.Add(1)
+	}
+}
+
+func (e *Engine) chatChunk(j *job, delta openai.ChatDelta, finish *string, usage *openai.Usage) openai.ChatChunk {
+	return openai.ChatChunk{
+		ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model,
+		Choices: []openai.ChatChunkChoice{{Delta: delta, FinishReason: finish}},
+		Usage:   usage,
+	}
+}
+
+// finishWithError ends a request that execute could not finish: nothing
+// more for an abort or a dropped connection, else an error envelope, in
+// the stream once it has started.
+func (e *Engine) finishWithError(ctx context.Context, w http.ResponseWriter, j *job, sse *openai.SSEWriter, err error) {
+	switch {
+	case errors.Is(err, errDropped):
+		return
+	case ctx.Err() != nil || errors.Is(err, errClientGone):
+		e.stats.aborts.Add(1)
+		j.log.Debug("request aborted: the client went away", logging.Ms("duration_ms", time.Since(j.start)))
+		return
+	}
+	apiErr := openai.NewError(http.StatusInternalServerError, "%v", err)
+	if errors.Is(err, errEngineDead) {
+		apiErr = openai.NewError(http.StatusInternalServerError, engineDeadMessage)
+	}
+	if sse == nil {
+		e.fail(w, apiErr)
+		return
+	}
+	// vLLM streams a failure as a 200 with an in-stream error event.
+	e.stats.errors.Add(1)
+	if sse.Error(apiErr) != nil {
+		e.stats.aborts.Add(1)
+	}
+}
+
+// dropConnection closes the client's connection without finishing the
+// response, as a crashed engine or a broken network would.
+func (e *Engine) dropConnection(w http.ResponseWriter, j *job) {
+	conn, _, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		j.log.Warn("injected drop: cannot take over the connection; ending the response early instead", logging.Err(err))
+		return
+	}
+	conn.Close()
+}
+
+func (e *Engine) fail(w http.ResponseWriter, apiErr *openai.Error) {
+	e.stats.errors.Add(1)
+	openai.WriteError(w, apiErr)
+}
+
+func (e *Engine) models(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{{
+		ID: e.cfg.Model, Object: openai.ObjectModel, Created: e.created, OwnedBy: "vllm",
+		Root: e.cfg.Model, MaxModelLen: e.cfg.MaxModelLen, Permission: []any{},
+	}}})
+}
+
+// health answers 200 with an empty body, 503 once the engine is dead.
+func (e *Engine) health(w http.ResponseWriter, _ *http.Request) {
+	if e.dead.Load() {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+func (e *Engine) getStats(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, e.snapshot())
+}
+
+func (e *Engine) getFaults(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, e.faults.get())
+}
+
+// setFaults replaces the injected fault: {"rate": 0..1, "kind": K}, with an
+// optional "delay" for slow ("2s" or milliseconds). Rate 0 turns faults off.
+func (e *Engine) setFaults(w http.ResponseWriter, r *http.Request) {
+	var in struct {
+		Rate  *float64  `json:"rate"`
+		Kind  FaultKind `json:"kind"`
+		Delay *Duration `json:"delay"`
+	}
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&in); err != nil {
+		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "invalid fault: %v", err))
+		return
+	}
+	if in.Rate == nil {
+		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "invalid fault: 'rate' is required").WithParam("rate"))
+		return
+	}
+	f := e.faults.get()
+	f.Rate, f.Kind = *in.Rate, in.Kind
+	if in.Delay != nil {
+		f.Delay = *in.Delay
+	}
+	if err := e.SetFault(f); err != nil {
+		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "invalid fault: %v", err))
+		return
+	}
+	e.log.Info("fault injection changed", "rate", f.Rate, "kind", f.Kind, "delay", f.Delay)
+	writeJSON(w, http.StatusOK, f)
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		openai.WriteError(w, openai.NewError(http.StatusInternalServerError, "encode response: %v", err))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(body)
+}

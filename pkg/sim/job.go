@@ -1,0 +1,292 @@
+package sim
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// mode is the part a request asks the engine to play in a P/D pair.
+type mode int
+
+const (
+	modeLocal   mode = iota // no kv_transfer_params: prefill and decode here
+	modePrefill             // do_remote_decode: prefill, then hold the blocks
+	modeDecode              // do_remote_prefill: read the blocks, then decode
+)
+
+func (m mode) String() string {
+	switch m {
+	case modePrefill:
+		return "prefill"
+	case modeDecode:
+		return "decode"
+	}
+	return "local"
+}
+
+// remote is what a decode request's kv_transfer_params say of the prefill.
+type remote struct {
+	engineID  string
+	requestID string
+	host      string
+	port      int
+	blockIDs  []int
+	tpSize    int
+}
+
+func (r remote) addr() string { return net.JoinHostPort(r.host, strconv.Itoa(r.port)) }
+
+// job is one parsed, validated generation request.
+type job struct {
+	endpoint openai.Endpoint
+	req      *openai.Request
+	// baseID is the request id as vLLM takes it: X-Request-Id, else the
+	// body's request_id, else random.
+	baseID string
+	// respID is the response id, chatcmpl-<base> or cmpl-<base>.
+	respID string
+	// internalID is the engine's id: respID (plus -0 for completions), plus
+	// a random suffix in v2, as vLLM 0.14+ adds one.
+	internalID string
+	prompt     prompt
+	maxTokens  int
+	minTokens  int
+	mode       mode
+	remote     remote
+	created    int64
+	start      time.Time
+	log        *slog.Logger
+}
+
+// parse reads and checks a request, answering as vLLM would: 404 for
+// another model, 400 for anything else wrong.
+func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (*job, *openai.Error) {
+	req, apiErr := openai.DecodeRequest(endpoint, body)
+	if apiErr != nil {
+		return nil, apiErr
+	}
+	if req.Model != e.cfg.Model {
+		return nil, openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", req.Model).WithParam("model")
+	}
+	if req.N != nil && *req.N > 1 {
+		return nil, openai.NewError(http.StatusBadRequest, "pdq sim supports n=1 only, got n=%d", *req.N).WithParam("n")
+	}
+	j := &job{endpoint: endpoint, req: req, created: time.Now().Unix(), start: time.Now()}
+	switch endpoint {
+	case openai.Chat:
+		text, err := RenderChat(req.Messages)
+		if err != nil {
+			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
+		}
+		j.prompt = textPrompt(text)
+	case openai.Completions:
+		p, err := openai.ParsePrompt(req.Prompt)
+		if err != nil {
+			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
+		}
+		if p.Tokens != nil {
+			j.prompt = tokenPrompt(p.Tokens)
+		} else {
+			j.prompt = textPrompt(p.Text)
+		}
+	}
+	if j.prompt.tokens == 0 {
+		return nil, openai.NewError(http.StatusBadRequest, "The prompt must not be empty.").WithParam("prompt")
+	}
+	maxLen := e.cfg.MaxModelLen
+	if j.prompt.tokens >= maxLen {
+		return nil, openai.NewError(http.StatusBadRequest,
+			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
+			maxLen, j.prompt.tokens)
+	}
+	room := maxLen - j.prompt.tokens
+	j.maxTokens = room
+	if n, ok := req.MaxOutputTokens(); ok {
+		if n > room {
+			return nil, openai.NewError(http.StatusBadRequest,
+				"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
+				n, maxLen, j.prompt.tokens, n, maxLen, j.prompt.tokens).WithParam("max_tokens")
+		}
+		j.maxTokens = n
+	}
+	if req.MinTokens != nil {
+		if *req.MinTokens > j.maxTokens {
+			return nil, openai.NewError(http.StatusBadRequest,
+				"min_tokens must be less than or equal to max_tokens=%d, got %d.", j.maxTokens, *req.MinTokens).WithParam("min_tokens")
+		}
+		j.minTokens = *req.MinTokens
+	}
+	var err *openai.Error
+	if j.mode, j.remote, err = e.parseKVParams(req.KVTransferParams); err != nil {
+		return nil, err
+	}
+	if j.mode == modePrefill && req.Stream {
+		return nil, openai.NewError(http.StatusBadRequest,
+			"kv_transfer_params.do_remote_decode requires stream=false: a streamed response cannot return kv_transfer_params").WithParam("stream")
+	}
+
+	j.baseID = r.Header.Get("X-Request-Id")
+	if j.baseID == "" {
+		j.baseID = req.RequestID
+	}
+	if j.baseID == "" {
+		j.baseID = randomHex(16)
+	}
+	j.respID = endpoint.IDPrefix() + j.baseID
+	j.internalID = j.respID
+	if endpoint == openai.Completions {
+		j.internalID += "-0" // one prompt, index 0
+	}
+	if e.cfg.Protocol == ProtocolV2 {
+		j.internalID += "-" + randomHex(4)
+	}
+	j.log = e.log.With(logging.KeyRequestID, j.internalID, "mode", j.mode.String())
+	return j, nil
+}
+
+// kvParams is kv_transfer_params as the engine reads them. Pointers tell a
+// missing key from a zero value.
+type kvParams struct {
+	DoRemoteDecode  *bool           `json:"do_remote_decode"`
+	DoRemotePrefill *bool           `json:"do_remote_prefill"`
+	RemoteEngineID  *string         `json:"remote_engine_id"`
+	RemoteRequestID *string         `json:"remote_request_id"`
+	RemoteHost      *string         `json:"remote_host"`
+	RemotePort      *int            `json:"remote_port"`
+	RemoteBlockIDs  json.RawMessage `json:"remote_block_ids"`
+	TPSize          *int            `json:"tp_size"`
+}
+
+// parseKVParams decides the request's mode. Params a decode engine cannot
+// use get a 400 that names the missing keys, where vLLM would hang or
+// assert.
+func (e *Engine) parseKVParams(raw json.RawMessage) (mode, remote, *openai.Error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return modeLocal, remote{}, nil
+	}
+	bad := func(format string, args ...any) (mode, remote, *openai.Error) {
+		return modeLocal, remote{}, openai.NewError(http.StatusBadRequest, "invalid kv_transfer_params: "+format, args...).WithParam("kv_transfer_params")
+	}
+	var p kvParams
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return bad("%v", err)
+	}
+	decode, prefill := p.DoRemoteDecode != nil && *p.DoRemoteDecode, p.DoRemotePrefill != nil && *p.DoRemotePrefill
+	switch {
+	case decode && prefill:
+		return bad("do_remote_decode and do_remote_prefill are both true")
+	case decode:
+		return modePrefill, remote{}, nil
+	case !prefill:
+		return modeLocal, remote{}, nil
+	}
+	var missing []string
+	str := func(key string, v *string) string {
+		if v == nil || *v == "" {
+			missing = append(missing, key)
+			return ""
+		}
+		return *v
+	}
+	rem := remote{tpSize: 1}
+	rem.engineID = str("remote_engine_id", p.RemoteEngineID)
+	rem.host = str("remote_host", p.RemoteHost)
+	if e.cfg.Protocol == ProtocolV2 {
+		rem.requestID = str("remote_request_id", p.RemoteRequestID)
+	}
+	if p.RemotePort == nil || *p.RemotePort <= 0 || *p.RemotePort > 65535 {
+		missing = append(missing, "remote_port")
+	} else {
+		rem.port = *p.RemotePort
+	}
+	ids, err := parseBlockIDs(p.RemoteBlockIDs)
+	if err != nil {
+		return bad("remote_block_ids: %v", err)
+	}
+	if len(ids) == 0 {
+		missing = append(missing, "remote_block_ids")
+	}
+	rem.blockIDs = ids
+	if p.TPSize != nil {
+		rem.tpSize = *p.TPSize
+	}
+	if len(missing) > 0 {
+		return bad("do_remote_prefill is set but these keys are missing or empty: %v", missing)
+	}
+	return modeDecode, rem, nil
+}
+
+// parseBlockIDs reads remote_block_ids as a list of ints, or as a list of
+// lists (one per KV-cache group, as newer vLLM sends), flattened.
+func parseBlockIDs(raw json.RawMessage) ([]int, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return nil, nil
+	}
+	var ids []int
+	if err := json.Unmarshal(raw, &ids); err == nil {
+		return ids, nil
+	}
+	var groups [][]int
+	if err := json.Unmarshal(raw, &groups); err != nil {
+		return nil, fmt.Errorf("want a list of integers (or of lists of integers), got %s", truncate(raw, 64))
+	}
+	var flat []int // not ids: a failed Unmarshal may have filled it in part
+	for _, g := range groups {
+		flat = append(flat, g...)
+	}
+	return flat, nil
+}
+
+func truncate(b []byte, n int) string {
+	if len(b) <= n {
+		return string(b)
+	}
+	return string(b[:n]) + "..."
+}
+
+// numBlocks is the number of KV blocks a prompt fills.
+func (e *Engine) numBlocks(tokens int) int {
+	return (tokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
+}
+
+// kvParamsOut is what a prefill returns, in vLLM's key order.
+type kvParamsOut struct {
+	DoRemotePrefill bool   `json:"do_remote_prefill"`
+	DoRemoteDecode  bool   `json:"do_remote_decode"`
+	RemoteBlockIDs  []int  `json:"remote_block_ids"`
+	RemoteEngineID  string `json:"remote_engine_id"`
+	RemoteRequestID string `json:"remote_request_id,omitempty"`
+	RemoteHost      string `json:"remote_host"`
+	RemotePort      int    `json:"remote_port"`
+	TPSize          int    `json:"tp_size"`
+}
+
+func (e *Engine) paramsFor(j *job, blocks []int) (json.RawMessage, error) {
+	out := kvParamsOut{
+		DoRemotePrefill: true,
+		RemoteBlockIDs:  blocks,
+		RemoteEngineID:  e.engineID,
+		RemoteHost:      e.cfg.KVHost,
+		RemotePort:      e.KVPort(),
+		TPSize:          1,
+	}
+	if e.cfg.Protocol == ProtocolV2 {
+		out.RemoteRequestID = j.internalID // v1 engines predate the key
+	}
+	b, err := json.Marshal(out)
+	if err != nil {
+		return nil, fmt.Errorf("encode kv_transfer_params: %w", err)
+	}
+	return b, nil
+}

@@ -1,0 +1,145 @@
+package sim
+
+import (
+	"encoding/json"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+func newTestEngine(t *testing.T, mutate func(*Config)) *Engine {
+	t.Helper()
+	cfg := DefaultConfig()
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	e, err := New(cfg, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func TestParseKVParams(t *testing.T) {
+	full := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[3,4],"remote_engine_id":"e1","remote_request_id":"chatcmpl-x-1234abcd","remote_host":"10.0.0.5","remote_port":5600,"tp_size":2}`
+	for _, tc := range []struct {
+		name     string
+		protocol Protocol
+		raw      string
+		mode     mode
+		remote   remote
+		errHas   string
+	}{
+		{name: "absent", raw: ``, mode: modeLocal},
+		{name: "null", raw: `null`, mode: modeLocal},
+		{name: "empty object", raw: `{}`, mode: modeLocal},
+		{name: "router skeleton", raw: `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`, mode: modePrefill},
+		{name: "full decode params", raw: full, mode: modeDecode,
+			remote: remote{engineID: "e1", requestID: "chatcmpl-x-1234abcd", host: "10.0.0.5", port: 5600, blockIDs: []int{3, 4}, tpSize: 2}},
+		{name: "block ids per kv-cache group", raw: strings.Replace(full, `[3,4]`, `[[3,4],[9]]`, 1), mode: modeDecode,
+			remote: remote{engineID: "e1", requestID: "chatcmpl-x-1234abcd", host: "10.0.0.5", port: 5600, blockIDs: []int{3, 4, 9}, tpSize: 2}},
+		{name: "v1 needs no remote_request_id", protocol: ProtocolV1, raw: strings.Replace(full, `"remote_request_id":"chatcmpl-x-1234abcd",`, ``, 1), mode: modeDecode,
+			remote: remote{engineID: "e1", host: "10.0.0.5", port: 5600, blockIDs: []int{3, 4}, tpSize: 2}},
+		{name: "v2 needs remote_request_id", raw: strings.Replace(full, `"remote_request_id":"chatcmpl-x-1234abcd",`, ``, 1), errHas: "[remote_request_id]"},
+		{name: "empty block list", raw: strings.Replace(full, `[3,4]`, `[]`, 1), errHas: "[remote_block_ids]"},
+		{name: "string block ids", raw: strings.Replace(full, `[3,4]`, `["DUMMY_ID"]`, 1), errHas: "list of integers"},
+		{name: "port out of range", raw: strings.Replace(full, `5600`, `70000`, 1), errHas: "[remote_port]"},
+		{name: "host empty", raw: strings.Replace(full, `"10.0.0.5"`, `""`, 1), errHas: "[remote_host]"},
+		{name: "port a string", raw: strings.Replace(full, `5600`, `"5600"`, 1), errHas: "invalid kv_transfer_params"},
+		{name: "both set", raw: `{"do_remote_decode":true,"do_remote_prefill":true}`, errHas: "both"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newTestEngine(t, func(c *Config) {
+				if tc.protocol != "" {
+					c.Protocol = tc.protocol
+				}
+			})
+			m, r, err := e.parseKVParams(json.RawMessage(tc.raw))
+			if tc.errHas != "" {
+				if err == nil || !strings.Contains(err.Message, tc.errHas) || err.Code != 400 {
+					t.Fatalf("err = %v, want a 400 containing %q", err, tc.errHas)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m != tc.mode {
+				t.Errorf("mode = %v, want %v", m, tc.mode)
+			}
+			if tc.mode == modeDecode && (r.engineID != tc.remote.engineID || r.requestID != tc.remote.requestID || r.host != tc.remote.host ||
+				r.port != tc.remote.port || r.tpSize != tc.remote.tpSize || !slices.Equal(r.blockIDs, tc.remote.blockIDs)) {
+				t.Errorf("remote = %+v, want %+v", r, tc.remote)
+			}
+		})
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	if err := DefaultConfig().Validate(); err != nil {
+		t.Fatalf("defaults are invalid: %v", err)
+	}
+	for _, tc := range []struct {
+		name   string
+		mutate func(*Config)
+	}{
+		{"protocol", func(c *Config) { c.Protocol = "v3" }},
+		{"policy", func(c *Config) { c.KVLoadFailure = "retry" }},
+		{"block size", func(c *Config) { c.BlockSize = 0 }},
+		{"lease", func(c *Config) { c.KVLease = 0 }},
+		{"seqs", func(c *Config) { c.MaxNumSeqs = 0 }},
+		{"negative itl", func(c *Config) { c.ITL = -1 }},
+		{"fault rate", func(c *Config) { c.Fault.Rate = 1.5 }},
+		{"fault kind", func(c *Config) { c.Fault = Fault{Rate: 1, Kind: "boom"} }},
+		{"kv port", func(c *Config) { c.KVPort = 70000 }},
+		{"model", func(c *Config) { c.Model = "" }},
+	} {
+		c := DefaultConfig()
+		tc.mutate(&c)
+		if err := c.Validate(); err == nil {
+			t.Errorf("%s: want a validation error", tc.name)
+		}
+		if _, err := New(c, logging.Discard()); err == nil {
+			t.Errorf("%s: New accepted an invalid config", tc.name)
+		}
+	}
+}
+
+func TestDurationJSON(t *testing.T) {
+	for in, want := range map[string]Duration{`"1.5s"`: Duration(1500e6), `250`: Duration(250e6), `"0s"`: 0} {
+		var d Duration
+		if err := json.Unmarshal([]byte(in), &d); err != nil || d != want {
+			t.Errorf("%s -> %v, %v; want %v", in, d, err, want)
+		}
+	}
+	var d Duration
+	if err := json.Unmarshal([]byte(`"soon"`), &d); err == nil {
+		t.Error("accepted \"soon\"")
+	}
+	if out, _ := json.Marshal(Duration(2e9)); string(out) != `"2s"` {
+		t.Errorf("marshal = %s", out)
+	}
+}
+
+func TestFaultDraw(t *testing.T) {
+	f := faultInjector{fault: Fault{Rate: 0.25, Kind: Fault500}, rng: newTestEngine(t, nil).faults.rng}
+	hits := 0
+	for range 4000 {
+		if k, _ := f.draw(); k == Fault500 {
+			hits++
+		}
+	}
+	if hits < 800 || hits > 1200 {
+		t.Errorf("%d of 4000 at rate 0.25", hits)
+	}
+	f.set(Fault{Rate: 1, Kind: FaultSlow, Delay: Duration(3e9)})
+	if k, d := f.draw(); k != FaultSlow || d != 3e9 {
+		t.Errorf("draw = %v %v", k, d)
+	}
+	f.set(Fault{})
+	if k, _ := f.draw(); k != FaultNone {
+		t.Errorf("rate 0 drew %v", k)
+	}
+}

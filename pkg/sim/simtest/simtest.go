@@ -1,0 +1,116 @@
+// Package simtest starts simulated engines for tests: real servers on
+// 127.0.0.1 with real side channels, stopped when the test ends.
+package simtest
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/sim"
+)
+
+// Engine is a running simulated engine.
+type Engine struct {
+	*sim.Engine
+	// URL is the engine's base URL, http://127.0.0.1:port.
+	URL string
+}
+
+// FastConfig is sim.DefaultConfig with latencies cut to what keeps tests
+// quick and a side channel on a free loopback port.
+func FastConfig() sim.Config {
+	c := sim.DefaultConfig()
+	c.Addr = "127.0.0.1:0"
+	c.KVHost = "127.0.0.1"
+	c.KVPort = 0
+	c.PrefillOverhead = time.Millisecond
+	c.PrefillPerToken = 0
+	c.KVTransferPerBlock = 0
+	c.ITL = 0
+	return c
+}
+
+// Start runs an engine with cfg until the test ends. Addr and KVPort are
+// ignored: both listeners take free ports on 127.0.0.1 (the advertised
+// remote_host is still cfg.KVHost).
+func Start(t testing.TB, cfg sim.Config) *Engine {
+	t.Helper()
+	e, err := sim.New(cfg, logging.Discard())
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	httpLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	kvLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.Serve(ctx, httpLn, kvLn) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("simtest: engine stopped with %v", err)
+		}
+	})
+	return &Engine{Engine: e, URL: "http://" + httpLn.Addr().String()}
+}
+
+// Stats reads the engine's counters over HTTP, from GET /sim/stats.
+func (e *Engine) Stats(t testing.TB) sim.Stats {
+	t.Helper()
+	s, err := FetchStats(context.Background(), e.URL)
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	return s
+}
+
+// FetchStats reads GET /sim/stats of the engine at baseURL.
+func FetchStats(ctx context.Context, baseURL string) (sim.Stats, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, baseURL+"/sim/stats", nil)
+	if err != nil {
+		return sim.Stats{}, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return sim.Stats{}, fmt.Errorf("get stats: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return sim.Stats{}, fmt.Errorf("get stats: status %d", resp.StatusCode)
+	}
+	var s sim.Stats
+	if err := json.NewDecoder(resp.Body).Decode(&s); err != nil {
+		return sim.Stats{}, fmt.Errorf("decode stats: %w", err)
+	}
+	return s, nil
+}
+
+// WaitStats polls the engine's counters until cond holds, and fails the
+// test with the last counters if it does not within timeout. Use it for
+// what happens after a response has been written, such as an abort being
+// noticed or a lease running out.
+func (e *Engine) WaitStats(t testing.TB, timeout time.Duration, what string, cond func(sim.Stats) bool) sim.Stats {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		s := e.Stats(t)
+		if cond(s) {
+			return s
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("simtest: %s did not happen within %v; stats: %+v", what, timeout, s)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

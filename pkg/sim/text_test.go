@@ -1,0 +1,74 @@
+package sim
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+func TestCountTokens(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int
+	}{
+		{"", 0},
+		{"   ", 0},
+		{"hello", 1},
+		{"hello world", 2},
+		{"hello, world!", 4},
+		{"abc123", 2},
+		{"x...", 4},
+		{"<|user|>\n", 5},
+		{"héllo wörld", 2},
+		{"日本語", 1},
+		{" alpha bravo", 2},
+	} {
+		if got := CountTokens(tc.in); got != tc.want {
+			t.Errorf("CountTokens(%q) = %d, want %d", tc.in, got, tc.want)
+		}
+	}
+}
+
+func TestRenderChat(t *testing.T) {
+	got, err := RenderChat([]openai.Message{
+		{Role: "system", Content: json.RawMessage(`"Be brief."`)},
+		{Role: "user", Content: json.RawMessage(`[{"type":"text","text":"Hi"}]`)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+	if got != want {
+		t.Errorf("RenderChat = %q, want %q", got, want)
+	}
+}
+
+func TestModel(t *testing.T) {
+	m := model{seed: 7}
+	d := textPrompt("a prompt").digest
+	var text strings.Builder
+	for i := range 50 {
+		text.WriteString(m.token(d, i))
+	}
+	if CountTokens(text.String()) != 50 {
+		t.Errorf("50 tokens re-tokenize to %d: %q", CountTokens(text.String()), text.String())
+	}
+	if strings.HasPrefix(text.String(), " ") {
+		t.Error("the first token starts with a space")
+	}
+	again := model{seed: 7}
+	other := model{seed: 8}
+	if again.token(d, 3) != m.token(d, 3) || other.token(d, 0)+other.token(d, 1)+other.token(d, 2) == m.token(d, 0)+m.token(d, 1)+m.token(d, 2) {
+		t.Error("tokens are not a function of seed, digest and index")
+	}
+	for _, p := range []string{"a", "b", "c", "d", "e"} {
+		if n := m.naturalLength(textPrompt(p).digest); n < 16 || n > 256 {
+			t.Errorf("natural length %d outside 16..256", n)
+		}
+	}
+	if textPrompt("x").digest == tokenPrompt([]int{1}).digest || tokenPrompt([]int{1, 2}).digest == tokenPrompt([]int{2, 1}).digest {
+		t.Error("digests collide")
+	}
+}
