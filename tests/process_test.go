@@ -1,0 +1,208 @@
+package tests
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+)
+
+// pdqBinary is the pdq command built once for the tests that run it as a
+// separate process.
+var pdqBinary string
+
+func TestMain(m *testing.M) {
+	os.Exit(runTests(m))
+}
+
+func runTests(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "pdq-tests-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	pdqBinary = filepath.Join(dir, "pdq")
+	build := exec.Command("go", "build", "-o", pdqBinary, "github.com/pdq-dev/pdq/cmd/pdq")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "build pdq:", err)
+		return 1
+	}
+	return m.Run()
+}
+
+// process is a running `pdq` command.
+type process struct {
+	cmd    *exec.Cmd
+	mu     sync.Mutex
+	logs   bytes.Buffer
+	exited chan struct{} // closed once the process has exited
+	err    error         // how it exited, set before exited closes
+}
+
+func (p *process) output() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.logs.String()
+}
+
+// startSimProcess runs `pdq sim` with free loopback ports and waits for its
+// ready line, from which it learns the ports. The process is stopped when
+// the test ends.
+func startSimProcess(t *testing.T, args ...string) (*process, *simtest.Engine) {
+	t.Helper()
+	args = append([]string{"sim", "--addr", "127.0.0.1:0", "--kv-host", "127.0.0.1", "--kv-port", "0",
+		"--prefill-overhead", "1ms", "--itl", "0s"}, args...)
+	cmd := exec.Command(pdqBinary, args...)
+	cmd.Env = append(os.Environ(), "PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=debug")
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &process{cmd: cmd, exited: make(chan struct{})}
+	ready := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			line := sc.Text()
+			p.mu.Lock()
+			p.logs.WriteString(line + "\n")
+			p.mu.Unlock()
+			var rec struct {
+				Msg  string `json:"msg"`
+				Addr string `json:"addr"`
+			}
+			if json.Unmarshal([]byte(line), &rec) == nil && rec.Msg == "simulated engine ready" {
+				ready <- rec.Addr
+			}
+		}
+		io.Copy(io.Discard, stderr)
+		p.err = cmd.Wait()
+		close(p.exited)
+	}()
+	t.Cleanup(func() { p.stop(t) })
+	select {
+	case addr := <-ready:
+		return p, &simtest.Engine{URL: "http://" + addr}
+	case <-p.exited:
+		t.Fatalf("pdq sim exited before it was ready (%v):\n%s", p.err, p.output())
+	case <-time.After(15 * time.Second):
+		t.Fatalf("pdq sim not ready after 15s:\n%s", p.output())
+	}
+	return nil, nil
+}
+
+// stop sends SIGTERM and waits for a clean exit.
+func (p *process) stop(t *testing.T) {
+	t.Helper()
+	select {
+	case <-p.exited:
+		return
+	default:
+	}
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.exited:
+		if p.err != nil {
+			t.Errorf("pdq sim exited with %v after SIGTERM:\n%s", p.err, p.output())
+		}
+	case <-time.After(15 * time.Second):
+		p.cmd.Process.Kill()
+		<-p.exited
+		t.Errorf("pdq sim ignored SIGTERM for 15s:\n%s", p.output())
+	}
+}
+
+// TestSimProcesses replays the seed incident across real `pdq sim`
+// processes: the decode process stays dead until it is restarted, and the
+// restarted one serves a correct handshake.
+func TestSimProcesses(t *testing.T) {
+	_, p := startSimProcess(t, "--nixl-protocol", "v1")
+	dproc, d := startSimProcess(t, "--nixl-protocol", "v1")
+	b := completionBody(model, "Disaggregation splits prefill from decode.", body{"max_tokens": 5, "ignore_eos": true})
+
+	params := runPrefill(t, p, openai.Completions, "proc-A", b)
+	post(t, d.URL+openai.Completions.Path(), "proc-B", decodeBody(b, params)).wantStatus(t, 500)
+	get(t, d.URL+"/health").wantStatus(t, 503)
+	if s := d.Stats(t); !s.EngineDead {
+		t.Fatalf("decode stats = %+v; want engine_dead", s)
+	}
+	if !strings.Contains(dproc.output(), "EngineCore died") {
+		t.Errorf("the decode process did not log its death:\n%s", dproc.output())
+	}
+
+	dproc.stop(t)
+	_, d = startSimProcess(t, "--nixl-protocol", "v1")
+	get(t, d.URL+"/health").wantStatus(t, 200)
+	params = runPrefill(t, p, openai.Completions, "proc-C", b)
+	b["stream"] = true
+	b["stream_options"] = map[string]any{"include_usage": true}
+	res := parseStream(t, postStream(t, d.URL+openai.Completions.Path(), "proc-C", decodeBody(b, params)), openai.Completions, true)
+	if res.usage.CompletionTokens != 5 || res.id != "cmpl-proc-C" {
+		t.Errorf("stream result = %+v", res)
+	}
+	if s := d.Stats(t); s.KVReads != 1 || s.Decodes != 1 || s.EngineDead {
+		t.Errorf("decode stats = %+v", s)
+	}
+	// The first prefill's blocks were never read and stay held (until the
+	// lease); the second's were read and freed.
+	if s := p.Stats(t); s.Prefills != 2 || s.KVServed != 1 || s.BlocksHeld != 1 {
+		t.Errorf("prefill stats = %+v; want 2 prefills, 1 served, 1 block held", s)
+	}
+}
+
+// TestCommandLine checks exit codes and messages for bad command lines.
+func TestCommandLine(t *testing.T) {
+	for _, tc := range []struct {
+		args    []string
+		env     []string
+		code    int
+		message string
+	}{
+		{[]string{}, nil, 2, "Usage: pdq <command>"},
+		{[]string{"nonsense"}, nil, 2, `unknown command "nonsense"`},
+		{[]string{"sim", "--nixl-protocol", "v3"}, nil, 1, "nixl-protocol must be v1 or v2"},
+		{[]string{"sim", "--fault-kind", "boom", "--fault-rate", "1"}, nil, 1, "unknown fault kind"},
+		{[]string{"sim", "--itl", "fast"}, nil, 2, "invalid value"},
+		{[]string{"sim", "extra"}, nil, 2, "unexpected arguments"},
+		{[]string{"sim"}, []string{"PDQ_LOG_LEVEL=loud"}, 1, "PDQ_LOG_LEVEL"},
+		{[]string{"help"}, nil, 0, "Commands:"},
+		{[]string{"sim", "-h"}, nil, 0, "-nixl-protocol"},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, pdqBinary, tc.args...)
+			cmd.Env = append(os.Environ(), tc.env...)
+			out, err := cmd.CombinedOutput()
+			code := 0
+			var exitErr *exec.ExitError
+			if errors.As(err, &exitErr) {
+				code = exitErr.ExitCode()
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			if code != tc.code || !strings.Contains(string(out), tc.message) {
+				t.Errorf("exit %d, output %q; want exit %d and %q", code, out, tc.code, tc.message)
+			}
+		})
+	}
+}
