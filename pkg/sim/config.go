@@ -15,7 +15,9 @@ type Protocol string
 const (
 	// ProtocolV1 names a prefill's blocks by the decode engine's own internal
 	// request id, as vLLM did before remote_request_id existed: the two legs
-	// must carry the same X-Request-Id, and a mismatch kills the engine.
+	// must carry the same X-Request-Id. A read of an id the prefill engine
+	// does not hold (another X-Request-Id, or an expired lease) kills the
+	// decode engine, as the KeyError in vLLM's scheduler did.
 	ProtocolV1 Protocol = "v1"
 	// ProtocolV2 names them by the remote_request_id the prefill returned.
 	ProtocolV2 Protocol = "v2"
