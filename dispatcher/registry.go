@@ -1,0 +1,244 @@
+package dispatcher
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// Registry timing: workers put their entry every HeartbeatInterval; an
+// entry older than LiveFor is a dead worker's.
+const (
+	HeartbeatInterval = 2 * time.Second
+	LiveFor           = 3 * HeartbeatInterval
+)
+
+// WorkerInfo is a worker's entry in the pdq_workers bucket.
+type WorkerInfo struct {
+	ID       string    `json:"id"`
+	Role     Stage     `json:"role"`
+	Pool     string    `json:"pool"`
+	Model    string    `json:"model"`
+	Engine   string    `json:"engine"`
+	Slots    int       `json:"slots"`
+	InFlight int       `json:"in_flight"`
+	Started  time.Time `json:"started"`
+}
+
+// NewWorkerID returns a unique worker id, usable as a bucket key.
+func NewWorkerID(role Stage) string { return string(role) + "-" + randomID() }
+
+// heartbeat keeps the loop's registry entry fresh until ctx ends, then
+// deletes it so gateways stop counting the worker at once.
+func (l *StageLoop) heartbeat(ctx context.Context) {
+	info := l.cfg.Worker
+	if info.ID == "" {
+		return
+	}
+	kv, err := l.js.KeyValue(ctx, BucketWorkers)
+	if err != nil {
+		l.log.Error("no worker registry; gateways will not see this worker", logging.Err(err))
+		return
+	}
+	put := func() {
+		info.InFlight = l.InFlight()
+		data, err := json.Marshal(info)
+		if err != nil {
+			l.log.Error("encode registry entry", logging.Err(err))
+			return
+		}
+		pctx, cancel := context.WithTimeout(ctx, HeartbeatInterval)
+		defer cancel()
+		if _, err := kv.Put(pctx, info.ID, data); err != nil && ctx.Err() == nil {
+			l.log.Warn("registry heartbeat failed", logging.Err(err))
+		}
+	}
+	put()
+	t := time.NewTicker(HeartbeatInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			put()
+		case <-ctx.Done():
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			if err := kv.Delete(dctx, info.ID); err != nil {
+				l.log.Warn("could not remove this worker from the registry; it expires on its own", logging.Err(err))
+			}
+			return
+		}
+	}
+}
+
+// Registry is a gateway's view of the live workers, kept current by a
+// watch on the pdq_workers bucket.
+type Registry struct {
+	log *slog.Logger
+
+	mu      sync.Mutex
+	workers map[string]registryEntry
+	models  map[string]bool // every model seen, live or not
+	synced  chan struct{}
+}
+
+type registryEntry struct {
+	info WorkerInfo
+	at   time.Time // when the server stored the entry
+}
+
+// WatchWorkers starts watching the registry; the watch ends with ctx.
+func WatchWorkers(ctx context.Context, js jetstream.JetStream, log *slog.Logger) (*Registry, error) {
+	kv, err := js.KeyValue(ctx, BucketWorkers)
+	if err != nil {
+		return nil, fmt.Errorf("open worker registry: %w", err)
+	}
+	w, err := kv.WatchAll(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("watch worker registry: %w", err)
+	}
+	r := &Registry{log: log, workers: make(map[string]registryEntry), models: make(map[string]bool), synced: make(chan struct{})}
+	go r.run(ctx, w)
+	return r, nil
+}
+
+func (r *Registry) run(ctx context.Context, w jetstream.KeyWatcher) {
+	defer w.Stop()
+	synced := false
+	for {
+		var e jetstream.KeyValueEntry
+		var ok bool
+		select {
+		case <-ctx.Done():
+			return
+		case e, ok = <-w.Updates():
+			if !ok {
+				return
+			}
+		}
+		if e == nil { // the initial values have all been delivered
+			if !synced {
+				synced = true
+				close(r.synced)
+			}
+			continue
+		}
+		r.apply(e)
+	}
+}
+
+func (r *Registry) apply(e jetstream.KeyValueEntry) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if e.Operation() != jetstream.KeyValuePut {
+		delete(r.workers, e.Key())
+		return
+	}
+	var info WorkerInfo
+	if err := json.Unmarshal(e.Value(), &info); err != nil {
+		r.log.Warn("ignoring an unreadable registry entry", "key", e.Key(), logging.Err(err))
+		return
+	}
+	r.workers[e.Key()] = registryEntry{info: info, at: e.Created()}
+	r.models[info.Model] = true
+}
+
+// WaitSynced waits until the registry holds the bucket's current entries.
+func (r *Registry) WaitSynced(ctx context.Context) error {
+	select {
+	case <-r.synced:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// PoolStatus counts a model's live workers by stage.
+type PoolStatus struct {
+	Known   bool // a worker for the model has been seen since the gateway started
+	Prefill int
+	Decode  int
+}
+
+// Status reports the live workers of model.
+func (r *Registry) Status(model string) PoolStatus {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := PoolStatus{Known: r.models[model]}
+	now := time.Now()
+	for _, e := range r.workers {
+		if e.info.Model != model || now.Sub(e.at) > LiveFor {
+			continue
+		}
+		switch e.info.Role {
+		case StagePrefill:
+			s.Prefill++
+		case StageDecode:
+			s.Decode++
+		}
+	}
+	return s
+}
+
+// Models lists the models with at least one live decode worker.
+func (r *Registry) Models() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	var out []string
+	for _, e := range r.workers {
+		if e.info.Role == StageDecode && now.Sub(e.at) <= LiveFor && !slices.Contains(out, e.info.Model) {
+			out = append(out, e.info.Model)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Workers lists the live workers.
+func (r *Registry) Workers() []WorkerInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	var out []WorkerInfo
+	for _, e := range r.workers {
+		if now.Sub(e.at) <= LiveFor {
+			out = append(out, e.info)
+		}
+	}
+	slices.SortFunc(out, func(a, b WorkerInfo) int {
+		if a.ID < b.ID {
+			return -1
+		}
+		if a.ID > b.ID {
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+func randomID() string {
+	b := make([]byte, 6)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func jsonMarshal(v any) ([]byte, error) {
+	data, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("encode envelope: %w", err)
+	}
+	return data, nil
+}

@@ -1,0 +1,103 @@
+package dispatcher
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"regexp"
+	"strings"
+)
+
+// Stage is one of the two legs a request runs through.
+type Stage string
+
+// The stages.
+const (
+	StagePrefill Stage = "prefill"
+	StageDecode  Stage = "decode"
+)
+
+// Stream and bucket names.
+const (
+	StreamPrefill = "PDQ_PREFILL"
+	StreamDecode  = "PDQ_DECODE"
+	StreamDLQ     = "PDQ_DLQ"
+	BucketWorkers = "pdq_workers"
+)
+
+// Subject prefixes. A job's subject is <prefix>.<pool>.<request id>.
+const (
+	subjectPrefill = "pdq.prefill"
+	subjectDecode  = "pdq.decode"
+	subjectDLQ     = "pdq.dlq"
+	subjectReply   = "pdq.reply"
+	subjectCancel  = "pdq.cancel"
+)
+
+// JobSubject is where a job for stage, pool and request id is published.
+func JobSubject(stage Stage, pool, id string) string {
+	return stageSubject(stage) + "." + pool + "." + id
+}
+
+func stageSubject(stage Stage) string {
+	if stage == StagePrefill {
+		return subjectPrefill
+	}
+	return subjectDecode
+}
+
+func stageStream(stage Stage) string {
+	if stage == StagePrefill {
+		return StreamPrefill
+	}
+	return StreamDecode
+}
+
+// ConsumerName is the durable consumer shared by all workers of a stage and
+// pool.
+func ConsumerName(stage Stage, pool string) string { return string(stage) + "-" + pool }
+
+// ReplySubject is where the workers of a request send its reply chunks: the
+// gateway that holds the client subscribes to pdq.reply.<gateway>.>.
+func ReplySubject(gatewayID, id string) string { return subjectReply + "." + gatewayID + "." + id }
+
+// CancelSubject carries the cancel broadcast of a request whose client went
+// away.
+func CancelSubject(id string) string { return subjectCancel + "." + id }
+
+// DLQSubject is where a request that failed for good is kept for replay.
+func DLQSubject(pool, id string) string { return subjectDLQ + "." + pool + "." + id }
+
+// validID is the request id rule: the id becomes a subject token, so '.',
+// '*', '>' and whitespace must never get through.
+var validID = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
+
+// ValidRequestID reports whether id may be used as a request id.
+func ValidRequestID(id string) bool { return validID.MatchString(id) }
+
+// PoolName turns a model name into the subject token and consumer-name part
+// of its pool. Characters that NATS gives meaning to ('.', '*', '>', '/',
+// spaces, ...) become '_', and a short hash of the model name is appended
+// whenever anything was replaced, so two models never share a pool:
+// "pdq-sim" stays "pdq-sim", "meta-llama/Llama-3.1-8B" becomes
+// "meta-llama_Llama-3_1-8B-<hash>".
+func PoolName(model string) string {
+	var b strings.Builder
+	changed := model == ""
+	for _, r := range model {
+		if r < 128 && (r == '-' || r == '_' || 'a' <= r && r <= 'z' || 'A' <= r && r <= 'Z' || '0' <= r && r <= '9') {
+			b.WriteRune(r)
+			continue
+		}
+		b.WriteByte('_')
+		changed = true
+	}
+	name := b.String()
+	if len(name) > 64 {
+		name, changed = name[:64], true
+	}
+	if changed {
+		sum := sha256.Sum256([]byte(model))
+		name += "-" + hex.EncodeToString(sum[:4])
+	}
+	return name
+}

@@ -1,0 +1,103 @@
+package dispatcher
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Topology settings. The stage streams are work queues: they hold only
+// pending work, reject a second consumer over the same subjects, and are
+// bounded with DiscardNew, so an overload becomes a 429 at the gateway
+// instead of deleting queued work (see jetstream.md).
+const (
+	stageMaxBytes   = 1 << 30
+	stageMaxAge     = time.Hour // a safety net; acked jobs are gone long before
+	dedupWindow     = 2 * time.Minute
+	maxMsgSize      = 8 << 20
+	dlqMaxAge       = 7 * 24 * time.Hour
+	dlqMaxBytes     = 1 << 30
+	workersTTL      = 30 * time.Second
+	maxAckPending   = 10000
+	maxWaitingPulls = 512
+
+	// MaxDeliver is how many times a stage runs a job before giving up.
+	MaxDeliver = 4
+	// AckWait is how long a job may go without an ack or InProgress before
+	// it is redelivered to another worker: a crashed worker's jobs move on
+	// after this long. Running jobs send InProgress every AckWait/3.
+	AckWait = 30 * time.Second
+)
+
+// Ensure creates the streams and buckets, or updates them to this
+// configuration. It is idempotent; every component calls it at start-up.
+func Ensure(ctx context.Context, js jetstream.JetStream) error {
+	for _, cfg := range []jetstream.StreamConfig{
+		stageStreamConfig(StreamPrefill, subjectPrefill+".>", "jobs waiting for a prefill worker"),
+		stageStreamConfig(StreamDecode, subjectDecode+".>", "handoffs and decode-only jobs waiting for a decode worker"),
+		{
+			Name:        StreamDLQ,
+			Description: "requests that failed for good, with stage and reason, for replay",
+			Subjects:    []string{subjectDLQ + ".>"},
+			Retention:   jetstream.LimitsPolicy,
+			Storage:     jetstream.FileStorage,
+			MaxAge:      dlqMaxAge,
+			MaxBytes:    dlqMaxBytes,
+			Discard:     jetstream.DiscardOld,
+			MaxMsgSize:  maxMsgSize,
+		},
+	} {
+		if _, err := js.CreateOrUpdateStream(ctx, cfg); err != nil {
+			return fmt.Errorf("ensure stream %s: %w", cfg.Name, err)
+		}
+	}
+	if _, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket:      BucketWorkers,
+		Description: "live workers: role, pool, model, engine, slots, in-flight",
+		TTL:         workersTTL,
+		Storage:     jetstream.MemoryStorage,
+		History:     1,
+	}); err != nil {
+		return fmt.Errorf("ensure bucket %s: %w", BucketWorkers, err)
+	}
+	return nil
+}
+
+func stageStreamConfig(name, subjects, description string) jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:        name,
+		Description: description,
+		Subjects:    []string{subjects},
+		Retention:   jetstream.WorkQueuePolicy,
+		Storage:     jetstream.FileStorage,
+		MaxBytes:    stageMaxBytes,
+		Discard:     jetstream.DiscardNew,
+		MaxAge:      stageMaxAge,
+		Duplicates:  dedupWindow,
+		MaxMsgSize:  maxMsgSize,
+		AllowDirect: true,
+	}
+}
+
+// EnsureConsumer creates or updates the durable pull consumer that all
+// workers of a stage and pool share.
+func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, pool string) (jetstream.Consumer, error) {
+	name := ConsumerName(stage, pool)
+	c, err := js.CreateOrUpdateConsumer(ctx, stageStream(stage), jetstream.ConsumerConfig{
+		Durable:       name,
+		Description:   fmt.Sprintf("%s workers of pool %s", stage, pool),
+		FilterSubject: stageSubject(stage) + "." + pool + ".>",
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       AckWait,
+		MaxDeliver:    MaxDeliver,
+		MaxAckPending: maxAckPending,
+		MaxWaiting:    maxWaitingPulls,
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ensure consumer %s: %w", name, err)
+	}
+	return c, nil
+}
