@@ -1,10 +1,12 @@
-// Package workers holds the two stage handlers: the prefill worker calls a
-// vLLM prefill engine with do_remote_decode and publishes the
-// kv_transfer_params it returns; the decode worker calls a decode engine
-// with those params, unchanged, under the same X-Request-Id, and relays the
-// tokens to the gateway.
+// Package workers holds the two stage handlers, the last stop of the
+// request flow (gateway, dispatcher, workers).
 //
-// It is the last stop of the request flow (gateway, dispatcher, workers)
-// and arrives with the P/D pipeline (issue #3). Until then, pkg/sim is the
-// engine these handlers will be tested against.
+// The prefill handler calls a prefill engine with the client's body plus
+// kv_transfer_params {do_remote_decode: true}, max_tokens 1 and stream
+// false, and hands the kv_transfer_params it returns to the decode stage as
+// opaque JSON. The decode handler calls a decode engine with the client's
+// body plus those params, unchanged, and relays the engine's SSE events to
+// the gateway. Both legs carry the request id as X-Request-Id: vLLM before
+// connector v2 matched the two legs by it, and a mismatch crashed the
+// decode engine.
 package workers

@@ -1,0 +1,124 @@
+// Package vllm is the HTTP client of an OpenAI-compatible vLLM engine, as
+// the workers use it: discover the served model, post a generation request
+// under a given X-Request-Id, probe health.
+package vllm
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// idleConnTimeout is below uvicorn's 5 s keep-alive, the server vLLM runs
+// on, so the client never reuses a connection the engine is closing: a
+// longer one caused intermittent resets in llm-d (peers.md, report 12).
+const idleConnTimeout = 4 * time.Second
+
+// Client talks to one engine.
+type Client struct {
+	base *url.URL
+	http *http.Client
+}
+
+// New returns a client for the engine at baseURL (http://host:port) that
+// keeps up to conns connections open to it.
+func New(baseURL string, conns int) (*Client, error) {
+	u, err := url.Parse(strings.TrimRight(baseURL, "/"))
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("engine url %q: want http(s)://host:port", baseURL)
+	}
+	transport := &http.Transport{
+		Proxy:               http.ProxyFromEnvironment,
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        max(conns, 1) * 2,
+		MaxIdleConnsPerHost: max(conns, 1) * 2,
+		IdleConnTimeout:     idleConnTimeout,
+		TLSHandshakeTimeout: 5 * time.Second,
+	}
+	// No overall timeout: a generation streams for as long as it streams;
+	// callers bound requests with their context.
+	return &Client{base: u, http: &http.Client{Transport: transport}}, nil
+}
+
+// URL is the engine's base URL.
+func (c *Client) URL() string { return c.base.String() }
+
+// Host is the host part of the engine's URL, without the port.
+func (c *Client) Host() string { return c.base.Hostname() }
+
+// Post sends a generation request with X-Request-Id set to requestID. The
+// caller reads and closes the response body whatever its status.
+func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID string, body []byte) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base.String()+endpoint.Path(), bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", requestID)
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("post %s: %w", endpoint.Path(), err)
+	}
+	return resp, nil
+}
+
+// Models lists the model ids the engine serves.
+func (c *Client) Models(ctx context.Context) ([]string, error) {
+	resp, err := c.get(ctx, "/v1/models")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("get /v1/models: status %d", resp.StatusCode)
+	}
+	var list openai.ModelList
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&list); err != nil {
+		return nil, fmt.Errorf("get /v1/models: %w", err)
+	}
+	ids := make([]string, 0, len(list.Data))
+	for _, m := range list.Data {
+		if m.ID != "" {
+			ids = append(ids, m.ID)
+		}
+	}
+	if len(ids) == 0 {
+		return nil, fmt.Errorf("get /v1/models: the engine serves no model")
+	}
+	return ids, nil
+}
+
+// Health returns nil when GET /health answers 200.
+func (c *Client) Health(ctx context.Context) error {
+	resp, err := c.get(ctx, "/health")
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("get /health: status %d", resp.StatusCode)
+	}
+	return nil
+}
+
+func (c *Client) get(ctx context.Context, path string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base.String()+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("get %s: %w", path, err)
+	}
+	return resp, nil
+}

@@ -1,0 +1,94 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// decode runs the decode leg and relays its output to the gateway.
+func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
+	job := d.Job
+	log := w.log.With(logging.KeyRequestID, job.ID)
+	body, err := DecodeBody(job.Body, job.KVTransferParams)
+	if err != nil {
+		return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+	}
+	start := time.Now()
+	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+	if err != nil {
+		return unreachable(ctx, dispatcher.StageDecode, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		return engineFailure(dispatcher.StageDecode, resp.StatusCode, raw)
+	}
+	out := d.Replies()
+	if job.Stream {
+		err = w.relayStream(ctx, resp.Body, out)
+	} else {
+		err = relayBody(ctx, resp.Body, out)
+	}
+	if err != nil {
+		return err
+	}
+	mode := "pd"
+	if len(job.KVTransferParams) == 0 {
+		mode = "decode-only"
+	}
+	log.Debug("decode done", "mode", mode, "chunks", out.Sent(), logging.Ms("decode_ms", time.Since(start)),
+		logging.Ms("total_ms", time.Since(job.SubmittedAt)))
+	return nil
+}
+
+// relayStream forwards each SSE event as a chunk and ends on [DONE]. A
+// stream that breaks before any event is retried; one that breaks later
+// cannot be, since the client has part of it, and ends with an error.
+func (w *Worker) relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter) error {
+	events := openai.NewSSEReader(body)
+	for {
+		ev, err := events.Next()
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF // ended without [DONE]
+			}
+			err = fmt.Errorf("decode stream broke after %d events: %w", out.Sent(), err)
+			if out.Sent() == 0 {
+				return unreachable(ctx, dispatcher.StageDecode, err)
+			}
+			if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
+				w.log.Warn("could not send the error to the gateway", logging.Err(rerr))
+			}
+			return dispatcher.Reported(err)
+		}
+		if ev.IsDone() {
+			return out.Done()
+		}
+		if err := out.Chunk(ev.Data); err != nil {
+			return dispatcher.Retryable(err, nil)
+		}
+	}
+}
+
+// relayBody forwards a non-streamed response as one chunk.
+func relayBody(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter) error {
+	raw, err := io.ReadAll(io.LimitReader(body, maxResponseBytes))
+	if err != nil {
+		return unreachable(ctx, dispatcher.StageDecode, fmt.Errorf("read decode response: %w", err))
+	}
+	if err := out.Chunk(raw); err != nil {
+		return dispatcher.Retryable(err, nil)
+	}
+	return out.Done()
+}

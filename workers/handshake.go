@@ -1,0 +1,134 @@
+package workers
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+)
+
+// Keys of the request body that the handshake sets or removes.
+const (
+	keyKVTransferParams    = "kv_transfer_params"
+	keyStream              = "stream"
+	keyStreamOptions       = "stream_options"
+	keyMaxTokens           = "max_tokens"
+	keyMaxCompletionTokens = "max_completion_tokens"
+	keyMinTokens           = "min_tokens"
+	keyMinCompletionTokens = "min_completion_tokens"
+	keyRemoteHost          = "remote_host"
+)
+
+// prefillParams is what the prefill leg asks for, exactly as vLLM's
+// reference proxy sends it.
+var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+// ErrNoKVParams means a prefill engine answered 200 without
+// kv_transfer_params: the decode engine would silently recompute the
+// prompt, so this is an error, never a fall-back.
+var ErrNoKVParams = errors.New("prefill engine answered 200 without kv_transfer_params")
+
+// PrefillBody builds the prefill leg's body from the client's: the
+// kv_transfer_params skeleton, stream false, one output token, and none of
+// the fields a prefill does not support (stream_options, min_tokens). The
+// rest of the body is passed on as it came.
+func PrefillBody(client json.RawMessage) ([]byte, error) {
+	m, err := fields(client)
+	if err != nil {
+		return nil, err
+	}
+	m[keyKVTransferParams] = prefillParams
+	m[keyStream] = json.RawMessage(`false`)
+	m[keyMaxTokens] = json.RawMessage(`1`)
+	if _, ok := m[keyMaxCompletionTokens]; ok {
+		m[keyMaxCompletionTokens] = json.RawMessage(`1`)
+	}
+	delete(m, keyStreamOptions)
+	delete(m, keyMinTokens)
+	delete(m, keyMinCompletionTokens)
+	return json.Marshal(m)
+}
+
+// DecodeBody builds the decode leg's body: the client's body, with the
+// prefill's kv_transfer_params when there are any. Without params (a
+// decode-only job) the client's bytes go out untouched.
+func DecodeBody(client, params json.RawMessage) ([]byte, error) {
+	if len(params) == 0 {
+		return client, nil
+	}
+	m, err := fields(client)
+	if err != nil {
+		return nil, err
+	}
+	m[keyKVTransferParams] = params
+	return json.Marshal(m)
+}
+
+// ExtractKVParams returns the top-level kv_transfer_params of a prefill
+// response, or ErrNoKVParams when it is missing, null, or not an object.
+func ExtractKVParams(response []byte) (json.RawMessage, error) {
+	var r struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(response, &r); err != nil {
+		return nil, fmt.Errorf("prefill response is not JSON: %w", err)
+	}
+	kv := bytes.TrimSpace(r.KV)
+	if len(kv) == 0 || kv[0] != '{' {
+		return nil, ErrNoKVParams
+	}
+	return kv, nil
+}
+
+// FixRemoteHost replaces remote_host when the engine advertised a host no
+// decode engine elsewhere can reach (loopback, unspecified or empty) and
+// host is a routable one. Everything else in params stays as it was; a
+// params object it cannot read is returned unchanged.
+func FixRemoteHost(params json.RawMessage, host string) (json.RawMessage, bool) {
+	if IsLocalHost(host) {
+		return params, false // nothing better to offer
+	}
+	m, err := fields(params)
+	if err != nil {
+		return params, false
+	}
+	var current string
+	if raw, ok := m[keyRemoteHost]; ok && len(raw) > 0 && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &current); err != nil {
+			return params, false // not a string: not ours to judge
+		}
+	}
+	if !IsLocalHost(current) {
+		return params, false
+	}
+	m[keyRemoteHost], _ = json.Marshal(host)
+	out, err := json.Marshal(m)
+	if err != nil {
+		return params, false
+	}
+	return out, true
+}
+
+// IsLocalHost reports whether host means "this machine" or nothing at all:
+// empty, localhost, a loopback or an unspecified address.
+func IsLocalHost(host string) bool {
+	h := strings.Trim(strings.TrimSpace(host), "[]")
+	if h == "" || strings.EqualFold(h, "localhost") || strings.EqualFold(h, "ip6-localhost") {
+		return true
+	}
+	ip := net.ParseIP(h)
+	return ip != nil && (ip.IsLoopback() || ip.IsUnspecified())
+}
+
+func fields(obj json.RawMessage) (map[string]json.RawMessage, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(obj, &m); err != nil {
+		return nil, fmt.Errorf("not a JSON object: %w", err)
+	}
+	if m == nil {
+		return nil, errors.New("not a JSON object: null")
+	}
+	return m, nil
+}

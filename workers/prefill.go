@@ -1,0 +1,65 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// prefill runs the prefill leg and hands the job to the decode stage.
+func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
+	job := d.Job
+	log := w.log.With(logging.KeyRequestID, job.ID)
+	body, err := PrefillBody(job.Body)
+	if err != nil {
+		return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+	}
+	start := time.Now()
+	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+	if err != nil {
+		return unreachable(ctx, dispatcher.StagePrefill, err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
+	if err != nil {
+		return unreachable(ctx, dispatcher.StagePrefill, fmt.Errorf("read prefill response: %w", err))
+	}
+	if resp.StatusCode != http.StatusOK {
+		return engineFailure(dispatcher.StagePrefill, resp.StatusCode, raw)
+	}
+	params, err := ExtractKVParams(raw)
+	if err != nil {
+		if errors.Is(err, ErrNoKVParams) {
+			log.Error("prefill engine answered 200 without kv_transfer_params; not falling back to a recomputing decode",
+				"attempt", d.Attempt)
+		}
+		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no kv_transfer_params"))
+	}
+	if fixed, ok := FixRemoteHost(params, w.kvHost); ok {
+		params = fixed
+		log.Debug("rewrote the loopback remote_host of the prefill engine", "remote_host", w.kvHost)
+	}
+	elapsed := time.Since(start)
+	handoff := *job
+	handoff.KVTransferParams = params
+	handoff.Prefill = &dispatcher.StageRecord{
+		Worker: w.engine.URL(), Engine: w.engine.URL(), Attempt: d.Attempt, Started: start, Duration: elapsed,
+	}
+	if err := d.Forward(ctx, dispatcher.StageDecode, &handoff); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return dispatcher.Retryable(fmt.Errorf("hand off to decode: %w", err),
+			openai.NewError(http.StatusServiceUnavailable, "could not queue the decode stage"))
+	}
+	log.Debug("prefill done", logging.Ms("prefill_ms", elapsed),
+		logging.Ms("queued_ms", start.Sub(job.SubmittedAt)))
+	return nil
+}

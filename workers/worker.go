@@ -1,0 +1,170 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/vllm"
+)
+
+// Default slots per role, used when PDQ_ENGINE_SLOTS is 0. A prefill is
+// compute-bound and gains little from a deep batch; decode batches well.
+const (
+	DefaultPrefillSlots = 8
+	DefaultDecodeSlots  = 64
+)
+
+// maxResponseBytes bounds a non-streamed engine response held in memory.
+const maxResponseBytes = 64 << 20
+
+// Config configures one worker: one engine, one role.
+type Config struct {
+	Role      dispatcher.Stage
+	EngineURL string
+	// Slots is the engine's concurrency for this worker; 0 picks the role's
+	// default.
+	Slots int
+	// KVHost is the routable host to advertise as remote_host when a
+	// prefill engine reports a loopback or unspecified one; empty falls
+	// back to the engine URL's host when that is routable.
+	KVHost string
+	// Grace is how long running jobs may finish at shutdown.
+	Grace time.Duration
+}
+
+// Worker runs one stage on one engine.
+type Worker struct {
+	cfg    Config
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	log    *slog.Logger
+	engine *vllm.Client
+	kvHost string
+}
+
+// New checks cfg and builds a worker; Run starts it.
+func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*Worker, error) {
+	if cfg.Role != dispatcher.StagePrefill && cfg.Role != dispatcher.StageDecode {
+		return nil, fmt.Errorf("worker: unknown role %q", cfg.Role)
+	}
+	if cfg.Slots == 0 {
+		cfg.Slots = DefaultDecodeSlots
+		if cfg.Role == dispatcher.StagePrefill {
+			cfg.Slots = DefaultPrefillSlots
+		}
+	}
+	if cfg.Slots < 0 {
+		return nil, fmt.Errorf("worker: slots must not be negative, got %d", cfg.Slots)
+	}
+	engine, err := vllm.New(cfg.EngineURL, cfg.Slots)
+	if err != nil {
+		return nil, fmt.Errorf("worker: %w", err)
+	}
+	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine,
+		log: log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
+	w.kvHost = cfg.KVHost
+	if w.kvHost == "" && !IsLocalHost(engine.Host()) {
+		w.kvHost = engine.Host()
+	}
+	return w, nil
+}
+
+// Run learns the engine's model, then pulls jobs of that model's pool
+// until ctx ends.
+func (w *Worker) Run(ctx context.Context) error {
+	model, err := w.discover(ctx)
+	if err != nil {
+		return err
+	}
+	pool := dispatcher.PoolName(model)
+	handler := w.decode
+	if w.cfg.Role == dispatcher.StagePrefill {
+		handler = w.prefill
+	}
+	loop, err := dispatcher.NewStageLoop(w.nc, w.js, dispatcher.StageConfig{
+		Stage:   w.cfg.Role,
+		Pool:    pool,
+		Slots:   w.cfg.Slots,
+		Handler: handler,
+		Grace:   w.cfg.Grace,
+		Worker: dispatcher.WorkerInfo{
+			ID: dispatcher.NewWorkerID(w.cfg.Role), Model: model, Engine: w.engine.URL(), Started: time.Now(),
+		},
+	}, w.log.With("model", model))
+	if err != nil {
+		return err
+	}
+	return loop.Run(ctx)
+}
+
+// discover asks the engine which model it serves, retrying with back-off
+// while the engine starts.
+func (w *Worker) discover(ctx context.Context) (string, error) {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
+	var model string
+	err := backoff.RetryNotify(func() error {
+		models, err := w.engine.Models(ctx)
+		if err != nil {
+			return err
+		}
+		model = models[0]
+		return nil
+	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
+		w.log.Warn("engine not ready; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+	})
+	if err != nil {
+		return "", fmt.Errorf("%s worker: discover the engine's model: %w", w.cfg.Role, err)
+	}
+	w.log.Info("engine serves model", "model", model, "pool", dispatcher.PoolName(model), "slots", w.cfg.Slots)
+	return model, nil
+}
+
+// engineFailure classifies a non-2xx engine answer: 429 and 5xx are
+// transient, and retried; any other 4xx is the client's and goes back to
+// it with the engine's status and message.
+func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
+	apiErr, ok := openai.ParseError(body)
+	if !ok {
+		apiErr = openai.NewError(status, "%s engine answered %d: %s", stage, status, truncate(string(body), 200))
+	}
+	err := fmt.Errorf("%s engine answered %d: %s", stage, status, apiErr.Message)
+	switch {
+	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
+		return dispatcher.Retryable(err, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+	case status >= 500:
+		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
+	case status >= 400:
+		apiErr.Code, apiErr.Type = status, openai.ErrorType(status)
+		return dispatcher.Permanent(err, apiErr)
+	}
+	return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", stage, status))
+}
+
+// unreachable is the failure of an engine call that got no answer.
+func unreachable(ctx context.Context, stage dispatcher.Stage, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine unreachable", stage))
+}
+
+var errBadEnvelope = errors.New("job body is not a JSON object")
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
