@@ -1,0 +1,254 @@
+package gateway
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/labstack/echo/v4"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// Defaults of [Config].
+const (
+	// DefaultMinPromptTokens: prompts estimated shorter than this skip the
+	// prefill stage; the decode engine prefills them itself, which costs
+	// less than a KV transfer's fixed overhead.
+	DefaultMinPromptTokens = 16
+	// DefaultMaxBodyBytes keeps a job, body and envelope, under the 8 MiB
+	// message limit.
+	DefaultMaxBodyBytes = 7 << 20
+	// DefaultIdleTimeout ends a request that hears nothing from the workers
+	// for this long (a queue that does not move, workers that died).
+	DefaultIdleTimeout = 10 * time.Minute
+	// DefaultGrace is how long running requests may finish at shutdown.
+	DefaultGrace = 30 * time.Second
+)
+
+// Config configures a gateway.
+type Config struct {
+	// Addr is the listen address of Run.
+	Addr string
+	// APIKeys, when set, are the bearer tokens accepted on /v1.
+	APIKeys []string
+	// MinPromptTokens is the P/D threshold (PDQ_DISAGG_MIN_PROMPT_TOKENS);
+	// 0 sends every request through prefill. Negative takes the default.
+	MinPromptTokens int
+	MaxBodyBytes    int64
+	IdleTimeout     time.Duration
+	Grace           time.Duration
+}
+
+func (c *Config) setDefaults() {
+	if c.MinPromptTokens < 0 {
+		c.MinPromptTokens = DefaultMinPromptTokens
+	}
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.IdleTimeout <= 0 {
+		c.IdleTimeout = DefaultIdleTimeout
+	}
+	if c.Grace <= 0 {
+		c.Grace = DefaultGrace
+	}
+}
+
+// Server is the OpenAI-facing gateway.
+type Server struct {
+	cfg     Config
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	log     *slog.Logger
+	id      string
+	started time.Time
+}
+
+// New builds a gateway; Run or Serve starts it.
+func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) *Server {
+	cfg.setDefaults()
+	id := newUUID()[:8]
+	return &Server{cfg: cfg, nc: nc, js: js, id: id, started: time.Now(),
+		log: log.With(logging.KeyComponent, "gateway", "gateway_id", id)}
+}
+
+// Run listens on the configured address and serves until ctx ends.
+func (s *Server) Run(ctx context.Context) error {
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", s.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("gateway: listen: %w", err)
+	}
+	return s.Serve(ctx, ln)
+}
+
+// Serve serves on ln until ctx ends, then lets running requests finish
+// within the grace period.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	defer ln.Close()
+	registry, err := dispatcher.WatchWorkers(ctx, s.js, s.log)
+	if err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
+	if err := registry.WaitSynced(ctx); err != nil {
+		return fmt.Errorf("gateway: read the worker registry: %w", err)
+	}
+	replies, err := dispatcher.NewReplies(s.nc, s.id)
+	if err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
+	defer replies.Close()
+	h := &handlers{Server: s, registry: registry, replies: replies, submitter: dispatcher.NewSubmitter(s.js)}
+	srv := &http.Server{
+		Handler:           h.routes(),
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelDebug),
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	s.log.Info("gateway listening", "addr", ln.Addr().String())
+	select {
+	case err := <-errc:
+		return fmt.Errorf("gateway: serve: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.Grace)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		s.log.Warn("grace period over: closing the connections of running requests", logging.Err(err))
+		srv.Close()
+	}
+	s.log.Info("gateway stopped")
+	return nil
+}
+
+// handlers hold what the routes share once the gateway is serving.
+type handlers struct {
+	*Server
+	registry  *dispatcher.Registry
+	replies   *dispatcher.Replies
+	submitter *dispatcher.Submitter
+}
+
+func (h *handlers) routes() http.Handler {
+	e := echo.New()
+	e.HideBanner, e.HidePort = true, true
+	e.HTTPErrorHandler = h.echoError
+	e.Use(h.recoverPanics)
+	v1 := e.Group("/v1", h.requireKey)
+	v1.POST("/chat/completions", h.generate(openai.Chat))
+	v1.POST("/completions", h.generate(openai.Completions))
+	v1.GET("/models", h.models)
+	e.GET("/health", func(c echo.Context) error { return c.NoContent(http.StatusOK) })
+	e.GET("/ready", h.ready)
+	return e
+}
+
+// writeError answers with an OpenAI error envelope.
+func writeError(c echo.Context, apiErr *openai.Error) error {
+	return c.JSON(apiErr.Status(), openai.ErrorResponse{Error: apiErr})
+}
+
+// echoError turns echo's own errors (no route, wrong method) into OpenAI
+// envelopes.
+func (h *handlers) echoError(err error, c echo.Context) {
+	if c.Response().Committed {
+		return
+	}
+	status := http.StatusInternalServerError
+	msg := "internal error"
+	var he *echo.HTTPError
+	if errors.As(err, &he) {
+		status = he.Code
+		msg = fmt.Sprint(he.Message)
+	} else {
+		h.log.Error("handler failed", logging.Err(err), "path", c.Path())
+	}
+	if err := writeError(c, openai.NewError(status, "%s", msg)); err != nil {
+		h.log.Debug("could not write an error response", logging.Err(err))
+	}
+}
+
+// recoverPanics answers 500 instead of dropping the connection, and logs
+// the panic: a panic is a bug, never a client's doing.
+func (h *handlers) recoverPanics(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) (err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				if r == http.ErrAbortHandler {
+					panic(r)
+				}
+				h.log.Error("panic in handler", "panic", fmt.Sprint(r), "path", c.Path())
+				err = writeError(c, openai.NewError(http.StatusInternalServerError, "internal error"))
+			}
+		}()
+		return next(c)
+	}
+}
+
+// requireKey checks the bearer token when API keys are configured.
+func (h *handlers) requireKey(next echo.HandlerFunc) echo.HandlerFunc {
+	if len(h.cfg.APIKeys) == 0 {
+		return next
+	}
+	return func(c echo.Context) error {
+		got, ok := strings.CutPrefix(c.Request().Header.Get("Authorization"), "Bearer ")
+		for _, k := range h.cfg.APIKeys {
+			if ok && subtle.ConstantTimeCompare([]byte(got), []byte(k)) == 1 {
+				return next(c)
+			}
+		}
+		return writeError(c, openai.NewError(http.StatusUnauthorized, "invalid or missing API key"))
+	}
+}
+
+func (h *handlers) models(c echo.Context) error {
+	list := openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{}}
+	for _, m := range h.registry.Models() {
+		list.Data = append(list.Data, openai.Model{
+			ID: m, Object: openai.ObjectModel, Created: h.started.Unix(), OwnedBy: "pdq", Root: m, Permission: []any{},
+		})
+	}
+	return c.JSON(http.StatusOK, list)
+}
+
+// ready answers 200 when NATS is connected and the streams are usable.
+func (h *handlers) ready(c echo.Context) error {
+	if !h.nc.IsConnected() {
+		return writeError(c, openai.NewError(http.StatusServiceUnavailable, "not connected to NATS"))
+	}
+	ctx, cancel := context.WithTimeout(c.Request().Context(), 2*time.Second)
+	defer cancel()
+	for _, name := range []string{dispatcher.StreamPrefill, dispatcher.StreamDecode} {
+		if _, err := h.js.Stream(ctx, name); err != nil {
+			return writeError(c, openai.NewError(http.StatusServiceUnavailable, "stream %s: %v", name, err))
+		}
+	}
+	return c.NoContent(http.StatusOK)
+}
+
+// readBody reads at most the configured bytes of a request body.
+func (h *handlers) readBody(c echo.Context) ([]byte, *openai.Error) {
+	r := c.Request()
+	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), r.Body, h.cfg.MaxBodyBytes))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return nil, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", tooBig.Limit)
+		}
+		return nil, openai.NewError(http.StatusBadRequest, "could not read the request body: %v", err)
+	}
+	return body, nil
+}
