@@ -45,6 +45,10 @@ type command struct {
 
 func commands() []command {
 	return []command{
+		{"up", "run everything in one process: NATS, gateway, workers (and simulated engines)", runUp},
+		{"gateway", "run the OpenAI-facing gateway, joining PDQ_NATS_URL", runGateway},
+		{"prefill", "run a prefill worker for PDQ_ENGINE_URL, joining PDQ_NATS_URL", runPrefill},
+		{"decode", "run a decode worker for PDQ_ENGINE_URL, joining PDQ_NATS_URL", runDecode},
 		{"sim", "run a simulated vLLM engine with the NIXL handshake (prefill, decode, or both)", runSim},
 		{"version", "print the version", runVersion},
 	}

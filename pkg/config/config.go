@@ -56,6 +56,10 @@ type Config struct {
 
 	// APIKeys, when set, are the bearer tokens the gateway accepts.
 	APIKeys []string `envconfig:"API_KEYS"`
+	// DisaggMinPromptTokens is the P/D threshold: prompts estimated shorter
+	// skip prefill and are prefilled by the decode engine; 0 sends every
+	// request through prefill.
+	DisaggMinPromptTokens int `envconfig:"DISAGG_MIN_PROMPT_TOKENS" default:"16"`
 }
 
 // ErrInvalid is wrapped by every validation error.
@@ -118,6 +122,9 @@ func (c Config) Validate() error {
 	}
 	if c.EngineSlots < 0 {
 		errs = append(errs, fmt.Errorf("%w: PDQ_ENGINE_SLOTS must not be negative, got %d", ErrInvalid, c.EngineSlots))
+	}
+	if c.DisaggMinPromptTokens < 0 {
+		errs = append(errs, fmt.Errorf("%w: PDQ_DISAGG_MIN_PROMPT_TOKENS must not be negative, got %d", ErrInvalid, c.DisaggMinPromptTokens))
 	}
 	if c.HTTPAddr == "" {
 		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))

@@ -1,0 +1,171 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/pkg/config"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/workers"
+)
+
+// shutdownGrace is how long running requests may finish after SIGTERM.
+const shutdownGrace = 30 * time.Second
+
+// service parses a service command line (services take no flags, only
+// PDQ_* variables) and loads the configuration and logger.
+func service(name, summary string, args []string, stderr io.Writer) (config.Config, *slog.Logger, error) {
+	fs := flag.NewFlagSet("pdq "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: pdq %s\n\n%s\n\nConfigured by PDQ_* environment variables; see the README.\n", name, summary)
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return config.Config{}, nil, flag.ErrHelp
+		}
+		return config.Config{}, nil, errUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "pdq %s: unexpected arguments %q\n", name, fs.Args())
+		return config.Config{}, nil, errUsage
+	}
+	cfg, err := config.Load()
+	if err != nil {
+		return config.Config{}, nil, err
+	}
+	log, err := logging.New(stderr, cfg.Log.Level, cfg.Log.Format)
+	if err != nil {
+		return config.Config{}, nil, err
+	}
+	return cfg, log, nil
+}
+
+// connect joins the NATS server at url, retrying while it starts, and
+// makes sure the streams exist.
+func connect(ctx context.Context, url, name string, log *slog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+	if url == "" {
+		return nil, nil, fmt.Errorf("%w: PDQ_NATS_URL is required for pdq %s", config.ErrInvalid, name)
+	}
+	opts := []nats.Option{
+		nats.Name("pdq " + name),
+		nats.MaxReconnects(-1),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			log.Warn("disconnected from NATS; reconnecting", logging.Err(err))
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("reconnected to NATS", "url", nc.ConnectedUrl()) }),
+	}
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
+	var nc *nats.Conn
+	err := backoff.RetryNotify(func() error {
+		var err error
+		nc, err = nats.Connect(url, opts...)
+		return err
+	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
+		log.Warn("NATS not reachable; retrying", "url", url, logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
+	}
+	js, err := ensure(ctx, nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	log.Info("connected to NATS", "url", nc.ConnectedUrl())
+	return nc, js, nil
+}
+
+func ensure(ctx context.Context, nc *nats.Conn) (jetstream.JetStream, error) {
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	ectx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := dispatcher.Ensure(ectx, js); err != nil {
+		return nil, err
+	}
+	return js, nil
+}
+
+// drain flushes what the connection still holds and closes it.
+func drain(nc *nats.Conn, log *slog.Logger) {
+	if err := nc.Drain(); err != nil {
+		log.Warn("NATS drain failed", logging.Err(err))
+		nc.Close()
+		return
+	}
+	for nc.IsDraining() {
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func gatewayConfig(cfg config.Config) gateway.Config {
+	return gateway.Config{
+		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
+	}
+}
+
+func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
+	cfg, log, err := service("gateway", "The OpenAI-facing gateway, joining the NATS at PDQ_NATS_URL.", args, stderr)
+	if err != nil {
+		return helpIsNoError(err)
+	}
+	nc, js, err := connect(ctx, cfg.NATSURL, "gateway", log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc, log)
+	return gateway.New(nc, js, gatewayConfig(cfg), log).Run(ctx)
+}
+
+func runPrefill(ctx context.Context, args []string, _, stderr io.Writer) error {
+	return runWorker(ctx, dispatcher.StagePrefill, args, stderr)
+}
+
+func runDecode(ctx context.Context, args []string, _, stderr io.Writer) error {
+	return runWorker(ctx, dispatcher.StageDecode, args, stderr)
+}
+
+func runWorker(ctx context.Context, role dispatcher.Stage, args []string, stderr io.Writer) error {
+	summary := fmt.Sprintf("A %s worker for the engine at PDQ_ENGINE_URL, joining the NATS at PDQ_NATS_URL.", role)
+	cfg, log, err := service(string(role), summary, args, stderr)
+	if err != nil {
+		return helpIsNoError(err)
+	}
+	if cfg.EngineURL == "" {
+		return fmt.Errorf("%w: PDQ_ENGINE_URL is required for pdq %s", config.ErrInvalid, role)
+	}
+	nc, js, err := connect(ctx, cfg.NATSURL, string(role), log)
+	if err != nil {
+		return err
+	}
+	defer drain(nc, log)
+	w, err := workers.New(nc, js, workers.Config{
+		Role: role, EngineURL: cfg.EngineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
+	}, log)
+	if err != nil {
+		return err
+	}
+	return w.Run(ctx)
+}
+
+func helpIsNoError(err error) error {
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	return err
+}

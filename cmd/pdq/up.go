@@ -1,0 +1,155 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"path/filepath"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/pkg/config"
+	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/workers"
+)
+
+// runUp runs everything in one process: NATS (embedded unless PDQ_NATS_URL
+// names one), the gateway, and a worker per engine; with no engines
+// configured, a simulated prefill and decode engine too.
+func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg, log, err := service("up", "Everything in one process: embedded NATS, gateway, prefill and decode workers,\nand simulated engines when PDQ_PREFILL_ENGINES and PDQ_DECODE_ENGINES are unset.", args, stderr)
+	if err != nil {
+		return helpIsNoError(err)
+	}
+	if (len(cfg.PrefillEngines) == 0) != (len(cfg.DecodeEngines) == 0) {
+		return fmt.Errorf("%w: set both PDQ_PREFILL_ENGINES and PDQ_DECODE_ENGINES, or neither (for simulated engines)", config.ErrInvalid)
+	}
+
+	var (
+		nc       *nats.Conn
+		js       jetstream.JetStream
+		natsNote string
+	)
+	if cfg.NATSURL != "" {
+		if nc, js, err = connect(ctx, cfg.NATSURL, "up", log); err != nil {
+			return err
+		}
+		natsNote = cfg.NATSURL
+	} else {
+		srv, err := embedded.Start(embedded.Options{DataDir: filepath.Join(cfg.DataDir, "nats"), Listen: cfg.NATSListen}, log)
+		if err != nil {
+			return err
+		}
+		defer srv.Shutdown()
+		if nc, err = srv.Connect(nats.Name("pdq up")); err != nil {
+			return err
+		}
+		if js, err = ensure(ctx, nc); err != nil {
+			nc.Close()
+			return err
+		}
+		natsNote = "embedded, in-process only (set PDQ_NATS_LISTEN to let other processes join)"
+		if url := srv.ClientURL(); url != "" {
+			natsNote = "embedded, other processes join at PDQ_NATS_URL=" + url
+		}
+		log.Info("embedded NATS with JetStream started", "data_dir", filepath.Join(cfg.DataDir, "nats"), "client_url", srv.ClientURL())
+	}
+	defer drain(nc, log)
+
+	gwLn, err := net.Listen("tcp", cfg.HTTPAddr)
+	if err != nil {
+		return fmt.Errorf("gateway: listen on %s: %w", cfg.HTTPAddr, err)
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	prefill, decode := cfg.PrefillEngines, cfg.DecodeEngines
+	simulated := len(prefill) == 0
+	if simulated {
+		p, err := startSim(gctx, g, log)
+		if err != nil {
+			gwLn.Close()
+			return err
+		}
+		d, err := startSim(gctx, g, log)
+		if err != nil {
+			gwLn.Close()
+			return err
+		}
+		prefill, decode = []string{p}, []string{d}
+		log.Info("no engines configured: started a simulated prefill and decode engine (pdq sim)", "prefill", p, "decode", d)
+	}
+	for _, eng := range []struct {
+		role dispatcher.Stage
+		urls []string
+	}{{dispatcher.StagePrefill, prefill}, {dispatcher.StageDecode, decode}} {
+		for _, url := range eng.urls {
+			w, err := workers.New(nc, js, workers.Config{
+				Role: eng.role, EngineURL: url, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
+			}, log)
+			if err != nil {
+				gwLn.Close()
+				return err
+			}
+			g.Go(func() error { return w.Run(gctx) })
+		}
+	}
+	gw := gateway.New(nc, js, gatewayConfig(cfg), log)
+	g.Go(func() error { return gw.Serve(gctx, gwLn) })
+
+	base := "http://" + displayAddr(gwLn.Addr())
+	fmt.Fprintf(stdout, "pdq is up: OpenAI API at %s/v1\n", base)
+	fmt.Fprintf(stdout, "  engines: %d prefill, %d decode%s\n", len(prefill), len(decode), map[bool]string{true: " (simulated)", false: ""}[simulated])
+	fmt.Fprintf(stdout, "  NATS:    %s\n", natsNote)
+	fmt.Fprintf(stdout, "Try:\n  curl -sN %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
+		"    -d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":16,\"stream\":true}'\n",
+		base, modelHint(simulated))
+	return g.Wait()
+}
+
+// startSim runs a simulated engine on free loopback ports and returns its
+// URL.
+func startSim(ctx context.Context, g *errgroup.Group, log *slog.Logger) (string, error) {
+	cfg := sim.DefaultConfig()
+	cfg.KVHost = "127.0.0.1"
+	engine, err := sim.New(cfg, log)
+	if err != nil {
+		return "", err
+	}
+	httpLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("simulated engine: %w", err)
+	}
+	kvLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		httpLn.Close()
+		return "", fmt.Errorf("simulated engine: %w", err)
+	}
+	g.Go(func() error { return engine.Serve(ctx, httpLn, kvLn) })
+	return "http://" + httpLn.Addr().String(), nil
+}
+
+// displayAddr is an address a person can paste: 127.0.0.1 for a wildcard
+// listener.
+func displayAddr(a net.Addr) string {
+	tcp, ok := a.(*net.TCPAddr)
+	if !ok {
+		return a.String()
+	}
+	if tcp.IP == nil || tcp.IP.IsUnspecified() {
+		return fmt.Sprintf("127.0.0.1:%d", tcp.Port)
+	}
+	return tcp.String()
+}
+
+func modelHint(simulated bool) string {
+	if simulated {
+		return sim.DefaultConfig().Model
+	}
+	return "<model>"
+}
