@@ -187,5 +187,5 @@ func (h *handlers) cancel(id string, log *slog.Logger, why string) {
 		log.Warn("could not publish the cancel", logging.Err(err))
 		return
 	}
-	log.Info("request cancelled: "+why)
+	log.Info("request cancelled: " + why)
 }

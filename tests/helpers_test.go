@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"testing"
@@ -71,25 +72,43 @@ func get(t *testing.T, url string) response {
 // reads the whole response.
 func do(t *testing.T, method, url string, h http.Header, b any) response {
 	t.Helper()
+	r, err := tryDo(method, url, h, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// tryDo is do for goroutines, which must not call t.Fatal.
+func tryDo(method, url string, h http.Header, b any) (response, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	req, err := newRequest(ctx, method, url, b)
 	if err != nil {
-		t.Fatal(err)
+		return response{}, err
 	}
 	for k, v := range h {
 		req.Header[k] = v
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		t.Fatalf("%s %s: %v", method, url, err)
+		return response{}, fmt.Errorf("%s %s: %w", method, url, err)
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
-		t.Fatalf("%s %s: read body: %v", method, url, err)
+		return response{}, fmt.Errorf("%s %s: read body: %w", method, url, err)
 	}
-	return response{status: resp.StatusCode, header: resp.Header, body: raw}
+	return response{status: resp.StatusCode, header: resp.Header, body: raw}, nil
+}
+
+// tryPost is post for goroutines.
+func tryPost(url, id string, b any) (response, error) {
+	h := http.Header{}
+	if id != "" {
+		h.Set("X-Request-Id", id)
+	}
+	return tryDo(http.MethodPost, url, h, b)
 }
 
 // send posts b and returns the response unread, for tests that read it as
@@ -161,6 +180,7 @@ func (r response) apiError(t *testing.T) *openai.Error {
 // stream is a streamed response read to its end.
 type stream struct {
 	status int
+	header http.Header
 	events [][]byte // data of each event before [DONE]
 	done   bool     // [DONE] came last
 	err    error    // how reading ended, nil on a clean end
@@ -176,7 +196,7 @@ func postStream(t *testing.T, url, id string, b any) stream {
 		return stream{err: err}
 	}
 	defer resp.Body.Close()
-	s := stream{status: resp.StatusCode}
+	s := stream{status: resp.StatusCode, header: resp.Header}
 	if resp.StatusCode != http.StatusOK {
 		raw, _ := io.ReadAll(resp.Body)
 		s.events = [][]byte{raw}
@@ -230,55 +250,54 @@ type result struct {
 	usage  openai.Usage
 }
 
-// parseStream checks the SSE framing of a finished stream and assembles it.
+// checkStream checks the SSE framing of a finished stream and assembles it.
 // For chat the first event must carry the role and empty content; every
 // event must share one id; finish_reason must come on the last token only;
 // a usage chunk with no choices comes last when withUsage.
-func parseStream(t *testing.T, s stream, endpoint openai.Endpoint, withUsage bool) result {
-	t.Helper()
+func checkStream(s stream, endpoint openai.Endpoint, withUsage bool) (result, error) {
 	if s.err != nil || s.status != http.StatusOK || !s.done {
-		t.Fatalf("stream: status %d, done %v, err %v, events %q", s.status, s.done, s.err, s.events)
+		return result{}, fmt.Errorf("stream: status %d, done %v, err %v, events %q", s.status, s.done, s.err, s.events)
 	}
 	var res result
 	tokens := 0
 	for i, raw := range s.events {
 		var c chunk
 		if err := json.Unmarshal(raw, &c); err != nil {
-			t.Fatalf("event %d %q: %v", i, raw, err)
+			return result{}, fmt.Errorf("event %d %q: %v", i, raw, err)
 		}
 		if c.Error != nil {
-			t.Fatalf("in-stream error: %+v", c.Error)
+			return result{}, fmt.Errorf("in-stream error: %+v", c.Error)
 		}
 		if i == 0 {
 			res.id = c.ID
 		} else if c.ID != res.id {
-			t.Fatalf("event %d id %q != first id %q", i, c.ID, res.id)
+			return result{}, fmt.Errorf("event %d id %q != first id %q", i, c.ID, res.id)
 		}
 		wantObject := openai.ObjectTextCompletion
 		if endpoint == openai.Chat {
 			wantObject = openai.ObjectChatCompletionChunk
 		}
 		if c.Object != wantObject {
-			t.Fatalf("event %d object %q, want %q", i, c.Object, wantObject)
+			return result{}, fmt.Errorf("event %d object %q, want %q", i, c.Object, wantObject)
 		}
 		if len(c.Choices) == 0 {
 			if !withUsage || i != len(s.events)-1 || c.Usage == nil {
-				t.Fatalf("event %d has no choices but is not the closing usage chunk: %s", i, raw)
+				return result{}, fmt.Errorf("event %d has no choices but is not the closing usage chunk: %s", i, raw)
 			}
 			res.usage = *c.Usage
 			continue
 		}
 		if res.finish != "" {
-			t.Fatalf("event %d comes after the finish_reason chunk: %s", i, raw)
+			return result{}, fmt.Errorf("event %d comes after the finish_reason chunk: %s", i, raw)
 		}
 		ch := c.Choices[0]
 		if endpoint == openai.Chat {
 			if ch.Delta == nil {
-				t.Fatalf("chat event %d has no delta: %s", i, raw)
+				return result{}, fmt.Errorf("chat event %d has no delta: %s", i, raw)
 			}
 			if i == 0 {
 				if ch.Delta.Role == nil || *ch.Delta.Role != "assistant" || ch.Delta.Content == nil || *ch.Delta.Content != "" {
-					t.Fatalf("first chat event must be the role chunk, got %s", raw)
+					return result{}, fmt.Errorf("first chat event must be the role chunk, got %s", raw)
 				}
 				continue
 			}
@@ -294,21 +313,32 @@ func parseStream(t *testing.T, s stream, endpoint openai.Endpoint, withUsage boo
 		}
 	}
 	if res.finish == "" {
-		t.Fatalf("no event carried finish_reason: %q", s.events)
+		return result{}, fmt.Errorf("no event carried finish_reason: %q", s.events)
 	}
 	if withUsage && res.usage.CompletionTokens != tokens {
-		t.Fatalf("usage says %d completion tokens, stream had %d", res.usage.CompletionTokens, tokens)
+		return result{}, fmt.Errorf("usage says %d completion tokens, stream had %d", res.usage.CompletionTokens, tokens)
 	}
 	if !withUsage && res.usage != (openai.Usage{}) {
-		t.Fatalf("usage chunk without include_usage")
+		return result{}, fmt.Errorf("usage chunk without include_usage")
+	}
+	return res, nil
+}
+
+// parseStream is checkStream for the test goroutine.
+func parseStream(t *testing.T, s stream, endpoint openai.Endpoint, withUsage bool) result {
+	t.Helper()
+	res, err := checkStream(s, endpoint, withUsage)
+	if err != nil {
+		t.Fatal(err)
 	}
 	return res
 }
 
-// parseResponse reads a non-streaming chat or completions response.
-func parseResponse(t *testing.T, r response) (result, json.RawMessage) {
-	t.Helper()
-	r.wantStatus(t, http.StatusOK)
+// checkResponse reads a non-streaming chat or completions response.
+func checkResponse(r response) (result, json.RawMessage, error) {
+	if r.status != http.StatusOK {
+		return result{}, nil, fmt.Errorf("status = %d, want 200; body: %s", r.status, r.body)
+	}
 	var v struct {
 		ID      string `json:"id"`
 		Choices []struct {
@@ -322,9 +352,11 @@ func parseResponse(t *testing.T, r response) (result, json.RawMessage) {
 		Usage            *openai.Usage   `json:"usage"`
 		KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 	}
-	r.decode(t, &v)
+	if err := json.Unmarshal(r.body, &v); err != nil {
+		return result{}, nil, fmt.Errorf("response body %q: %w", r.body, err)
+	}
 	if len(v.Choices) != 1 || v.Usage == nil {
-		t.Fatalf("response %s: want one choice and usage", r.body)
+		return result{}, nil, fmt.Errorf("response %s: want one choice and usage", r.body)
 	}
 	res := result{id: v.ID, finish: v.Choices[0].FinishReason, usage: *v.Usage}
 	switch {
@@ -333,5 +365,15 @@ func parseResponse(t *testing.T, r response) (result, json.RawMessage) {
 	case v.Choices[0].Text != nil:
 		res.text = *v.Choices[0].Text
 	}
-	return res, v.KVTransferParams
+	return res, v.KVTransferParams, nil
+}
+
+// parseResponse is checkResponse for the test goroutine.
+func parseResponse(t *testing.T, r response) (result, json.RawMessage) {
+	t.Helper()
+	res, kv, err := checkResponse(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res, kv
 }
