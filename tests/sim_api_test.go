@@ -262,7 +262,11 @@ func TestQueueing(t *testing.T) {
 			if i >= 2 {
 				<-release
 			}
-			results[i] = post(t, e.URL+openai.Completions.Path(), "", completionBody(model, "q", body{"max_tokens": n, "ignore_eos": true}))
+			r, err := tryPost(e.URL+openai.Completions.Path(), "", completionBody(model, "q", body{"max_tokens": n, "ignore_eos": true}))
+			if err != nil {
+				t.Error(err)
+			}
+			results[i] = r
 		})
 	}
 	e.WaitStats(t, 5*time.Second, "two running", func(s sim.Stats) bool { return s.Running == 2 })
@@ -313,8 +317,10 @@ func TestAborts(t *testing.T) {
 		e := simtest.Start(t, cfg)
 		ctx, cancel := context.WithCancel(context.Background())
 		go func() {
-			e.WaitStats(t, 5*time.Second, "running", func(s sim.Stats) bool { return s.Running == 1 })
-			cancel()
+			defer cancel()
+			if _, err := e.Poll(5*time.Second, func(s sim.Stats) bool { return s.Running == 1 }); err != nil {
+				t.Errorf("request not running: %v", err)
+			}
 		}()
 		if _, err := send(ctx, e.URL+openai.Completions.Path(), "", completionBody(model, "x", body{"max_tokens": 500, "ignore_eos": true})); err == nil {
 			t.Fatal("request finished despite the cancel")
@@ -340,8 +346,10 @@ func TestAborts(t *testing.T) {
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		go func() {
-			d.WaitStats(t, 5*time.Second, "decode waiting", func(s sim.Stats) bool { return s.Waiting == 1 })
-			cancel()
+			defer cancel()
+			if _, err := d.Poll(5*time.Second, func(s sim.Stats) bool { return s.Waiting == 1 }); err != nil {
+				t.Errorf("decode not waiting: %v", err)
+			}
 		}()
 		if _, err := send(ctx, d.URL+openai.Chat.Path(), "req-1", decodeBody(b, params)); err == nil {
 			t.Fatal("decode finished despite the cancel")

@@ -309,7 +309,11 @@ func TestLeaseExpiry(t *testing.T) {
 		// Fill the decode engine's only slot for about three leases.
 		blocker := make(chan response, 1)
 		go func() {
-			blocker <- post(t, d.URL+openai.Chat.Path(), "", chatBody(model, "busy", body{"max_tokens": 100, "ignore_eos": true}))
+			r, err := tryPost(d.URL+openai.Chat.Path(), "", chatBody(model, "busy", body{"max_tokens": 100, "ignore_eos": true}))
+			if err != nil {
+				t.Error(err)
+			}
+			blocker <- r
 		}()
 		d.WaitStats(t, 5*time.Second, "blocker running", func(s sim.Stats) bool { return s.Running == 1 })
 		params := runPrefill(t, p, openai.Chat, "req-1", b)

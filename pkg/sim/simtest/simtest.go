@@ -102,14 +102,27 @@ func FetchStats(ctx context.Context, baseURL string) (sim.Stats, error) {
 // noticed or a lease running out.
 func (e *Engine) WaitStats(t testing.TB, timeout time.Duration, what string, cond func(sim.Stats) bool) sim.Stats {
 	t.Helper()
+	s, err := e.Poll(timeout, cond)
+	if err != nil {
+		t.Fatalf("simtest: %s: %v", what, err)
+	}
+	return s
+}
+
+// Poll is WaitStats for goroutines other than the test's, which must not
+// call t.Fatal: it returns an error instead.
+func (e *Engine) Poll(timeout time.Duration, cond func(sim.Stats) bool) (sim.Stats, error) {
 	deadline := time.Now().Add(timeout)
 	for {
-		s := e.Stats(t)
+		s, err := FetchStats(context.Background(), e.URL)
+		if err != nil {
+			return s, err
+		}
 		if cond(s) {
-			return s
+			return s, nil
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("simtest: %s did not happen within %v; stats: %+v", what, timeout, s)
+			return s, fmt.Errorf("not within %v; stats: %+v", timeout, s)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -1,0 +1,168 @@
+package tests
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/workers"
+)
+
+// pipeline is pdq running in the test process: an embedded JetStream, a
+// gateway on a loopback port, and a worker per simulated engine.
+type pipeline struct {
+	url     string // the gateway's base URL
+	prefill []*simtest.Engine
+	decode  []*simtest.Engine
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	log     *slog.Logger
+	ctx     context.Context
+	wg      *sync.WaitGroup
+	t       *testing.T
+}
+
+type pipelineOptions struct {
+	prefill, decode int        // engines of each kind, default 1
+	sim             sim.Config // engine configuration, default simtest.FastConfig
+	prefillSim      *sim.Config
+	gateway         gateway.Config
+	slots           int // per worker; 0 takes the role's default
+}
+
+// testLogger writes logs to stderr when PDQ_TEST_LOG is set; tests are
+// quiet otherwise.
+func testLogger() *slog.Logger {
+	if level := os.Getenv("PDQ_TEST_LOG"); level != "" {
+		log, err := logging.New(os.Stderr, level, logging.FormatText)
+		if err == nil {
+			return log
+		}
+	}
+	return logging.Discard()
+}
+
+func startPipeline(t *testing.T, o pipelineOptions) *pipeline {
+	t.Helper()
+	if o.prefill == 0 {
+		o.prefill = 1
+	}
+	if o.decode == 0 {
+		o.decode = 1
+	}
+	if o.sim.Model == "" {
+		o.sim = simtest.FastConfig()
+	}
+	log := testLogger()
+	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := srv.Connect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := dispatcher.Ensure(ctx, js); err != nil {
+		t.Fatal(err)
+	}
+	p := &pipeline{nc: nc, js: js, log: log, ctx: ctx, wg: &sync.WaitGroup{}, t: t}
+	t.Cleanup(func() {
+		cancel()
+		p.wg.Wait()
+	})
+	for range o.prefill {
+		cfg := o.sim
+		if o.prefillSim != nil {
+			cfg = *o.prefillSim
+		}
+		p.prefill = append(p.prefill, simtest.Start(t, cfg))
+	}
+	for range o.decode {
+		p.decode = append(p.decode, simtest.Start(t, o.sim))
+	}
+	for _, e := range p.prefill {
+		p.startWorker(dispatcher.StagePrefill, e.URL, o.slots)
+	}
+	for _, e := range p.decode {
+		p.startWorker(dispatcher.StageDecode, e.URL, o.slots)
+	}
+	gcfg := o.gateway
+	if gcfg.MinPromptTokens == 0 {
+		gcfg.MinPromptTokens = gateway.DefaultMinPromptTokens
+	}
+	gcfg.Grace = 2 * time.Second
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gw := gateway.New(nc, js, gcfg, log)
+	p.run("gateway", func() error { return gw.Serve(ctx, ln) })
+	p.url = "http://" + ln.Addr().String()
+	p.waitWorkers(o.prefill + o.decode)
+	return p
+}
+
+// startWorker runs one more worker for the engine at url.
+func (p *pipeline) startWorker(role dispatcher.Stage, url string, slots int) {
+	p.t.Helper()
+	w, err := workers.New(p.nc, p.js, workers.Config{Role: role, EngineURL: url, Slots: slots, Grace: 2 * time.Second}, p.log)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.run(string(role)+" worker", func() error { return w.Run(p.ctx) })
+}
+
+func (p *pipeline) run(what string, f func() error) {
+	p.wg.Go(func() {
+		if err := f(); err != nil {
+			p.t.Errorf("%s stopped with %v", what, err)
+		}
+	})
+}
+
+// waitWorkers waits until n workers are in the registry, so requests do
+// not race the workers' start-up.
+func (p *pipeline) waitWorkers(n int) {
+	p.t.Helper()
+	kv, err := p.js.KeyValue(p.ctx, dispatcher.BucketWorkers)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		keys, _ := kv.Keys(p.ctx)
+		if len(keys) >= n {
+			// The gateway's watch sees the entries a moment later.
+			time.Sleep(50 * time.Millisecond)
+			return
+		}
+		if time.Now().After(deadline) {
+			p.t.Fatalf("%d of %d workers registered after 10s", len(keys), n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// chat and completions are the gateway's endpoint URLs.
+func (p *pipeline) chat() string        { return p.url + "/v1/chat/completions" }
+func (p *pipeline) completions() string { return p.url + "/v1/completions" }
