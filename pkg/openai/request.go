@@ -80,12 +80,13 @@ func (e Endpoint) IDPrefix() string {
 // every engine needs. Problems come back as a 400 *Error naming the field.
 func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 	var req Request
-	dec := json.NewDecoder(bytes.NewReader(body))
-	if err := dec.Decode(&req); err != nil {
-		return nil, decodeError(err)
+	// Unmarshal, not a Decoder: it also refuses anything after the object,
+	// which engines would refuse later and less clearly.
+	if len(bytes.TrimSpace(body)) == 0 {
+		return nil, NewError(http.StatusBadRequest, "request body is empty")
 	}
-	if dec.More() {
-		return nil, NewError(http.StatusBadRequest, "request body holds more than one JSON value")
+	if err := json.Unmarshal(body, &req); err != nil {
+		return nil, decodeError(err)
 	}
 	if req.Model == "" {
 		return nil, NewError(http.StatusBadRequest, "'model' is required").WithParam("model")

@@ -57,6 +57,7 @@ func TestDecodeRequest(t *testing.T) {
 		{name: "float max_tokens", endpoint: Completions, param: "max_tokens", body: `{"model":"m","prompt":"x","max_tokens":1.5}`},
 		{name: "kv params array", endpoint: Completions, param: "kv_transfer_params", body: `{"model":"m","prompt":"x","kv_transfer_params":[1]}`},
 		{name: "two values", endpoint: Completions, body: `{"model":"m","prompt":"x"} {}`},
+		{name: "trailing brace", endpoint: Completions, body: `{"model":"m","prompt":"x"}}`},
 		{name: "truncated", endpoint: Completions, body: `{"model":"m","prompt":"x"`},
 		{name: "not an object", endpoint: Completions, body: `"hi"`},
 	} {

@@ -1,0 +1,118 @@
+package gateway
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+func TestRequestID(t *testing.T) {
+	for _, tc := range []struct {
+		header string
+		ok     bool
+	}{
+		{"abc-123_X", true}, {strings.Repeat("a", 128), true},
+		{"a.b", false}, {"a*", false}, {"a>", false}, {"a b", false}, {" a", false}, {strings.Repeat("a", 129), false},
+		{"pdq.reply.x.>", false}, {"ü", false},
+	} {
+		id, err := requestID(tc.header)
+		if tc.ok && (err != nil || id != tc.header) {
+			t.Errorf("requestID(%q) = %q, %v", tc.header, id, err)
+		}
+		if !tc.ok && (err == nil || err.Code != http.StatusBadRequest) {
+			t.Errorf("requestID(%q) accepted, got %q", tc.header, id)
+		}
+	}
+	a, _ := requestID("")
+	b, _ := requestID("")
+	if a == b || len(a) != 36 || !dispatcher.ValidRequestID(a) || a[14] != '4' {
+		t.Errorf("generated ids %q, %q are not fresh v4 UUIDs", a, b)
+	}
+}
+
+func TestParseRequest(t *testing.T) {
+	t.Run("client kv_transfer_params are dropped in any case", func(t *testing.T) {
+		body := `{"model":"m","prompt":"x","KV_Transfer_Params":{"remote_host":"evil"},"kv_transfer_params":{"do_remote_prefill":true}}`
+		in, err := parseRequest(openai.Completions, []byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !in.droppedKV || strings.Contains(strings.ToLower(string(in.body)), "kv_transfer") || strings.Contains(string(in.body), "evil") {
+			t.Errorf("body = %s", in.body)
+		}
+		var m map[string]any
+		json.Unmarshal(in.body, &m)
+		if m["model"] != "m" || m["prompt"] != "x" {
+			t.Errorf("other fields lost: %s", in.body)
+		}
+	})
+	t.Run("a body without params passes byte for byte", func(t *testing.T) {
+		body := `{"prompt":"x",  "model":"m", "temperature":0.50}`
+		in, err := parseRequest(openai.Completions, []byte(body))
+		if err != nil || string(in.body) != body || in.droppedKV {
+			t.Errorf("body = %s, %v", in.body, err)
+		}
+	})
+	t.Run("prompt estimates", func(t *testing.T) {
+		for _, tc := range []struct {
+			ep   openai.Endpoint
+			body string
+			want int
+		}{
+			{openai.Completions, `{"model":"m","prompt":"12345678"}`, 2},
+			{openai.Completions, `{"model":"m","prompt":[1,2,3,4,5]}`, 5},
+			{openai.Chat, `{"model":"m","messages":[{"role":"system","content":"1234"},{"role":"user","content":"12345"}]}`, 3},
+		} {
+			in, err := parseRequest(tc.ep, []byte(tc.body))
+			if err != nil || in.promptTokens != tc.want {
+				t.Errorf("%s: estimate %d, %v; want %d", tc.body, in.promptTokens, err, tc.want)
+			}
+		}
+	})
+}
+
+// FuzzParseRequest checks that no body makes the gateway's parsing panic,
+// that every refusal is a 400, and that no accepted body keeps a
+// kv_transfer_params for the engines. The seeds run in every `go test`.
+func FuzzParseRequest(f *testing.F) {
+	for _, seed := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`,
+		`{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.1"}}`,
+		`{"model":"m","prompt":[1,2],"KV_TRANSFER_PARAMS":null}`,
+		`{"model":"m","prompt":"x","kv_transfer_params":1}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"max_tokens":"1"}`,
+		`{"model":"","prompt":"x"}`, `{}`, `[]`, `{"model":"m","prompt":"x"}{}`, "\x00", ``,
+	} {
+		f.Add(seed, true)
+		f.Add(seed, false)
+	}
+	f.Fuzz(func(t *testing.T, body string, chat bool) {
+		ep := openai.Completions
+		if chat {
+			ep = openai.Chat
+		}
+		in, apiErr := parseRequest(ep, []byte(body))
+		if apiErr != nil {
+			if apiErr.Code != http.StatusBadRequest || apiErr.Message == "" {
+				t.Fatalf("refusal %+v is not a 400 with a message", apiErr)
+			}
+			return
+		}
+		var m map[string]json.RawMessage
+		if err := json.Unmarshal(in.body, &m); err != nil {
+			t.Fatalf("accepted body %q is no JSON object: %v", in.body, err)
+		}
+		for k := range m {
+			if strings.EqualFold(k, "kv_transfer_params") {
+				t.Fatalf("kv_transfer_params survived in %s", in.body)
+			}
+		}
+		if in.promptTokens < 0 {
+			t.Fatalf("negative prompt estimate %d", in.promptTokens)
+		}
+	})
+}

@@ -1,0 +1,157 @@
+package workers
+
+import (
+	"encoding/json"
+	"errors"
+	"reflect"
+	"testing"
+)
+
+// asMap decodes a JSON object for comparison.
+func asMap(t *testing.T, raw []byte) map[string]any {
+	t.Helper()
+	var m map[string]any
+	if err := json.Unmarshal(raw, &m); err != nil {
+		t.Fatalf("%s: %v", raw, err)
+	}
+	return m
+}
+
+func TestPrefillBody(t *testing.T) {
+	skeleton := map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": nil,
+		"remote_block_ids": nil, "remote_host": nil, "remote_port": nil}
+	for _, tc := range []struct {
+		name   string
+		client string
+		want   map[string]any
+	}{
+		{"chat streaming with usage and min_tokens",
+			`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"min_tokens":5,"temperature":0.7}`,
+			map[string]any{"model": "m", "messages": []any{map[string]any{"role": "user", "content": "hi"}}, "stream": false,
+				"max_tokens": 1.0, "temperature": 0.7, "kv_transfer_params": skeleton}},
+		{"max_completion_tokens set to 1 too",
+			`{"model":"m","prompt":"x","max_completion_tokens":9,"min_completion_tokens":2}`,
+			map[string]any{"model": "m", "prompt": "x", "stream": false, "max_tokens": 1.0, "max_completion_tokens": 1.0, "kv_transfer_params": skeleton}},
+		{"no limits at all",
+			`{"model":"m","prompt":"x"}`,
+			map[string]any{"model": "m", "prompt": "x", "stream": false, "max_tokens": 1.0, "kv_transfer_params": skeleton}},
+		{"client params are replaced",
+			`{"model":"m","prompt":"x","kv_transfer_params":{"remote_host":"evil"}}`,
+			map[string]any{"model": "m", "prompt": "x", "stream": false, "max_tokens": 1.0, "kv_transfer_params": skeleton}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := PrefillBody(json.RawMessage(tc.client))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := asMap(t, out); !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("PrefillBody:\n got %v\nwant %v", got, tc.want)
+			}
+		})
+	}
+	for _, bad := range []string{`[]`, `null`, `"x"`, `{`} {
+		if _, err := PrefillBody(json.RawMessage(bad)); err == nil {
+			t.Errorf("PrefillBody(%s) accepted a body that is no object", bad)
+		}
+	}
+}
+
+func TestDecodeBody(t *testing.T) {
+	client := json.RawMessage(`{"model":"m","prompt":"x","stream":true,"max_tokens":7}`)
+	out, err := DecodeBody(client, nil)
+	if err != nil || string(out) != string(client) {
+		t.Errorf("decode-only body = %s, %v; want the client's bytes", out, err)
+	}
+	params := json.RawMessage(`{"remote_block_ids":[[1,2],[3]],"remote_engine_id":"e","x_future_key":{"a":1}}`)
+	out, err = DecodeBody(client, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := asMap(t, out)
+	if m["stream"] != true || m["max_tokens"] != 7.0 || m["prompt"] != "x" {
+		t.Errorf("the client's fields changed: %v", m)
+	}
+	var got struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	json.Unmarshal(out, &got)
+	if string(got.KV) != string(params) {
+		t.Errorf("params = %s, want them byte for byte: %s", got.KV, params)
+	}
+}
+
+func TestExtractKVParams(t *testing.T) {
+	for _, tc := range []struct {
+		body    string
+		want    string
+		wantErr error
+	}{
+		{`{"id":"x","kv_transfer_params":{"remote_block_ids":["DUMMY_ID"],"remote_port":1}}`, `{"remote_block_ids":["DUMMY_ID"],"remote_port":1}`, nil},
+		{`{"id":"x","kv_transfer_params":null}`, "", ErrNoKVParams},
+		{`{"id":"x"}`, "", ErrNoKVParams},
+		{`{"kv_transfer_params":[1]}`, "", ErrNoKVParams},
+		{`{"kv_transfer_params":"x"}`, "", ErrNoKVParams},
+		{`not json`, "", nil},
+	} {
+		got, err := ExtractKVParams([]byte(tc.body))
+		switch {
+		case tc.want != "":
+			if err != nil || string(got) != tc.want {
+				t.Errorf("%s: got %s, %v", tc.body, got, err)
+			}
+		case tc.wantErr != nil:
+			if !errors.Is(err, tc.wantErr) {
+				t.Errorf("%s: err = %v, want %v", tc.body, err, tc.wantErr)
+			}
+		default:
+			if err == nil {
+				t.Errorf("%s: want an error", tc.body)
+			}
+		}
+	}
+}
+
+func TestFixRemoteHost(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		params   string
+		host     string
+		want     string // "" = unchanged
+		rewrites bool
+	}{
+		{"localhost", `{"remote_host":"localhost","remote_port":5600}`, "10.0.0.5", "10.0.0.5", true},
+		{"loopback v4", `{"remote_host":"127.0.0.1"}`, "p1.svc", "p1.svc", true},
+		{"loopback v6", `{"remote_host":"::1"}`, "10.0.0.5", "10.0.0.5", true},
+		{"unspecified", `{"remote_host":"0.0.0.0"}`, "10.0.0.5", "10.0.0.5", true},
+		{"null", `{"remote_host":null}`, "10.0.0.5", "10.0.0.5", true},
+		{"missing", `{"remote_port":1}`, "10.0.0.5", "10.0.0.5", true},
+		{"routable stays", `{"remote_host":"10.1.2.3"}`, "10.0.0.5", "", false},
+		{"no host known", `{"remote_host":"localhost"}`, "", "", false},
+		{"local replacement is no better", `{"remote_host":"localhost"}`, "127.0.0.1", "", false},
+		{"not a string", `{"remote_host":5}`, "10.0.0.5", "", false},
+		{"not an object", `[1]`, "10.0.0.5", "", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, ok := FixRemoteHost(json.RawMessage(tc.params), tc.host)
+			if ok != tc.rewrites {
+				t.Fatalf("rewrote = %v, want %v (%s)", ok, tc.rewrites, out)
+			}
+			if !ok {
+				if string(out) != tc.params {
+					t.Errorf("unchanged params came back as %s", out)
+				}
+				return
+			}
+			m := asMap(t, out)
+			if m["remote_host"] != tc.want {
+				t.Errorf("remote_host = %v, want %s", m["remote_host"], tc.want)
+			}
+			in := asMap(t, []byte(tc.params))
+			for k, v := range in {
+				if k != "remote_host" && !reflect.DeepEqual(m[k], v) {
+					t.Errorf("%s changed from %v to %v", k, v, m[k])
+				}
+			}
+		})
+	}
+}
