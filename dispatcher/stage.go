@@ -50,10 +50,14 @@ func Reported(err error) error {
 	return &Failure{Err: err, Permanent: true, Reported: true}
 }
 
-// retryDelay is the NakWithDelay back-off: 250ms, 1s, 4s, capped at 10s. A
-// plain Nak would redeliver at once and storm an engine that is down.
-func retryDelay(attempt int) time.Duration {
-	d := 250 * time.Millisecond
+// DefaultRetryBase is the first retry's delay; each next one is 4 times
+// longer: 250ms, 1s, 4s.
+const DefaultRetryBase = 250 * time.Millisecond
+
+// retryDelay is the NakWithDelay back-off, capped at 10s. A plain Nak would
+// redeliver at once and storm an engine that is down.
+func retryDelay(base time.Duration, attempt int) time.Duration {
+	d := base
 	for i := 1; i < attempt; i++ {
 		d *= 4
 	}
@@ -115,6 +119,9 @@ type StageConfig struct {
 	// Grace is how long in-flight jobs may run on after Run's context ends;
 	// the rest are handed back for redelivery.
 	Grace time.Duration
+	// RetryBase is the delay before the first retry of a failed job;
+	// 0 takes DefaultRetryBase.
+	RetryBase time.Duration
 }
 
 // StageLoop pulls jobs of one stage and pool and runs them.
@@ -142,6 +149,9 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	}
 	if cfg.Grace <= 0 {
 		cfg.Grace = 30 * time.Second
+	}
+	if cfg.RetryBase <= 0 {
+		cfg.RetryBase = DefaultRetryBase
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{
@@ -297,7 +307,7 @@ func (l *StageLoop) fail(ctx context.Context, msg jetstream.Msg, job *Job, attem
 		f = &Failure{Err: err}
 	}
 	if !f.Permanent && attempt < MaxDeliver {
-		delay := retryDelay(attempt)
+		delay := retryDelay(l.cfg.RetryBase, attempt)
 		log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := msg.NakWithDelay(delay); err != nil {
 			log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))

@@ -147,10 +147,11 @@ func (h *handlers) routes() http.Handler {
 	e.HideBanner, e.HidePort = true, true
 	e.HTTPErrorHandler = h.echoError
 	e.Use(h.recoverPanics)
-	v1 := e.Group("/v1", h.requireKey)
-	v1.POST("/chat/completions", h.generate(openai.Chat))
-	v1.POST("/completions", h.generate(openai.Completions))
-	v1.GET("/models", h.models)
+	// The key check is per route, not group middleware: a group with
+	// middleware answers 404 where a wrong method deserves a 405.
+	e.POST("/v1/chat/completions", h.generate(openai.Chat), h.requireKey)
+	e.POST("/v1/completions", h.generate(openai.Completions), h.requireKey)
+	e.GET("/v1/models", h.models, h.requireKey)
 	e.GET("/health", func(c echo.Context) error { return c.NoContent(http.StatusOK) })
 	e.GET("/ready", h.ready)
 	return e

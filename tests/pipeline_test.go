@@ -36,7 +36,7 @@ type pipeline struct {
 }
 
 type pipelineOptions struct {
-	prefill, decode int        // engines of each kind, default 1
+	prefill, decode int        // engines of each kind, default 1; -1 for none
 	sim             sim.Config // engine configuration, default simtest.FastConfig
 	prefillSim      *sim.Config
 	gateway         gateway.Config
@@ -90,14 +90,14 @@ func startPipeline(t *testing.T, o pipelineOptions) *pipeline {
 		cancel()
 		p.wg.Wait()
 	})
-	for range o.prefill {
+	for range max(o.prefill, 0) {
 		cfg := o.sim
 		if o.prefillSim != nil {
 			cfg = *o.prefillSim
 		}
 		p.prefill = append(p.prefill, simtest.Start(t, cfg))
 	}
-	for range o.decode {
+	for range max(o.decode, 0) {
 		p.decode = append(p.decode, simtest.Start(t, o.sim))
 	}
 	for _, e := range p.prefill {
@@ -118,14 +118,16 @@ func startPipeline(t *testing.T, o pipelineOptions) *pipeline {
 	gw := gateway.New(nc, js, gcfg, log)
 	p.run("gateway", func() error { return gw.Serve(ctx, ln) })
 	p.url = "http://" + ln.Addr().String()
-	p.waitWorkers(o.prefill + o.decode)
+	p.waitWorkers(max(o.prefill, 0) + max(o.decode, 0))
 	return p
 }
 
 // startWorker runs one more worker for the engine at url.
 func (p *pipeline) startWorker(role dispatcher.Stage, url string, slots int) {
 	p.t.Helper()
-	w, err := workers.New(p.nc, p.js, workers.Config{Role: role, EngineURL: url, Slots: slots, Grace: 2 * time.Second}, p.log)
+	w, err := workers.New(p.nc, p.js, workers.Config{
+		Role: role, EngineURL: url, Slots: slots, Grace: 2 * time.Second, RetryBase: 20 * time.Millisecond,
+	}, p.log)
 	if err != nil {
 		p.t.Fatal(err)
 	}

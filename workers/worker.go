@@ -41,6 +41,9 @@ type Config struct {
 	KVHost string
 	// Grace is how long running jobs may finish at shutdown.
 	Grace time.Duration
+	// RetryBase is the delay before a failed job's first retry; 0 takes
+	// dispatcher.DefaultRetryBase.
+	RetryBase time.Duration
 }
 
 // Worker runs one stage on one engine.
@@ -93,11 +96,12 @@ func (w *Worker) Run(ctx context.Context) error {
 		handler = w.prefill
 	}
 	loop, err := dispatcher.NewStageLoop(w.nc, w.js, dispatcher.StageConfig{
-		Stage:   w.cfg.Role,
-		Pool:    pool,
-		Slots:   w.cfg.Slots,
-		Handler: handler,
-		Grace:   w.cfg.Grace,
+		Stage:     w.cfg.Role,
+		Pool:      pool,
+		Slots:     w.cfg.Slots,
+		Handler:   handler,
+		Grace:     w.cfg.Grace,
+		RetryBase: w.cfg.RetryBase,
 		Worker: dispatcher.WorkerInfo{
 			ID: dispatcher.NewWorkerID(w.cfg.Role), Model: model, Engine: w.engine.URL(), Started: time.Now(),
 		},
