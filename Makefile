@@ -6,19 +6,26 @@ BIN       := bin/pdq
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 .DEFAULT_GOAL := help
-.PHONY: help build run test fmt-check vet lint fuzz clean
+.PHONY: help build run test openai-client fmt-check vet lint fuzz clean
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 build: ## build bin/pdq
 	$(GO) build -o $(BIN) ./cmd/pdq
 
-run: build ## run pdq (until the pipeline lands: one simulated engine on 127.0.0.1:8100)
-	./$(BIN) sim
+# make run binds the gateway to loopback; set PDQ_HTTP_ADDR=:8000 to serve
+# other machines.
+export PDQ_HTTP_ADDR ?= 127.0.0.1:8000
 
-test: fmt-check vet ## run the whole test suite with the race detector
-	$(GO) test -race -count=1 -timeout 10m ./...
+run: build ## run pdq up: embedded NATS, gateway, workers, simulated engines unless PDQ_*_ENGINES are set
+	./$(BIN) up
+
+test: fmt-check vet openai-client ## run the whole test suite with the race detector
+	PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m ./...
+
+openai-client: ## install the pinned official OpenAI Node client that the suite drives
+	npm ci --prefix tests/openai-client --no-audit --no-fund --loglevel=error
 
 fmt-check: ## fail if a file is not gofmt-formatted
 	@out="$$(gofmt -l .)"; if [ -n "$$out" ]; then echo "not gofmt-formatted:"; echo "$$out"; exit 1; fi
@@ -29,8 +36,9 @@ vet: ## go vet
 lint: fmt-check vet ## gofmt, go vet and staticcheck
 	$(GO) run $(STATICCHECK) ./...
 
-fuzz: ## fuzz request parsing for 60s
+fuzz: ## fuzz request parsing for 60s each
 	$(GO) test -run '^$$' -fuzz FuzzDecodeRequest -fuzztime 60s ./pkg/openai
+	$(GO) test -run '^$$' -fuzz FuzzParseRequest -fuzztime 60s ./gateway
 
-clean: ## remove build output
-	rm -rf bin
+clean: ## remove build output, local data and installed test packages
+	rm -rf bin data tests/openai-client/node_modules

@@ -46,13 +46,17 @@ func runTests(m *testing.M) int {
 	return m.Run()
 }
 
-// process is a running `pdq` command.
+// process is a running `pdq` command that logs JSON to stderr.
 type process struct {
+	name   string
 	cmd    *exec.Cmd
 	mu     sync.Mutex
 	logs   bytes.Buffer
-	exited chan struct{} // closed once the process has exited
-	err    error         // how it exited, set before exited closes
+	recs   []map[string]any // the JSON log records so far
+	grew   chan struct{}    // closed and replaced whenever a record arrives
+	exited chan struct{}    // closed once the process has exited
+	err    error            // how it exited, set before exited closes
+	stdout bytes.Buffer
 }
 
 func (p *process) output() string {
@@ -61,15 +65,14 @@ func (p *process) output() string {
 	return p.logs.String()
 }
 
-// startSimProcess runs `pdq sim` with free loopback ports and waits for its
-// ready line, from which it learns the ports. The process is stopped when
-// the test ends.
-func startSimProcess(t *testing.T, args ...string) (*process, *simtest.Engine) {
+// startPDQ runs pdq with args and extra environment, logging JSON at debug
+// level. The process gets SIGTERM when the test ends and must exit cleanly.
+func startPDQ(t *testing.T, env []string, args ...string) *process {
 	t.Helper()
-	args = append([]string{"sim", "--addr", "127.0.0.1:0", "--kv-host", "127.0.0.1", "--kv-port", "0",
-		"--prefill-overhead", "1ms", "--itl", "0s"}, args...)
 	cmd := exec.Command(pdqBinary, args...)
-	cmd.Env = append(os.Environ(), "PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=debug")
+	cmd.Env = append(append(os.Environ(), "PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=debug"), env...)
+	p := &process{name: strings.Join(args, " "), cmd: cmd, grew: make(chan struct{}), exited: make(chan struct{})}
+	cmd.Stdout = &lockedWriter{mu: &p.mu, w: &p.stdout}
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -77,37 +80,76 @@ func startSimProcess(t *testing.T, args ...string) (*process, *simtest.Engine) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &process{cmd: cmd, exited: make(chan struct{})}
-	ready := make(chan string, 1)
 	go func() {
 		sc := bufio.NewScanner(stderr)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
 		for sc.Scan() {
 			line := sc.Text()
+			var rec map[string]any
+			json.Unmarshal([]byte(line), &rec)
 			p.mu.Lock()
 			p.logs.WriteString(line + "\n")
+			if rec != nil {
+				p.recs = append(p.recs, rec)
+			}
+			close(p.grew)
+			p.grew = make(chan struct{})
 			p.mu.Unlock()
-			var rec struct {
-				Msg  string `json:"msg"`
-				Addr string `json:"addr"`
-			}
-			if json.Unmarshal([]byte(line), &rec) == nil && rec.Msg == "simulated engine ready" {
-				ready <- rec.Addr
-			}
 		}
 		io.Copy(io.Discard, stderr)
 		p.err = cmd.Wait()
 		close(p.exited)
 	}()
 	t.Cleanup(func() { p.stop(t) })
-	select {
-	case addr := <-ready:
-		return p, &simtest.Engine{URL: "http://" + addr}
-	case <-p.exited:
-		t.Fatalf("pdq sim exited before it was ready (%v):\n%s", p.err, p.output())
-	case <-time.After(15 * time.Second):
-		t.Fatalf("pdq sim not ready after 15s:\n%s", p.output())
+	return p
+}
+
+// waitLog waits for the first log record with message msg and returns it.
+func (p *process) waitLog(t *testing.T, msg string) map[string]any {
+	t.Helper()
+	deadline := time.After(20 * time.Second)
+	seen := 0
+	for {
+		p.mu.Lock()
+		recs, grew := p.recs, p.grew
+		p.mu.Unlock()
+		for _, r := range recs[seen:] {
+			if r["msg"] == msg {
+				return r
+			}
+		}
+		seen = len(recs)
+		select {
+		case <-grew:
+		case <-p.exited:
+			t.Fatalf("pdq %s exited (%v) before logging %q:\n%s", p.name, p.err, msg, p.output())
+		case <-deadline:
+			t.Fatalf("pdq %s did not log %q within 20s:\n%s", p.name, msg, p.output())
+		}
 	}
-	return nil, nil
+}
+
+// lockedWriter serializes writes with the process's lock.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
+}
+
+// startSimProcess runs `pdq sim` with free loopback ports and learns them
+// from its ready line.
+func startSimProcess(t *testing.T, args ...string) (*process, *simtest.Engine) {
+	t.Helper()
+	args = append([]string{"sim", "--addr", "127.0.0.1:0", "--kv-host", "127.0.0.1", "--kv-port", "0",
+		"--prefill-overhead", "1ms", "--itl", "0s"}, args...)
+	p := startPDQ(t, nil, args...)
+	rec := p.waitLog(t, "simulated engine ready")
+	return p, &simtest.Engine{URL: "http://" + rec["addr"].(string)}
 }
 
 // stop sends SIGTERM and waits for a clean exit.
@@ -122,12 +164,12 @@ func (p *process) stop(t *testing.T) {
 	select {
 	case <-p.exited:
 		if p.err != nil {
-			t.Errorf("pdq sim exited with %v after SIGTERM:\n%s", p.err, p.output())
+			t.Errorf("pdq %s exited with %v after SIGTERM:\n%s", p.name, p.err, p.output())
 		}
 	case <-time.After(15 * time.Second):
 		p.cmd.Process.Kill()
 		<-p.exited
-		t.Errorf("pdq sim ignored SIGTERM for 15s:\n%s", p.output())
+		t.Errorf("pdq %s ignored SIGTERM for 15s:\n%s", p.name, p.output())
 	}
 }
 

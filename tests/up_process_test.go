@@ -1,0 +1,82 @@
+package tests
+
+import (
+	"fmt"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+)
+
+// startUp runs `pdq up` with simulated engines on free loopback ports and
+// returns the process and the gateway's base URL, once it serves a P/D
+// request.
+func startUp(t *testing.T, env ...string) (*process, string) {
+	t.Helper()
+	env = append([]string{"PDQ_DATA_DIR=" + t.TempDir(), "PDQ_HTTP_ADDR=127.0.0.1:0"}, env...)
+	up := startPDQ(t, env, "up")
+	rec := up.waitLog(t, "gateway listening")
+	url := "http://" + rec["addr"].(string)
+	waitServing(t, url)
+	return up, url
+}
+
+// waitServing polls until the gateway serves a request that needs both
+// pools, so a test does not race the workers' registration.
+func waitServing(t *testing.T, url string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		r, err := tryPost(url+"/v1/completions", "", completionBody(model, longPrompt, body{"max_tokens": 1}))
+		if err == nil && r.status == http.StatusOK {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pdq up does not serve after 20s: %v %d %s", err, r.status, r.body)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestUpWithJoiningDecodeWorker runs `pdq up` with a NATS listener and a
+// second process, `pdq decode`, that joins it with its own engine: jobs
+// must reach the new worker, and its engine must read the KV blocks of
+// pdq up's prefill engine.
+func TestUpWithJoiningDecodeWorker(t *testing.T) {
+	up, url := startUp(t, "PDQ_NATS_LISTEN=127.0.0.1:0", "PDQ_ENGINE_SLOTS=1")
+	natsURL, _ := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)
+	if natsURL == "" {
+		t.Fatalf("pdq up did not report a NATS client URL:\n%s", up.output())
+	}
+	cfg := simtest.FastConfig()
+	cfg.ITL = 2 * time.Millisecond
+	engine := simtest.Start(t, cfg)
+	dec := startPDQ(t, []string{"PDQ_NATS_URL=" + natsURL, "PDQ_ENGINE_URL=" + engine.URL, "PDQ_ENGINE_SLOTS=8"}, "decode")
+	dec.waitLog(t, "stage worker pulling")
+
+	const n = 24
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			b := chatBody(model, fmt.Sprintf("%s (%d)", longPrompt, i), body{"max_tokens": 30, "ignore_eos": true, "stream": true})
+			s := postStream(t, url+"/v1/chat/completions", "", b)
+			res, err := checkStream(s, openai.Chat, false)
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+				return
+			}
+			if got := len(res.text); got == 0 {
+				t.Errorf("request %d: empty text", i)
+			}
+		})
+	}
+	wg.Wait()
+	s := engine.Stats(t)
+	if s.Decodes == 0 || s.KVReads != s.Decodes || s.KVReadFailures != 0 || s.Local != 0 {
+		t.Errorf("the joining worker's engine: %+v; want P/D decodes with one KV read each", s)
+	}
+	t.Logf("%d of %d requests decoded by the joining worker", s.Decodes, n)
+}
