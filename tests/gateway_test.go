@@ -254,3 +254,37 @@ func TestGatewayAPIKeys(t *testing.T) {
 	get(t, p.url+"/health").wantStatus(t, http.StatusOK)
 	get(t, p.url+"/ready").wantStatus(t, http.StatusOK)
 }
+
+// TestPools runs two models behind one gateway. Each model has its own
+// pool: its jobs reach only its own engines, and /v1/models lists both.
+func TestPools(t *testing.T) {
+	p := startPipeline(t, pipelineOptions{})
+	other := simtest.FastConfig()
+	other.Model = "meta-llama/Llama-3.1-8B-Instruct" // '/' and '.' must not leak into subjects
+	op, od := simtest.Start(t, other), simtest.Start(t, other)
+	p.startWorker(dispatcher.StagePrefill, op.URL, 0)
+	p.startWorker(dispatcher.StageDecode, od.URL, 0)
+	p.waitWorkers(4)
+
+	var list openai.ModelList
+	get(t, p.url+"/v1/models").decode(t, &list)
+	if len(list.Data) != 2 || list.Data[0].ID != other.Model || list.Data[1].ID != model {
+		t.Fatalf("models = %+v", list.Data)
+	}
+	for i := range 6 {
+		m := model
+		if i%2 == 1 {
+			m = other.Model
+		}
+		res, _ := parseResponse(t, post(t, p.chat(), "", chatBody(m, longPrompt, body{"max_tokens": 3, "ignore_eos": true})))
+		if res.usage.CompletionTokens != 3 {
+			t.Errorf("%s: %+v", m, res)
+		}
+	}
+	for name, e := range map[string]*simtest.Engine{"pdq-sim prefill": p.prefill[0], "pdq-sim decode": p.decode[0], "llama prefill": op, "llama decode": od} {
+		s := e.Stats(t)
+		if s.Requests != 3 || s.Errors != 0 {
+			t.Errorf("%s engine got %d requests (%d errors), want 3 of its own model", name, s.Requests, s.Errors)
+		}
+	}
+}

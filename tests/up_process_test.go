@@ -80,3 +80,41 @@ func TestUpWithJoiningDecodeWorker(t *testing.T) {
 	}
 	t.Logf("%d of %d requests decoded by the joining worker", s.Decodes, n)
 }
+
+// TestSeparateProcesses runs each component as its own process, joined
+// through the NATS that `pdq up` listens on: a second gateway, a prefill
+// and a decode worker, each worker with its own engine. Requests through
+// the second gateway succeed, and the separate workers' engines do work.
+func TestSeparateProcesses(t *testing.T) {
+	up, _ := startUp(t, "PDQ_NATS_LISTEN=127.0.0.1:0", "PDQ_ENGINE_SLOTS=1")
+	natsURL, _ := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)
+	cfg := simtest.FastConfig()
+	cfg.ITL = 2 * time.Millisecond
+	cfg.PrefillOverhead = 20 * time.Millisecond
+	pe, de := simtest.Start(t, cfg), simtest.Start(t, cfg)
+	nats := "PDQ_NATS_URL=" + natsURL
+	startPDQ(t, []string{nats, "PDQ_ENGINE_URL=" + pe.URL}, "prefill").waitLog(t, "stage worker pulling")
+	startPDQ(t, []string{nats, "PDQ_ENGINE_URL=" + de.URL}, "decode").waitLog(t, "stage worker pulling")
+	gw := startPDQ(t, []string{nats, "PDQ_HTTP_ADDR=127.0.0.1:0"}, "gateway")
+	url := "http://" + gw.waitLog(t, "gateway listening")["addr"].(string)
+	waitServing(t, url)
+
+	var wg sync.WaitGroup
+	for i := range 16 {
+		wg.Go(func() {
+			b := completionBody(model, fmt.Sprintf("%s (%d)", longPrompt, i), body{"max_tokens": 10, "ignore_eos": true})
+			r, err := tryPost(url+"/v1/completions", "", b)
+			if err == nil {
+				_, _, err = checkResponse(r)
+			}
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	ps, ds := pe.Stats(t), de.Stats(t)
+	if ps.Prefills == 0 || ds.Decodes == 0 || ds.KVReadFailures != 0 || ps.BlocksHeld != 0 {
+		t.Errorf("separate engines: prefill %+v, decode %+v; want work on both and clean handshakes", ps, ds)
+	}
+}
