@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -102,6 +103,12 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	gw := gateway.New(nc, js, gatewayConfig(cfg), log)
 	g.Go(func() error { return gw.Serve(gctx, gwLn) })
 
+	// Say "up" once the workers can take requests, so the curl line works
+	// when it is printed; engines that are still starting only delay it.
+	want := len(prefill) + len(decode)
+	if got := waitRegistered(gctx, js, want, 15*time.Second); got < want {
+		log.Warn("not every worker is registered yet; their engines may still be starting", "registered", got, "workers", want)
+	}
 	base := "http://" + displayAddr(gwLn.Addr())
 	fmt.Fprintf(stdout, "pdq is up: OpenAI API at %s/v1\n", base)
 	fmt.Fprintf(stdout, "  engines: %d prefill, %d decode%s\n", len(prefill), len(decode), map[bool]string{true: " (simulated)", false: ""}[simulated])
@@ -152,4 +159,25 @@ func modelHint(simulated bool) string {
 		return sim.DefaultConfig().Model
 	}
 	return "<model>"
+}
+
+// waitRegistered waits until n workers are in the registry, or timeout,
+// and returns how many there are.
+func waitRegistered(ctx context.Context, js jetstream.JetStream, n int, timeout time.Duration) int {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	kv, err := js.KeyValue(ctx, dispatcher.BucketWorkers)
+	if err != nil {
+		return 0
+	}
+	for {
+		keys, _ := kv.Keys(ctx)
+		if len(keys) >= n || ctx.Err() != nil {
+			return len(keys)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
