@@ -22,15 +22,11 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 		return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
 	}
 	start := time.Now()
-	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+	resp, err := w.call(ctx, job, body)
 	if err != nil {
-		return unreachable(ctx, dispatcher.StageDecode, err)
+		return err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		return engineFailure(dispatcher.StageDecode, resp.StatusCode, raw)
-	}
 	out := d.Replies()
 	if job.Stream {
 		err = w.relayStream(ctx, resp.Body, out)

@@ -22,17 +22,14 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 		return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
 	}
 	start := time.Now()
-	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+	resp, err := w.call(ctx, job, body)
 	if err != nil {
-		return unreachable(ctx, dispatcher.StagePrefill, err)
+		return err
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
 	if err != nil {
 		return unreachable(ctx, dispatcher.StagePrefill, fmt.Errorf("read prefill response: %w", err))
-	}
-	if resp.StatusCode != http.StatusOK {
-		return engineFailure(dispatcher.StagePrefill, resp.StatusCode, raw)
 	}
 	params, err := ExtractKVParams(raw)
 	if err != nil {

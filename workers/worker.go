@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"time"
@@ -133,6 +134,22 @@ func (w *Worker) discover(ctx context.Context) (string, error) {
 	}
 	w.log.Info("engine serves model", "model", model, "pool", dispatcher.PoolName(model), "slots", w.cfg.Slots)
 	return model, nil
+}
+
+// call sends one leg of a job to the engine. Both legs go through here, so
+// both carry the job's id as X-Request-Id. It returns the response of a 200;
+// any other answer, or none, comes back classified for the ack policy.
+func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body []byte) (*http.Response, error) {
+	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+	if err != nil {
+		return nil, unreachable(ctx, w.cfg.Role, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		return nil, engineFailure(w.cfg.Role, resp.StatusCode, raw)
+	}
+	return resp, nil
 }
 
 // engineFailure classifies a non-2xx engine answer: 429 and 5xx are
