@@ -288,3 +288,17 @@ func TestPools(t *testing.T) {
 		}
 	}
 }
+
+// TestLongPrompt sends a 3 MiB prompt through P/D: more than NATS's default
+// 1 MiB max_payload, which the embedded server raises to 8 MiB.
+func TestLongPrompt(t *testing.T) {
+	p := startPipeline(t, pipelineOptions{})
+	prompt := strings.Repeat("x", 3<<20) // one long word: a single token to the simulator
+	res, _ := parseResponse(t, post(t, p.completions(), "", completionBody(model, prompt, body{"max_tokens": 2, "ignore_eos": true})))
+	if res.usage.CompletionTokens != 2 {
+		t.Errorf("result = %+v", res)
+	}
+	if s := p.decode[0].Stats(t); s.KVReads != 1 {
+		t.Errorf("decode stats = %+v; want the long prompt to go through P/D", s)
+	}
+}
