@@ -122,6 +122,9 @@ type StageConfig struct {
 	// RetryBase is the delay before the first retry of a failed job;
 	// 0 takes DefaultRetryBase.
 	RetryBase time.Duration
+	// AckWait is the consumer's ack wait; 0 takes DefaultAckWait. All
+	// workers of a pool should agree on it.
+	AckWait time.Duration
 }
 
 // StageLoop pulls jobs of one stage and pool and runs them.
@@ -153,6 +156,9 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.RetryBase <= 0 {
 		cfg.RetryBase = DefaultRetryBase
 	}
+	if cfg.AckWait <= 0 {
+		cfg.AckWait = DefaultAckWait
+	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{
 		cfg: cfg, nc: nc, js: js,
@@ -167,7 +173,7 @@ func (l *StageLoop) InFlight() int { return int(l.inFlight.Load()) }
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
 func (l *StageLoop) Run(ctx context.Context) error {
-	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool)
+	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait)
 	if err != nil {
 		return err
 	}
@@ -201,16 +207,16 @@ pull:
 		if err != nil {
 			<-slots
 			if ctx.Err() != nil {
-				break
+				break pull
 			}
 			if errors.Is(err, nats.ErrTimeout) || errors.Is(err, jetstream.ErrNoMessages) {
 				continue
 			}
 			l.log.Warn("pull failed; retrying in 1s", logging.Err(err))
 			if sleepCtx(ctx, time.Second) != nil {
-				break
+				break pull
 			}
-			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool); err == nil {
+			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait); err == nil {
 				cons = c
 			}
 			continue
@@ -356,14 +362,15 @@ func (l *StageLoop) term(msg jetstream.Msg, reason string) {
 	}
 }
 
-// keepAlive tells JetStream the job is still running, every AckWait/3,
+// keepAlive tells JetStream the job is still running, every third of the
+// ack wait,
 // until stopped.
 func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func()) {
 	kctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		t := time.NewTicker(AckWait / 3)
+		t := time.NewTicker(l.cfg.AckWait / 3)
 		defer t.Stop()
 		for {
 			select {

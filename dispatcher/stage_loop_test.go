@@ -274,6 +274,24 @@ func TestStageLoop(t *testing.T) {
 		}
 	})
 
+	t.Run("a job longer than the ack wait is kept alive, not redelivered", func(t *testing.T) {
+		var calls atomic.Int32
+		lt := startLoop(t, nc, js, StageConfig{Slots: 2, AckWait: 300 * time.Millisecond, Handler: func(ctx context.Context, d *Delivery) error {
+			calls.Add(1)
+			select {
+			case <-time.After(1500 * time.Millisecond): // five ack waits
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}})
+		lt.submit("job-8")
+		waitFor(t, "the ack", func() bool { return lt.pending(StagePrefill) == 0 })
+		if calls.Load() != 1 {
+			t.Errorf("handler ran %d times; InProgress should have kept the job with its first worker", calls.Load())
+		}
+	})
+
 	t.Run("workers register and leave the registry", func(t *testing.T) {
 		rctx, cancel := context.WithCancel(ctx)
 		defer cancel()

@@ -25,10 +25,11 @@ const (
 
 	// MaxDeliver is how many times a stage runs a job before giving up.
 	MaxDeliver = 4
-	// AckWait is how long a job may go without an ack or InProgress before
-	// it is redelivered to another worker: a crashed worker's jobs move on
-	// after this long. Running jobs send InProgress every AckWait/3.
-	AckWait = 30 * time.Second
+	// DefaultAckWait is how long a job may go without an ack or InProgress
+	// before it is redelivered to another worker: a crashed worker's jobs
+	// move on after this long. Running jobs send InProgress every third of
+	// it.
+	DefaultAckWait = 30 * time.Second
 )
 
 // Ensure creates the streams and buckets, or updates them to this
@@ -82,15 +83,18 @@ func stageStreamConfig(name, subjects, description string) jetstream.StreamConfi
 }
 
 // EnsureConsumer creates or updates the durable pull consumer that all
-// workers of a stage and pool share.
-func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, pool string) (jetstream.Consumer, error) {
+// workers of a stage and pool share; ackWait 0 takes DefaultAckWait.
+func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, pool string, ackWait time.Duration) (jetstream.Consumer, error) {
+	if ackWait <= 0 {
+		ackWait = DefaultAckWait
+	}
 	name := ConsumerName(stage, pool)
 	c, err := js.CreateOrUpdateConsumer(ctx, stageStream(stage), jetstream.ConsumerConfig{
 		Durable:       name,
 		Description:   fmt.Sprintf("%s workers of pool %s", stage, pool),
 		FilterSubject: stageSubject(stage) + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
-		AckWait:       AckWait,
+		AckWait:       ackWait,
 		MaxDeliver:    MaxDeliver,
 		MaxAckPending: maxAckPending,
 		MaxWaiting:    maxWaitingPulls,
