@@ -3,6 +3,7 @@ package tests
 import (
 	"fmt"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -116,5 +117,50 @@ func TestSeparateProcesses(t *testing.T) {
 	ps, ds := pe.Stats(t), de.Stats(t)
 	if ps.Prefills == 0 || ds.Decodes == 0 || ds.KVReadFailures != 0 || ps.BlocksHeld != 0 {
 		t.Errorf("separate engines: prefill %+v, decode %+v; want work on both and clean handshakes", ps, ds)
+	}
+}
+
+// TestUpWithEngines runs `pdq up` against engines given in
+// PDQ_PREFILL_ENGINES and PDQ_DECODE_ENGINES: one worker per URL, no
+// simulated engines of its own.
+func TestUpWithEngines(t *testing.T) {
+	cfg := simtest.FastConfig()
+	p1, p2, d1 := simtest.Start(t, cfg), simtest.Start(t, cfg), simtest.Start(t, cfg)
+	up, url := startUp(t, "PDQ_PREFILL_ENGINES="+p1.URL+","+p2.URL, "PDQ_DECODE_ENGINES="+d1.URL, "PDQ_ENGINE_SLOTS=1")
+	if out := up.output(); strings.Contains(out, "started a simulated") {
+		t.Errorf("pdq up started simulated engines although engines were given")
+	}
+	up.mu.Lock()
+	banner := up.stdout.String()
+	up.mu.Unlock()
+	if !strings.Contains(banner, "pdq is up: OpenAI API at "+url+"/v1") || !strings.Contains(banner, "2 prefill, 1 decode") || !strings.Contains(banner, "curl -sN "+url) {
+		t.Errorf("banner = %q", banner)
+	}
+	var wg sync.WaitGroup
+	for i := range 12 {
+		wg.Go(func() {
+			r, err := tryPost(url+"/v1/completions", "", completionBody(model, fmt.Sprintf("%s (%d)", longPrompt, i), body{"max_tokens": 3}))
+			if err == nil {
+				_, _, err = checkResponse(r)
+			}
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	s1, s2, sd := p1.Stats(t), p2.Stats(t), d1.Stats(t)
+	// The warm-up request of startUp counts too.
+	if s1.Prefills+s2.Prefills != 13 || s1.Prefills == 0 || s2.Prefills == 0 || sd.KVReads != 13 {
+		t.Errorf("prefill engines %d + %d, decode reads %d; want 13 spread over both, 13 reads", s1.Prefills, s2.Prefills, sd.KVReads)
+	}
+}
+
+// TestUpConfigErrors checks that pdq up refuses half an engine list.
+func TestUpConfigErrors(t *testing.T) {
+	up := startPDQ(t, []string{"PDQ_DATA_DIR=" + t.TempDir(), "PDQ_HTTP_ADDR=127.0.0.1:0", "PDQ_PREFILL_ENGINES=http://127.0.0.1:1"}, "up")
+	<-up.exited
+	if up.err == nil || !strings.Contains(up.output(), "set both PDQ_PREFILL_ENGINES and PDQ_DECODE_ENGINES") {
+		t.Errorf("exit %v, output %s", up.err, up.output())
 	}
 }
