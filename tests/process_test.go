@@ -129,6 +129,25 @@ func (p *process) waitLog(t *testing.T, msg string) map[string]any {
 	}
 }
 
+// waitStdout waits until the process has printed want, and returns all it
+// printed.
+func (p *process) waitStdout(t *testing.T, want string) string {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		p.mu.Lock()
+		out := p.stdout.String()
+		p.mu.Unlock()
+		if strings.Contains(out, want) {
+			return out
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pdq %s did not print %q within 20s; stdout %q", p.name, want, out)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // lockedWriter serializes writes with the process's lock.
 type lockedWriter struct {
 	mu *sync.Mutex

@@ -22,6 +22,7 @@ func startUp(t *testing.T, env ...string) (*process, string) {
 	rec := up.waitLog(t, "gateway listening")
 	url := "http://" + rec["addr"].(string)
 	waitServing(t, url)
+	up.waitStdout(t, "pdq is up")
 	return up, url
 }
 
@@ -130,9 +131,7 @@ func TestUpWithEngines(t *testing.T) {
 	if out := up.output(); strings.Contains(out, "started a simulated") {
 		t.Errorf("pdq up started simulated engines although engines were given")
 	}
-	up.mu.Lock()
-	banner := up.stdout.String()
-	up.mu.Unlock()
+	banner := up.waitStdout(t, "curl")
 	if !strings.Contains(banner, "pdq is up: OpenAI API at "+url+"/v1") || !strings.Contains(banner, "2 prefill, 1 decode") || !strings.Contains(banner, "curl -sN "+url) {
 		t.Errorf("banner = %q", banner)
 	}
