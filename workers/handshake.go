@@ -103,7 +103,7 @@ func FixRemoteHost(params json.RawMessage, host string) (json.RawMessage, bool) 
 	if !IsLocalHost(current) {
 		return params, false
 	}
-	m[keyRemoteHost], _ = json.Marshal(host)
+	m[keyRemoteHost], _ = json.Marshal(host) // a string always encodes
 	out, err := json.Marshal(m)
 	if err != nil {
 		return params, false
