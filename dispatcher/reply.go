@@ -22,21 +22,17 @@ import (
 type ReplyWriter struct {
 	nc      *nats.Conn
 	subject string
-	attempt int
+	attempt string // formatted once: it goes on every message
 	seq     int
-	ended   bool
 }
 
 // NewReplyWriter writes to subject as the given attempt.
 func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-	return &ReplyWriter{nc: nc, subject: subject, attempt: attempt}
+	return &ReplyWriter{nc: nc, subject: subject, attempt: strconv.Itoa(attempt)}
 }
 
 // Sent is the number of chunks sent so far.
 func (w *ReplyWriter) Sent() int { return w.seq }
-
-// Ended reports whether the terminal message was sent.
-func (w *ReplyWriter) Ended() bool { return w.ended }
 
 // Chunk sends one chunk: an SSE event's data, or a whole JSON response.
 func (w *ReplyWriter) Chunk(data []byte) error {
@@ -49,7 +45,6 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 
 // Done ends the reply after the chunks sent.
 func (w *ReplyWriter) Done() error {
-	w.ended = true
 	return w.send(KindDone, w.seq, nil, 0)
 }
 
@@ -59,7 +54,6 @@ func (w *ReplyWriter) Error(e *openai.Error) error {
 	if err != nil {
 		return fmt.Errorf("encode error reply: %w", err)
 	}
-	w.ended = true
 	return w.send(KindError, w.seq, body, e.Status())
 }
 
@@ -67,7 +61,7 @@ func (w *ReplyWriter) send(kind string, seq int, data []byte, status int) error 
 	msg := nats.NewMsg(w.subject)
 	msg.Header.Set(HeaderKind, kind)
 	msg.Header.Set(HeaderSeq, strconv.Itoa(seq))
-	msg.Header.Set(HeaderAttempt, strconv.Itoa(w.attempt))
+	msg.Header.Set(HeaderAttempt, w.attempt)
 	if status != 0 {
 		msg.Header.Set(HeaderStatus, strconv.Itoa(status))
 	}
@@ -109,6 +103,7 @@ const replyBuffer = 4096
 // wait here.
 type Replies struct {
 	gatewayID string
+	prefix    string // ReplySubject(gatewayID, ""), cut off every message
 	sub       *nats.Subscription
 
 	mu      sync.Mutex
@@ -117,7 +112,7 @@ type Replies struct {
 
 // NewReplies subscribes to the replies for gatewayID.
 func NewReplies(nc *nats.Conn, gatewayID string) (*Replies, error) {
-	r := &Replies{gatewayID: gatewayID, streams: make(map[string]*ReplyStream)}
+	r := &Replies{gatewayID: gatewayID, prefix: ReplySubject(gatewayID, ""), streams: make(map[string]*ReplyStream)}
 	sub, err := nc.Subscribe(ReplySubject(gatewayID, "*"), r.dispatch)
 	if err != nil {
 		return nil, fmt.Errorf("subscribe to replies: %w", err)
@@ -151,7 +146,7 @@ func (r *Replies) Open(id string) (*ReplyStream, error) {
 }
 
 func (r *Replies) dispatch(msg *nats.Msg) {
-	id := msg.Subject[len(ReplySubject(r.gatewayID, "")):]
+	id := msg.Subject[len(r.prefix):]
 	r.mu.Lock()
 	s := r.streams[id]
 	r.mu.Unlock()
@@ -172,12 +167,18 @@ type ReplyStream struct {
 	ch       chan *nats.Msg
 	overflow atomic.Bool
 	attempt  int
-	next     int
-	relayed  int
+	// next is the next chunk number; while no attempt has restarted after
+	// output, it is also the number of chunks relayed.
+	next int
+	// idle is one timer for the whole stream: Next runs once per token.
+	idle *time.Timer
 }
 
 // Close unregisters the request.
 func (s *ReplyStream) Close() {
+	if s.idle != nil {
+		s.idle.Stop()
+	}
 	s.owner.mu.Lock()
 	defer s.owner.mu.Unlock()
 	if s.owner.streams[s.id] == s {
@@ -189,13 +190,16 @@ func (s *ReplyStream) Close() {
 // error. It fails on a gap, on a restart after output, when nothing comes
 // for idle, or when ctx ends.
 func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, error) {
-	timer := time.NewTimer(idle)
-	defer timer.Stop()
+	if s.idle == nil {
+		s.idle = time.NewTimer(idle)
+	} else {
+		s.idle.Reset(idle) // Go 1.23+: no stale tick can be left in the channel
+	}
 	for {
 		var msg *nats.Msg
 		select {
 		case msg = <-s.ch:
-		case <-timer.C:
+		case <-s.idle.C:
 			return Reply{}, ErrReplyTimeout
 		case <-ctx.Done():
 			return Reply{}, ctx.Err()
@@ -213,7 +217,7 @@ func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, erro
 		case attempt < s.attempt:
 			continue // from an attempt that was superseded
 		case attempt > s.attempt:
-			if s.relayed > 0 {
+			if s.next > 0 {
 				return Reply{}, ErrReplyRestarted
 			}
 			s.attempt, s.next = attempt, 0
@@ -224,7 +228,6 @@ func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, erro
 				return Reply{}, fmt.Errorf("%w: chunk %d arrived, %d expected", ErrReplyGap, seq, s.next)
 			}
 			s.next++
-			s.relayed++
 			return Reply{Kind: KindChunk, Data: msg.Data}, nil
 		case KindDone:
 			if seq != s.next {

@@ -173,21 +173,26 @@ func (s *SSEReader) Next() (Event, error) {
 }
 
 // readLine returns one line without its "\n" or "\r\n" terminator. A stream
-// that ends inside a line gives io.ErrUnexpectedEOF.
+// that ends inside a line gives io.ErrUnexpectedEOF. The line is valid only
+// until the next read: Next copies what it keeps, so the usual line, one
+// that fits the buffer, is not copied here. This runs once per token.
 func (s *SSEReader) readLine() ([]byte, error) {
-	var line []byte
-	for {
-		chunk, err := s.r.ReadSlice('\n')
-		if len(line)+len(chunk) > s.max {
-			return nil, ErrEventTooLarge
+	chunk, err := s.r.ReadSlice('\n')
+	line := chunk
+	if errors.Is(err, bufio.ErrBufferFull) {
+		line = append([]byte(nil), chunk...) // the buffer is about to be reused
+		for errors.Is(err, bufio.ErrBufferFull) {
+			if len(line) > s.max {
+				return nil, ErrEventTooLarge
+			}
+			chunk, err = s.r.ReadSlice('\n')
+			line = append(line, chunk...)
 		}
-		line = append(line, chunk...)
-		if err == nil {
-			break
-		}
-		if errors.Is(err, bufio.ErrBufferFull) {
-			continue
-		}
+	}
+	if len(line) > s.max {
+		return nil, ErrEventTooLarge
+	}
+	if err != nil {
 		if errors.Is(err, io.EOF) && len(line) > 0 {
 			return nil, io.ErrUnexpectedEOF
 		}

@@ -152,3 +152,23 @@ func TestSSERoundTrip(t *testing.T) {
 		t.Fatalf("want io.EOF at the end, got %v", err)
 	}
 }
+
+// TestSSEReaderLongLine checks a line longer than the read buffer, which is
+// read in pieces.
+func TestSSEReaderLongLine(t *testing.T) {
+	long := strings.Repeat("x", 100<<10)
+	for _, oneByte := range []bool{false, true} {
+		var src io.Reader = strings.NewReader("data: " + long + "\n\ndata: y\n\n")
+		if oneByte {
+			src = iotest.OneByteReader(src)
+		}
+		r := NewSSEReader(src)
+		ev, err := r.Next()
+		if err != nil || string(ev.Data) != long {
+			t.Fatalf("one byte %v: got %d bytes, %v", oneByte, len(ev.Data), err)
+		}
+		if ev, err := r.Next(); err != nil || string(ev.Data) != "y" {
+			t.Fatalf("one byte %v: second event %q, %v", oneByte, ev.Data, err)
+		}
+	}
+}
