@@ -80,11 +80,7 @@ type Delivery struct {
 // has stored it, so the current stage can be acked. A republish after a
 // crash is recognized as a duplicate and counts as done.
 func (d *Delivery) Forward(ctx context.Context, stage Stage, job *Job) error {
-	data, err := jsonMarshal(job)
-	if err != nil {
-		return err
-	}
-	err = publishJob(ctx, d.loop.js, JobSubject(stage, job.Pool, job.ID), job.ID+"/"+string(stage), data)
+	err := publishJob(ctx, d.loop.js, stage, job, job.ID+"/"+string(stage))
 	if errors.Is(err, ErrDuplicate) {
 		return nil
 	}
@@ -93,16 +89,17 @@ func (d *Delivery) Forward(ctx context.Context, stage Stage, job *Job) error {
 
 // Replies writes the client's reply for this delivery.
 func (d *Delivery) Replies() *ReplyWriter {
-	return NewReplyWriter(d.loop.nc, d.Job.ReplyTo, d.replyAttempt())
+	return d.loop.replies(d.Job, d.Attempt)
 }
 
-// replyAttempt numbers replies: decode deliveries by their attempt, so a
-// redelivered decode starts a new reply; prefill errors as attempt 0.
-func (d *Delivery) replyAttempt() int {
-	if d.loop.cfg.Stage == StageDecode {
-		return d.Attempt
+// replies writes job's reply. Decode deliveries number their replies by
+// attempt, so a redelivered decode starts a new reply; prefill errors are
+// attempt 0.
+func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
+	if l.cfg.Stage != StageDecode {
+		attempt = 0
 	}
-	return 0
+	return NewReplyWriter(l.nc, job.ReplyTo, attempt)
 }
 
 // StageConfig configures a [StageLoop].
@@ -329,8 +326,7 @@ func (l *StageLoop) fail(ctx context.Context, msg jetstream.Msg, job *Job, attem
 	}
 	log.Error("job failed for good", logging.Err(err), "status", client.Status(), "permanent", f.Permanent)
 	if !f.Reported {
-		w := NewReplyWriter(l.nc, job.ReplyTo, (&Delivery{Attempt: attempt, loop: l}).replyAttempt())
-		if err := w.Error(client); err != nil {
+		if err := l.replies(job, attempt).Error(client); err != nil {
 			log.Warn("could not send the error to the gateway", logging.Err(err))
 		}
 	}

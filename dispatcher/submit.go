@@ -40,14 +40,16 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) error {
 	if err := job.Validate(); err != nil {
 		return err
 	}
+	return publishJob(ctx, s.js, stage, job, job.ID)
+}
+
+// publishJob stores job on stage's stream, deduplicated by msgID.
+func publishJob(ctx context.Context, js jetstream.Publisher, stage Stage, job *Job, msgID string) error {
 	data, err := json.Marshal(job)
 	if err != nil {
 		return fmt.Errorf("encode job %s: %w", job.ID, err)
 	}
-	return publishJob(ctx, s.js, JobSubject(stage, job.Pool, job.ID), job.ID, data)
-}
-
-func publishJob(ctx context.Context, js jetstream.Publisher, subject, msgID string, data []byte) error {
+	subject := JobSubject(stage, job.Pool, job.ID)
 	ack, err := js.Publish(ctx, subject, data, jetstream.WithMsgID(msgID))
 	if err != nil {
 		if isFull(err) {

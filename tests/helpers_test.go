@@ -56,11 +56,11 @@ type response struct {
 // post sends b as JSON, with X-Request-Id when id is not empty.
 func post(t *testing.T, url, id string, b any) response {
 	t.Helper()
-	h := http.Header{}
-	if id != "" {
-		h.Set("X-Request-Id", id)
+	r, err := tryPost(url, id, b)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return do(t, http.MethodPost, url, h, b)
+	return r
 }
 
 func get(t *testing.T, url string) response {
@@ -237,9 +237,8 @@ type chunk struct {
 		FinishReason *string         `json:"finish_reason"`
 		StopReason   json.RawMessage `json:"stop_reason"`
 	} `json:"choices"`
-	Usage *openai.Usage   `json:"usage"`
-	Error *openai.Error   `json:"error"`
-	Extra json.RawMessage `json:"kv_transfer_params"`
+	Usage *openai.Usage `json:"usage"`
+	Error *openai.Error `json:"error"`
 }
 
 // result is what a client makes of a response, streamed or not.

@@ -19,7 +19,7 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	body, err := DecodeBody(job.Body, job.KVTransferParams)
 	if err != nil {
-		return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+		return badBody(err)
 	}
 	start := time.Now()
 	resp, err := w.call(ctx, job, body)

@@ -19,7 +19,7 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	body, err := PrefillBody(job.Body)
 	if err != nil {
-		return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+		return badBody(err)
 	}
 	start := time.Now()
 	resp, err := w.call(ctx, job, body)
@@ -47,7 +47,7 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	handoff := *job
 	handoff.KVTransferParams = params
 	handoff.Prefill = &dispatcher.StageRecord{
-		Worker: w.engine.URL(), Engine: w.engine.URL(), Attempt: d.Attempt, Started: start, Duration: elapsed,
+		Worker: w.id, Engine: w.engine.URL(), Attempt: d.Attempt, Started: start, Duration: elapsed,
 	}
 	if err := d.Forward(ctx, dispatcher.StageDecode, &handoff); err != nil {
 		if ctx.Err() != nil {

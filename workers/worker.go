@@ -55,6 +55,7 @@ type Worker struct {
 	log    *slog.Logger
 	engine *vllm.Client
 	kvHost string
+	id     string // the registry key, and StageRecord.Worker
 }
 
 // New checks cfg and builds a worker; Run starts it.
@@ -77,6 +78,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	}
 	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine,
 		log: log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
+	w.id = dispatcher.NewWorkerID(cfg.Role)
 	w.kvHost = cfg.KVHost
 	if w.kvHost == "" && !IsLocalHost(engine.Host()) {
 		w.kvHost = engine.Host()
@@ -104,7 +106,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		Grace:     w.cfg.Grace,
 		RetryBase: w.cfg.RetryBase,
 		Worker: dispatcher.WorkerInfo{
-			ID: dispatcher.NewWorkerID(w.cfg.Role), Model: model, Engine: w.engine.URL(), Started: time.Now(),
+			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),
 		},
 	}, w.log.With("model", model))
 	if err != nil {
@@ -182,6 +184,12 @@ func unreachable(ctx context.Context, stage dispatcher.Stage, err error) error {
 }
 
 var errBadEnvelope = errors.New("job body is not a JSON object")
+
+// badBody is the failure of a job whose body cannot be built into an
+// engine request: no attempt can fix it.
+func badBody(err error) error {
+	return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+}
 
 func truncate(s string, n int) string {
 	if len(s) <= n {

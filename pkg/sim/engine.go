@@ -142,17 +142,11 @@ func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
 	return first
 }
 
-// Handler is the engine's HTTP handler, for tests that serve it themselves.
-func (e *Engine) Handler() http.Handler { return e.handler }
-
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats { return e.snapshot() }
 
 // KVPort is the side channel's port: the bound one once Serve runs.
 func (e *Engine) KVPort() int { return int(e.kvPort.Load()) }
-
-// EngineID is the NIXL engine id the engine advertises.
-func (e *Engine) EngineID() string { return e.engineID }
 
 // SetFault changes the injected fault.
 func (e *Engine) SetFault(f Fault) error {

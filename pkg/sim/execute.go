@@ -202,8 +202,7 @@ func (e *Engine) remoteID(j *job) string {
 // goes away during the transfer; if the request is aborted before the read,
 // it notifies too.
 func (e *Engine) loadKV(ctx context.Context, j *job) (string, error) {
-	id := e.remoteID(j)
-	c, err := dialKV(ctx, j.remote.addr())
+	c, rd, err := e.readKV(ctx, j)
 	if err != nil {
 		if ctx.Err() != nil {
 			e.releaseRemote(ctx, j)
@@ -211,33 +210,39 @@ func (e *Engine) loadKV(ctx context.Context, j *job) (string, error) {
 		return "", err
 	}
 	defer c.close()
-	hs, err := c.call(ctx, kvRequest{Op: opHandshake, EngineID: e.engineID, Compat: e.compat})
-	if err == nil && hs.EngineID != j.remote.engineID {
-		err = fmt.Errorf("handshake with %s: engine id is %q, kv_transfer_params say %q", j.remote.addr(), hs.EngineID, j.remote.engineID)
-	}
-	if err != nil {
-		if ctx.Err() != nil {
-			e.releaseRemote(ctx, j)
-		}
-		return "", err
-	}
-	rd, err := c.call(ctx, kvRequest{Op: opRead, EngineID: e.engineID, RequestID: id, BlockIDs: j.remote.blockIDs, PeerRequestID: j.baseID})
-	if err != nil {
-		if ctx.Err() != nil {
-			e.releaseRemote(ctx, j)
-		}
-		return "", err
-	}
 	transferErr := sleep(ctx, time.Duration(len(j.remote.blockIDs))*e.cfg.KVTransferPerBlock)
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
-	if _, err := c.call(nctx, kvRequest{Op: opNotify, RequestID: id, TPSize: j.remote.tpSize}); err != nil {
+	if _, err := c.call(nctx, kvRequest{Op: opNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize}); err != nil {
 		j.log.Warn("could not notify the prefill engine that its KV blocks are read; they stay held until the lease ends", logging.Err(err))
 	}
 	if transferErr != nil {
 		return "", transferErr
 	}
 	return rd.Digest, nil
+}
+
+// readKV connects to the prefill engine, checks that it is the engine the
+// params name, and reads the request's blocks. On success the caller owns
+// the connection.
+func (e *Engine) readKV(ctx context.Context, j *job) (*kvConn, kvReply, error) {
+	c, err := dialKV(ctx, j.remote.addr())
+	if err != nil {
+		return nil, kvReply{}, err
+	}
+	hs, err := c.call(ctx, kvRequest{Op: opHandshake, EngineID: e.engineID, Compat: e.compat})
+	if err == nil && hs.EngineID != j.remote.engineID {
+		err = fmt.Errorf("handshake with %s: engine id is %q, kv_transfer_params say %q", j.remote.addr(), hs.EngineID, j.remote.engineID)
+	}
+	var rd kvReply
+	if err == nil {
+		rd, err = c.call(ctx, kvRequest{Op: opRead, EngineID: e.engineID, RequestID: e.remoteID(j), BlockIDs: j.remote.blockIDs, PeerRequestID: j.baseID})
+	}
+	if err != nil {
+		c.close()
+		return nil, kvReply{}, err
+	}
+	return c, rd, nil
 }
 
 // releaseRemote tells the prefill engine to free a request's blocks that
