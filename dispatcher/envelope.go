@@ -1,47 +1,99 @@
 package dispatcher
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strconv"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// Job is the envelope of a request on its way through the stages. The
-// client's body and the engine's kv_transfer_params are opaque bytes: pdq
-// passes them on, it does not re-encode them.
-type Job struct {
-	// ID is the request id: the subject token, the Nats-Msg-Id, and the
-	// X-Request-Id of both engine calls.
-	ID       string          `json:"id"`
-	Model    string          `json:"model"`
-	Pool     string          `json:"pool"`
-	Endpoint openai.Endpoint `json:"endpoint"`
-	// Stream is the client's stream flag; the decode call keeps it.
-	Stream bool `json:"stream"`
-	// Body is the client's request body, without any kv_transfer_params.
-	Body json.RawMessage `json:"body"`
-	// ReplyTo is the gateway's reply subject for this request.
-	ReplyTo string `json:"reply_to"`
-	// PromptTokens is the gateway's estimate, which chose P/D or decode-only.
-	PromptTokens int       `json:"prompt_tokens_estimate"`
-	SubmittedAt  time.Time `json:"submitted_at"`
+// EnvelopeVersion is the version of the job envelope this build writes and
+// reads. Version 2: the payload is the client's body bytes, never
+// re-encoded; everything else travels in headers.
+const EnvelopeVersion = 2
 
-	// KVTransferParams is set by the prefill stage: the prefill engine's
-	// params, for the decode engine, unchanged but for remote_host.
-	KVTransferParams json.RawMessage `json:"kv_transfer_params,omitempty"`
-	// Prefill records the prefill stage, once it has run.
-	Prefill *StageRecord `json:"prefill,omitempty"`
+// Job is a request on its way through the stages. On the wire it is the
+// client's body as the message payload and the rest as headers (see
+// [Job.Msg]); the body and the engine's kv_transfer_params stay opaque
+// bytes from gateway to engine.
+type Job struct {
+	// ID is the request id: the subject token and the X-Request-Id of both
+	// engine calls.
+	ID       string
+	Model    string
+	Pool     string
+	Endpoint openai.Endpoint
+	// Stream is the client's stream flag; the decode call keeps it.
+	Stream bool
+	// ReplyTo is the gateway's reply subject; empty for a replay, whose
+	// result goes to the request record instead.
+	ReplyTo string
+	// Deadline is when the request stops being worth any work.
+	Deadline time.Time
+	// Generation counts the starts of this request's prefill, from 1. A
+	// decode that fails before output, a handoff too old for its KV, a
+	// client's retry under the same id, and a replay each start the next
+	// one, with new message ids, so consumed KV is never read again.
+	Generation int
+	Submitted  time.Time
+	// PromptTokens is the gateway's estimate, which chose P/D or
+	// decode-only.
+	PromptTokens int
+	// Body is the client's request body, without any kv_transfer_params.
+	Body json.RawMessage
+
+	// KV is set on a handoff: the prefill engine's kv_transfer_params for
+	// the decode engine, unchanged but for remote_host.
+	KV json.RawMessage
+	// Prefill says where and when the prefill ran, on a handoff.
+	Prefill *StageRecord
 }
 
 // StageRecord says where and when a stage ran.
 type StageRecord struct {
-	Worker   string        `json:"worker"`
-	Engine   string        `json:"engine"`
-	Attempt  int           `json:"attempt"`
-	Started  time.Time     `json:"started"`
-	Duration time.Duration `json:"duration_ns"`
+	Stage      Stage     `json:"stage"`
+	Generation int       `json:"generation"`
+	Worker     string    `json:"worker"`
+	Engine     string    `json:"engine"`
+	Started    time.Time `json:"started"`
+	// Ms is the engine call's duration in milliseconds.
+	Ms float64 `json:"ms"`
+}
+
+// Ended is when the stage's engine call returned.
+func (s *StageRecord) Ended() time.Time {
+	return s.Started.Add(time.Duration(s.Ms * float64(time.Millisecond)))
+}
+
+// Expired reports whether the job's deadline has passed at now.
+func (j *Job) Expired(now time.Time) bool { return !j.Deadline.IsZero() && now.After(j.Deadline) }
+
+// GatewayID is the id of the gateway that holds the client, from the reply
+// subject; empty for a replay.
+func (j *Job) GatewayID() string {
+	rest, ok := cutPrefix(j.ReplyTo, subjectReply+".")
+	if !ok {
+		return ""
+	}
+	for i := 0; i < len(rest); i++ {
+		if rest[i] == '.' {
+			return rest[:i]
+		}
+	}
+	return ""
+}
+
+func cutPrefix(s, prefix string) (string, bool) {
+	if len(s) < len(prefix) || s[:len(prefix)] != prefix {
+		return s, false
+	}
+	return s[len(prefix):], true
 }
 
 // Validate checks the fields every stage relies on.
@@ -55,36 +107,144 @@ func (j *Job) Validate() error {
 		return fmt.Errorf("job %s has unknown endpoint %q", j.ID, j.Endpoint)
 	case len(j.Body) == 0:
 		return fmt.Errorf("job %s has no body", j.ID)
-	case j.ReplyTo == "":
-		return fmt.Errorf("job %s has no reply subject", j.ID)
+	case j.Generation < 1:
+		return fmt.Errorf("job %s has generation %d", j.ID, j.Generation)
 	}
 	return nil
 }
 
-func decodeJob(data []byte) (*Job, error) {
-	var j Job
-	if err := json.Unmarshal(data, &j); err != nil {
-		return nil, fmt.Errorf("decode job envelope: %w", err)
-	}
-	if err := j.Validate(); err != nil {
-		return nil, err
-	}
-	return &j, nil
+// MsgID is the Nats-Msg-Id of the job's message on stage: one per stage and
+// generation, so a republish after a crash is deduplicated and a new
+// generation is not.
+func (j *Job) MsgID(stage Stage) string {
+	return j.ID + "/" + string(stage[0]) + strconv.Itoa(j.Generation)
 }
 
-// Headers of pdq's messages.
+// Headers of a job message.
+const (
+	HeaderVersion      = "Pdq-Version"
+	HeaderID           = "Pdq-Id"
+	HeaderModel        = "Pdq-Model"
+	HeaderPool         = "Pdq-Pool"
+	HeaderEndpoint     = "Pdq-Endpoint"
+	HeaderStream       = "Pdq-Stream"
+	HeaderReplyTo      = "Pdq-Reply-To"
+	HeaderDeadline     = "Pdq-Deadline"   // Unix milliseconds
+	HeaderGeneration   = "Pdq-Generation" // from 1
+	HeaderSubmitted    = "Pdq-Submitted"  // Unix microseconds
+	HeaderPromptTokens = "Pdq-Prompt-Tokens"
+	// HeaderKV carries the prefill's kv_transfer_params on a handoff, as
+	// compact JSON.
+	HeaderKV = "Pdq-Kv-Transfer-Params"
+	// HeaderPrefill is the prefill's StageRecord on a handoff, as JSON.
+	HeaderPrefill = "Pdq-Prefill"
+)
+
+// Msg is the job as a message for stage's subject.
+func (j *Job) Msg(stage Stage) *nats.Msg {
+	m := nats.NewMsg(JobSubject(stage, j.Pool, j.ID))
+	h := m.Header
+	h[HeaderVersion] = []string{strconv.Itoa(EnvelopeVersion)}
+	h[HeaderID] = []string{j.ID}
+	h[HeaderModel] = []string{j.Model}
+	h[HeaderPool] = []string{j.Pool}
+	h[HeaderEndpoint] = []string{string(j.Endpoint)}
+	h[HeaderStream] = []string{strconv.FormatBool(j.Stream)}
+	if j.ReplyTo != "" {
+		h[HeaderReplyTo] = []string{j.ReplyTo}
+	}
+	if !j.Deadline.IsZero() {
+		h[HeaderDeadline] = []string{strconv.FormatInt(j.Deadline.UnixMilli(), 10)}
+	}
+	h[HeaderGeneration] = []string{strconv.Itoa(j.Generation)}
+	h[HeaderSubmitted] = []string{strconv.FormatInt(j.Submitted.UnixMicro(), 10)}
+	h[HeaderPromptTokens] = []string{strconv.Itoa(j.PromptTokens)}
+	if len(j.KV) > 0 {
+		h[HeaderKV] = []string{string(j.KV)}
+	}
+	if j.Prefill != nil {
+		rec, _ := json.Marshal(j.Prefill) // plain fields: it always encodes
+		h[HeaderPrefill] = []string{string(rec)}
+	}
+	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
+	m.Data = j.Body
+	return m
+}
+
+// ErrEnvelopeVersion means a message was written by a pdq this build does
+// not understand.
+var ErrEnvelopeVersion = errors.New("unknown envelope version")
+
+// ParseJob reads a job message. It returns what it could read even when it
+// fails, so that a job that cannot run can still be answered at its reply
+// subject.
+func ParseJob(h nats.Header, data []byte) (*Job, error) {
+	j := &Job{
+		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
+		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Body: data,
+	}
+	if v := h.Get(HeaderVersion); v != strconv.Itoa(EnvelopeVersion) {
+		return j, fmt.Errorf("%w %q (this pdq reads %d)", ErrEnvelopeVersion, v, EnvelopeVersion)
+	}
+	var errs []error
+	num := func(key string) int64 {
+		v := h.Get(key)
+		if v == "" {
+			return 0
+		}
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("header %s: %w", key, err))
+		}
+		return n
+	}
+	j.Stream = h.Get(HeaderStream) == "true"
+	if ms := num(HeaderDeadline); ms != 0 {
+		j.Deadline = time.UnixMilli(ms)
+	}
+	j.Generation = int(num(HeaderGeneration))
+	j.Submitted = time.UnixMicro(num(HeaderSubmitted))
+	j.PromptTokens = int(num(HeaderPromptTokens))
+	if kv := h.Get(HeaderKV); kv != "" {
+		j.KV = json.RawMessage(kv)
+	}
+	if p := h.Get(HeaderPrefill); p != "" {
+		j.Prefill = new(StageRecord)
+		if err := json.Unmarshal([]byte(p), j.Prefill); err != nil {
+			errs = append(errs, fmt.Errorf("header %s: %w", HeaderPrefill, err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return j, err
+	}
+	return j, j.Validate()
+}
+
+// CompactKV returns params as compact JSON, fit for a header: the same
+// object, without the whitespace (a header value cannot hold a newline).
+func CompactKV(params json.RawMessage) (json.RawMessage, error) {
+	var b bytes.Buffer
+	if err := json.Compact(&b, params); err != nil {
+		return nil, fmt.Errorf("kv_transfer_params: %w", err)
+	}
+	return b.Bytes(), nil
+}
+
+// Headers of reply and dead-letter messages.
 const (
 	// HeaderKind is the kind of a reply message: chunk, done or error.
 	HeaderKind = "Pdq-Kind"
 	// HeaderSeq numbers the chunks of one attempt from 0; on done it is the
 	// number of chunks sent.
 	HeaderSeq = "Pdq-Seq"
-	// HeaderAttempt is the decode attempt a reply belongs to (0 for errors
-	// from the prefill stage). A redelivered decode starts over with a new
-	// attempt.
+	// HeaderAttempt orders the attempts that write a request's reply: see
+	// [ReplyAttempt]. A reply from a later attempt starts over.
 	HeaderAttempt = "Pdq-Attempt"
 	// HeaderStatus is the HTTP status of an error reply.
 	HeaderStatus = "Pdq-Status"
+	// HeaderStages carries the stage records on a done reply, as JSON, for
+	// the gateway's request record.
+	HeaderStages = "Pdq-Stages"
 	// HeaderStage and HeaderReason label a dead letter.
 	HeaderStage  = "Pdq-Stage"
 	HeaderReason = "Pdq-Reason"
@@ -96,3 +256,10 @@ const (
 	KindDone  = "done"
 	KindError = "error"
 )
+
+// ReplyAttempt orders the writers of one request's reply: later
+// generations after earlier ones, and within a generation later deliveries
+// after earlier ones. Prefill errors are delivery 0 of their generation.
+func ReplyAttempt(generation, delivery int) int {
+	return generation<<8 | min(delivery, 255)
+}

@@ -207,6 +207,20 @@ func (r *Registry) Models() []string {
 	return out
 }
 
+// DecodeSlots sums the slots of pool's live decode workers.
+func (r *Registry) DecodeSlots(pool string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	n := 0
+	for _, e := range r.workers {
+		if e.info.Role == StageDecode && e.info.Pool == pool && now.Sub(e.at) <= LiveFor {
+			n += e.info.Slots
+		}
+	}
+	return n
+}
+
 // Workers lists the live workers.
 func (r *Registry) Workers() []WorkerInfo {
 	r.mu.Lock()

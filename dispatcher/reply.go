@@ -18,15 +18,23 @@ import (
 // ReplyWriter sends a request's reply to the gateway over core NATS: chunks
 // numbered from 0, then one terminal message, done or error. Core NATS may
 // drop messages (a slow consumer), so the numbering lets the gateway see a
-// gap instead of silence.
+// gap instead of silence. A writer without a subject (a replay, which has
+// no client) keeps the chunks for the request record instead.
 type ReplyWriter struct {
 	nc      *nats.Conn
 	subject string
 	attempt string // formatted once: it goes on every message
 	seq     int
+	// stages go on the done message, for the gateway's request record.
+	stages []StageRecord
+	// kept holds the chunks of a writer without a subject, and failed its
+	// error.
+	kept   [][]byte
+	failed *openai.Error
 }
 
-// NewReplyWriter writes to subject as the given attempt.
+// NewReplyWriter writes to subject as the given attempt (see
+// [ReplyAttempt]); an empty subject keeps the reply instead.
 func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
 	return &ReplyWriter{nc: nc, subject: subject, attempt: strconv.Itoa(attempt)}
 }
@@ -34,9 +42,18 @@ func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
 // Sent is the number of chunks sent so far.
 func (w *ReplyWriter) Sent() int { return w.seq }
 
+// SetStages records the stage runs that the done message reports; the last
+// one's duration is measured when Done is sent.
+func (w *ReplyWriter) SetStages(stages ...StageRecord) { w.stages = stages }
+
 // Chunk sends one chunk: an SSE event's data, or a whole JSON response.
 func (w *ReplyWriter) Chunk(data []byte) error {
-	if err := w.send(KindChunk, w.seq, data, 0); err != nil {
+	if w.subject == "" {
+		w.kept = append(w.kept, data)
+		w.seq++
+		return nil
+	}
+	if err := w.send(KindChunk, w.seq, data, 0, nil); err != nil {
 		return err
 	}
 	w.seq++
@@ -45,25 +62,45 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 
 // Done ends the reply after the chunks sent.
 func (w *ReplyWriter) Done() error {
-	return w.send(KindDone, w.seq, nil, 0)
+	var stages []byte
+	if n := len(w.stages); n > 0 {
+		last := &w.stages[n-1]
+		last.Ms = float64(time.Since(last.Started).Microseconds()) / 1000
+		stages, _ = json.Marshal(w.stages) // plain fields: it always encodes
+	}
+	if w.subject == "" {
+		return nil
+	}
+	return w.send(KindDone, w.seq, nil, 0, stages)
 }
 
 // Error ends the reply with an error to pass to the client.
 func (w *ReplyWriter) Error(e *openai.Error) error {
+	if w.subject == "" {
+		w.failed = e
+		return nil
+	}
 	body, err := json.Marshal(openai.ErrorResponse{Error: e})
 	if err != nil {
 		return fmt.Errorf("encode error reply: %w", err)
 	}
-	return w.send(KindError, w.seq, body, e.Status())
+	return w.send(KindError, w.seq, body, e.Status(), nil)
 }
 
-func (w *ReplyWriter) send(kind string, seq int, data []byte, status int) error {
+// Kept is what a writer without a subject kept: the chunks, and the stage
+// runs.
+func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages }
+
+func (w *ReplyWriter) send(kind string, seq int, data []byte, status int, stages []byte) error {
 	msg := nats.NewMsg(w.subject)
-	msg.Header.Set(HeaderKind, kind)
-	msg.Header.Set(HeaderSeq, strconv.Itoa(seq))
-	msg.Header.Set(HeaderAttempt, w.attempt)
+	msg.Header[HeaderKind] = []string{kind}
+	msg.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
+	msg.Header[HeaderAttempt] = []string{w.attempt}
 	if status != 0 {
-		msg.Header.Set(HeaderStatus, strconv.Itoa(status))
+		msg.Header[HeaderStatus] = []string{strconv.Itoa(status)}
+	}
+	if stages != nil {
+		msg.Header[HeaderStages] = []string{string(stages)}
 	}
 	msg.Data = data
 	if err := w.nc.PublishMsg(msg); err != nil {
@@ -79,6 +116,8 @@ type Reply struct {
 	Data []byte
 	// Status is an error's HTTP status.
 	Status int
+	// Stages are the stage runs a done message reports.
+	Stages []StageRecord
 }
 
 // Errors of [ReplyStream.Next].
@@ -233,7 +272,11 @@ func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, erro
 			if seq != s.next {
 				return Reply{}, fmt.Errorf("%w: %d chunks sent, %d arrived", ErrReplyGap, seq, s.next)
 			}
-			return Reply{Kind: KindDone}, nil
+			done := Reply{Kind: KindDone}
+			if raw := msg.Header.Get(HeaderStages); raw != "" {
+				_ = json.Unmarshal([]byte(raw), &done.Stages) // informational: a bad one is left out
+			}
+			return done, nil
 		case KindError:
 			status, _ := strconv.Atoi(msg.Header.Get(HeaderStatus))
 			return Reply{Kind: KindError, Data: msg.Data, Status: status}, nil

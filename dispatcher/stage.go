@@ -2,6 +2,7 @@ package dispatcher
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -27,16 +28,27 @@ type Failure struct {
 	// in-stream error); the loop sends nothing more.
 	Reported bool
 	// Client is what the client gets when this failure is the last word.
+	// A 4xx is the client's own mistake: it is answered and recorded, not
+	// dead-lettered.
 	Client *openai.Error
+	// Rejected means the engine refused the request before running it, so
+	// a handoff's KV blocks were never read and must be released.
+	Rejected bool
 }
 
 func (f *Failure) Error() string { return f.Err.Error() }
 func (f *Failure) Unwrap() error { return f.Err }
 
 // Permanent marks err as not worth retrying; client is what the client
-// gets, typically the engine's own 4xx.
+// gets.
 func Permanent(err error, client *openai.Error) error {
 	return &Failure{Err: err, Permanent: true, Client: client}
+}
+
+// Rejected marks err as the engine's refusal of the request (its 4xx):
+// permanent, the client's, and the engine never ran it.
+func Rejected(err error, client *openai.Error) error {
+	return &Failure{Err: err, Permanent: true, Client: client, Rejected: true}
 }
 
 // Retryable marks err as transient; client is what the client gets if no
@@ -64,6 +76,18 @@ func retryDelay(base time.Duration, attempt int) time.Duration {
 	return min(d, 10*time.Second)
 }
 
+// Defaults of the lifecycle settings in [StageConfig].
+const (
+	// DefaultKVTTL is how old a handoff may be when a decode worker pulls
+	// it; older ones go back to prefill. It is under vLLM's 30 s KV lease.
+	DefaultKVTTL = 25 * time.Second
+	// DefaultMaxGenerations bounds the prefills one request may start.
+	DefaultMaxGenerations = 3
+	// dlqFullRetry is how long a job whose dead letter could not be stored
+	// waits in its queue before it tries again.
+	dlqFullRetry = 30 * time.Second
+)
+
 // Handler runs one job of a stage. A nil error acks the job; see
 // [Failure] for the rest. The handler must return when ctx ends.
 type Handler func(ctx context.Context, d *Delivery) error
@@ -71,35 +95,47 @@ type Handler func(ctx context.Context, d *Delivery) error
 // Delivery is one delivery of a job to a handler.
 type Delivery struct {
 	Job *Job
-	// Attempt counts deliveries of this job, from 1.
+	// Attempt counts deliveries of this job in its generation, from 1.
 	Attempt int
 	loop    *StageLoop
+	replies *ReplyWriter
+	handoff *Job
 }
 
-// Forward hands the job on to the next stage and returns once JetStream
-// has stored it, so the current stage can be acked. A republish after a
-// crash is recognized as a duplicate and counts as done.
-func (d *Delivery) Forward(ctx context.Context, stage Stage, job *Job) error {
-	err := publishJob(ctx, d.loop.js, stage, job, job.ID+"/"+string(stage))
-	if errors.Is(err, ErrDuplicate) {
-		return nil
-	}
-	return err
+// HandOff is how a prefill handler returns its result: the job for the
+// decode stage, with kv, which the loop stores before it acks the prefill.
+// A failed store is retried as a store; the prefill is never run again
+// for it.
+func (d *Delivery) HandOff(kv json.RawMessage, rec StageRecord) {
+	h := *d.Job
+	h.KV, h.Prefill = kv, &rec
+	d.handoff = &h
 }
 
 // Replies writes the client's reply for this delivery.
 func (d *Delivery) Replies() *ReplyWriter {
-	return d.loop.replies(d.Job, d.Attempt)
+	if d.replies == nil {
+		d.replies = d.loop.replies(d.Job, d.Attempt)
+	}
+	return d.replies
 }
 
-// replies writes job's reply. Decode deliveries number their replies by
-// attempt, so a redelivered decode starts a new reply; prefill errors are
-// attempt 0.
+// sent is the number of chunks this delivery sent to the client.
+func (d *Delivery) sent() int {
+	if d.replies == nil {
+		return 0
+	}
+	return d.replies.Sent()
+}
+
+// replies writes job's reply. Decode deliveries are ordered by generation
+// and delivery, so a later one starts a new reply; prefill errors are
+// delivery 0 of their generation.
 func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
 	if l.cfg.Stage != StageDecode {
 		attempt = 0
 	}
-	return NewReplyWriter(l.nc, job.ReplyTo, attempt)
+	return NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
 }
 
 // StageConfig configures a [StageLoop].
@@ -110,6 +146,11 @@ type StageConfig struct {
 	// is pulled only when a slot is free.
 	Slots   int
 	Handler Handler
+	// Release frees the prefill engine's KV blocks of a handoff that will
+	// not be decoded (cancelled, expired, superseded, too old, rejected by
+	// the engine). Decode stages set it; it is never called for a handoff
+	// a decode engine may already have read.
+	Release func(ctx context.Context, job *Job) error
 	// Worker describes the worker in the registry; its Role, Pool and Slots
 	// are filled in from this config.
 	Worker WorkerInfo
@@ -122,22 +163,41 @@ type StageConfig struct {
 	// AckWait is the consumer's ack wait; 0 takes DefaultAckWait. All
 	// workers of a pool should agree on it.
 	AckWait time.Duration
+	// KVTTL is the oldest handoff a decode stage runs; 0 takes
+	// DefaultKVTTL.
+	KVTTL time.Duration
+	// MaxGenerations bounds the prefills of one request; 0 takes
+	// DefaultMaxGenerations.
+	MaxGenerations int
 }
 
 // StageLoop pulls jobs of one stage and pool and runs them.
 type StageLoop struct {
-	cfg StageConfig
-	nc  *nats.Conn
-	js  jetstream.JetStream
-	log *slog.Logger
+	cfg      StageConfig
+	nc       *nats.Conn
+	js       jetstream.JetStream
+	records  *Records
+	liveness *Liveness
+	log      *slog.Logger
 
 	inFlight atomic.Int64
+	released atomic.Int64
 	mu       sync.Mutex
-	cancels  map[string]context.CancelCauseFunc
+	running  map[string]*runningJob
 }
 
-// errCancelled is the cause of a job cancelled by its client.
-var errCancelled = errors.New("cancelled by the client")
+// runningJob is a job a slot is running, as the cancel broadcast and the
+// gateway watch find it.
+type runningJob struct {
+	gateway string
+	cancel  context.CancelCauseFunc
+}
+
+// Causes of a job stopped while it runs.
+var (
+	errCancelled   = errors.New("cancelled by the client")
+	errGatewayGone = errors.New("the gateway holding the client is gone")
+)
 
 // NewStageLoop builds a loop; Run starts it.
 func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *slog.Logger) (*StageLoop, error) {
@@ -147,25 +207,37 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
 		return nil, fmt.Errorf("stage loop: pool, slots >= 1 and a handler are required")
 	}
-	if cfg.Grace <= 0 {
+	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 {
+		return nil, fmt.Errorf("stage loop: durations and limits must not be negative")
+	}
+	if cfg.Grace == 0 {
 		cfg.Grace = 30 * time.Second
 	}
-	if cfg.RetryBase <= 0 {
+	if cfg.RetryBase == 0 {
 		cfg.RetryBase = DefaultRetryBase
 	}
-	if cfg.AckWait <= 0 {
+	if cfg.AckWait == 0 {
 		cfg.AckWait = DefaultAckWait
+	}
+	if cfg.KVTTL == 0 {
+		cfg.KVTTL = DefaultKVTTL
+	}
+	if cfg.MaxGenerations == 0 {
+		cfg.MaxGenerations = DefaultMaxGenerations
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{
-		cfg: cfg, nc: nc, js: js,
+		cfg: cfg, nc: nc, js: js, liveness: NewLiveness(nc),
 		log:     log.With("stage", string(cfg.Stage), "pool", cfg.Pool),
-		cancels: make(map[string]context.CancelCauseFunc),
+		running: make(map[string]*runningJob),
 	}, nil
 }
 
 // InFlight is the number of jobs running now.
 func (l *StageLoop) InFlight() int { return int(l.inFlight.Load()) }
+
+// Released counts the handoffs whose KV blocks this loop released.
+func (l *StageLoop) Released() int64 { return l.released.Load() }
 
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
@@ -174,17 +246,24 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if l.records, err = OpenRecords(ctx, l.js); err != nil {
+		return err
+	}
+	var gate *decodeGate
+	if l.cfg.Stage == StagePrefill {
+		if gate, err = newDecodeGate(ctx, l.js, l.cfg.Pool, l.log); err != nil {
+			return err
+		}
+	}
 	cancelSub, err := l.nc.Subscribe(CancelSubject("*"), l.onCancel)
 	if err != nil {
 		return fmt.Errorf("subscribe to cancels: %w", err)
 	}
 	defer cancelSub.Unsubscribe()
 
-	hbDone := make(chan struct{})
-	go func() {
-		defer close(hbDone)
-		l.heartbeat(ctx)
-	}()
+	var bg sync.WaitGroup
+	bg.Go(func() { l.heartbeat(ctx) })
+	bg.Go(func() { l.watchGateways(ctx) })
 
 	// Jobs outlive ctx by the grace period, so a shutdown does not abort
 	// engine calls that are about to finish.
@@ -198,6 +277,9 @@ pull:
 		select {
 		case slots <- struct{}{}:
 		case <-ctx.Done():
+			break pull
+		}
+		if gate != nil && gate.wait(ctx) != nil {
 			break pull
 		}
 		msg, err := cons.Next(jetstream.FetchContext(ctx))
@@ -224,7 +306,7 @@ pull:
 				l.inFlight.Add(-1)
 				<-slots
 			}()
-			l.process(jobCtx, msg)
+			l.process(ctx, jobCtx, msg)
 		})
 	}
 
@@ -239,128 +321,103 @@ pull:
 	select {
 	case <-done:
 	case <-time.After(l.cfg.Grace):
-		l.log.Warn("grace period over: handing running jobs back for redelivery", "in_flight", l.InFlight())
+		l.log.Warn("grace period over: handing running jobs back", "in_flight", l.InFlight())
 		stopJobs()
 		<-done
 	}
-	<-hbDone
-	l.log.Info("stage worker stopped")
+	bg.Wait()
+	l.log.Info("stage worker stopped", "kv_released", l.Released())
 	return nil
 }
 
-func (l *StageLoop) process(ctx context.Context, msg jetstream.Msg) {
+// process runs one delivery: check it may run at all, run it, and settle
+// it. runCtx ends at shutdown, ctx at the end of the grace period.
+func (l *StageLoop) process(runCtx, ctx context.Context, msg jetstream.Msg) {
 	attempt := 1
 	if meta, err := msg.Metadata(); err == nil {
 		attempt = int(meta.NumDelivered)
 	}
-	job, err := decodeJob(msg.Data())
+	job, err := ParseJob(msg.Headers(), msg.Data())
 	if err != nil {
-		// A message nobody can read cannot be answered either: keep it in
-		// the dead-letter stream and drop it from the queue.
-		l.log.Error("dropping a job that is not a valid envelope", logging.Err(err), "subject", msg.Subject())
-		l.deadLetter(ctx, "", "", msg.Data(), err.Error())
-		l.term(msg, "invalid envelope")
+		l.unreadable(ctx, msg, job, err)
 		return
 	}
-	log := l.log.With(logging.KeyRequestID, job.ID, "attempt", attempt)
+	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
+		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+	if !s.admit(ctx) {
+		return
+	}
+
 	jctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	l.mu.Lock()
-	l.cancels[job.ID] = cancel
+	l.running[job.ID] = &runningJob{gateway: job.GatewayID(), cancel: cancel}
 	l.mu.Unlock()
 	defer func() {
 		l.mu.Lock()
-		delete(l.cancels, job.ID)
+		delete(l.running, job.ID)
 		l.mu.Unlock()
 	}()
 
 	stopProgress := l.keepAlive(jctx, msg)
 	start := time.Now()
-	err = l.cfg.Handler(jctx, &Delivery{Job: job, Attempt: attempt, loop: l})
+	d := &Delivery{Job: job, Attempt: attempt, loop: l}
+	err = l.cfg.Handler(jctx, d)
 	stopProgress()
+	s.sent = d.sent()
 
-	actx, acancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	actx, acancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer acancel()
+	cause := context.Cause(jctx)
 	switch {
 	case err == nil:
-		if err := msg.DoubleAck(actx); err != nil {
-			// The job will be redelivered and run again; the next stage's
-			// publish is deduplicated.
-			log.Warn("ack failed; the job will be redelivered", logging.Err(err))
-		}
-		log.Debug("job done", logging.Ms("duration_ms", time.Since(start)))
-	case errors.Is(context.Cause(jctx), errCancelled):
-		log.Info("job cancelled by its client", logging.Ms("duration_ms", time.Since(start)))
-		l.term(msg, "cancelled by the client")
-	case ctx.Err() != nil:
-		log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
-		if err := msg.Nak(); err != nil {
-			log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
-		}
+		s.succeeded(actx, d, time.Since(start))
+	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
+		s.log.Info("job stopped: "+cause.Error(), logging.Ms("duration_ms", time.Since(start)))
+		s.end(actx, StateCancelled, &RecordError{Status: 499, Message: cause.Error(), Stage: l.cfg.Stage})
+		s.term(cause.Error())
+	case runCtx.Err() != nil && ctx.Err() != nil:
+		s.interrupted(actx, err)
 	default:
-		l.fail(actx, msg, job, attempt, err, log)
+		s.failed(actx, err)
 	}
 }
 
-// fail retries a job later, or ends it: the client gets the error, the job
-// goes to the dead-letter stream, and the queue drops it.
-func (l *StageLoop) fail(ctx context.Context, msg jetstream.Msg, job *Job, attempt int, err error, log *slog.Logger) {
-	var f *Failure
-	if !errors.As(err, &f) {
-		f = &Failure{Err: err}
-	}
-	if !f.Permanent && attempt < MaxDeliver {
-		delay := retryDelay(l.cfg.RetryBase, attempt)
-		log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
-		if err := msg.NakWithDelay(delay); err != nil {
-			log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
-		}
-		return
-	}
-	client := f.Client
-	if client == nil {
-		client = openai.NewError(http.StatusBadGateway, "%s failed: %v", l.cfg.Stage, err)
-	}
-	if !f.Permanent {
-		client = openai.NewError(client.Status(), "%s (after %d attempts)", client.Message, attempt)
-	}
-	log.Error("job failed for good", logging.Err(err), "status", client.Status(), "permanent", f.Permanent)
-	if !f.Reported {
-		if err := l.replies(job, attempt).Error(client); err != nil {
-			log.Warn("could not send the error to the gateway", logging.Err(err))
-		}
-	}
-	l.deadLetter(ctx, job.Pool, job.ID, msg.Data(), err.Error())
-	l.term(msg, client.Message)
-}
-
-// deadLetter keeps a failed job for replay. WorkQueue streams delete a
-// terminated message, so it is copied first.
-func (l *StageLoop) deadLetter(ctx context.Context, pool, id string, data []byte, reason string) {
-	if pool == "" {
-		pool = l.cfg.Pool
-	}
-	if id == "" {
+// unreadable settles a message that is not a job this build can run. Its
+// client is answered when the reply subject could be read, and the message
+// is kept in the dead-letter stream.
+func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job, err error) {
+	l.log.Error("a job this worker cannot read", logging.Err(err), "subject", msg.Subject())
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	id := job.ID
+	if !ValidRequestID(id) {
 		id = "invalid-" + randomID()
 	}
-	m := nats.NewMsg(DLQSubject(pool, id))
-	m.Header.Set(HeaderStage, string(l.cfg.Stage))
-	m.Header.Set(HeaderReason, truncate(reason, 1024))
-	m.Data = data
-	if _, err := l.js.PublishMsg(ctx, m); err != nil {
-		l.log.Error("could not keep a failed job in the dead-letter stream", logging.KeyRequestID, id, logging.Err(err))
+	if derr := l.deadLetter(actx, msg, id, http.StatusInternalServerError, err.Error()); derr != nil {
+		l.log.Error("could not keep an unreadable job in the dead-letter stream; it stays queued", logging.Err(derr))
+		_ = msg.NakWithDelay(dlqFullRetry) // a lost nak redelivers after the ack wait
+		return
 	}
-}
-
-func (l *StageLoop) term(msg jetstream.Msg, reason string) {
-	if err := msg.TermWithReason(truncate(reason, 256)); err != nil {
-		l.log.Warn("term failed; the job may be redelivered", logging.Err(err))
+	if job.ReplyTo != "" {
+		e := openai.NewError(http.StatusInternalServerError, "pdq could not read the job: %v", err)
+		if rerr := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, 255)).Error(e); rerr != nil {
+			l.log.Warn("could not answer the client of an unreadable job", logging.Err(rerr))
+		}
+	}
+	if ValidRequestID(job.ID) && l.records != nil && job.Generation > 0 {
+		if rerr := l.records.End(actx, job.ID, job.Generation, StateFailed,
+			&RecordError{Status: http.StatusInternalServerError, Message: err.Error(), Stage: l.cfg.Stage}); rerr != nil {
+			l.log.Warn("could not record the failure", logging.Err(rerr))
+		}
+	}
+	if terr := msg.TermWithReason(truncate(err.Error(), 256)); terr != nil {
+		l.log.Warn("term failed; the job will come back and be dead-lettered again (deduplicated)", logging.Err(terr))
 	}
 }
 
 // keepAlive tells JetStream the job is still running, every third of the
-// ack wait,
-// until stopped.
+// ack wait, until stopped.
 func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func()) {
 	kctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
@@ -374,7 +431,7 @@ func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func
 				return
 			case <-t.C:
 				if err := msg.InProgress(); err != nil {
-					l.log.Warn("in-progress signal failed", logging.Err(err))
+					l.log.Warn("in-progress signal failed; the job may be redelivered", logging.Err(err))
 				}
 			}
 		}
@@ -388,10 +445,41 @@ func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func
 func (l *StageLoop) onCancel(msg *nats.Msg) {
 	id := msg.Subject[len(CancelSubject("")):]
 	l.mu.Lock()
-	cancel := l.cancels[id]
+	r := l.running[id]
 	l.mu.Unlock()
-	if cancel != nil {
-		cancel(errCancelled)
+	if r != nil {
+		r.cancel(errCancelled)
+	}
+}
+
+// watchGateways stops the running jobs whose gateway is gone: nobody would
+// read their output.
+func (l *StageLoop) watchGateways(ctx context.Context) {
+	t := time.NewTicker(HeartbeatInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		l.mu.Lock()
+		byGateway := make(map[string][]context.CancelCauseFunc)
+		for _, r := range l.running {
+			if r.gateway != "" {
+				byGateway[r.gateway] = append(byGateway[r.gateway], r.cancel)
+			}
+		}
+		l.mu.Unlock()
+		for gw, cancels := range byGateway {
+			if l.liveness.Alive(ctx, gw) {
+				continue
+			}
+			l.log.Warn("gateway gone: stopping its running jobs", "gateway_id", gw, "jobs", len(cancels))
+			for _, c := range cancels {
+				c(errGatewayGone)
+			}
+		}
 	}
 }
 

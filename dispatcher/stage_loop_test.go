@@ -31,7 +31,13 @@ type loopTest struct {
 
 func startLoop(t *testing.T, nc *nats.Conn, js jetstream.JetStream, cfg StageConfig) *loopTest {
 	t.Helper()
-	cfg.Pool = PoolName(t.Name())
+	return startLoopOn(t, nc, js, PoolName(t.Name()), cfg)
+}
+
+// startLoopOn starts a loop on pool.
+func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool string, cfg StageConfig) *loopTest {
+	t.Helper()
+	cfg.Pool = pool
 	cfg.Stage = StagePrefill
 	if cfg.Slots == 0 {
 		cfg.Slots = 1
@@ -46,6 +52,11 @@ func startLoop(t *testing.T, nc *nats.Conn, js jetstream.JetStream, cfg StageCon
 	if err != nil {
 		t.Fatal(err)
 	}
+	pings, err := AnswerPings(nc, "gw-"+cfg.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pings.Unsubscribe() })
 	ctx, cancel := context.WithCancel(context.Background())
 	lt := &loopTest{t: t, nc: nc, js: js, pool: cfg.Pool, replies: replies, cancel: cancel, done: make(chan struct{}), loop: loop}
 	go func() {
@@ -74,11 +85,30 @@ func (lt *loopTest) submit(id string) *ReplyStream {
 		lt.t.Fatal(err)
 	}
 	lt.t.Cleanup(s.Close)
-	job := &Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), ReplyTo: lt.replies.Subject(id)}
-	if err := NewSubmitter(lt.js).Submit(context.Background(), StagePrefill, job); err != nil {
+	job := &Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), ReplyTo: lt.replies.Subject(id),
+		Deadline: time.Now().Add(time.Minute)}
+	records, err := OpenRecords(context.Background(), lt.js)
+	if err != nil {
+		lt.t.Fatal(err)
+	}
+	if err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), StagePrefill, job); err != nil {
 		lt.t.Fatal(err)
 	}
 	return s
+}
+
+// record reads a request's record.
+func (lt *loopTest) record(id string) *Record {
+	lt.t.Helper()
+	records, err := OpenRecords(context.Background(), lt.js)
+	if err != nil {
+		lt.t.Fatal(err)
+	}
+	r, _, err := records.Get(context.Background(), id)
+	if err != nil {
+		lt.t.Fatal(err)
+	}
+	return r
 }
 
 // pending counts the stage stream's messages of this pool.
@@ -137,9 +167,8 @@ func TestStageLoop(t *testing.T) {
 			if d.Attempt < 3 {
 				return Retryable(errors.New("engine down"), nil)
 			}
-			next := *d.Job
-			next.KVTransferParams = []byte(`{"remote_block_ids":[[1]]}`)
-			return d.Forward(ctx, StageDecode, &next)
+			d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+			return nil
 		}})
 		lt.submit("job-1")
 		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
@@ -151,12 +180,13 @@ func TestStageLoop(t *testing.T) {
 		}
 		st, _ := js.Stream(ctx, StreamDecode)
 		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "job-1"))
-		if err != nil || !strings.Contains(string(m.Data), `"kv_transfer_params":{"remote_block_ids":[[1]]}`) || m.Header.Get(jetstream.MsgIDHeader) != "job-1/decode" {
+		if err != nil || string(m.Data) != `{}` || m.Header.Get(HeaderKV) != `{"remote_block_ids":[[1]]}` ||
+			m.Header.Get(jetstream.MsgIDHeader) != "job-1/d1" || m.Header.Get(HeaderGeneration) != "1" {
 			t.Errorf("handoff %s %v: %v", m.Data, m.Header, err)
 		}
 	})
 
-	t.Run("a permanent failure reaches the client once and is dead-lettered", func(t *testing.T) {
+	t.Run("a client's error reaches the client once and is recorded, not dead-lettered", func(t *testing.T) {
 		var calls atomic.Int32
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
@@ -167,13 +197,16 @@ func TestStageLoop(t *testing.T) {
 		if err != nil || r.Kind != KindError || r.Status != 400 || !strings.Contains(string(r.Data), "prompt too long") {
 			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
 		}
-		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-2") != nil })
-		if dl := lt.deadLetter("job-2"); dl.Header.Get(HeaderStage) != "prefill" || !strings.Contains(dl.Header.Get(HeaderReason), "400") {
-			t.Errorf("dead letter headers %v", dl.Header)
-		}
+		waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
 		time.Sleep(200 * time.Millisecond) // many retry delays
 		if calls.Load() != 1 || lt.pending(StagePrefill) != 0 {
 			t.Errorf("handler ran %d times, %d jobs left; want 1 run and none", calls.Load(), lt.pending(StagePrefill))
+		}
+		if lt.deadLetter("job-2") != nil {
+			t.Error("a client's own error was dead-lettered")
+		}
+		if r := lt.record("job-2"); r.State != StateFailed || r.Error == nil || r.Error.Status != 400 {
+			t.Errorf("record %+v, want failed with 400", r)
 		}
 	})
 
@@ -192,6 +225,13 @@ func TestStageLoop(t *testing.T) {
 			t.Errorf("handler ran %d times, want %d", calls.Load(), MaxDeliver)
 		}
 		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-3") != nil })
+		if dl := lt.deadLetter("job-3"); dl.Header.Get(HeaderStage) != "prefill" || dl.Header.Get(HeaderStatus) != "502" ||
+			!strings.Contains(dl.Header.Get(HeaderReason), "connection refused") || string(dl.Data) != `{}` {
+			t.Errorf("dead letter %v %s", dl.Header, dl.Data)
+		}
+		if r := lt.record("job-3"); r.State != StateFailed || r.Error.Status != 502 {
+			t.Errorf("record %+v, want failed with 502", r)
+		}
 	})
 
 	t.Run("pulls only as many jobs as it has slots", func(t *testing.T) {
@@ -313,6 +353,194 @@ func TestStageLoop(t *testing.T) {
 		waitFor(t, "deregistration", func() bool { return reg.Status("model-7").Prefill == 0 })
 		if !reg.Status("model-7").Known {
 			t.Error("a model seen before is no longer known")
+		}
+	})
+}
+
+// TestLifecycle covers the ways a job used to end with no answer, or with
+// work done twice.
+func TestLifecycle(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+
+	t.Run("deliveries used up by crashed workers end in an answer and a dead letter", func(t *testing.T) {
+		var calls atomic.Int32
+		pool := PoolName(t.Name())
+		cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, 200*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lt := &loopTest{t: t, nc: nc, js: js, pool: pool}
+		lt.replies, err = NewReplies(nc, "gw-"+pool)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lt.replies.Close()
+		s := lt.submit("crash-1")
+		for i := range MaxDeliver {
+			// A worker that pulls the job and dies: no ack, no nak.
+			msg, err := cons.Next(jetstream.FetchMaxWait(5 * time.Second))
+			if err != nil {
+				t.Fatalf("delivery %d: %v", i+1, err)
+			}
+			if meta, _ := msg.Metadata(); meta.NumDelivered != uint64(i+1) {
+				t.Fatalf("delivery %d has NumDelivered %d", i+1, meta.NumDelivered)
+			}
+		}
+		lt2 := startLoopOn(t, nc, js, lt.pool, StageConfig{AckWait: 200 * time.Millisecond, Handler: func(context.Context, *Delivery) error {
+			calls.Add(1)
+			return nil
+		}})
+		r, err := s.Next(ctx, 10*time.Second)
+		if err != nil || r.Kind != KindError || r.Status != 502 || !strings.Contains(string(r.Data), "4 deliveries") {
+			t.Fatalf("reply %+v %s, %v; want a 502 after 4 deliveries", r, r.Data, err)
+		}
+		waitFor(t, "the dead letter", func() bool { return lt2.deadLetter("crash-1") != nil })
+		waitFor(t, "the job gone", func() bool { return lt2.pending(StagePrefill) == 0 })
+		if calls.Load() != 0 {
+			t.Errorf("the handler ran %d times for a job out of deliveries", calls.Load())
+		}
+		if r := lt2.record("crash-1"); r.State != StateFailed {
+			t.Errorf("record state %s, want failed", r.State)
+		}
+	})
+
+	t.Run("a job of an unknown envelope version is answered and dead-lettered", func(t *testing.T) {
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+			t.Error("the handler ran an unreadable job")
+			return nil
+		}})
+		s, err := lt.replies.Open("v9-1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		job := &Job{ID: "v9-1", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+			ReplyTo: lt.replies.Subject("v9-1"), Generation: 1}
+		m := job.Msg(StagePrefill)
+		m.Header.Set(HeaderVersion, "9")
+		if _, err := js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+		r, err := s.Next(ctx, 10*time.Second)
+		if err != nil || r.Kind != KindError || r.Status != 500 || !strings.Contains(string(r.Data), "envelope version") {
+			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
+		}
+		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("v9-1") != nil })
+	})
+
+	t.Run("a job that fails validation is answered at its reply subject", func(t *testing.T) {
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+			t.Error("the handler ran an invalid job")
+			return nil
+		}})
+		s, err := lt.replies.Open("bad-1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		job := &Job{ID: "bad-1", Model: "m", Pool: lt.pool, Endpoint: "embeddings", Body: []byte(`{}`),
+			ReplyTo: lt.replies.Subject("bad-1"), Generation: 1}
+		if _, err := js.PublishMsg(ctx, job.Msg(StagePrefill)); err != nil {
+			t.Fatal(err)
+		}
+		r, err := s.Next(ctx, 10*time.Second)
+		if err != nil || r.Kind != KindError || !strings.Contains(string(r.Data), "unknown endpoint") {
+			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
+		}
+		waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
+	})
+
+	t.Run("the body travels as the client's bytes", func(t *testing.T) {
+		body := []byte(`{"model":"m","prompt":"<a href=\"x\">&amp;</a>\u2028 é","z":1,  "a":[ 1 ]}`)
+		got := make(chan []byte, 1)
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+			got <- d.Job.Body
+			return nil
+		}})
+		records, _ := OpenRecords(ctx, js)
+		job := &Job{ID: "raw-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
+			ReplyTo: lt.replies.Subject("raw-1"), Deadline: time.Now().Add(time.Minute)}
+		if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case b := <-got:
+			if string(b) != string(body) {
+				t.Errorf("the worker got %s, want the client's bytes %s", b, body)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("the job never ran")
+		}
+	})
+
+	t.Run("a handoff the decode stream refuses is retried as a publish, not a prefill", func(t *testing.T) {
+		nc, js := startJetStream(t) // its own server: the decode stream is made full
+		st, err := js.Stream(ctx, StreamDecode)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := st.CachedInfo().Config
+		cfg.MaxMsgs = 1
+		if _, err := js.UpdateStream(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+		filler, err := js.Publish(ctx, JobSubject(StageDecode, "other", "filler"), []byte(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var calls atomic.Int32
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+			calls.Add(1)
+			d.HandOff([]byte(`{"remote_block_ids":[1]}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+			return nil
+		}})
+		lt.submit("full-1")
+		time.Sleep(500 * time.Millisecond) // a few refused publishes
+		if err := st.DeleteMsg(ctx, filler.Sequence); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
+		waitFor(t, "the prefill acked", func() bool { return lt.pending(StagePrefill) == 0 })
+		if calls.Load() != 1 {
+			t.Errorf("the prefill ran %d times, want once", calls.Load())
+		}
+	})
+
+	t.Run("a reused id is one request whatever its path", func(t *testing.T) {
+		records, _ := OpenRecords(ctx, js)
+		sub := NewSubmitter(js, records, NewLiveness(nc))
+		mk := func() *Job {
+			return &Job{ID: "same-1", Model: "m", Pool: "p", Endpoint: openai.Chat, Body: []byte(`{}`),
+				ReplyTo: ReplySubject("gw-nobody-listens", "same-1"), Deadline: time.Now().Add(time.Minute)}
+		}
+		pings, err := AnswerPings(nc, "gw-alive")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pings.Unsubscribe()
+		live := mk()
+		live.ReplyTo = ReplySubject("gw-alive", "same-1")
+		if err := sub.Submit(ctx, StagePrefill, live); err != nil {
+			t.Fatal(err)
+		}
+		if err := sub.Submit(ctx, StageDecode, mk()); !errors.Is(err, ErrDuplicate) {
+			t.Fatalf("a decode-only request with a live P/D request's id: %v, want ErrDuplicate", err)
+		}
+		pings.Unsubscribe() // the first request's gateway dies
+		sub = NewSubmitter(js, records, NewLiveness(nc)) // another gateway
+		retry := mk()
+		if err := sub.Submit(ctx, StageDecode, retry); err != nil {
+			t.Fatalf("a retry after the gateway died: %v", err)
+		}
+		if retry.Generation != 2 {
+			t.Errorf("the retry runs as generation %d, want 2", retry.Generation)
+		}
+		if err := records.End(ctx, "same-1", 2, StateDone, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := sub.Submit(ctx, StagePrefill, mk()); !errors.Is(err, ErrDuplicate) {
+			t.Fatalf("an id that delivered: %v, want ErrDuplicate", err)
 		}
 	})
 }

@@ -21,7 +21,8 @@ const (
 	StreamPrefill = "PDQ_PREFILL"
 	StreamDecode  = "PDQ_DECODE"
 	StreamDLQ     = "PDQ_DLQ"
-	BucketWorkers = "pdq_workers"
+	BucketWorkers  = "pdq_workers"
+	BucketRequests = "pdq_requests"
 )
 
 // Subject prefixes. A job's subject is <prefix>.<pool>.<request id>.
@@ -31,6 +32,7 @@ const (
 	subjectDLQ     = "pdq.dlq"
 	subjectReply   = "pdq.reply"
 	subjectCancel  = "pdq.cancel"
+	subjectGateway = "pdq.gateway"
 )
 
 // JobSubject is where a job for stage, pool and request id is published.
@@ -64,6 +66,10 @@ func ReplySubject(gatewayID, id string) string { return subjectReply + "." + gat
 // away.
 func CancelSubject(id string) string { return subjectCancel + "." + id }
 
+// GatewaySubject is where a gateway answers the pings of workers that ask
+// whether it still holds its clients.
+func GatewaySubject(gatewayID string) string { return subjectGateway + "." + gatewayID }
+
 // DLQSubject is where a request that failed for good is kept for replay.
 func DLQSubject(pool, id string) string { return subjectDLQ + "." + pool + "." + id }
 
@@ -73,6 +79,9 @@ var validID = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
 
 // ValidRequestID reports whether id may be used as a request id.
 func ValidRequestID(id string) bool { return validID.MatchString(id) }
+
+// ValidPool reports whether pool may be used as a pool's subject token.
+func ValidPool(pool string) bool { return validID.MatchString(pool) && len(pool) <= 73 }
 
 // PoolName turns a model name into the subject token and consumer-name part
 // of its pool. Characters that NATS gives meaning to ('.', '*', '>', '/',

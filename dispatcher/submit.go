@@ -2,19 +2,20 @@ package dispatcher
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Errors of [Submitter.Submit].
 var (
-	// ErrDuplicate means JetStream has seen this request id within its
-	// dedup window: the job was not queued again.
-	ErrDuplicate = errors.New("a request with this id was already accepted")
+	// ErrDuplicate means a request with this id is live, or has delivered
+	// its answer: the job was not queued again.
+	ErrDuplicate = errors.New("a request with this id is live or has delivered")
 	// ErrQueueFull means the stage's stream is at its bound. Nothing queued
 	// was dropped to make room.
 	ErrQueueFull = errors.New("the job queue is full")
@@ -26,39 +27,110 @@ const (
 	errCodeInsufficientResources = 10023
 )
 
-// Submitter publishes jobs for the gateway.
+// Submitter queues the gateway's jobs: it claims the request's id in its
+// record, then publishes the job.
 type Submitter struct {
-	js jetstream.Publisher
+	js       jetstream.Publisher
+	records  *Records
+	liveness *Liveness
 }
 
-// NewSubmitter returns a Submitter that publishes with js.
-func NewSubmitter(js jetstream.Publisher) *Submitter { return &Submitter{js: js} }
+// NewSubmitter returns a Submitter that publishes with js, records in
+// records, and asks liveness whether the gateway of an earlier request with
+// the same id still runs.
+func NewSubmitter(js jetstream.Publisher, records *Records, liveness *Liveness) *Submitter {
+	return &Submitter{js: js, records: records, liveness: liveness}
+}
 
-// Submit queues job for stage, with the request id as Nats-Msg-Id, and
-// returns once JetStream has stored it.
+// Submit records job as queued and stores it on stage's stream. One id is
+// one request whatever path it takes: an id whose request is live, or has
+// delivered, is refused with ErrDuplicate. An id whose earlier request
+// ended without delivering (failed, cancelled, expired, or its gateway
+// gone) is a retry, run as the next generation. Submit sets
+// job.Generation.
 func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) error {
+	job.Generation = 1
 	if err := job.Validate(); err != nil {
 		return err
 	}
-	return publishJob(ctx, s.js, stage, job, job.ID)
+	now := time.Now()
+	rec := &Record{
+		ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool,
+		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == StageDecode,
+		Gateway: job.GatewayID(), Created: now, Updated: now, Deadline: job.Deadline,
+	}
+	_, err := s.records.create(ctx, rec)
+	if isWrongRevision(err) {
+		err = s.claimRetry(ctx, rec)
+	}
+	if err != nil {
+		return err
+	}
+	// A retry's generation may have been used by a regeneration that
+	// JetStream still deduplicates: take the next one.
+	for range 3 {
+		job.Generation = rec.Generation
+		err = publish(ctx, s.js, job.Msg(stage))
+		if !errors.Is(err, ErrDuplicate) {
+			break
+		}
+		if _, err = s.records.Transition(ctx, job.ID, func(r *Record) error {
+			r.Generation++
+			rec = r
+			return nil
+		}); err != nil {
+			break
+		}
+	}
+	if err != nil {
+		status := 503
+		if errors.Is(err, ErrQueueFull) {
+			status = 429
+		}
+		// The id must not stay claimed by a request that never queued.
+		if rerr := s.records.End(context.WithoutCancel(ctx), job.ID, rec.Generation, StateFailed,
+			&RecordError{Status: status, Message: err.Error()}); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+	}
+	return err
 }
 
-// publishJob stores job on stage's stream, deduplicated by msgID.
-func publishJob(ctx context.Context, js jetstream.Publisher, stage Stage, job *Job, msgID string) error {
-	data, err := json.Marshal(job)
+// claimRetry takes over the record of an earlier request with rec's id,
+// if that request has ended without delivering.
+func (s *Submitter) claimRetry(ctx context.Context, rec *Record) error {
+	old, rev, err := s.records.Get(ctx, rec.ID)
 	if err != nil {
-		return fmt.Errorf("encode job %s: %w", job.ID, err)
+		return err
 	}
-	subject := JobSubject(stage, job.Pool, job.ID)
-	ack, err := js.Publish(ctx, subject, data, jetstream.WithMsgID(msgID))
+	switch {
+	case old.State == StateDone:
+		return fmt.Errorf("request %s: %w", rec.ID, ErrDuplicate)
+	case old.Live() && !old.Deadline.Before(time.Now()) && s.liveness.Alive(ctx, old.Gateway):
+		return fmt.Errorf("request %s: %w", rec.ID, ErrDuplicate)
+	}
+	rec.Generation = old.Generation + 1
+	rec.Replays = old.Replays
+	if _, err := s.records.update(ctx, rec, rev); err != nil {
+		if isWrongRevision(err) {
+			return fmt.Errorf("request %s: %w", rec.ID, ErrDuplicate) // another retry won
+		}
+		return fmt.Errorf("record %s: %w", rec.ID, err)
+	}
+	return nil
+}
+
+// publish stores msg on its stream, deduplicated by its Nats-Msg-Id.
+func publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
+	ack, err := js.PublishMsg(ctx, msg)
 	if err != nil {
 		if isFull(err) {
-			return fmt.Errorf("publish %s: %w: %w", subject, ErrQueueFull, err)
+			return fmt.Errorf("publish %s: %w: %w", msg.Subject, ErrQueueFull, err)
 		}
-		return fmt.Errorf("publish %s: %w", subject, err)
+		return fmt.Errorf("publish %s: %w", msg.Subject, err)
 	}
 	if ack.Duplicate {
-		return fmt.Errorf("publish %s: %w", subject, ErrDuplicate)
+		return fmt.Errorf("publish %s: %w", msg.Subject, ErrDuplicate)
 	}
 	return nil
 }

@@ -19,11 +19,16 @@ const (
 	maxMsgSize      = 8 << 20
 	dlqMaxAge       = 7 * 24 * time.Hour
 	dlqMaxBytes     = 1 << 30
+	dlqMaxMsgs      = 10000
 	workersTTL      = 30 * time.Second
+	requestsTTL     = 24 * time.Hour
 	maxAckPending   = 10000
 	maxWaitingPulls = 512
 
-	// MaxDeliver is how many times a stage runs a job before giving up.
+	// MaxDeliver is how many deliveries of one job a stage runs before the
+	// job fails for good. The stage loop counts them at pull, not the
+	// consumer: a consumer's own limit would leave an exhausted message
+	// sitting in the work queue with nobody to answer its client.
 	MaxDeliver = 4
 	// DefaultAckWait is how long a job may go without an ack or InProgress
 	// before it is redelivered to another worker: a crashed worker's jobs
@@ -39,15 +44,21 @@ func Ensure(ctx context.Context, js jetstream.JetStream) error {
 		stageStreamConfig(StreamPrefill, subjectPrefill+".>", "jobs waiting for a prefill worker"),
 		stageStreamConfig(StreamDecode, subjectDecode+".>", "handoffs and decode-only jobs waiting for a decode worker"),
 		{
-			Name:        StreamDLQ,
-			Description: "requests that failed for good, with stage and reason, for replay",
-			Subjects:    []string{subjectDLQ + ".>"},
-			Retention:   jetstream.LimitsPolicy,
-			Storage:     jetstream.FileStorage,
-			MaxAge:      dlqMaxAge,
-			MaxBytes:    dlqMaxBytes,
-			Discard:     jetstream.DiscardOld,
-			MaxMsgSize:  maxMsgSize,
+			// Bounded by count and age; a full DLQ refuses new entries
+			// rather than pushing out older failures. One entry per
+			// request: its latest failure.
+			Name:              StreamDLQ,
+			Description:       "requests that failed for good, with stage and reason, for replay",
+			Subjects:          []string{subjectDLQ + ".>"},
+			Retention:         jetstream.LimitsPolicy,
+			Storage:           jetstream.FileStorage,
+			MaxAge:            dlqMaxAge,
+			MaxBytes:          dlqMaxBytes,
+			MaxMsgs:           dlqMaxMsgs,
+			MaxMsgsPerSubject: 1,
+			Discard:           jetstream.DiscardNew,
+			MaxMsgSize:        maxMsgSize,
+			AllowDirect:       true,
 		},
 	} {
 		if _, err := js.CreateOrUpdateStream(ctx, cfg); err != nil {
@@ -62,6 +73,16 @@ func Ensure(ctx context.Context, js jetstream.JetStream) error {
 		History:     1,
 	}); err != nil {
 		return fmt.Errorf("ensure bucket %s: %w", BucketWorkers, err)
+	}
+	if _, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket:       BucketRequests,
+		Description:  "request records by id: state, generation, stages, error, replay result",
+		TTL:          requestsTTL,
+		Storage:      jetstream.FileStorage,
+		History:      1,
+		MaxValueSize: maxMsgSize,
+	}); err != nil {
+		return fmt.Errorf("ensure bucket %s: %w", BucketRequests, err)
 	}
 	return nil
 }
@@ -95,7 +116,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 		FilterSubject: stageSubject(stage) + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
-		MaxDeliver:    MaxDeliver,
+		MaxDeliver:    -1, // counted by the stage loop: see MaxDeliver
 		MaxAckPending: maxAckPending,
 		MaxWaiting:    maxWaitingPulls,
 		DeliverPolicy: jetstream.DeliverAllPolicy,

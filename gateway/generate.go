@@ -25,7 +25,8 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		c.Response().Header().Set("X-Request-Id", id)
 		log := h.log.With(logging.KeyRequestID, id)
 
-		body, apiErr := h.readBody(c)
+		body, release, apiErr := h.readBody(c)
+		defer release()
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
@@ -56,13 +57,16 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			return writeError(c, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id))
 		}
 		defer replies.Close()
+		now := time.Now()
 		job := &dispatcher.Job{
 			ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: in.req.Stream,
-			Body: in.body, ReplyTo: h.replies.Subject(id), PromptTokens: in.promptTokens, SubmittedAt: time.Now(),
+			Body: in.body, ReplyTo: h.replies.Subject(id), PromptTokens: in.promptTokens,
+			Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 		}
 		if err := h.submitter.Submit(c.Request().Context(), stage, job); err != nil {
 			return h.submitFailed(c, err, log)
 		}
+		log = log.With("generation", job.Generation)
 		log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
 			"prompt_tokens_estimate", in.promptTokens)
 		if stage == dispatcher.StageDecode {
@@ -82,7 +86,7 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) err
 	switch {
 	case errors.Is(err, dispatcher.ErrDuplicate):
 		return writeError(c, openai.NewError(http.StatusConflict,
-			"a request with this X-Request-Id was accepted in the last few minutes; use a new id"))
+			"a request with this X-Request-Id is in flight or has been answered; use a new id"))
 	case errors.Is(err, dispatcher.ErrQueueFull):
 		log.Warn("queue full: refusing the request", logging.Err(err))
 		c.Response().Header().Set("Retry-After", "1")
@@ -94,31 +98,40 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) err
 
 // relay writes the workers' reply to the client: the JSON body, or the SSE
 // events flushed one by one. An error that comes before any output keeps
-// its HTTP status; after that it can only be an in-stream error.
+// its HTTP status; after that it can only be an in-stream error. Whatever
+// ends the relay early, the workers are told to stop.
 func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, log *slog.Logger) error {
-	ctx := c.Request().Context()
+	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), job.Deadline, errDeadline)
+	defer cancel()
 	first, err := replies.Next(ctx, h.cfg.IdleTimeout)
 	if err != nil {
-		return h.replyFailed(c, nil, job, err, log)
+		return h.replyFailed(c, ctx, nil, job, err, log)
 	}
 	switch first.Kind {
 	case dispatcher.KindError:
 		return h.writeWorkerError(c, first)
 	case dispatcher.KindDone:
+		h.cancel(job, log, dispatcher.StateFailed, http.StatusBadGateway, "the engine sent an empty reply")
 		return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
 	}
 	if !job.Stream {
 		end, err := replies.Next(ctx, h.cfg.IdleTimeout)
 		if err != nil {
-			return h.replyFailed(c, nil, job, err, log)
+			return h.replyFailed(c, ctx, nil, job, err, log)
 		}
 		if end.Kind == dispatcher.KindError {
 			return h.writeWorkerError(c, end)
 		}
 		if end.Kind != dispatcher.KindDone {
+			h.cancel(job, log, dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
 			return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
 		}
-		return c.Blob(http.StatusOK, echo.MIMEApplicationJSON, first.Data)
+		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, first.Data); err != nil {
+			h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
+			return nil
+		}
+		h.delivered(job, end, log)
+		return nil
 	}
 
 	sse := openai.NewSSEWriter(c.Response())
@@ -127,13 +140,14 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 		switch msg.Kind {
 		case dispatcher.KindChunk:
 			if err := sse.Data(msg.Data); err != nil {
-				h.cancel(job.ID, log, "client went away")
+				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}
 		case dispatcher.KindDone:
 			if err := sse.Done(); err != nil {
 				log.Debug("client went away before [DONE]", logging.Err(err))
 			}
+			h.delivered(job, msg, log)
 			return nil
 		case dispatcher.KindError:
 			if err := sse.Data(msg.Data); err == nil {
@@ -142,23 +156,42 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			return nil
 		}
 		if msg, err = replies.Next(ctx, h.cfg.IdleTimeout); err != nil {
-			return h.replyFailed(c, sse, job, err, log)
+			return h.replyFailed(c, ctx, sse, job, err, log)
 		}
 	}
 }
 
-// replyFailed ends a request whose reply stream failed.
-func (h *handlers) replyFailed(c echo.Context, sse *openai.SSEWriter, job *dispatcher.Job, err error, log *slog.Logger) error {
-	if errors.Is(err, context.Canceled) || c.Request().Context().Err() != nil {
-		h.cancel(job.ID, log, "client went away")
+// errDeadline is the cause of a relay stopped by the request's deadline.
+var errDeadline = errors.New("the request's deadline passed")
+
+// delivered records a request whose answer went out whole.
+func (h *handlers) delivered(job *dispatcher.Job, done dispatcher.Reply, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
+		r.State, r.Error, r.Stages = dispatcher.StateDone, nil, done.Stages
+		return nil
+	}); err != nil {
+		log.Warn("could not record the delivered answer", logging.Err(err))
+	}
+}
+
+// replyFailed ends a request whose reply stream failed, and stops its
+// workers.
+func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.SSEWriter, job *dispatcher.Job, err error, log *slog.Logger) error {
+	if c.Request().Context().Err() != nil {
+		h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 		return nil
 	}
-	status := http.StatusBadGateway
-	if errors.Is(err, dispatcher.ErrReplyTimeout) {
+	status, state := http.StatusBadGateway, dispatcher.StateFailed
+	switch {
+	case errors.Is(context.Cause(ctx), errDeadline):
+		status, state, err = http.StatusGatewayTimeout, dispatcher.StateExpired, errDeadline
+	case errors.Is(err, dispatcher.ErrReplyTimeout):
 		status = http.StatusGatewayTimeout
-		h.cancel(job.ID, log, "no reply in time")
 	}
-	log.Error("reply failed", logging.Err(err))
+	log.Warn("reply failed", logging.Err(err), "status", status)
+	h.cancel(job, log, state, status, err.Error())
 	apiErr := openai.NewError(status, "%v", err)
 	if sse != nil && sse.Started() {
 		if err := sse.Error(apiErr); err != nil {
@@ -169,11 +202,15 @@ func (h *handlers) replyFailed(c echo.Context, sse *openai.SSEWriter, job *dispa
 	return writeError(c, apiErr)
 }
 
-// writeWorkerError passes on an error a worker sent, with its status.
+// writeWorkerError passes on an error a worker sent, with its status. The
+// worker has recorded it.
 func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
 	status := r.Status
 	if status < 400 || status > 599 {
 		status = http.StatusBadGateway
+	}
+	if status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable {
+		c.Response().Header().Set("Retry-After", "5")
 	}
 	if _, ok := openai.ParseError(r.Data); !ok {
 		return writeError(c, openai.NewError(status, "the request failed"))
@@ -181,11 +218,22 @@ func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
 	return c.Blob(status, echo.MIMEApplicationJSON, r.Data)
 }
 
-// cancel tells the workers to stop a request nobody waits for any more.
-func (h *handlers) cancel(id string, log *slog.Logger, why string) {
-	if err := h.nc.Publish(dispatcher.CancelSubject(id), nil); err != nil {
+// cancel ends a request the gateway gives up on: its record says so
+// durably, for jobs still queued, and the broadcast stops the running ones.
+func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
+	if err := h.nc.Publish(dispatcher.CancelSubject(job.ID), nil); err != nil {
 		log.Warn("could not publish the cancel", logging.Err(err))
-		return
 	}
-	log.Info("request cancelled: " + why)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
+		if r.State.Ended() {
+			return dispatcher.ErrNoChange
+		}
+		r.State, r.Error = state, &dispatcher.RecordError{Status: status, Message: why}
+		return nil
+	}); err != nil {
+		log.Warn("could not record the cancel", logging.Err(err))
+	}
+	log.Info("request stopped: "+why, "state", string(state))
 }

@@ -35,6 +35,11 @@ const (
 	DefaultIdleTimeout = 10 * time.Minute
 	// DefaultGrace is how long running requests may finish at shutdown.
 	DefaultGrace = 30 * time.Second
+	// DefaultRequestTimeout is every request's deadline (PDQ_REQUEST_TIMEOUT).
+	DefaultRequestTimeout = 10 * time.Minute
+	// DefaultMaxInflightBytes bounds the request bodies the gateway holds
+	// at once (PDQ_MAX_INFLIGHT_BYTES).
+	DefaultMaxInflightBytes = 512 << 20
 )
 
 // Config configures a gateway.
@@ -49,6 +54,11 @@ type Config struct {
 	MaxBodyBytes    int64
 	IdleTimeout     time.Duration
 	Grace           time.Duration
+	// RequestTimeout is every request's deadline, carried by its jobs.
+	RequestTimeout time.Duration
+	// MaxInflightBytes bounds the request bodies held at once; a request
+	// that does not fit gets a 429.
+	MaxInflightBytes int64
 }
 
 func (c *Config) setDefaults() {
@@ -64,6 +74,13 @@ func (c *Config) setDefaults() {
 	if c.Grace <= 0 {
 		c.Grace = DefaultGrace
 	}
+	if c.RequestTimeout <= 0 {
+		c.RequestTimeout = DefaultRequestTimeout
+	}
+	if c.MaxInflightBytes <= 0 {
+		c.MaxInflightBytes = DefaultMaxInflightBytes
+	}
+	c.MaxBodyBytes = min(c.MaxBodyBytes, c.MaxInflightBytes)
 }
 
 // Server is the OpenAI-facing gateway.
@@ -105,12 +122,25 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	if err := registry.WaitSynced(ctx); err != nil {
 		return fmt.Errorf("gateway: read the worker registry: %w", err)
 	}
+	records, err := dispatcher.OpenRecords(ctx, s.js)
+	if err != nil {
+		return fmt.Errorf("gateway: %w", err)
+	}
 	replies, err := dispatcher.NewReplies(s.nc, s.id)
 	if err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}
 	defer replies.Close()
-	h := &handlers{Server: s, registry: registry, replies: replies, submitter: dispatcher.NewSubmitter(s.js)}
+	// Workers ask whether this gateway still holds its clients; once it
+	// stops answering, they stop working for them.
+	pings, err := dispatcher.AnswerPings(s.nc, s.id)
+	if err != nil {
+		return fmt.Errorf("gateway: answer liveness pings: %w", err)
+	}
+	defer pings.Unsubscribe()
+	h := &handlers{Server: s, registry: registry, replies: replies, records: records,
+		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
+		budget:    newByteBudget(s.cfg.MaxInflightBytes)}
 	srv := &http.Server{
 		Handler:           h.routes(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -139,7 +169,9 @@ type handlers struct {
 	*Server
 	registry  *dispatcher.Registry
 	replies   *dispatcher.Replies
+	records   *dispatcher.Records
 	submitter *dispatcher.Submitter
+	budget    *byteBudget
 }
 
 func (h *handlers) routes() http.Handler {
@@ -152,6 +184,7 @@ func (h *handlers) routes() http.Handler {
 	e.POST("/v1/chat/completions", h.generate(openai.Chat), h.requireKey)
 	e.POST("/v1/completions", h.generate(openai.Completions), h.requireKey)
 	e.GET("/v1/models", h.models, h.requireKey)
+	e.GET("/v1/requests/:id", h.request, h.requireKey)
 	e.GET("/health", func(c echo.Context) error { return c.NoContent(http.StatusOK) })
 	e.GET("/ready", h.ready)
 	return e
@@ -240,16 +273,41 @@ func (h *handlers) ready(c echo.Context) error {
 	return c.NoContent(http.StatusOK)
 }
 
-// readBody reads at most the configured bytes of a request body.
-func (h *handlers) readBody(c echo.Context) ([]byte, *openai.Error) {
+// readBody reads at most the configured bytes of a request body, within
+// the gateway's budget of bytes held at once. The caller must call the
+// returned release when it no longer holds the body, error or not.
+func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 	r := c.Request()
+	reserved := int64(0)
+	release := func() { h.budget.release(reserved) }
+	if n := r.ContentLength; n > 0 {
+		if n > h.cfg.MaxBodyBytes {
+			return nil, release, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", h.cfg.MaxBodyBytes)
+		}
+		if !h.budget.take(n) {
+			return nil, release, h.overBudget(c)
+		}
+		reserved = n
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), r.Body, h.cfg.MaxBodyBytes))
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			return nil, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", tooBig.Limit)
+			return nil, release, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", tooBig.Limit)
 		}
-		return nil, openai.NewError(http.StatusBadRequest, "could not read the request body: %v", err)
+		return nil, release, openai.NewError(http.StatusBadRequest, "could not read the request body: %v", err)
 	}
-	return body, nil
+	if extra := int64(len(body)) - reserved; extra > 0 {
+		if !h.budget.take(extra) {
+			return nil, release, h.overBudget(c)
+		}
+		reserved += extra
+	}
+	return body, release, nil
+}
+
+func (h *handlers) overBudget(c echo.Context) *openai.Error {
+	c.Response().Header().Set("Retry-After", "1")
+	return openai.NewError(http.StatusTooManyRequests,
+		"the gateway holds %d bytes of requests, its limit; retry shortly", h.cfg.MaxInflightBytes)
 }

@@ -230,8 +230,8 @@ func TestEngineErrors(t *testing.T) {
 		if err != nil {
 			t.Fatalf("no dead letter: %v", err)
 		}
-		var job dispatcher.Job
-		if err := json.Unmarshal(m.Data, &job); err != nil || job.ID != "no-kv-1" || m.Header.Get(dispatcher.HeaderStage) != "prefill" {
+		job, err := dispatcher.ParseJob(m.Header, m.Data)
+		if err != nil || job.ID != "no-kv-1" || m.Header.Get(dispatcher.HeaderStage) != "prefill" || !json.Valid(m.Data) {
 			t.Errorf("dead letter %s %v: %v", m.Data, m.Header, err)
 		}
 	})

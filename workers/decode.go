@@ -17,18 +17,30 @@ import (
 func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
-	body, err := DecodeBody(job.Body, job.KVTransferParams)
+	body, err := DecodeBody(job.Body, job.KV)
+	if err == nil && job.ReplyTo == "" {
+		// A replay has no client to stream to: its answer is kept whole in
+		// the request record.
+		body, err = OneResponse(body)
+	}
 	if err != nil {
 		return badBody(err)
 	}
 	start := time.Now()
+	out := d.Replies()
+	stage := dispatcher.StageRecord{Stage: dispatcher.StageDecode, Generation: job.Generation, Worker: w.id,
+		Engine: w.engine.URL(), Started: start}
+	if job.Prefill != nil {
+		out.SetStages(*job.Prefill, stage)
+	} else {
+		out.SetStages(stage)
+	}
 	resp, err := w.call(ctx, job, body)
 	if err != nil {
 		return err
 	}
 	defer resp.Body.Close()
-	out := d.Replies()
-	if job.Stream {
+	if job.Stream && job.ReplyTo != "" {
 		err = w.relayStream(ctx, resp.Body, out)
 	} else {
 		err = relayBody(ctx, resp.Body, out)
@@ -37,11 +49,32 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 		return err
 	}
 	mode := "pd"
-	if len(job.KVTransferParams) == 0 {
+	if len(job.KV) == 0 {
 		mode = "decode-only"
 	}
 	log.Debug("decode done", "mode", mode, "chunks", out.Sent(), logging.Ms("decode_ms", time.Since(start)),
-		logging.Ms("total_ms", time.Since(job.SubmittedAt)))
+		logging.Ms("total_ms", time.Since(job.Submitted)))
+	return nil
+}
+
+// release frees the prefill engine's KV blocks of a handoff that will not
+// be decoded: a decode call for one token whose output is dropped. The
+// decode engine reads the blocks, which tells the prefill engine to free
+// them, as any read does.
+func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
+	body, err := ReleaseBody(job.Body, job.KV)
+	if err != nil {
+		return err
+	}
+	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	io.Copy(io.Discard, io.LimitReader(resp.Body, maxResponseBytes))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("decode engine answered %d to the release call", resp.StatusCode)
+	}
 	return nil
 }
 

@@ -40,14 +40,7 @@ func PrefillBody(client json.RawMessage) ([]byte, error) {
 		return nil, err
 	}
 	m[keyKVTransferParams] = prefillParams
-	m[keyStream] = json.RawMessage(`false`)
-	m[keyMaxTokens] = json.RawMessage(`1`)
-	if _, ok := m[keyMaxCompletionTokens]; ok {
-		m[keyMaxCompletionTokens] = json.RawMessage(`1`)
-	}
-	delete(m, keyStreamOptions)
-	delete(m, keyMinTokens)
-	delete(m, keyMinCompletionTokens)
+	oneToken(m)
 	return json.Marshal(m)
 }
 
@@ -64,6 +57,43 @@ func DecodeBody(client, params json.RawMessage) ([]byte, error) {
 	}
 	m[keyKVTransferParams] = params
 	return json.Marshal(m)
+}
+
+// ReleaseBody builds a decode call whose only purpose is to read, and so
+// free, a prefill's KV blocks: the decode body, cut to one output token
+// and not streamed.
+func ReleaseBody(client, params json.RawMessage) ([]byte, error) {
+	m, err := fields(client)
+	if err != nil {
+		return nil, err
+	}
+	m[keyKVTransferParams] = params
+	oneToken(m)
+	return json.Marshal(m)
+}
+
+// OneResponse turns a request body into one that asks for the whole answer
+// in one JSON response, not a stream.
+func OneResponse(body []byte) ([]byte, error) {
+	m, err := fields(body)
+	if err != nil {
+		return nil, err
+	}
+	m[keyStream] = json.RawMessage(`false`)
+	delete(m, keyStreamOptions)
+	return json.Marshal(m)
+}
+
+// oneToken makes m a non-streamed request for one output token.
+func oneToken(m map[string]json.RawMessage) {
+	m[keyStream] = json.RawMessage(`false`)
+	m[keyMaxTokens] = json.RawMessage(`1`)
+	if _, ok := m[keyMaxCompletionTokens]; ok {
+		m[keyMaxCompletionTokens] = json.RawMessage(`1`)
+	}
+	delete(m, keyStreamOptions)
+	delete(m, keyMinTokens)
+	delete(m, keyMinCompletionTokens)
 }
 
 // ExtractKVParams returns the top-level kv_transfer_params of a prefill

@@ -13,7 +13,8 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// prefill runs the prefill leg and hands the job to the decode stage.
+// prefill runs the prefill leg and returns the handoff for the decode
+// stage; the stage loop stores it.
 func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
@@ -43,20 +44,16 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 		params = fixed
 		log.Debug("rewrote the loopback remote_host of the prefill engine", "remote_host", w.kvHost)
 	}
+	params, err = dispatcher.CompactKV(params)
+	if err != nil {
+		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned unreadable kv_transfer_params"))
+	}
 	elapsed := time.Since(start)
-	handoff := *job
-	handoff.KVTransferParams = params
-	handoff.Prefill = &dispatcher.StageRecord{
-		Worker: w.id, Engine: w.engine.URL(), Attempt: d.Attempt, Started: start, Duration: elapsed,
-	}
-	if err := d.Forward(ctx, dispatcher.StageDecode, &handoff); err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		return dispatcher.Retryable(fmt.Errorf("hand off to decode: %w", err),
-			openai.NewError(http.StatusServiceUnavailable, "could not queue the decode stage"))
-	}
+	d.HandOff(params, dispatcher.StageRecord{
+		Stage: dispatcher.StagePrefill, Generation: job.Generation, Worker: w.id, Engine: w.engine.URL(),
+		Started: start, Ms: float64(elapsed.Microseconds()) / 1000,
+	})
 	log.Debug("prefill done", logging.Ms("prefill_ms", elapsed),
-		logging.Ms("queued_ms", start.Sub(job.SubmittedAt)))
+		logging.Ms("queued_ms", start.Sub(job.Submitted)))
 	return nil
 }

@@ -45,6 +45,14 @@ type Config struct {
 	// RetryBase is the delay before a failed job's first retry; 0 takes
 	// dispatcher.DefaultRetryBase.
 	RetryBase time.Duration
+	// KVTTL is the oldest handoff a decode worker runs (PDQ_KV_TTL); 0
+	// takes dispatcher.DefaultKVTTL.
+	KVTTL time.Duration
+	// MaxGenerations bounds the prefills of one request
+	// (PDQ_MAX_GENERATIONS); 0 takes dispatcher.DefaultMaxGenerations.
+	MaxGenerations int
+	// AckWait is the consumer's ack wait; 0 takes dispatcher.DefaultAckWait.
+	AckWait time.Duration
 }
 
 // Worker runs one stage on one engine.
@@ -94,17 +102,21 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	pool := dispatcher.PoolName(model)
-	handler := w.decode
+	handler, release := w.decode, w.release
 	if w.cfg.Role == dispatcher.StagePrefill {
-		handler = w.prefill
+		handler, release = w.prefill, nil
 	}
 	loop, err := dispatcher.NewStageLoop(w.nc, w.js, dispatcher.StageConfig{
-		Stage:     w.cfg.Role,
-		Pool:      pool,
-		Slots:     w.cfg.Slots,
-		Handler:   handler,
-		Grace:     w.cfg.Grace,
-		RetryBase: w.cfg.RetryBase,
+		Stage:          w.cfg.Role,
+		Pool:           pool,
+		Slots:          w.cfg.Slots,
+		Handler:        handler,
+		Release:        release,
+		Grace:          w.cfg.Grace,
+		RetryBase:      w.cfg.RetryBase,
+		AckWait:        w.cfg.AckWait,
+		KVTTL:          w.cfg.KVTTL,
+		MaxGenerations: w.cfg.MaxGenerations,
 		Worker: dispatcher.WorkerInfo{
 			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),
 		},
@@ -170,7 +182,7 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
 	case status >= 400:
 		apiErr.Code, apiErr.Type = status, openai.ErrorType(status)
-		return dispatcher.Permanent(err, apiErr)
+		return dispatcher.Rejected(err, apiErr)
 	}
 	return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", stage, status))
 }

@@ -116,6 +116,15 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 func gatewayConfig(cfg config.Config) gateway.Config {
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
+		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes,
+	}
+}
+
+// workerConfig is the configuration of a worker for one engine.
+func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string) workers.Config {
+	return workers.Config{
+		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
+		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations,
 	}
 }
 
@@ -154,9 +163,7 @@ func runWorker(ctx context.Context, role dispatcher.Stage, args []string, stderr
 		return err
 	}
 	defer drain(nc, log)
-	w, err := workers.New(nc, js, workers.Config{
-		Role: role, EngineURL: cfg.EngineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
-	}, log)
+	w, err := workers.New(nc, js, workerConfig(cfg, role, cfg.EngineURL), log)
 	if err != nil {
 		return err
 	}

@@ -90,9 +90,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		urls []string
 	}{{dispatcher.StagePrefill, prefill}, {dispatcher.StageDecode, decode}} {
 		for _, url := range eng.urls {
-			w, err := workers.New(nc, js, workers.Config{
-				Role: eng.role, EngineURL: url, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
-			}, log)
+			w, err := workers.New(nc, js, workerConfig(cfg, eng.role, url), log)
 			if err != nil {
 				gwLn.Close()
 				return err

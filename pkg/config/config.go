@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/kelseyhightower/envconfig"
 
@@ -60,6 +61,18 @@ type Config struct {
 	// skip prefill and are prefilled by the decode engine; 0 sends every
 	// request through prefill.
 	DisaggMinPromptTokens int `envconfig:"DISAGG_MIN_PROMPT_TOKENS" default:"16"`
+
+	// RequestTimeout is every request's deadline: work on a request stops
+	// when it passes, wherever the request is.
+	RequestTimeout time.Duration `envconfig:"REQUEST_TIMEOUT" default:"10m"`
+	// KVTTL is how old a handoff may be when a decode worker pulls it;
+	// older ones are prefilled again. Keep it under the engines' KV lease
+	// (vLLM: 30 s).
+	KVTTL time.Duration `envconfig:"KV_TTL" default:"25s"`
+	// MaxGenerations bounds how many times one request's prefill may start.
+	MaxGenerations int `envconfig:"MAX_GENERATIONS" default:"3"`
+	// MaxInflightBytes bounds the request bodies the gateway holds at once.
+	MaxInflightBytes int64 `envconfig:"MAX_INFLIGHT_BYTES" default:"536870912"`
 }
 
 // ErrInvalid is wrapped by every validation error.
@@ -126,6 +139,15 @@ func (c Config) Validate() error {
 	if c.DisaggMinPromptTokens < 0 {
 		errs = append(errs, fmt.Errorf("%w: PDQ_DISAGG_MIN_PROMPT_TOKENS must not be negative, got %d", ErrInvalid, c.DisaggMinPromptTokens))
 	}
+	positive := func(name string, ok bool, v any) {
+		if !ok {
+			errs = append(errs, fmt.Errorf("%w: %s must be positive, got %v", ErrInvalid, name, v))
+		}
+	}
+	positive("PDQ_REQUEST_TIMEOUT", c.RequestTimeout > 0, c.RequestTimeout)
+	positive("PDQ_KV_TTL", c.KVTTL > 0, c.KVTTL)
+	positive("PDQ_MAX_GENERATIONS", c.MaxGenerations > 0, c.MaxGenerations)
+	positive("PDQ_MAX_INFLIGHT_BYTES", c.MaxInflightBytes > 0, c.MaxInflightBytes)
 	if c.HTTPAddr == "" {
 		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))
 	}

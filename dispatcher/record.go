@@ -1,0 +1,241 @@
+package dispatcher
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// State is where a request stands in its record.
+type State string
+
+// The states a record holds. Prefilling and decoding are not written on
+// the hot path: GET /v1/requests/{id} reads them from where the request's
+// message sits.
+const (
+	StateQueued     State = "queued"
+	StatePrefilling State = "prefilling"
+	StateDecoding   State = "decoding"
+	StateDone       State = "done"
+	StateFailed     State = "failed"
+	StateCancelled  State = "cancelled"
+	StateExpired    State = "expired"
+)
+
+// Ended reports whether the request has ended: no stage may run it again
+// unless it is retried or replayed as a new generation.
+func (s State) Ended() bool {
+	switch s {
+	case StateDone, StateFailed, StateCancelled, StateExpired:
+		return true
+	}
+	return false
+}
+
+// Record is a request's entry in the pdq_requests bucket, keyed by its id.
+// A request that succeeds is written twice: when the gateway accepts it and
+// when it has delivered the answer.
+type Record struct {
+	ID         string          `json:"id"`
+	State      State           `json:"state"`
+	Generation int             `json:"generation"`
+	Model      string          `json:"model"`
+	Pool       string          `json:"pool"`
+	Endpoint   openai.Endpoint `json:"endpoint"`
+	Stream     bool            `json:"stream"`
+	// DecodeOnly is set when the request skipped prefill.
+	DecodeOnly bool `json:"decode_only,omitempty"`
+	// Gateway is the id of the gateway that holds the client; empty for a
+	// replay.
+	Gateway  string    `json:"gateway,omitempty"`
+	Created  time.Time `json:"created"`
+	Updated  time.Time `json:"updated"`
+	Deadline time.Time `json:"deadline"`
+	// Error is why the request failed, was cancelled or expired.
+	Error *RecordError `json:"error,omitempty"`
+	// Stages are the stage runs that led to the answer.
+	Stages []StageRecord `json:"stages,omitempty"`
+	// Replays counts the runs started by pdq replay.
+	Replays int `json:"replays,omitempty"`
+	// Result is a replay's answer: the engine's JSON response, or the
+	// stream's events assembled into one.
+	Result json.RawMessage `json:"result,omitempty"`
+}
+
+// RecordError is the error a request ended with: the status and message
+// its client got, or would have got.
+type RecordError struct {
+	Status  int    `json:"status"`
+	Message string `json:"message"`
+	// Stage is where it failed, when a stage did.
+	Stage Stage `json:"stage,omitempty"`
+}
+
+// Live reports whether the record's request may still run.
+func (r *Record) Live() bool { return !r.State.Ended() }
+
+// Records is the pdq_requests bucket.
+type Records struct {
+	kv jetstream.KeyValue
+}
+
+// OpenRecords opens the bucket that Ensure created.
+func OpenRecords(ctx context.Context, js jetstream.KeyValueManager) (*Records, error) {
+	kv, err := js.KeyValue(ctx, BucketRequests)
+	if err != nil {
+		return nil, fmt.Errorf("open request records: %w", err)
+	}
+	return &Records{kv: kv}, nil
+}
+
+// ErrNoRecord means no request with this id is recorded (never accepted, or
+// older than the bucket's TTL).
+var ErrNoRecord = errors.New("no such request")
+
+// Get reads id's record and its revision.
+func (rs *Records) Get(ctx context.Context, id string) (*Record, uint64, error) {
+	e, err := rs.kv.Get(ctx, id)
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return nil, 0, ErrNoRecord
+	}
+	if err != nil {
+		return nil, 0, fmt.Errorf("read record %s: %w", id, err)
+	}
+	var r Record
+	if err := json.Unmarshal(e.Value(), &r); err != nil {
+		return nil, 0, fmt.Errorf("record %s: %w", id, err)
+	}
+	return &r, e.Revision(), nil
+}
+
+// create writes a new record; it fails with jetstream.ErrKeyExists when id
+// has one.
+func (rs *Records) create(ctx context.Context, r *Record) (uint64, error) {
+	data, err := json.Marshal(r)
+	if err != nil {
+		return 0, fmt.Errorf("encode record %s: %w", r.ID, err)
+	}
+	return rs.kv.Create(ctx, r.ID, data)
+}
+
+// update writes r over the revision read; it fails with
+// jetstream.ErrKeyExists (wrong last sequence) when another write came in
+// between.
+func (rs *Records) update(ctx context.Context, r *Record, rev uint64) (uint64, error) {
+	r.Updated = time.Now()
+	data, err := json.Marshal(r)
+	if err != nil {
+		return 0, fmt.Errorf("encode record %s: %w", r.ID, err)
+	}
+	return rs.kv.Update(ctx, r.ID, data, rev)
+}
+
+// ErrNoChange is returned by a Transition's change to leave the record as
+// it is.
+var ErrNoChange = errors.New("no change")
+
+// Transition applies change to id's current record and writes it back,
+// compare-and-set, reading again when another write won the race. change
+// returns ErrNoChange to leave the record alone. It returns the record as
+// written (or as left).
+func (rs *Records) Transition(ctx context.Context, id string, change func(*Record) error) (*Record, error) {
+	for range 5 {
+		r, rev, err := rs.Get(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		if err := change(r); err != nil {
+			if errors.Is(err, ErrNoChange) {
+				return r, nil
+			}
+			return r, err
+		}
+		if _, err := rs.update(ctx, r, rev); err != nil {
+			if isWrongRevision(err) {
+				continue
+			}
+			return nil, fmt.Errorf("write record %s: %w", id, err)
+		}
+		return r, nil
+	}
+	return nil, fmt.Errorf("write record %s: too many concurrent writes", id)
+}
+
+// End moves id's generation to an ended state, unless the record has moved
+// on to a later generation or already ended.
+func (rs *Records) End(ctx context.Context, id string, generation int, state State, e *RecordError) error {
+	_, err := rs.Transition(ctx, id, func(r *Record) error {
+		if r.Generation != generation || r.State.Ended() {
+			return ErrNoChange
+		}
+		r.State, r.Error = state, e
+		return nil
+	})
+	if errors.Is(err, ErrNoRecord) {
+		return nil // expired from the bucket: nothing to mark
+	}
+	return err
+}
+
+// List calls f with each record, until f returns false.
+func (rs *Records) List(ctx context.Context, f func(*Record) bool) error {
+	keys, err := rs.kv.ListKeys(ctx)
+	if err != nil {
+		return fmt.Errorf("list records: %w", err)
+	}
+	defer keys.Stop()
+	for id := range keys.Keys() {
+		r, _, err := rs.Get(ctx, id)
+		if errors.Is(err, ErrNoRecord) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if !f(r) {
+			return nil
+		}
+	}
+	return nil
+}
+
+func isWrongRevision(err error) bool {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && (apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
+		apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant) {
+		return true
+	}
+	return errors.Is(err, jetstream.ErrKeyExists)
+}
+
+// ReadRecord reads id's record for a person or a script. A live request's
+// state is refined from where its message sits: in the prefill stage, or in
+// the decode stage.
+func ReadRecord(ctx context.Context, js jetstream.StreamManager, rs *Records, id string) (*Record, error) {
+	r, _, err := rs.Get(ctx, id)
+	if err != nil || r.State != StateQueued {
+		return r, err
+	}
+	for _, stage := range []Stage{StageDecode, StagePrefill} {
+		st, err := js.Stream(ctx, stageStream(stage))
+		if err != nil {
+			return nil, fmt.Errorf("read stream %s: %w", stageStream(stage), err)
+		}
+		if _, err := st.GetLastMsgForSubject(ctx, JobSubject(stage, r.Pool, id)); err == nil {
+			r.State = StatePrefilling
+			if stage == StageDecode {
+				r.State = StateDecoding
+			}
+			return r, nil
+		} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
+			return nil, fmt.Errorf("read stream %s: %w", stageStream(stage), err)
+		}
+	}
+	return r, nil
+}

@@ -1,0 +1,372 @@
+package dispatcher
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// settle decides what becomes of one delivery: whether it may run, and
+// after it ran, ack, retry, a new generation, or its end. Every way out
+// answers the client exactly once, or leaves the job queued for a later
+// delivery that will.
+type settle struct {
+	l       *StageLoop
+	msg     jetstream.Msg
+	job     *Job
+	attempt int
+	log     *slog.Logger
+	// sent is the number of chunks the handler sent to the client.
+	sent int
+}
+
+// admit checks a delivery before any engine call. It settles, and returns
+// false for, a job that must not run: its request ended or moved on to a
+// later generation, its deadline passed, its gateway is gone, its
+// deliveries are used up, or its handoff's KV may be gone.
+func (s *settle) admit(ctx context.Context) bool {
+	l, job := s.l, s.job
+	handoff := l.cfg.Stage == StageDecode && len(job.KV) > 0
+	rec, _, err := l.records.Get(ctx, job.ID)
+	switch {
+	case err == nil && rec.Generation > job.Generation:
+		s.drop(ctx, fmt.Sprintf("superseded by generation %d", rec.Generation))
+		return false
+	case err == nil && rec.State.Ended():
+		s.drop(ctx, "request already "+string(rec.State))
+		return false
+	case err != nil && !errors.Is(err, ErrNoRecord):
+		// Not knowing the record is no reason to stop: run the job.
+		s.log.Warn("could not read the request record; running the job", logging.Err(err))
+	}
+	if job.Expired(time.Now()) {
+		e := openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed before a %s worker was free", l.cfg.Stage)
+		s.answer(e)
+		s.end(ctx, StateExpired, &RecordError{Status: e.Status(), Message: e.Message, Stage: l.cfg.Stage})
+		s.drop(ctx, "deadline passed")
+		return false
+	}
+	if !l.liveness.Alive(ctx, job.GatewayID()) {
+		s.end(ctx, StateCancelled, &RecordError{Status: 499, Message: errGatewayGone.Error(), Stage: l.cfg.Stage})
+		s.drop(ctx, errGatewayGone.Error())
+		return false
+	}
+	if s.attempt > MaxDeliver {
+		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, MaxDeliver)
+		s.answer(e)
+		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1))
+		return false
+	}
+	if handoff && s.attempt > 1 {
+		// An earlier delivery may have read the KV blocks, which a prefill
+		// engine serves once.
+		s.regenerate(ctx, "a redelivered handoff's KV may have been read", false)
+		return false
+	}
+	if handoff && job.Prefill != nil && time.Since(job.Prefill.Ended()) > l.cfg.KVTTL {
+		s.regenerate(ctx, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
+		return false
+	}
+	return true
+}
+
+// succeeded acks a job that ran; a prefill's handoff is stored first.
+func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration) {
+	if d.handoff != nil {
+		if err := s.storeHandoff(ctx, d.handoff); err != nil {
+			status := http.StatusServiceUnavailable
+			if errors.Is(err, ErrQueueFull) {
+				status = http.StatusTooManyRequests
+			}
+			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
+			e := openai.NewError(status, "could not queue the decode stage: %v", err)
+			s.answer(e)
+			s.end(ctx, StateFailed, &RecordError{Status: status, Message: e.Message, Stage: StagePrefill})
+			s.term("handoff not stored")
+			return
+		}
+	}
+	if s.job.ReplyTo == "" && d.replies != nil && s.l.cfg.Stage == StageDecode {
+		s.keepResult(ctx, d.replies)
+	}
+	if err := s.msg.DoubleAck(ctx); err != nil {
+		// The job will be redelivered: a prefill's handoff is
+		// deduplicated, a decode's request has ended and is dropped.
+		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
+	}
+	s.log.Debug("job done", logging.Ms("duration_ms", took))
+}
+
+// storeHandoff publishes a prefill's result, retrying the publish (never
+// the prefill) with back-off for up to 10 s.
+func (s *settle) storeHandoff(ctx context.Context, h *Job) error {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
+	return backoff.RetryNotify(func() error {
+		err := publish(ctx, s.l.js, h.Msg(StageDecode))
+		if errors.Is(err, ErrDuplicate) {
+			return nil // stored by an earlier try whose ack was lost
+		}
+		return err
+	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
+		s.log.Warn("handoff publish failed; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+	})
+}
+
+// keepResult writes a replay's answer into its record: the JSON response,
+// or the events of a stream in one JSON array.
+func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) {
+	chunks, stages := w.Kept()
+	var result json.RawMessage
+	switch len(chunks) {
+	case 0:
+	case 1:
+		result = chunks[0]
+	default:
+		b := []byte{'['}
+		for i, c := range chunks {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = append(b, c...)
+		}
+		result = append(b, ']')
+	}
+	if !json.Valid(result) {
+		result, _ = json.Marshal(string(result))
+	}
+	if _, err := s.l.records.Transition(ctx, s.job.ID, func(r *Record) error {
+		if r.Generation != s.job.Generation {
+			return ErrNoChange
+		}
+		r.State, r.Error, r.Result, r.Stages = StateDone, nil, result, stages
+		return nil
+	}); err != nil {
+		s.log.Error("could not keep the replay's result in its record", logging.Err(err))
+	}
+}
+
+// interrupted settles a job whose grace period ran out at shutdown.
+func (s *settle) interrupted(ctx context.Context, err error) {
+	switch {
+	case s.sent > 0:
+		e := openai.NewError(http.StatusBadGateway, "the %s worker shut down mid-answer", s.l.cfg.Stage)
+		s.answer(e)
+		s.failForGood(ctx, e, fmt.Errorf("interrupted by shutdown after output: %w", err))
+	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
+		s.regenerate(ctx, "interrupted by shutdown; its KV may have been read", false)
+	default:
+		s.log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
+		if err := s.msg.Nak(); err != nil {
+			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+		}
+	}
+}
+
+// failed settles a handler's error: a retry, a new generation, or the
+// request's end.
+func (s *settle) failed(ctx context.Context, err error) {
+	var f *Failure
+	if !errors.As(err, &f) {
+		f = &Failure{Err: err}
+	}
+	client := f.Client
+	if client == nil {
+		client = openai.NewError(http.StatusBadGateway, "%s failed: %v", s.l.cfg.Stage, err)
+	}
+	if f.Permanent {
+		if f.Rejected && s.l.cfg.Stage == StageDecode {
+			s.release(ctx, "the decode engine refused the request")
+		}
+		if !f.Reported {
+			s.answer(client)
+		}
+		s.failForGood(ctx, client, err)
+		return
+	}
+	switch {
+	case s.sent > 0:
+		// The client has part of the answer: no attempt can start over.
+		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
+		s.answer(e)
+		s.failForGood(ctx, e, err)
+	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
+		// Before output, but the engine may have read the KV blocks.
+		s.log.Warn("decode failed before output", logging.Err(err))
+		s.regenerate(ctx, "decode failed before output: "+err.Error(), false)
+	case s.attempt < MaxDeliver:
+		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
+		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
+		if err := s.msg.NakWithDelay(delay); err != nil {
+			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+		}
+	default:
+		e := openai.NewError(client.Status(), "%s (after %d attempts)", client.Message, s.attempt)
+		s.answer(e)
+		s.failForGood(ctx, e, err)
+	}
+}
+
+// regenerate sends the request back to prefill as its next generation:
+// new KV, new message ids. release says whether this handoff's KV was
+// certainly never read, and so is freed.
+func (s *settle) regenerate(ctx context.Context, why string, release bool) {
+	l, job := s.l, s.job
+	if release {
+		s.release(ctx, why)
+	}
+	if job.Generation >= l.cfg.MaxGenerations {
+		e := openai.NewError(http.StatusBadGateway, "the request failed in %d generations; the last: %s", job.Generation, why)
+		s.answer(e)
+		s.failForGood(ctx, e, errors.New(why))
+		return
+	}
+	next := *job
+	next.Generation, next.KV, next.Prefill = job.Generation+1, nil, nil
+	moved := false
+	if _, err := l.records.Transition(ctx, job.ID, func(r *Record) error {
+		if r.Generation != job.Generation || r.State.Ended() {
+			return ErrNoChange
+		}
+		r.Generation, moved = next.Generation, true
+		return nil
+	}); err != nil && !errors.Is(err, ErrNoRecord) {
+		s.log.Warn("could not record the new generation; retrying the delivery later", logging.Err(err))
+		_ = s.msg.NakWithDelay(time.Second) // a lost nak redelivers after the ack wait
+		return
+	} else if errors.Is(err, ErrNoRecord) {
+		moved = true
+	}
+	if !moved {
+		s.drop(ctx, "the request moved on while it was settled")
+		return
+	}
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
+	err := backoff.Retry(func() error {
+		err := publish(ctx, l.js, next.Msg(StagePrefill))
+		if errors.Is(err, ErrDuplicate) {
+			return nil
+		}
+		return err
+	}, backoff.WithContext(b, ctx))
+	if err != nil {
+		e := openai.NewError(http.StatusServiceUnavailable, "could not queue the request for a new prefill: %v", err)
+		s.answer(e)
+		// The record already names the next generation: end that one.
+		s.job = &next
+		s.failForGood(ctx, e, err)
+		return
+	}
+	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
+	s.term("regenerated: " + why)
+}
+
+// failForGood ends the request: its client has been answered (or never
+// will be), the job goes to the dead-letter stream when it can be replayed,
+// and only then is it removed from the queue. A client's own error (a 4xx)
+// is recorded, not dead-lettered.
+func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause error) {
+	status := client.Status()
+	clientsFault := status >= 400 && status < 500 && status != http.StatusTooManyRequests && status != 499
+	if clientsFault {
+		s.log.Info("request refused by the engine", "status", status, logging.Err(cause))
+	} else {
+		s.log.Error("request failed for good", "status", status, logging.Err(cause))
+		if err := s.l.deadLetter(ctx, s.msg, s.job.ID, status, cause.Error()); err != nil {
+			s.log.Error("could not store the dead letter; the job stays queued until it can be", logging.Err(err))
+			_ = s.msg.NakWithDelay(dlqFullRetry) // a lost nak redelivers after the ack wait
+			return
+		}
+	}
+	s.end(ctx, StateFailed, &RecordError{Status: status, Message: client.Message, Stage: s.l.cfg.Stage})
+	s.term(client.Message)
+}
+
+// drop removes a job that must not run, releasing its handoff's KV if no
+// decode engine can have read it.
+func (s *settle) drop(ctx context.Context, why string) {
+	s.log.Info("job dropped: " + why)
+	if s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && s.attempt == 1 {
+		s.release(ctx, why)
+	}
+	s.term(why)
+}
+
+// release frees the prefill engine's KV blocks of this handoff.
+func (s *settle) release(ctx context.Context, why string) {
+	if s.l.cfg.Release == nil || len(s.job.KV) == 0 {
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := s.l.cfg.Release(rctx, s.job); err != nil {
+		s.log.Warn("could not release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
+		return
+	}
+	s.l.released.Add(1)
+	s.log.Debug("released the prefill's KV blocks", "reason", why)
+}
+
+// answer sends the client an error, if it has a reply subject.
+func (s *settle) answer(e *openai.Error) {
+	if s.job.ReplyTo == "" {
+		return
+	}
+	w := s.l.replies(s.job, s.attempt)
+	if err := w.Error(e); err != nil {
+		s.log.Warn("could not send the error to the gateway", logging.Err(err))
+	}
+}
+
+// end records the request's end.
+func (s *settle) end(ctx context.Context, state State, e *RecordError) {
+	if err := s.l.records.End(ctx, s.job.ID, s.job.Generation, state, e); err != nil {
+		s.log.Warn("could not record the request's end", "state", string(state), logging.Err(err))
+	}
+}
+
+func (s *settle) term(reason string) {
+	if err := s.msg.TermWithReason(truncate(reason, 256)); err != nil {
+		s.log.Warn("term failed; the job will be redelivered and dropped", logging.Err(err))
+	}
+}
+
+// deadLetter keeps a failed job for replay: its message as it was, with
+// the stage, status and reason. WorkQueue streams delete a terminated
+// message, so it is stored before the term. One entry per request id; a
+// full DLQ refuses new entries rather than dropping old ones.
+func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string, status int, reason string) error {
+	pool := msg.Headers().Get(HeaderPool)
+	if !ValidPool(pool) {
+		pool = l.cfg.Pool
+	}
+	m := nats.NewMsg(DLQSubject(pool, id))
+	for k, v := range msg.Headers() {
+		m.Header[k] = v
+	}
+	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
+	m.Header[HeaderStatus] = []string{strconv.Itoa(status)}
+	m.Header[HeaderReason] = []string{truncate(reason, 1024)}
+	m.Header[nats.MsgIdHdr] = []string{id + "/dlq/" + msg.Headers().Get(HeaderGeneration)}
+	m.Data = msg.Data()
+	if _, err := l.js.PublishMsg(ctx, m); err != nil {
+		if isFull(err) {
+			return fmt.Errorf("the dead-letter stream is full (%d entries or %d bytes): %w", dlqMaxMsgs, dlqMaxBytes, err)
+		}
+		return err
+	}
+	return nil
+}
