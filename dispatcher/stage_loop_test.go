@@ -527,7 +527,7 @@ func TestLifecycle(t *testing.T) {
 		if err := sub.Submit(ctx, StageDecode, mk()); !errors.Is(err, ErrDuplicate) {
 			t.Fatalf("a decode-only request with a live P/D request's id: %v, want ErrDuplicate", err)
 		}
-		pings.Unsubscribe() // the first request's gateway dies
+		pings.Unsubscribe()                              // the first request's gateway dies
 		sub = NewSubmitter(js, records, NewLiveness(nc)) // another gateway
 		retry := mk()
 		if err := sub.Submit(ctx, StageDecode, retry); err != nil {

@@ -18,9 +18,9 @@ const (
 
 // Stream and bucket names.
 const (
-	StreamPrefill = "PDQ_PREFILL"
-	StreamDecode  = "PDQ_DECODE"
-	StreamDLQ     = "PDQ_DLQ"
+	StreamPrefill  = "PDQ_PREFILL"
+	StreamDecode   = "PDQ_DECODE"
+	StreamDLQ      = "PDQ_DLQ"
 	BucketWorkers  = "pdq_workers"
 	BucketRequests = "pdq_requests"
 )
