@@ -6,7 +6,7 @@ BIN       := bin/pdq
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 .DEFAULT_GOAL := help
-.PHONY: help build run test openai-client fmt-check vet lint fuzz clean
+.PHONY: help build run test faults openai-client fmt-check vet lint fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -21,8 +21,12 @@ export PDQ_HTTP_ADDR ?= 127.0.0.1:8000
 run: build ## run pdq up: embedded NATS, gateway, workers, simulated engines unless PDQ_*_ENGINES are set
 	./$(BIN) up
 
-test: fmt-check vet openai-client ## run the whole test suite with the race detector
-	PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m ./...
+test: fmt-check vet openai-client ## run the whole test suite with the race detector, then the fault suite
+	PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m -skip '^TestFaultSuite$$' ./...
+	$(GO) test -race -count=1 -timeout 5m -run '^TestFaultSuite$$' -v ./tests/
+
+faults: ## run the fault suite alone and print its table (docs/reliability.md)
+	$(GO) test -count=1 -timeout 5m -run '^TestFaultSuite$$' -v ./tests/
 
 openai-client: ## install the pinned official OpenAI Node client that the suite drives
 	npm ci --prefix tests/openai-client --no-audit --no-fund --loglevel=error

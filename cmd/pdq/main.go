@@ -50,6 +50,8 @@ func commands() []command {
 		{"prefill", "run a prefill worker for PDQ_ENGINE_URL, joining PDQ_NATS_URL", runPrefill},
 		{"decode", "run a decode worker for PDQ_ENGINE_URL, joining PDQ_NATS_URL", runDecode},
 		{"sim", "run a simulated vLLM engine with the NIXL handshake (prefill, decode, or both)", runSim},
+		{"replay", "run failed requests again from the dead-letter stream (--id ID, --failed [--since DUR])", runReplay},
+		{"requests", "show a request's record (ID), or list the failed ones (--failed)", runRequests},
 		{"version", "print the version", runVersion},
 	}
 }

@@ -124,7 +124,7 @@ func gatewayConfig(cfg config.Config) gateway.Config {
 func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string) workers.Config {
 	return workers.Config{
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
-		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations,
+		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait,
 	}
 }
 

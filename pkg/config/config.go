@@ -69,6 +69,10 @@ type Config struct {
 	// older ones are prefilled again. Keep it under the engines' KV lease
 	// (vLLM: 30 s).
 	KVTTL time.Duration `envconfig:"KV_TTL" default:"25s"`
+	// AckWait is how long a job may go without a sign of life from its
+	// worker before another worker gets it: a crashed worker's jobs move on
+	// after this long. Running jobs signal every third of it.
+	AckWait time.Duration `envconfig:"ACK_WAIT" default:"30s"`
 	// MaxGenerations bounds how many times one request's prefill may start.
 	MaxGenerations int `envconfig:"MAX_GENERATIONS" default:"3"`
 	// MaxInflightBytes bounds the request bodies the gateway holds at once.
@@ -146,6 +150,9 @@ func (c Config) Validate() error {
 	}
 	positive("PDQ_REQUEST_TIMEOUT", c.RequestTimeout > 0, c.RequestTimeout)
 	positive("PDQ_KV_TTL", c.KVTTL > 0, c.KVTTL)
+	if c.AckWait < 300*time.Millisecond {
+		errs = append(errs, fmt.Errorf("%w: PDQ_ACK_WAIT must be at least 300ms, got %v", ErrInvalid, c.AckWait))
+	}
 	positive("PDQ_MAX_GENERATIONS", c.MaxGenerations > 0, c.MaxGenerations)
 	positive("PDQ_MAX_INFLIGHT_BYTES", c.MaxInflightBytes > 0, c.MaxInflightBytes)
 	if c.HTTPAddr == "" {

@@ -101,12 +101,12 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			e.stats.faults.Add(1)
 			j.log.Debug("injected fault: hanging until the client goes away")
 			<-ctx.Done()
-			e.stats.aborts.Add(1)
+			e.abortBeforeScheduling(ctx, j)
 			return
 		case FaultSlow:
 			e.stats.faults.Add(1)
 			if sleep(ctx, delay) != nil {
-				e.stats.aborts.Add(1)
+				e.abortBeforeScheduling(ctx, j)
 				return
 			}
 		}
@@ -230,6 +230,17 @@ func (e *Engine) chatChunk(j *job, delta openai.ChatDelta, finish *string, usage
 		ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model,
 		Choices: []openai.ChatChunkChoice{{Delta: delta, FinishReason: finish}},
 		Usage:   usage,
+	}
+}
+
+// abortBeforeScheduling ends a request aborted before it reached the
+// scheduler. A decode request then tells its prefill engine to free the
+// blocks it will never read, as vLLM's request_finished does for an
+// aborted request.
+func (e *Engine) abortBeforeScheduling(ctx context.Context, j *job) {
+	e.stats.aborts.Add(1)
+	if j.mode == modeDecode {
+		e.releaseRemote(ctx, j)
 	}
 }
 

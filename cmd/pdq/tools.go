@@ -1,0 +1,215 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// toolFlags are the flags every one-shot tool shares.
+type toolFlags struct {
+	natsURL string
+}
+
+func (f *toolFlags) register(fs *flag.FlagSet) {
+	def := os.Getenv("PDQ_NATS_URL")
+	if def == "" {
+		def = nats.DefaultURL
+	}
+	fs.StringVar(&f.natsURL, "nats", def, "the NATS server pdq uses (default: $PDQ_NATS_URL, else "+nats.DefaultURL+")")
+}
+
+// connectTool joins NATS once, without retrying: a tool reports a NATS it
+// cannot reach and exits.
+func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetstream.JetStream, error) {
+	nc, err := nats.Connect(f.natsURL, nats.Name("pdq "+name), nats.Timeout(5*time.Second))
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", f.natsURL, err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, fmt.Errorf("jetstream: %w", err)
+	}
+	return nc, js, nil
+}
+
+// parseTool parses a tool's command line; it returns flag.ErrHelp for -h
+// and errUsage for a bad line.
+func parseTool(fs *flag.FlagSet, args []string, stderr io.Writer) error {
+	fs.SetOutput(stderr)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return flag.ErrHelp
+		}
+		return errUsage
+	}
+	return nil
+}
+
+func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("pdq replay", flag.ContinueOnError)
+	var tf toolFlags
+	tf.register(fs)
+	id := fs.String("id", "", "replay the dead letter of this request id")
+	failed := fs.Bool("failed", false, "replay every dead letter")
+	since := fs.Duration("since", 0, "with --failed: only dead letters stored this recently (e.g. 1h)")
+	timeout := fs.Duration("timeout", 10*time.Minute, "the replayed requests' deadline")
+	wait := fs.Bool("wait", false, "wait for the replayed requests to end and print how they ended")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: pdq replay (--id ID | --failed [--since DUR]) [--wait]\n\n"+
+			"Runs failed requests again from the dead-letter stream PDQ_DLQ, each as its next generation with a\n"+
+			"fresh deadline. Their answers are kept in the request records: see pdq requests ID. A request that\n"+
+			"has succeeded since, or is in flight, is not replayed. Running replay twice runs each request once.\n\n")
+		fs.PrintDefaults()
+	}
+	if err := parseTool(fs, args, stderr); err != nil {
+		return helpIsNoError(err)
+	}
+	if (*id == "") == !*failed || fs.NArg() > 0 || (*since != 0 && !*failed) || *timeout <= 0 {
+		fs.Usage()
+		return errUsage
+	}
+	nc, js, err := tf.connect(ctx, "replay")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	rp, err := dispatcher.NewReplayer(ctx, js, *timeout)
+	if err != nil {
+		return err
+	}
+	var letters []dispatcher.DeadLetter
+	if *id != "" {
+		dl, err := rp.Find(ctx, *id)
+		if err != nil {
+			return err
+		}
+		letters = append(letters, dl)
+	} else {
+		from := time.Time{}
+		if *since > 0 {
+			from = time.Now().Add(-*since)
+		}
+		if letters, err = rp.DeadLetters(ctx, from); err != nil {
+			return err
+		}
+	}
+	var replayed []string
+	refused := 0
+	for _, dl := range letters {
+		gen, err := rp.Replay(ctx, dl)
+		switch {
+		case errors.Is(err, dispatcher.ErrSucceeded), errors.Is(err, dispatcher.ErrLive):
+			refused++
+			fmt.Fprintf(stdout, "%s: not replayed: %v\n", dl.ID, err)
+		case err != nil:
+			return fmt.Errorf("replay %s: %w", dl.ID, err)
+		default:
+			replayed = append(replayed, dl.ID)
+			fmt.Fprintf(stdout, "%s: replaying as generation %d (failed in %s: %s)\n", dl.ID, gen, dl.Stage, dl.Reason)
+		}
+	}
+	fmt.Fprintf(stdout, "%d replayed, %d not replayed\n", len(replayed), refused)
+	if !*wait {
+		return nil
+	}
+	failedAgain := 0
+	for _, id := range replayed {
+		r, err := rp.Wait(ctx, id)
+		if err != nil {
+			return fmt.Errorf("wait for %s: %w", id, err)
+		}
+		line := fmt.Sprintf("%s: %s", id, r.State)
+		if r.Error != nil {
+			line += fmt.Sprintf(" (%d %s)", r.Error.Status, r.Error.Message)
+		}
+		if r.State != dispatcher.StateDone {
+			failedAgain++
+		}
+		fmt.Fprintln(stdout, line)
+	}
+	if failedAgain > 0 {
+		return fmt.Errorf("%d of %d replayed requests did not succeed", failedAgain, len(replayed))
+	}
+	return nil
+}
+
+func runRequests(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("pdq requests", flag.ContinueOnError)
+	var tf toolFlags
+	tf.register(fs)
+	failed := fs.Bool("failed", false, "list the requests that failed, were cancelled or expired")
+	asJSON := fs.Bool("json", false, "print JSON")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: pdq requests ID | pdq requests --failed [--json]\n\n"+
+			"Shows a request's record (state, generation, stages, error, a replay's result), or lists the\n"+
+			"requests of the last 24 hours that did not succeed.\n\n")
+		fs.PrintDefaults()
+	}
+	if err := parseTool(fs, args, stderr); err != nil {
+		return helpIsNoError(err)
+	}
+	if (fs.NArg() == 1) == *failed || fs.NArg() > 1 {
+		fs.Usage()
+		return errUsage
+	}
+	nc, js, err := tf.connect(ctx, "requests")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	records, err := dispatcher.OpenRecords(ctx, js)
+	if err != nil {
+		return err
+	}
+	if !*failed {
+		r, err := dispatcher.ReadRecord(ctx, js, records, fs.Arg(0))
+		if err != nil {
+			return fmt.Errorf("request %s: %w", fs.Arg(0), err)
+		}
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(r)
+	}
+	var list []*dispatcher.Record
+	if err := records.List(ctx, func(r *dispatcher.Record) bool {
+		if r.State.Ended() && r.State != dispatcher.StateDone {
+			list = append(list, r)
+		}
+		return true
+	}); err != nil {
+		return err
+	}
+	if *asJSON {
+		return json.NewEncoder(stdout).Encode(list)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tSTATE\tGEN\tSTATUS\tUPDATED\tERROR")
+	for _, r := range list {
+		status, msg := 0, ""
+		if r.Error != nil {
+			status, msg = r.Error.Status, r.Error.Message
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.State, r.Generation, status, r.Updated.Format(time.RFC3339), truncateLine(msg, 80))
+	}
+	return tw.Flush()
+}
+
+func truncateLine(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-3] + "..."
+}

@@ -1,0 +1,218 @@
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Errors of [Replayer.Replay] for a request that is not run again.
+var (
+	// ErrSucceeded means the request has delivered since it failed.
+	ErrSucceeded = errors.New("the request has succeeded since; not replaying it")
+	// ErrLive means the request is running (a retry or another replay).
+	ErrLive = errors.New("the request is in flight; not replaying it")
+	// ErrNoDeadLetter means the dead-letter stream holds nothing for the id.
+	ErrNoDeadLetter = errors.New("no dead letter for this request")
+)
+
+// Replayer runs failed requests again from the dead-letter stream.
+type Replayer struct {
+	js      jetstream.JetStream
+	records *Records
+	// Timeout is the fresh deadline of a replayed request.
+	Timeout time.Duration
+}
+
+// NewReplayer opens the dead-letter stream and the request records.
+func NewReplayer(ctx context.Context, js jetstream.JetStream, timeout time.Duration) (*Replayer, error) {
+	records, err := OpenRecords(ctx, js)
+	if err != nil {
+		return nil, err
+	}
+	return &Replayer{js: js, records: records, Timeout: timeout}, nil
+}
+
+// DeadLetter is one entry of the dead-letter stream.
+type DeadLetter struct {
+	ID     string
+	Pool   string
+	Stage  Stage
+	Reason string
+	Time   time.Time
+	seq    uint64
+	msg    *jetstream.RawStreamMsg
+}
+
+// DeadLetters lists the entries stored since the given time (all for the
+// zero time), oldest first.
+func (rp *Replayer) DeadLetters(ctx context.Context, since time.Time) ([]DeadLetter, error) {
+	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{subjectDLQ + ".>"}}
+	if !since.IsZero() {
+		cfg.DeliverPolicy, cfg.OptStartTime = jetstream.DeliverByStartTimePolicy, &since
+	}
+	st, err := rp.js.Stream(ctx, StreamDLQ)
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", StreamDLQ, err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+	}
+	if info.State.Msgs == 0 {
+		return nil, nil
+	}
+	cons, err := st.OrderedConsumer(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+	}
+	var out []DeadLetter
+	for {
+		batch, err := cons.FetchNoWait(256)
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			meta, err := m.Metadata()
+			if err != nil {
+				return nil, err
+			}
+			dl, err := rp.load(ctx, st, meta.Sequence.Stream)
+			if err == nil {
+				out = append(out, dl)
+			}
+			if meta.NumPending == 0 {
+				return out, batch.Error()
+			}
+		}
+		if err := batch.Error(); err != nil {
+			return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+		}
+		if n == 0 {
+			return out, nil
+		}
+	}
+}
+
+func (rp *Replayer) load(ctx context.Context, st jetstream.Stream, seq uint64) (DeadLetter, error) {
+	m, err := st.GetMsg(ctx, seq)
+	if err != nil {
+		return DeadLetter{}, err
+	}
+	return DeadLetter{
+		ID: m.Header.Get(HeaderID), Pool: m.Header.Get(HeaderPool), Stage: Stage(m.Header.Get(HeaderStage)),
+		Reason: m.Header.Get(HeaderReason), Time: m.Time, seq: m.Sequence, msg: m,
+	}, nil
+}
+
+// Find returns the dead letter of request id.
+func (rp *Replayer) Find(ctx context.Context, id string) (DeadLetter, error) {
+	if !ValidRequestID(id) {
+		return DeadLetter{}, fmt.Errorf("%q is not a valid request id", id)
+	}
+	st, err := rp.js.Stream(ctx, StreamDLQ)
+	if err != nil {
+		return DeadLetter{}, fmt.Errorf("open %s: %w", StreamDLQ, err)
+	}
+	if r, _, err := rp.records.Get(ctx, id); err == nil {
+		if m, err := st.GetLastMsgForSubject(ctx, DLQSubject(r.Pool, id)); err == nil {
+			return rp.load(ctx, st, m.Sequence)
+		}
+	}
+	// No record (older than its TTL): look for the id in any pool.
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{subjectDLQ + ".*." + id}, DeliverPolicy: jetstream.DeliverLastPerSubjectPolicy,
+	})
+	if err != nil {
+		return DeadLetter{}, err
+	}
+	batch, err := cons.FetchNoWait(1)
+	if err != nil {
+		return DeadLetter{}, err
+	}
+	for m := range batch.Messages() {
+		meta, err := m.Metadata()
+		if err != nil {
+			return DeadLetter{}, err
+		}
+		return rp.load(ctx, st, meta.Sequence.Stream)
+	}
+	return DeadLetter{}, fmt.Errorf("%s: %w", id, ErrNoDeadLetter)
+}
+
+// Replay runs a dead letter's request again as its next generation, with
+// a fresh deadline and no client: its answer is kept in its record. The
+// dead letter is removed once the new job is queued. Replay is
+// idempotent: a request that is in flight or has succeeded is refused.
+func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, err error) {
+	job, err := ParseJob(dl.msg.Header, dl.msg.Data)
+	if err != nil {
+		return 0, fmt.Errorf("dead letter of %s: %w", dl.ID, err)
+	}
+	now := time.Now()
+	stage := StagePrefill
+	rec, err := rp.records.Transition(ctx, job.ID, func(r *Record) error {
+		switch {
+		case r.State == StateDone:
+			return ErrSucceeded
+		case r.Live():
+			return ErrLive
+		}
+		if r.DecodeOnly {
+			stage = StageDecode
+		}
+		r.State, r.Generation, r.Error, r.Result, r.Stages = StateQueued, r.Generation+1, nil, nil, nil
+		r.Gateway, r.Deadline = "", now.Add(rp.Timeout)
+		r.Replays++
+		return nil
+	})
+	if errors.Is(err, ErrNoRecord) {
+		rec = &Record{ID: job.ID, State: StateQueued, Generation: job.Generation + 1, Model: job.Model, Pool: job.Pool,
+			Endpoint: job.Endpoint, Stream: job.Stream, Created: now, Updated: now, Deadline: now.Add(rp.Timeout), Replays: 1}
+		_, err = rp.records.create(ctx, rec)
+		if isWrongRevision(err) {
+			err = ErrLive // created by a replay running beside this one
+		}
+	}
+	if err != nil {
+		return 0, err
+	}
+	job.Generation, job.ReplyTo, job.Deadline, job.Submitted = rec.Generation, "", rec.Deadline, now
+	job.KV, job.Prefill = nil, nil
+	if err := publish(ctx, rp.js, job.Msg(stage)); err != nil && !errors.Is(err, ErrDuplicate) {
+		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, rec.Generation, StateFailed,
+			&RecordError{Status: 503, Message: "replay could not queue the request: " + err.Error()}); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+		return 0, err
+	}
+	st, err := rp.js.Stream(ctx, StreamDLQ)
+	if err == nil {
+		err = st.DeleteMsg(ctx, dl.seq)
+	}
+	if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return rec.Generation, fmt.Errorf("queued, but the dead letter stays: %w", err)
+	}
+	return rec.Generation, nil
+}
+
+// Wait waits until id's record ends, or ctx does, and returns it.
+func (rp *Replayer) Wait(ctx context.Context, id string) (*Record, error) {
+	for {
+		r, _, err := rp.records.Get(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		if r.State.Ended() {
+			return r, nil
+		}
+		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
+			return r, err
+		}
+	}
+}
