@@ -11,9 +11,8 @@ import (
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
-// gateRecheck is how often a closed gate looks at the decode backlog again,
-// and how long one look is trusted.
-const gateRecheck = 100 * time.Millisecond
+// gateRecheck is how often a closed gate looks at the decode backlog again.
+const gateRecheck = 50 * time.Millisecond
 
 // decodeGate is admission by capacity for a prefill stage: it lets a
 // prefill start only while the pool's decode backlog (handoffs no decode
@@ -27,9 +26,8 @@ type decodeGate struct {
 	registry *Registry
 	log      *slog.Logger
 
-	mu      sync.Mutex
-	checked time.Time
-	open    bool
+	mu   sync.Mutex
+	open bool // the last look's answer, for the log
 }
 
 func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, log *slog.Logger) (*decodeGate, error) {
@@ -51,12 +49,10 @@ func (g *decodeGate) wait(ctx context.Context) error {
 }
 
 func (g *decodeGate) isOpen(ctx context.Context) bool {
+	// Every pull looks afresh: a cached "open" would let a burst of fast
+	// prefills through before their handoffs show in the backlog.
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if time.Since(g.checked) < gateRecheck {
-		return g.open
-	}
-	g.checked = time.Now()
 	was := g.open
 	g.open = true
 	cons, err := g.js.Consumer(ctx, StreamDecode, ConsumerName(StageDecode, g.pool))

@@ -310,6 +310,14 @@ func (s *settle) release(ctx context.Context, why string) {
 	if s.l.cfg.Release == nil || len(s.job.KV) == 0 {
 		return
 	}
+	if p := s.job.Prefill; p != nil && time.Since(p.Ended()) > s.l.cfg.KVTTL*6/5 {
+		// Past the lease (taken to be at least 1.2 times the KV TTL, as
+		// vLLM's 30 s is for the default 25 s), the blocks are freed
+		// already, and a read of blocks that are gone fails; with NIXL v1
+		// it kills the decode engine.
+		s.log.Debug("not releasing KV blocks that have presumably expired", "reason", why)
+		return
+	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	if err := s.l.cfg.Release(rctx, s.job); err != nil {

@@ -544,3 +544,79 @@ func TestLifecycle(t *testing.T) {
 		}
 	})
 }
+
+// TestHandoffGenerations checks the decode stage's two ways back to
+// prefill: a handoff too old for its KV (released, since no engine read
+// it, unless it is so old that the lease has surely freed it), and a
+// redelivered one (not released: an engine may have read it).
+func TestHandoffGenerations(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name        string
+		age         time.Duration
+		crashes     int
+		wantRelease int32
+	}{
+		{"older than the KV TTL", 1100 * time.Millisecond, 0, 1},
+		{"older than the lease", 3 * time.Second, 0, 0},
+		{"redelivered after a crash", 0, 1, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := PoolName(t.Name())
+			id := "gen-" + strings.ReplaceAll(tc.name, " ", "-")
+			var ran, released atomic.Int32
+			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: time.Second, AckWait: 300 * time.Millisecond,
+				Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
+				Release: func(context.Context, *Job) error { released.Add(1); return nil }}
+			records, _ := OpenRecords(ctx, js)
+			job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+				Deadline: time.Now().Add(time.Minute)}
+			if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+				t.Fatal(err)
+			}
+			// The prefill stage's work, done by hand: the handoff, and the
+			// prefill job acked.
+			pcons, _ := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)
+			pm, err := pcons.Next(jetstream.FetchMaxWait(5 * time.Second))
+			if err != nil {
+				t.Fatal(err)
+			}
+			job.KV = []byte(`{"remote_block_ids":[1]}`)
+			job.Prefill = &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now().Add(-tc.age)}
+			if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
+				t.Fatal(err)
+			}
+			pm.Ack()
+			dcons, _ := EnsureConsumer(ctx, js, StageDecode, pool, 300*time.Millisecond)
+			for range tc.crashes {
+				if _, err := dcons.Next(jetstream.FetchMaxWait(5 * time.Second)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			loop, err := NewStageLoop(nc, js, cfg, logging.Discard())
+			if err != nil {
+				t.Fatal(err)
+			}
+			lctx, cancel := context.WithCancel(ctx)
+			done := make(chan struct{})
+			go func() { defer close(done); loop.Run(lctx) }()
+			defer func() { cancel(); <-done }()
+			st, _ := js.Stream(ctx, StreamPrefill)
+			var m *jetstream.RawStreamMsg
+			waitFor(t, "the next generation's prefill job", func() bool {
+				m, err = st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, id))
+				return err == nil
+			})
+			if m.Header.Get(HeaderGeneration) != "2" || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || m.Header.Get(HeaderKV) != "" {
+				t.Errorf("prefill job headers %v, want generation 2 without KV params", m.Header)
+			}
+			if r, _, _ := records.Get(ctx, id); r.Generation != 2 || r.State != StateQueued {
+				t.Errorf("record %+v, want queued in generation 2", r)
+			}
+			if ran.Load() != 0 || released.Load() != tc.wantRelease {
+				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
+			}
+		})
+	}
+}
