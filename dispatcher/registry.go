@@ -208,13 +208,16 @@ func (r *Registry) Models() []string {
 }
 
 // DecodeSlots sums the slots of pool's live decode workers.
-func (r *Registry) DecodeSlots(pool string) int {
+func (r *Registry) DecodeSlots(pool string) int { return r.Slots(StageDecode, pool) }
+
+// Slots sums the slots of pool's live workers of stage.
+func (r *Registry) Slots(stage Stage, pool string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := time.Now()
 	n := 0
 	for _, e := range r.workers {
-		if e.info.Role == StageDecode && e.info.Pool == pool && now.Sub(e.at) <= LiveFor {
+		if e.info.Role == stage && e.info.Pool == pool && now.Sub(e.at) <= LiveFor {
 			n += e.info.Slots
 		}
 	}

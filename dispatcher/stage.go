@@ -359,11 +359,13 @@ func (l *StageLoop) process(runCtx, ctx context.Context, msg jetstream.Msg) {
 		l.mu.Unlock()
 	}()
 
-	stopProgress := l.keepAlive(jctx, msg)
+	// The job stays in progress while it is settled too: storing a
+	// handoff or a dead letter may take longer than the ack wait.
+	stopProgress := l.keepAlive(ctx, msg)
+	defer stopProgress()
 	start := time.Now()
 	d := &Delivery{Job: job, Attempt: attempt, loop: l}
 	err = l.cfg.Handler(jctx, d)
-	stopProgress()
 	s.sent = d.sent()
 
 	actx, acancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)

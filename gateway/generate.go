@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -63,6 +64,9 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			Body: in.body, ReplyTo: h.replies.Subject(id), PromptTokens: in.promptTokens,
 			Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 		}
+		if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {
+			return h.submitFailed(c, err, log)
+		}
 		if err := h.submitter.Submit(c.Request().Context(), stage, job); err != nil {
 			return h.submitFailed(c, err, log)
 		}
@@ -88,9 +92,14 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) err
 		return writeError(c, openai.NewError(http.StatusConflict,
 			"a request with this X-Request-Id is in flight or has been answered; use a new id"))
 	case errors.Is(err, dispatcher.ErrQueueFull):
-		log.Warn("queue full: refusing the request", logging.Err(err))
-		c.Response().Header().Set("Retry-After", "1")
-		return writeError(c, openai.NewError(http.StatusTooManyRequests, "the queue is full; retry shortly"))
+		wait := 5 * time.Second
+		var full *dispatcher.QueueFullError
+		if errors.As(err, &full) {
+			wait = full.RetryAfter
+		}
+		log.Warn("queue full: refusing the request", logging.Err(err), "retry_after_s", int(wait.Seconds()))
+		c.Response().Header().Set("Retry-After", strconv.Itoa(int(wait.Seconds())))
+		return writeError(c, openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", int(wait.Seconds())))
 	}
 	log.Error("could not queue the request", logging.Err(err))
 	return h.unavailable(c, "could not queue the request")

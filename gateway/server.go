@@ -59,6 +59,9 @@ type Config struct {
 	// MaxInflightBytes bounds the request bodies held at once; a request
 	// that does not fit gets a 429.
 	MaxInflightBytes int64
+	// MaxQueue bounds the jobs waiting in one pool's stage; past it, a
+	// request gets a 429 with a Retry-After derived from the depth.
+	MaxQueue int
 }
 
 func (c *Config) setDefaults() {
@@ -79,6 +82,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxInflightBytes <= 0 {
 		c.MaxInflightBytes = DefaultMaxInflightBytes
+	}
+	if c.MaxQueue <= 0 {
+		c.MaxQueue = dispatcher.DefaultMaxQueue
 	}
 	c.MaxBodyBytes = min(c.MaxBodyBytes, c.MaxInflightBytes)
 }
@@ -140,7 +146,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	defer pings.Unsubscribe()
 	h := &handlers{Server: s, registry: registry, replies: replies, records: records,
 		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
-		budget:    newByteBudget(s.cfg.MaxInflightBytes)}
+		budget:    newByteBudget(s.cfg.MaxInflightBytes),
+		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
 	srv := &http.Server{
 		Handler:           h.routes(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -172,6 +179,7 @@ type handlers struct {
 	records   *dispatcher.Records
 	submitter *dispatcher.Submitter
 	budget    *byteBudget
+	admission *dispatcher.Admission
 }
 
 func (h *handlers) routes() http.Handler {

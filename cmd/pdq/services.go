@@ -116,7 +116,7 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 func gatewayConfig(cfg config.Config) gateway.Config {
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
-		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes,
+		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
 	}
 }
 

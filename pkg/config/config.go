@@ -75,6 +75,9 @@ type Config struct {
 	AckWait time.Duration `envconfig:"ACK_WAIT" default:"30s"`
 	// MaxGenerations bounds how many times one request's prefill may start.
 	MaxGenerations int `envconfig:"MAX_GENERATIONS" default:"3"`
+	// MaxQueue bounds the jobs waiting in each pool's prefill or decode
+	// queue; past it the gateway answers 429.
+	MaxQueue int `envconfig:"MAX_QUEUE" default:"1024"`
 	// MaxInflightBytes bounds the request bodies the gateway holds at once.
 	MaxInflightBytes int64 `envconfig:"MAX_INFLIGHT_BYTES" default:"536870912"`
 }
@@ -155,6 +158,7 @@ func (c Config) Validate() error {
 	}
 	positive("PDQ_MAX_GENERATIONS", c.MaxGenerations > 0, c.MaxGenerations)
 	positive("PDQ_MAX_INFLIGHT_BYTES", c.MaxInflightBytes > 0, c.MaxInflightBytes)
+	positive("PDQ_MAX_QUEUE", c.MaxQueue > 0, c.MaxQueue)
 	if c.HTTPAddr == "" {
 		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))
 	}

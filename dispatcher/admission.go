@@ -1,0 +1,89 @@
+package dispatcher
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// DefaultMaxQueue is the default bound on the jobs waiting in one pool's
+// stage (PDQ_MAX_QUEUE).
+const DefaultMaxQueue = 1024
+
+// depthTTL is how long the gateway trusts one look at a queue's depth.
+const depthTTL = 100 * time.Millisecond
+
+// QueueFullError is ErrQueueFull with what a client should hear: how long
+// to wait before it retries, derived from the depth.
+type QueueFullError struct {
+	Pool       string
+	Stage      Stage
+	Depth      int
+	RetryAfter time.Duration
+}
+
+func (e *QueueFullError) Error() string {
+	return fmt.Sprintf("the %s queue of pool %s holds %d jobs, its bound", e.Stage, e.Pool, e.Depth)
+}
+
+// Unwrap makes the error match ErrQueueFull.
+func (e *QueueFullError) Unwrap() error { return ErrQueueFull }
+
+// Admission bounds the queue of each pool and stage, so that one model's
+// backlog cannot fill the streams that all models share: a job is refused,
+// never an older one dropped.
+type Admission struct {
+	js  jetstream.StreamConsumerManager
+	max int
+
+	mu    sync.Mutex
+	depth map[string]depthLook
+}
+
+type depthLook struct {
+	n  int
+	at time.Time
+}
+
+// NewAdmission bounds each pool's stage queue at max jobs.
+func NewAdmission(js jetstream.StreamConsumerManager, max int) *Admission {
+	return &Admission{js: js, max: max, depth: make(map[string]depthLook)}
+}
+
+// Check refuses a job for stage and pool with a *QueueFullError when the
+// queue is at its bound. slots is the pool's worker slots for the stage,
+// which sets the suggested wait. A depth it cannot read admits the job:
+// the stream's own bound still holds.
+func (a *Admission) Check(ctx context.Context, stage Stage, pool string, slots int) error {
+	n := a.read(ctx, stage, pool)
+	if n < a.max {
+		return nil
+	}
+	// Each slot takes one job at a time: the queue moves about a slot's
+	// worth of jobs per job duration, taken as a second.
+	wait := time.Duration(1+n/max(slots, 1)) * time.Second
+	return &QueueFullError{Pool: pool, Stage: stage, Depth: n, RetryAfter: min(wait, time.Minute)}
+}
+
+func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
+	key := string(stage) + "/" + pool
+	a.mu.Lock()
+	look, ok := a.depth[key]
+	a.mu.Unlock()
+	if ok && time.Since(look.at) < depthTTL {
+		return look.n
+	}
+	n := 0
+	if cons, err := a.js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool)); err == nil {
+		if info, err := cons.Info(ctx); err == nil {
+			n = int(info.NumPending)
+		}
+	}
+	a.mu.Lock()
+	a.depth[key] = depthLook{n: n, at: time.Now()}
+	a.mu.Unlock()
+	return n
+}

@@ -1,0 +1,166 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/sim"
+)
+
+// TestLifecycleHandoffPublishRetried is issue 6's case 4: with PDQ_DECODE
+// full, a prefill's handoff is retried as a publish, never by running the
+// prefill again; the client gets a 429 with Retry-After when the stream
+// stays full, and a 200 once there is room.
+func TestLifecycleHandoffPublishRetried(t *testing.T) {
+	c := startCluster(t, clusterOptions{})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 2)
+	c.ready()
+	ctx := context.Background()
+	st, err := c.js.Stream(ctx, dispatcher.StreamDecode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.MaxMsgs = 1
+	if _, err := c.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	filler, err := c.js.Publish(ctx, dispatcher.JobSubject(dispatcher.StageDecode, "no-such-pool", "filler"), []byte(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p0 := c.prefill.Stats(t)
+
+	r := post(t, c.url+"/v1/completions", "full-a", completionBody(model, longPrompt, body{"max_tokens": 4}))
+	r.wantStatus(t, http.StatusTooManyRequests)
+	if r.header.Get("Retry-After") == "" {
+		t.Error("429 without Retry-After")
+	}
+	if n := c.prefill.Stats(t).Prefills - p0.Prefills; n != 1 {
+		t.Errorf("%d prefills for one request whose handoff could not be stored, want 1", n)
+	}
+
+	done := make(chan response, 1)
+	go func() {
+		r, err := tryPost(c.url+"/v1/completions", "full-b", completionBody(model, longPrompt, body{"max_tokens": 4}))
+		if err != nil {
+			t.Error(err)
+		}
+		done <- r
+	}()
+	c.prefill.WaitStats(t, 10*time.Second, "the second prefill", func(s sim.Stats) bool { return s.Prefills == p0.Prefills+2 })
+	time.Sleep(300 * time.Millisecond) // a few refused handoff publishes
+	if err := st.DeleteMsg(ctx, filler.Sequence); err != nil {
+		t.Fatal(err)
+	}
+	parseResponse(t, <-done)
+	if n := c.prefill.Stats(t).Prefills - p0.Prefills; n != 2 {
+		t.Errorf("%d prefills for two requests, want 2: a refused handoff must not re-run its prefill", n)
+	}
+}
+
+// TestLifecycleCrashedDeliveriesAnswered is issue 6's case 5: a job whose
+// deliveries are used up by workers that crash (kill -9) mid-prefill is
+// answered and dead-lettered, not left in the queue while its client waits.
+func TestLifecycleCrashedDeliveriesAnswered(t *testing.T) {
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "3s"}})
+	c.worker(dispatcher.StageDecode, 2)
+	w := c.worker(dispatcher.StagePrefill, 1)
+	waitServingModels(t, c.url)
+	res := make(chan outcome, 1)
+	go func() {
+		res <- c.one("crashy", 40*time.Second, completionBody(model, longPrompt, body{"max_tokens": 4}))
+	}()
+	for i := range dispatcher.MaxDeliver {
+		if i > 0 {
+			w = c.worker(dispatcher.StagePrefill, 1)
+		}
+		c.prefill.WaitStats(t, 10*time.Second, fmt.Sprintf("prefill %d running", i+1), func(s sim.Stats) bool { return s.Running == 1 })
+		kill9(t, w)
+		c.prefill.WaitStats(t, 10*time.Second, "the prefill aborted", func(s sim.Stats) bool { return s.Running == 0 })
+	}
+	p0 := c.prefill.Stats(t)
+	c.worker(dispatcher.StagePrefill, 1)
+	o := <-res
+	if o.status != http.StatusBadGateway {
+		t.Fatalf("outcome %+v, want a 502 once the deliveries are used up", o)
+	}
+	if n := c.prefill.Stats(t).Requests - p0.Requests; n != 0 {
+		t.Errorf("the prefill engine got %d more requests for a job out of deliveries", n)
+	}
+	if rec := c.record("crashy"); rec.State != dispatcher.StateFailed || rec.Error == nil || !strings.Contains(rec.Error.Message, "deliveries") {
+		t.Errorf("record %+v, want failed after its deliveries", rec)
+	}
+	dlq, err := c.js.Stream(context.Background(), dispatcher.StreamDLQ)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dlq.GetLastMsgForSubject(context.Background(), dispatcher.DLQSubject(dispatcher.PoolName(model), "crashy")); err != nil {
+		t.Errorf("no dead letter: %v", err)
+	}
+}
+
+// TestLifecyclePoolQueueBound checks PDQ_MAX_QUEUE: past the bound a pool's
+// requests get a 429 with a Retry-After, and nothing queued is dropped.
+func TestLifecyclePoolQueueBound(t *testing.T) {
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "1500ms"}, env: []string{"PDQ_MAX_QUEUE=2"}})
+	c.worker(dispatcher.StagePrefill, 1)
+	c.worker(dispatcher.StageDecode, 2)
+	c.ready()
+	var wg sync.WaitGroup
+	outs := make([]outcome, 3)
+	for i := range 3 {
+		wg.Go(func() {
+			outs[i] = c.one(fmt.Sprintf("q-%d", i), 0, completionBody(model, longPrompt, body{"max_tokens": 2}))
+		})
+	}
+	cons, err := c.js.Consumer(context.Background(), dispatcher.StreamPrefill, dispatcher.ConsumerName(dispatcher.StagePrefill, dispatcher.PoolName(model)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "two jobs queued behind the running one", func() bool {
+		info, err := cons.Info(context.Background())
+		return err == nil && info.NumPending == 2
+	})
+	time.Sleep(150 * time.Millisecond) // past the gateway's look at the depth
+	r := post(t, c.url+"/v1/completions", "q-over", completionBody(model, longPrompt, body{"max_tokens": 2}))
+	r.wantStatus(t, http.StatusTooManyRequests)
+	if ra := r.header.Get("Retry-After"); ra == "" || ra == "0" {
+		t.Errorf("Retry-After %q", ra)
+	}
+	wg.Wait()
+	for i, o := range outs {
+		if !o.ok {
+			t.Errorf("queued request %d: %+v; nothing queued may be dropped", i, o)
+		}
+	}
+}
+
+// waitServingModels waits until the gateway lists the model: its workers
+// have registered.
+func waitServingModels(t *testing.T, url string) {
+	t.Helper()
+	waitUntil(t, "the model listed", func() bool {
+		r, err := tryDo(http.MethodGet, url+"/v1/models", nil, nil)
+		return err == nil && strings.Contains(string(r.body), model)
+	})
+}
+
+// waitUntil polls cond for up to 10 s.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
