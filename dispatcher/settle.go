@@ -53,8 +53,8 @@ func (s *settle) admit(ctx context.Context) bool {
 	}
 	if job.Expired(time.Now()) {
 		e := openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed before a %s worker was free", l.cfg.Stage)
-		s.answer(e)
 		s.end(ctx, StateExpired, &RecordError{Status: e.Status(), Message: e.Message, Stage: l.cfg.Stage})
+		s.answer(e)
 		s.drop(ctx, "deadline passed")
 		return false
 	}
@@ -65,8 +65,7 @@ func (s *settle) admit(ctx context.Context) bool {
 	}
 	if s.attempt > MaxDeliver {
 		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, MaxDeliver)
-		s.answer(e)
-		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1))
+		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)
 		return false
 	}
 	if handoff && s.attempt > 1 {
@@ -92,8 +91,8 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 			}
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
 			e := openai.NewError(status, "could not queue the decode stage: %v", err)
-			s.answer(e)
 			s.end(ctx, StateFailed, &RecordError{Status: status, Message: e.Message, Stage: StagePrefill})
+			s.answer(e)
 			s.term("handoff not stored")
 			return
 		}
@@ -163,8 +162,7 @@ func (s *settle) interrupted(ctx context.Context, err error) {
 	switch {
 	case s.sent > 0:
 		e := openai.NewError(http.StatusBadGateway, "the %s worker shut down mid-answer", s.l.cfg.Stage)
-		s.answer(e)
-		s.failForGood(ctx, e, fmt.Errorf("interrupted by shutdown after output: %w", err))
+		s.failForGood(ctx, e, fmt.Errorf("interrupted by shutdown after output: %w", err), true)
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
 		s.regenerate(ctx, "interrupted by shutdown; its KV may have been read", false)
 	default:
@@ -190,18 +188,14 @@ func (s *settle) failed(ctx context.Context, err error) {
 		if f.Rejected && s.l.cfg.Stage == StageDecode {
 			s.release(ctx, "the decode engine refused the request")
 		}
-		if !f.Reported {
-			s.answer(client)
-		}
-		s.failForGood(ctx, client, err)
+		s.failForGood(ctx, client, err, !f.Reported)
 		return
 	}
 	switch {
 	case s.sent > 0:
 		// The client has part of the answer: no attempt can start over.
 		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
-		s.answer(e)
-		s.failForGood(ctx, e, err)
+		s.failForGood(ctx, e, err, true)
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
 		// Before output, but the engine may have read the KV blocks.
 		s.log.Warn("decode failed before output", logging.Err(err))
@@ -214,8 +208,7 @@ func (s *settle) failed(ctx context.Context, err error) {
 		}
 	default:
 		e := openai.NewError(client.Status(), "%s (after %d attempts)", client.Message, s.attempt)
-		s.answer(e)
-		s.failForGood(ctx, e, err)
+		s.failForGood(ctx, e, err, true)
 	}
 }
 
@@ -229,8 +222,7 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	}
 	if job.Generation >= l.cfg.MaxGenerations {
 		e := openai.NewError(http.StatusBadGateway, "the request failed in %d generations; the last: %s", job.Generation, why)
-		s.answer(e)
-		s.failForGood(ctx, e, errors.New(why))
+		s.failForGood(ctx, e, errors.New(why), true)
 		return
 	}
 	next := *job
@@ -264,21 +256,22 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	}, backoff.WithContext(b, ctx))
 	if err != nil {
 		e := openai.NewError(http.StatusServiceUnavailable, "could not queue the request for a new prefill: %v", err)
-		s.answer(e)
 		// The record already names the next generation: end that one.
 		s.job = &next
-		s.failForGood(ctx, e, err)
+		s.failForGood(ctx, e, err, true)
 		return
 	}
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)
 }
 
-// failForGood ends the request: its client has been answered (or never
-// will be), the job goes to the dead-letter stream when it can be replayed,
-// and only then is it removed from the queue. A client's own error (a 4xx)
-// is recorded, not dead-lettered.
-func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause error) {
+// failForGood ends the request: the job goes to the dead-letter stream when
+// it can be replayed, the record says why it failed, and only then is the
+// client answered (when answer is set) and the job removed from the queue.
+// A client's own error (a 4xx) is recorded, not dead-lettered. When the
+// dead letter cannot be stored, nothing is answered yet: the job stays
+// queued, and a later delivery fails it again.
+func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause error, answer bool) {
 	status := client.Status()
 	clientsFault := status >= 400 && status < 500 && status != http.StatusTooManyRequests && status != 499
 	if clientsFault {
@@ -292,6 +285,9 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 		}
 	}
 	s.end(ctx, StateFailed, &RecordError{Status: status, Message: client.Message, Stage: s.l.cfg.Stage})
+	if answer {
+		s.answer(client)
+	}
 	s.term(client.Message)
 }
 

@@ -73,10 +73,16 @@ func TestLifecycleCrashedDeliveriesAnswered(t *testing.T) {
 	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "3s"}})
 	c.worker(dispatcher.StageDecode, 2)
 	w := c.worker(dispatcher.StagePrefill, 1)
-	waitServingModels(t, c.url)
 	res := make(chan outcome, 1)
 	go func() {
-		res <- c.one("crashy", 40*time.Second, completionBody(model, longPrompt, body{"max_tokens": 4}))
+		for { // until the gateway has seen the prefill worker
+			o := c.one("crashy", 40*time.Second, completionBody(model, longPrompt, body{"max_tokens": 4}))
+			if o.status != http.StatusServiceUnavailable {
+				res <- o
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}()
 	for i := range dispatcher.MaxDeliver {
 		if i > 0 {
@@ -141,16 +147,6 @@ func TestLifecyclePoolQueueBound(t *testing.T) {
 			t.Errorf("queued request %d: %+v; nothing queued may be dropped", i, o)
 		}
 	}
-}
-
-// waitServingModels waits until the gateway lists the model: its workers
-// have registered.
-func waitServingModels(t *testing.T, url string) {
-	t.Helper()
-	waitUntil(t, "the model listed", func() bool {
-		r, err := tryDo(http.MethodGet, url+"/v1/models", nil, nil)
-		return err == nil && strings.Contains(string(r.body), model)
-	})
 }
 
 // waitUntil polls cond for up to 10 s.
