@@ -294,7 +294,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 // drop removes a job that must not run, releasing its handoff's KV if no
 // decode engine can have read it.
 func (s *settle) drop(ctx context.Context, why string) {
-	s.log.Info("job dropped: " + why)
+	s.log.Debug("job dropped: " + why)
 	if s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && s.attempt == 1 {
 		s.release(ctx, why)
 	}

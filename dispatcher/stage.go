@@ -375,7 +375,7 @@ func (l *StageLoop) process(runCtx, ctx context.Context, msg jetstream.Msg) {
 	case err == nil:
 		s.succeeded(actx, d, time.Since(start))
 	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
-		s.log.Info("job stopped: "+cause.Error(), logging.Ms("duration_ms", time.Since(start)))
+		s.log.Debug("job stopped: "+cause.Error(), logging.Ms("duration_ms", time.Since(start)))
 		s.end(actx, StateCancelled, &RecordError{Status: 499, Message: cause.Error(), Stage: l.cfg.Stage})
 		s.term(cause.Error())
 	case runCtx.Err() != nil && ctx.Err() != nil:
