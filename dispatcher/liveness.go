@@ -11,29 +11,35 @@ import (
 
 // Gateway liveness. A gateway answers pings on GatewaySubject(its id) for
 // as long as it runs. NATS answers a request to a subject nobody listens on
-// with "no responders" at once, so a worker learns in one round trip that
-// the gateway holding a request's client is gone, and stops working for
-// nobody. Anything else (a timeout, NATS down) counts as alive: only a
-// certain "gone" cancels work.
+// with "no responders" at once, so a worker learns cheaply that the gateway
+// holding a request's client is gone, and stops working for nobody. But a
+// gateway that is reconnecting after a NATS restart is briefly unheard too:
+// "no responders" means gone only once this process's own connection has
+// been up for goneAfter (so both had time to come back), or after goneAfter
+// of silence. Anything else (an answer, a timeout, NATS down) counts as
+// alive.
 const (
-	pingTimeout  = time.Second
-	aliveFor     = time.Second // how long an answer is trusted
-	forgetDeadIn = 10 * time.Minute
+	pingTimeout = time.Second
+	aliveFor    = time.Second // how long an answer is trusted
+	goneAfter   = 5 * time.Second
 )
 
 // Liveness answers "does this gateway still run?", with a short cache.
 type Liveness struct {
 	nc *nats.Conn
 
-	mu     sync.Mutex
-	seen   map[string]time.Time // gateway id -> when it last answered
-	gone   map[string]time.Time // gateway id -> when it was found gone
-	pruned time.Time
+	mu         sync.Mutex
+	seen       map[string]time.Time // gateway id -> when it last answered
+	silent     map[string]time.Time // gateway id -> since when nobody answers
+	pruned     time.Time
+	reconnects uint64
+	stable     time.Time // since when this connection has been up
 }
 
 // NewLiveness pings over nc.
 func NewLiveness(nc *nats.Conn) *Liveness {
-	return &Liveness{nc: nc, seen: make(map[string]time.Time), gone: make(map[string]time.Time)}
+	return &Liveness{nc: nc, seen: make(map[string]time.Time), silent: make(map[string]time.Time),
+		reconnects: nc.Stats().Reconnects, stable: time.Now()}
 }
 
 // Alive reports whether the gateway with this id still runs. An empty id
@@ -44,10 +50,6 @@ func (l *Liveness) Alive(ctx context.Context, gatewayID string) bool {
 	}
 	now := time.Now()
 	l.mu.Lock()
-	if _, ok := l.gone[gatewayID]; ok {
-		l.mu.Unlock()
-		return false // gateway ids are never reused
-	}
 	if t, ok := l.seen[gatewayID]; ok && now.Sub(t) < aliveFor {
 		l.mu.Unlock()
 		return true
@@ -60,11 +62,18 @@ func (l *Liveness) Alive(ctx context.Context, gatewayID string) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.prune(now)
-	if errors.Is(err, nats.ErrNoResponders) {
-		l.gone[gatewayID] = now
-		delete(l.seen, gatewayID)
-		return false
+	if n := l.nc.Stats().Reconnects; n != l.reconnects {
+		l.reconnects, l.stable = n, now
 	}
+	if errors.Is(err, nats.ErrNoResponders) {
+		since, ok := l.silent[gatewayID]
+		if !ok {
+			since = now
+			l.silent[gatewayID] = now
+		}
+		return now.Sub(l.stable) < goneAfter && now.Sub(since) < goneAfter
+	}
+	delete(l.silent, gatewayID)
 	if err == nil {
 		l.seen[gatewayID] = now
 	}
@@ -81,9 +90,9 @@ func (l *Liveness) prune(now time.Time) {
 			delete(l.seen, id)
 		}
 	}
-	for id, t := range l.gone {
-		if now.Sub(t) > forgetDeadIn {
-			delete(l.gone, id)
+	for id, t := range l.silent {
+		if now.Sub(t) > time.Hour {
+			delete(l.silent, id)
 		}
 	}
 }

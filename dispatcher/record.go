@@ -168,13 +168,15 @@ func (rs *Records) Transition(ctx context.Context, id string, change func(*Recor
 }
 
 // End moves id's generation to an ended state, unless the record has moved
-// on to a later generation or already ended.
+// on to a later generation or already ended. The record may still name an
+// earlier generation: a new generation's job is stored before it is
+// recorded.
 func (rs *Records) End(ctx context.Context, id string, generation int, state State, e *RecordError) error {
 	_, err := rs.Transition(ctx, id, func(r *Record) error {
-		if r.Generation != generation || r.State.Ended() {
+		if r.Generation > generation || r.State.Ended() {
 			return ErrNoChange
 		}
-		r.State, r.Error = state, e
+		r.State, r.Generation, r.Error = state, generation, e
 		return nil
 	})
 	if errors.Is(err, ErrNoRecord) {

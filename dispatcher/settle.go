@@ -30,6 +30,9 @@ type settle struct {
 	log     *slog.Logger
 	// sent is the number of chunks the handler sent to the client.
 	sent int
+	// ran is set once the handler ran: a decode engine may have read the
+	// handoff's KV. kvSpent is set once the KV was read, or released.
+	ran, kvSpent bool
 }
 
 // admit checks a delivery before any engine call. It settles, and returns
@@ -68,6 +71,15 @@ func (s *settle) admit(ctx context.Context) bool {
 		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)
 		return false
 	}
+	if l.cfg.Stage == StagePrefill && s.attempt > 1 && s.handedOff(ctx) {
+		// An earlier delivery stored its handoff but was not acked: the
+		// prefill is done, and running it again would hold KV nobody reads.
+		s.log.Info("prefill job redelivered after its handoff was stored; acking it")
+		if err := s.msg.DoubleAck(ctx); err != nil {
+			s.log.Warn("ack failed; the job will be redelivered and acked again", logging.Err(err))
+		}
+		return false
+	}
 	if handoff && s.attempt > 1 {
 		// An earlier delivery may have read the KV blocks, which a prefill
 		// engine serves once.
@@ -79,6 +91,29 @@ func (s *settle) admit(ctx context.Context) bool {
 		return false
 	}
 	return true
+}
+
+// handedOff reports whether this generation's handoff is in the decode
+// stream (or was already pulled from it, in which case the record has moved
+// on and admit dropped the job before).
+func (s *settle) handedOff(ctx context.Context) bool {
+	st, err := s.l.js.Stream(ctx, StreamDecode)
+	if err != nil {
+		return false
+	}
+	m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, s.job.Pool, s.job.ID))
+	return err == nil && m.Header.Get(HeaderGeneration) == strconv.Itoa(s.job.Generation)
+}
+
+// stopped settles a job stopped by its client or its gateway's end.
+func (s *settle) stopped(ctx context.Context, cause error) {
+	s.log.Debug("job stopped: " + cause.Error())
+	s.end(ctx, StateCancelled, &RecordError{Status: 499, Message: cause.Error(), Stage: s.l.cfg.Stage})
+	if !s.ran {
+		s.drop(ctx, cause.Error())
+		return
+	}
+	s.term(cause.Error())
 }
 
 // succeeded acks a job that ran; a prefill's handoff is stored first.
@@ -111,16 +146,22 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 // storeHandoff publishes a prefill's result, retrying the publish (never
 // the prefill) with back-off for up to 10 s.
 func (s *settle) storeHandoff(ctx context.Context, h *Job) error {
+	return s.publishRetry(ctx, h.Msg(StageDecode), "handoff")
+}
+
+// publishRetry stores msg, retrying with back-off for up to 10 s. A
+// duplicate is an earlier try whose ack was lost: stored.
+func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) error {
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
 	return backoff.RetryNotify(func() error {
-		err := publish(ctx, s.l.js, h.Msg(StageDecode))
+		err := publish(ctx, s.l.js, msg)
 		if errors.Is(err, ErrDuplicate) {
-			return nil // stored by an earlier try whose ack was lost
+			return nil
 		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
-		s.log.Warn("handoff publish failed; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+		s.log.Warn(what+" publish failed; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
 	})
 }
 
@@ -147,10 +188,10 @@ func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) {
 		result, _ = json.Marshal(string(result))
 	}
 	if _, err := s.l.records.Transition(ctx, s.job.ID, func(r *Record) error {
-		if r.Generation != s.job.Generation {
+		if r.Generation > s.job.Generation {
 			return ErrNoChange
 		}
-		r.State, r.Error, r.Result, r.Stages = StateDone, nil, result, stages
+		r.State, r.Generation, r.Error, r.Result, r.Stages = StateDone, s.job.Generation, nil, result, stages
 		return nil
 	}); err != nil {
 		s.log.Error("could not keep the replay's result in its record", logging.Err(err))
@@ -186,6 +227,8 @@ func (s *settle) failed(ctx context.Context, err error) {
 	}
 	if f.Permanent {
 		if f.Rejected && s.l.cfg.Stage == StageDecode {
+			// The engine refused the request before running it: no read.
+			s.ran = false
 			s.release(ctx, "the decode engine refused the request")
 		}
 		s.failForGood(ctx, client, err, !f.Reported)
@@ -220,6 +263,7 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	if release {
 		s.release(ctx, why)
 	}
+	s.kvSpent = true // read, released, or unknowable: never released from here on
 	if job.Generation >= l.cfg.MaxGenerations {
 		e := openai.NewError(http.StatusBadGateway, "the request failed in %d generations; the last: %s", job.Generation, why)
 		s.failForGood(ctx, e, errors.New(why), true)
@@ -227,39 +271,22 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	}
 	next := *job
 	next.Generation, next.KV, next.Prefill = job.Generation+1, nil, nil
-	moved := false
-	if _, err := l.records.Transition(ctx, job.ID, func(r *Record) error {
-		if r.Generation != job.Generation || r.State.Ended() {
-			return ErrNoChange
-		}
-		r.Generation, moved = next.Generation, true
-		return nil
-	}); err != nil && !errors.Is(err, ErrNoRecord) {
-		s.log.Warn("could not record the new generation; retrying the delivery later", logging.Err(err))
-		_ = s.msg.NakWithDelay(time.Second) // a lost nak redelivers after the ack wait
-		return
-	} else if errors.Is(err, ErrNoRecord) {
-		moved = true
-	}
-	if !moved {
-		s.drop(ctx, "the request moved on while it was settled")
-		return
-	}
-	b := backoff.NewExponentialBackOff()
-	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
-	err := backoff.Retry(func() error {
-		err := publish(ctx, l.js, next.Msg(StagePrefill))
-		if errors.Is(err, ErrDuplicate) {
-			return nil
-		}
-		return err
-	}, backoff.WithContext(b, ctx))
-	if err != nil {
+	// The next generation is stored first, then recorded: a job always
+	// exists for the generation a live record names. A stored job whose
+	// request has ended meanwhile is dropped at its pull.
+	if err := s.publishRetry(ctx, next.Msg(StagePrefill), "new generation"); err != nil {
 		e := openai.NewError(http.StatusServiceUnavailable, "could not queue the request for a new prefill: %v", err)
-		// The record already names the next generation: end that one.
-		s.job = &next
 		s.failForGood(ctx, e, err, true)
 		return
+	}
+	if _, err := l.records.Transition(ctx, job.ID, func(r *Record) error {
+		if r.Generation > job.Generation || r.State.Ended() {
+			return ErrNoChange
+		}
+		r.Generation = next.Generation
+		return nil
+	}); err != nil && !errors.Is(err, ErrNoRecord) {
+		s.log.Warn("could not record the new generation; its job runs all the same", logging.Err(err))
 	}
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)
@@ -278,9 +305,16 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 		s.log.Info("request refused by the engine", "status", status, logging.Err(cause))
 	} else {
 		s.log.Error("request failed for good", "status", status, logging.Err(cause))
-		if err := s.l.deadLetter(ctx, s.msg, s.job.ID, status, cause.Error()); err != nil {
+		switch err := s.l.deadLetter(ctx, s.msg, s.job.ID, status, cause.Error()); {
+		case errors.Is(err, errDLQFull):
+			// A full DLQ refuses the entry rather than dropping older
+			// ones; the client is answered all the same.
+			s.log.Error("the dead-letter stream is full: this failure is not kept for replay", logging.Err(err))
+		case err != nil:
 			s.log.Error("could not store the dead letter; the job stays queued until it can be", logging.Err(err))
-			_ = s.msg.NakWithDelay(dlqFullRetry) // a lost nak redelivers after the ack wait
+			if nerr := s.msg.NakWithDelay(dlqRetry); nerr != nil {
+				s.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(nerr))
+			}
 			return
 		}
 	}
@@ -295,7 +329,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 // decode engine can have read it.
 func (s *settle) drop(ctx context.Context, why string) {
 	s.log.Debug("job dropped: " + why)
-	if s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && s.attempt == 1 {
+	if s.l.cfg.Stage == StageDecode && s.attempt == 1 {
 		s.release(ctx, why)
 	}
 	s.term(why)
@@ -303,14 +337,16 @@ func (s *settle) drop(ctx context.Context, why string) {
 
 // release frees the prefill engine's KV blocks of this handoff.
 func (s *settle) release(ctx context.Context, why string) {
-	if s.l.cfg.Release == nil || len(s.job.KV) == 0 {
+	// A second read of the blocks fails, and with NIXL v1 kills the decode
+	// engine: release only a handoff no engine can have read.
+	if s.l.cfg.Release == nil || len(s.job.KV) == 0 || s.ran || s.kvSpent {
 		return
 	}
-	if p := s.job.Prefill; p != nil && time.Since(p.Ended()) > s.l.cfg.KVTTL*6/5 {
-		// Past the lease (taken to be at least 1.2 times the KV TTL, as
-		// vLLM's 30 s is for the default 25 s), the blocks are freed
-		// already, and a read of blocks that are gone fails; with NIXL v1
-		// it kills the decode engine.
+	s.kvSpent = true
+	if p := s.job.Prefill; p != nil && time.Since(p.Ended()) > s.l.cfg.KVTTL*11/10 {
+		// Past the lease (taken to be over 1.1 times the KV TTL: vLLM's
+		// 30 s against the default 25 s), the blocks are presumably freed
+		// already, and a read of freed blocks fails the same way.
 		s.log.Debug("not releasing KV blocks that have presumably expired", "reason", why)
 		return
 	}
@@ -348,6 +384,9 @@ func (s *settle) term(reason string) {
 	}
 }
 
+// errDLQFull means the dead-letter stream refused an entry: it is full.
+var errDLQFull = errors.New("the dead-letter stream is full")
+
 // deadLetter keeps a failed job for replay: its message as it was, with
 // the stage, status and reason. WorkQueue streams delete a terminated
 // message, so it is stored before the term. One entry per request id; a
@@ -368,7 +407,7 @@ func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string
 	m.Data = msg.Data()
 	if _, err := l.js.PublishMsg(ctx, m); err != nil {
 		if isFull(err) {
-			return fmt.Errorf("the dead-letter stream is full (%d entries or %d bytes): %w", dlqMaxMsgs, dlqMaxBytes, err)
+			return fmt.Errorf("%w (%d entries or %d bytes): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
 		}
 		return err
 	}

@@ -83,9 +83,9 @@ const (
 	DefaultKVTTL = 25 * time.Second
 	// DefaultMaxGenerations bounds the prefills one request may start.
 	DefaultMaxGenerations = 3
-	// dlqFullRetry is how long a job whose dead letter could not be stored
+	// dlqRetry is how long a job whose dead letter could not be stored
 	// waits in its queue before it tries again.
-	dlqFullRetry = 30 * time.Second
+	dlqRetry = 30 * time.Second
 )
 
 // Handler runs one job of a stage. A nil error acks the job; see
@@ -183,12 +183,14 @@ type StageLoop struct {
 	inFlight atomic.Int64
 	released atomic.Int64
 	mu       sync.Mutex
-	running  map[string]*runningJob
+	running  map[*runningJob]struct{}
 }
 
 // runningJob is a job a slot is running, as the cancel broadcast and the
-// gateway watch find it.
+// gateway watch find it. Two deliveries of one id (two generations) may
+// run at once: each has its own entry.
 type runningJob struct {
+	id      string
 	gateway string
 	cancel  context.CancelCauseFunc
 }
@@ -229,7 +231,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	return &StageLoop{
 		cfg: cfg, nc: nc, js: js, liveness: NewLiveness(nc),
 		log:     log.With("stage", string(cfg.Stage), "pool", cfg.Pool),
-		running: make(map[string]*runningJob),
+		running: make(map[*runningJob]struct{}),
 	}, nil
 }
 
@@ -331,86 +333,93 @@ pull:
 }
 
 // process runs one delivery: check it may run at all, run it, and settle
-// it. runCtx ends at shutdown, ctx at the end of the grace period.
-func (l *StageLoop) process(runCtx, ctx context.Context, msg jetstream.Msg) {
+// it. pullCtx ends at shutdown, jobCtx at the end of the grace period.
+func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) {
 	attempt := 1
 	if meta, err := msg.Metadata(); err == nil {
 		attempt = int(meta.NumDelivered)
 	}
+	// Settling must finish even when the grace period is over; each NATS
+	// call in it has the client's own default timeout.
+	sctx := context.WithoutCancel(jobCtx)
 	job, err := ParseJob(msg.Headers(), msg.Data())
 	if err != nil {
-		l.unreadable(ctx, msg, job, err)
+		l.unreadable(sctx, msg, job, err)
 		return
 	}
-	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
-		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
-	if !s.admit(ctx) {
-		return
-	}
-
-	jctx, cancel := context.WithCancelCause(ctx)
+	// The job stays in progress from its pull until it is settled: the
+	// checks before it runs (a KV release) and storing a handoff or a dead
+	// letter may take longer than the ack wait.
+	stopProgress := l.keepAlive(jobCtx, msg)
+	defer stopProgress()
+	// It is registered before the checks, so that a cancel broadcast sent
+	// while they run is not missed.
+	jctx, cancel := context.WithCancelCause(jobCtx)
 	defer cancel(nil)
+	r := &runningJob{id: job.ID, gateway: job.GatewayID(), cancel: cancel}
 	l.mu.Lock()
-	l.running[job.ID] = &runningJob{gateway: job.GatewayID(), cancel: cancel}
+	l.running[r] = struct{}{}
 	l.mu.Unlock()
 	defer func() {
 		l.mu.Lock()
-		delete(l.running, job.ID)
+		delete(l.running, r)
 		l.mu.Unlock()
 	}()
 
-	// The job stays in progress while it is settled too: storing a
-	// handoff or a dead letter may take longer than the ack wait.
-	stopProgress := l.keepAlive(ctx, msg)
-	defer stopProgress()
+	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
+		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+	if !s.admit(sctx) {
+		return
+	}
+	if cause := context.Cause(jctx); cause != nil {
+		s.stopped(sctx, cause)
+		return
+	}
 	start := time.Now()
 	d := &Delivery{Job: job, Attempt: attempt, loop: l}
 	err = l.cfg.Handler(jctx, d)
+	s.ran = true
 	s.sent = d.sent()
 
-	actx, acancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer acancel()
 	cause := context.Cause(jctx)
 	switch {
 	case err == nil:
-		s.succeeded(actx, d, time.Since(start))
+		s.succeeded(sctx, d, time.Since(start))
 	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
-		s.log.Debug("job stopped: "+cause.Error(), logging.Ms("duration_ms", time.Since(start)))
-		s.end(actx, StateCancelled, &RecordError{Status: 499, Message: cause.Error(), Stage: l.cfg.Stage})
-		s.term(cause.Error())
-	case runCtx.Err() != nil && ctx.Err() != nil:
-		s.interrupted(actx, err)
+		s.stopped(sctx, cause)
+	case pullCtx.Err() != nil && jobCtx.Err() != nil:
+		s.interrupted(sctx, err)
 	default:
-		s.failed(actx, err)
+		s.failed(sctx, err)
 	}
 }
 
-// unreadable settles a message that is not a job this build can run. Its
-// client is answered when the reply subject could be read, and the message
-// is kept in the dead-letter stream.
+// unreadable settles a message that is not a job this build can run. It
+// is kept in the dead-letter stream, recorded as failed, and its client
+// answered when the reply subject could be read.
 func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job, err error) {
 	l.log.Error("a job this worker cannot read", logging.Err(err), "subject", msg.Subject())
-	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
 	id := job.ID
 	if !ValidRequestID(id) {
 		id = "invalid-" + randomID()
 	}
-	if derr := l.deadLetter(actx, msg, id, http.StatusInternalServerError, err.Error()); derr != nil {
+	if derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error()); derr != nil && !errors.Is(derr, errDLQFull) {
 		l.log.Error("could not keep an unreadable job in the dead-letter stream; it stays queued", logging.Err(derr))
-		_ = msg.NakWithDelay(dlqFullRetry) // a lost nak redelivers after the ack wait
+		if nerr := msg.NakWithDelay(dlqRetry); nerr != nil {
+			l.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(nerr))
+		}
 		return
+	}
+	if ValidRequestID(job.ID) && job.Generation > 0 {
+		if rerr := l.records.End(ctx, job.ID, job.Generation, StateFailed,
+			&RecordError{Status: http.StatusInternalServerError, Message: err.Error(), Stage: l.cfg.Stage}); rerr != nil {
+			l.log.Warn("could not record the failure", logging.Err(rerr))
+		}
 	}
 	if job.ReplyTo != "" {
 		e := openai.NewError(http.StatusInternalServerError, "pdq could not read the job: %v", err)
 		if rerr := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, 255)).Error(e); rerr != nil {
 			l.log.Warn("could not answer the client of an unreadable job", logging.Err(rerr))
-		}
-	}
-	if ValidRequestID(job.ID) && l.records != nil && job.Generation > 0 {
-		if rerr := l.records.End(actx, job.ID, job.Generation, StateFailed,
-			&RecordError{Status: http.StatusInternalServerError, Message: err.Error(), Stage: l.cfg.Stage}); rerr != nil {
-			l.log.Warn("could not record the failure", logging.Err(rerr))
 		}
 	}
 	if terr := msg.TermWithReason(truncate(err.Error(), 256)); terr != nil {
@@ -447,10 +456,11 @@ func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func
 func (l *StageLoop) onCancel(msg *nats.Msg) {
 	id := msg.Subject[len(CancelSubject("")):]
 	l.mu.Lock()
-	r := l.running[id]
-	l.mu.Unlock()
-	if r != nil {
-		r.cancel(errCancelled)
+	defer l.mu.Unlock()
+	for r := range l.running {
+		if r.id == id {
+			r.cancel(errCancelled)
+		}
 	}
 }
 
@@ -467,7 +477,7 @@ func (l *StageLoop) watchGateways(ctx context.Context) {
 		}
 		l.mu.Lock()
 		byGateway := make(map[string][]context.CancelCauseFunc)
-		for _, r := range l.running {
+		for r := range l.running {
 			if r.gateway != "" {
 				byGateway[r.gateway] = append(byGateway[r.gateway], r.cancel)
 			}

@@ -528,7 +528,9 @@ func TestLifecycle(t *testing.T) {
 			t.Fatalf("a decode-only request with a live P/D request's id: %v, want ErrDuplicate", err)
 		}
 		pings.Unsubscribe()                              // the first request's gateway dies
-		sub = NewSubmitter(js, records, NewLiveness(nc)) // another gateway
+		other := NewLiveness(nc) // another gateway, connected for a while
+		other.stable = time.Now().Add(-time.Minute)
+		sub = NewSubmitter(js, records, other)
 		retry := mk()
 		if err := sub.Submit(ctx, StageDecode, retry); err != nil {
 			t.Fatalf("a retry after the gateway died: %v", err)
@@ -558,15 +560,15 @@ func TestHandoffGenerations(t *testing.T) {
 		crashes     int
 		wantRelease int32
 	}{
-		{"older than the KV TTL", 1100 * time.Millisecond, 0, 1},
-		{"older than the lease", 3 * time.Second, 0, 0},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, 1},
+		{"older than the lease", 30 * time.Second, 0, 0},
 		{"redelivered after a crash", 0, 1, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := PoolName(t.Name())
 			id := "gen-" + strings.ReplaceAll(tc.name, " ", "-")
 			var ran, released atomic.Int32
-			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: time.Second, AckWait: 300 * time.Millisecond,
+			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 				Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
 				Release: func(context.Context, *Job) error { released.Add(1); return nil }}
 			records, _ := OpenRecords(ctx, js)
@@ -611,12 +613,46 @@ func TestHandoffGenerations(t *testing.T) {
 			if m.Header.Get(HeaderGeneration) != "2" || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || m.Header.Get(HeaderKV) != "" {
 				t.Errorf("prefill job headers %v, want generation 2 without KV params", m.Header)
 			}
-			if r, _, _ := records.Get(ctx, id); r.Generation != 2 || r.State != StateQueued {
-				t.Errorf("record %+v, want queued in generation 2", r)
-			}
+			waitFor(t, "the record in generation 2", func() bool {
+				r, _, _ := records.Get(ctx, id)
+				return r.Generation == 2 && r.State == StateQueued
+			})
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
 			}
 		})
+	}
+}
+
+// TestLiveness checks what counts as a gone gateway: silence while this
+// process has been connected for a while, or long silence; not the silence
+// of a gateway that may be reconnecting after a NATS restart.
+func TestLiveness(t *testing.T) {
+	nc, _ := startJetStream(t)
+	ctx := context.Background()
+	pings, err := AnswerPings(nc, "gw-up")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pings.Unsubscribe()
+	fresh := NewLiveness(nc)
+	if !fresh.Alive(ctx, "gw-up") || !fresh.Alive(ctx, "") {
+		t.Error("a gateway that answers, or a replay, counted as gone")
+	}
+	if !fresh.Alive(ctx, "gw-never") {
+		t.Error("a just-connected process took one silence for a gone gateway; after a NATS restart it may be reconnecting")
+	}
+	fresh.silent["gw-never"] = time.Now().Add(-goneAfter)
+	if fresh.Alive(ctx, "gw-never") {
+		t.Error("a gateway silent for goneAfter still counts as alive")
+	}
+	settled := NewLiveness(nc)
+	settled.stable = time.Now().Add(-goneAfter)
+	if settled.Alive(ctx, "gw-never") {
+		t.Error("a long-connected process did not take silence for a gone gateway")
+	}
+	settled.reconnects-- // as if this connection had just come back
+	if !settled.Alive(ctx, "gw-other") {
+		t.Error("right after a reconnect, silence was taken for a gone gateway")
 	}
 }

@@ -178,6 +178,9 @@ func (h *handlers) delivered(job *dispatcher.Job, done dispatcher.Reply, log *sl
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
+		if r.Gateway != h.id {
+			return dispatcher.ErrNoChange
+		}
 		r.State, r.Error, r.Stages = dispatcher.StateDone, nil, done.Stages
 		return nil
 	}); err != nil {
@@ -228,21 +231,28 @@ func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
 }
 
 // cancel ends a request the gateway gives up on: its record says so
-// durably, for jobs still queued, and the broadcast stops the running ones.
+// durably, for jobs still queued, and then the broadcast stops the running
+// ones. A record another gateway (a client's retry) or a replay has taken
+// over is left alone.
 func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
-	if err := h.nc.Publish(dispatcher.CancelSubject(job.ID), nil); err != nil {
-		log.Warn("could not publish the cancel", logging.Err(err))
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	ours := false
 	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
-		if r.State.Ended() {
+		if r.State.Ended() || r.Gateway != h.id {
 			return dispatcher.ErrNoChange
 		}
+		ours = true
 		r.State, r.Error = state, &dispatcher.RecordError{Status: status, Message: why}
 		return nil
 	}); err != nil {
+		ours = true // not knowing, stop the work: it is ours unless proven otherwise
 		log.Warn("could not record the cancel", logging.Err(err))
+	}
+	if ours {
+		if err := h.nc.Publish(dispatcher.CancelSubject(job.ID), nil); err != nil {
+			log.Warn("could not publish the cancel", logging.Err(err))
+		}
 	}
 	log.Info("request stopped: "+why, "state", string(state))
 }

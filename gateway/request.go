@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/json"
 	"fmt"
@@ -45,19 +46,46 @@ func parseRequest(endpoint openai.Endpoint, body []byte) (*incoming, *openai.Err
 
 // dropKey removes key from a JSON object, in any letter case (Go's decoder
 // matches fields case-insensitively, so a "KV_Transfer_Params" would
-// otherwise slip through).
+// otherwise slip through). The other members keep their bytes exactly: no
+// re-encoding, no escaping of <, > or &, no reordering; only the
+// whitespace between members is not kept.
 func dropKey(body []byte, key string) ([]byte, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(body, &m); err != nil {
-		return nil, err
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return nil, fmt.Errorf("not a JSON object")
 	}
-	for k := range m {
-		if strings.EqualFold(k, key) {
-			delete(m, k)
+	var kept [][]byte
+	dropped := false
+	end := dec.InputOffset()
+	for dec.More() {
+		start := end
+		for start < int64(len(body)) && (body[start] == ',' || isSpace(body[start])) {
+			start++
 		}
+		tok, err := dec.Token()
+		if err != nil {
+			return nil, err
+		}
+		k, _ := tok.(string)
+		var value json.RawMessage
+		if err := dec.Decode(&value); err != nil {
+			return nil, err
+		}
+		end = dec.InputOffset()
+		if strings.EqualFold(k, key) {
+			dropped = true
+			continue
+		}
+		kept = append(kept, body[start:end])
 	}
-	return json.Marshal(m)
+	if !dropped {
+		return body, nil
+	}
+	out := append([]byte{'{'}, bytes.Join(kept, []byte{','})...)
+	return append(out, '}'), nil
 }
+
+func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
 
 // estimateTokens guesses the prompt's token count at four characters a
 // token, as llm-d's P/D decider does. It only has to tell a short prompt

@@ -50,6 +50,18 @@ func TestParseRequest(t *testing.T) {
 			t.Errorf("other fields lost: %s", in.body)
 		}
 	})
+	t.Run("dropping the params keeps the other members' bytes", func(t *testing.T) {
+		for _, tc := range []struct{ in, want string }{
+			{`{"kv_transfer_params":{"a":1},"prompt":"<a>&amp;\u2028","model":"m","z":[1, 2]}`, `{"prompt":"<a>&amp;\u2028","model":"m","z":[1, 2]}`},
+			{`{"prompt":"<b>" , "kv_transfer_params":null , "model":"m"}`, `{"prompt":"<b>","model":"m"}`},
+			{`{"model":"m","prompt":"x","KV_TRANSFER_PARAMS":{}}`, `{"model":"m","prompt":"x"}`},
+		} {
+			in, err := parseRequest(openai.Completions, []byte(tc.in))
+			if err != nil || string(in.body) != tc.want || !in.droppedKV {
+				t.Errorf("%s: body = %s, %v; want %s", tc.in, in.body, err, tc.want)
+			}
+		}
+	})
 	t.Run("a body without params passes byte for byte", func(t *testing.T) {
 		body := `{"prompt":"x",  "model":"m", "temperature":0.50}`
 		in, err := parseRequest(openai.Completions, []byte(body))

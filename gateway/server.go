@@ -282,12 +282,14 @@ func (h *handlers) ready(c echo.Context) error {
 }
 
 // readBody reads at most the configured bytes of a request body, within
-// the gateway's budget of bytes held at once. The caller must call the
-// returned release when it no longer holds the body, error or not.
+// the gateway's budget of bytes held at once: a body of known length is
+// reserved before it is read, one of unknown length (chunked) as it is read.
+// The caller must call the returned release when it no longer holds the
+// body, error or not.
 func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 	r := c.Request()
-	reserved := int64(0)
-	release := func() { h.budget.release(reserved) }
+	in := &budgetReader{r: http.MaxBytesReader(c.Response(), r.Body, h.cfg.MaxBodyBytes), budget: h.budget}
+	release := func() { h.budget.release(in.taken) }
 	if n := r.ContentLength; n > 0 {
 		if n > h.cfg.MaxBodyBytes {
 			return nil, release, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", h.cfg.MaxBodyBytes)
@@ -295,23 +297,46 @@ func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 		if !h.budget.take(n) {
 			return nil, release, h.overBudget(c)
 		}
-		reserved = n
+		in.taken = n
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(c.Response(), r.Body, h.cfg.MaxBodyBytes))
+	body, err := io.ReadAll(in)
 	if err != nil {
 		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
+		switch {
+		case errors.As(err, &tooBig):
 			return nil, release, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", tooBig.Limit)
+		case errors.Is(err, errOverBudget):
+			return nil, release, h.overBudget(c)
 		}
 		return nil, release, openai.NewError(http.StatusBadRequest, "could not read the request body: %v", err)
 	}
-	if extra := int64(len(body)) - reserved; extra > 0 {
-		if !h.budget.take(extra) {
-			return nil, release, h.overBudget(c)
-		}
-		reserved += extra
-	}
 	return body, release, nil
+}
+
+// errOverBudget ends the read of a body that does not fit the budget.
+var errOverBudget = errors.New("over the gateway's in-flight byte budget")
+
+// budgetReader takes budget for the bytes it reads beyond what was
+// reserved up front.
+type budgetReader struct {
+	r      io.Reader
+	budget *byteBudget
+	taken  int64 // reserved so far, released by the caller
+	read   int64
+}
+
+func (b *budgetReader) Read(p []byte) (int, error) {
+	n, err := b.r.Read(p)
+	b.read += int64(n)
+	if extra := b.read - b.taken; extra > 0 {
+		// Reserve in steps of 64 KiB, not per read, to keep the lock cold.
+		step := max(extra, 64<<10)
+		if !b.budget.take(step) {
+			return n, errOverBudget
+		}
+		b.taken += step
+	}
+	return n, err
 }
 
 func (h *handlers) overBudget(c echo.Context) *openai.Error {

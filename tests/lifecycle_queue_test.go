@@ -19,7 +19,7 @@ import (
 // stays full, and a 200 once there is room.
 func TestLifecycleHandoffPublishRetried(t *testing.T) {
 	c := startCluster(t, clusterOptions{})
-	c.worker(dispatcher.StagePrefill, 2)
+	prefill := c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()
 	ctx := context.Background()
@@ -56,7 +56,7 @@ func TestLifecycleHandoffPublishRetried(t *testing.T) {
 		done <- r
 	}()
 	c.prefill.WaitStats(t, 10*time.Second, "the second prefill", func(s sim.Stats) bool { return s.Prefills == p0.Prefills+2 })
-	time.Sleep(300 * time.Millisecond) // a few refused handoff publishes
+	prefill.waitLog(t, "handoff publish failed; retrying") // the stream refused it
 	if err := st.DeleteMsg(ctx, filler.Sequence); err != nil {
 		t.Fatal(err)
 	}

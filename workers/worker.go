@@ -167,7 +167,8 @@ func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body []byte) (*h
 }
 
 // engineFailure classifies a non-2xx engine answer: 429 and 5xx are
-// transient, and retried; any other 4xx is the client's and goes back to
+// transient, and retried; so are 401, 403 and 404, which mean a worker set
+// up wrong for its engine; any other 4xx is the client's and goes back to
 // it with the engine's status and message.
 func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 	apiErr, ok := openai.ParseError(body)
@@ -180,6 +181,10 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 		return dispatcher.Retryable(err, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
 	case status >= 500:
 		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
+	case status == http.StatusUnauthorized || status == http.StatusForbidden || status == http.StatusNotFound:
+		// Not the client's doing: the worker is set up wrong for its engine
+		// (a key, a route, a model). Retried, then kept for replay.
+		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine refused pdq (%d): %s", stage, status, apiErr.Message))
 	case status >= 400:
 		apiErr.Code, apiErr.Type = status, openai.ErrorType(status)
 		return dispatcher.Rejected(err, apiErr)

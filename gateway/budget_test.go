@@ -1,0 +1,28 @@
+package gateway
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"testing"
+)
+
+func TestBudgetReader(t *testing.T) {
+	b := newByteBudget(256 << 10)
+	small := &budgetReader{r: bytes.NewReader(make([]byte, 100<<10)), budget: b}
+	if _, err := io.ReadAll(small); err != nil {
+		t.Fatalf("a body within the budget: %v", err)
+	}
+	if small.taken < 100<<10 {
+		t.Errorf("took %d bytes of budget for a 100 KiB body", small.taken)
+	}
+	big := &budgetReader{r: bytes.NewReader(make([]byte, 300<<10)), budget: b}
+	if _, err := io.ReadAll(big); !errors.Is(err, errOverBudget) {
+		t.Fatalf("a chunked body over what is left of the budget: err %v, want errOverBudget", err)
+	}
+	b.release(big.taken)
+	b.release(small.taken)
+	if b.used != 0 {
+		t.Errorf("%d bytes still counted after every body was released", b.used)
+	}
+}
