@@ -527,7 +527,7 @@ func TestLifecycle(t *testing.T) {
 		if err := sub.Submit(ctx, StageDecode, mk()); !errors.Is(err, ErrDuplicate) {
 			t.Fatalf("a decode-only request with a live P/D request's id: %v, want ErrDuplicate", err)
 		}
-		pings.Unsubscribe()                              // the first request's gateway dies
+		pings.Unsubscribe()      // the first request's gateway dies
 		other := NewLiveness(nc) // another gateway, connected for a while
 		other.stable = time.Now().Add(-time.Minute)
 		sub = NewSubmitter(js, records, other)
