@@ -20,8 +20,9 @@ const EnvelopeVersion = 2
 
 // Job is a request on its way through the stages. On the wire it is the
 // client's body as the message payload and the rest as headers (see
-// [Job.Msg]); the body and the engine's kv_transfer_params stay opaque
-// bytes from gateway to engine.
+// [Job.Msg]); the queue never re-encodes the body or the engine's
+// kv_transfer_params. Only the workers edit the P/D fields of the body for
+// their engine.
 type Job struct {
 	// ID is the request id: the subject token and the X-Request-Id of both
 	// engine calls.
