@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -78,23 +79,15 @@ func (j *Job) Expired(now time.Time) bool { return !j.Deadline.IsZero() && now.A
 // GatewayID is the id of the gateway that holds the client, from the reply
 // subject; empty for a replay.
 func (j *Job) GatewayID() string {
-	rest, ok := cutPrefix(j.ReplyTo, subjectReply+".")
+	rest, ok := strings.CutPrefix(j.ReplyTo, subjectReply+".")
 	if !ok {
 		return ""
 	}
-	for i := 0; i < len(rest); i++ {
-		if rest[i] == '.' {
-			return rest[:i]
-		}
+	gw, _, ok := strings.Cut(rest, ".")
+	if !ok {
+		return ""
 	}
-	return ""
-}
-
-func cutPrefix(s, prefix string) (string, bool) {
-	if len(s) < len(prefix) || s[:len(prefix)] != prefix {
-		return s, false
-	}
-	return s[len(prefix):], true
+	return gw
 }
 
 // Validate checks the fields every stage relies on.

@@ -133,7 +133,15 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 		}
 	}
 	if s.job.ReplyTo == "" && d.replies != nil && s.l.cfg.Stage == StageDecode {
-		s.keepResult(ctx, d.replies)
+		if err := s.keepResult(ctx, d.replies); err != nil {
+			// The answer exists only in the record: without it the job
+			// must run again.
+			s.log.Error("could not keep the replay's result in its record; running it again", logging.Err(err))
+			if nerr := s.msg.NakWithDelay(time.Second); nerr != nil {
+				s.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(nerr))
+			}
+			return
+		}
 	}
 	if err := s.msg.DoubleAck(ctx); err != nil {
 		// The job will be redelivered: a prefill's handoff is
@@ -167,7 +175,7 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) e
 
 // keepResult writes a replay's answer into its record: the JSON response,
 // or the events of a stream in one JSON array.
-func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) {
+func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) error {
 	chunks, stages := w.Kept()
 	var result json.RawMessage
 	switch len(chunks) {
@@ -193,9 +201,10 @@ func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) {
 		}
 		r.State, r.Generation, r.Error, r.Result, r.Stages = StateDone, s.job.Generation, nil, result, stages
 		return nil
-	}); err != nil {
-		s.log.Error("could not keep the replay's result in its record", logging.Err(err))
+	}); err != nil && !errors.Is(err, ErrNoRecord) {
+		return err
 	}
+	return nil
 }
 
 // interrupted settles a job whose grace period ran out at shutdown.

@@ -126,8 +126,10 @@ func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return nil
 	}
 	failedAgain := 0
+	wctx, cancel := context.WithTimeout(ctx, *timeout+30*time.Second) // past every replay's deadline
+	defer cancel()
 	for _, id := range replayed {
-		r, err := rp.Wait(ctx, id)
+		r, err := rp.Wait(wctx, id)
 		if err != nil {
 			return fmt.Errorf("wait for %s: %w", id, err)
 		}
