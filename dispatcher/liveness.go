@@ -13,15 +13,17 @@ import (
 // as long as it runs. NATS answers a request to a subject nobody listens on
 // with "no responders" at once, so a worker learns cheaply that the gateway
 // holding a request's client is gone, and stops working for nobody. But a
-// gateway that is reconnecting after a NATS restart is briefly unheard too:
-// "no responders" means gone only once this process's own connection has
-// been up for goneAfter (so both had time to come back), or after goneAfter
-// of silence. Anything else (an answer, a timeout, NATS down) counts as
-// alive.
+// gateway whose connection blipped, or that reconnects after a NATS
+// restart, is briefly unheard too. So a gateway is gone only after
+// goneAfter of unbroken silence (no answer at any ping in between, and no
+// gap between pings longer than silenceGap), heard while this process's
+// own connection had been up for goneAfter. Anything else (an answer, a
+// timeout, NATS down) counts as alive.
 const (
 	pingTimeout = time.Second
 	aliveFor    = time.Second // how long an answer is trusted
-	goneAfter   = 5 * time.Second
+	goneAfter   = 4 * time.Second
+	silenceGap  = 2*HeartbeatInterval + time.Second
 )
 
 // Liveness answers "does this gateway still run?", with a short cache.
@@ -30,15 +32,18 @@ type Liveness struct {
 
 	mu         sync.Mutex
 	seen       map[string]time.Time // gateway id -> when it last answered
-	silent     map[string]time.Time // gateway id -> since when nobody answers
+	silent     map[string]silence
 	pruned     time.Time
 	reconnects uint64
 	stable     time.Time // since when this connection has been up
 }
 
+// silence is an unbroken run of unanswered pings to one gateway.
+type silence struct{ first, last time.Time }
+
 // NewLiveness pings over nc.
 func NewLiveness(nc *nats.Conn) *Liveness {
-	return &Liveness{nc: nc, seen: make(map[string]time.Time), silent: make(map[string]time.Time),
+	return &Liveness{nc: nc, seen: make(map[string]time.Time), silent: make(map[string]silence),
 		reconnects: nc.Stats().Reconnects, stable: time.Now()}
 }
 
@@ -66,12 +71,13 @@ func (l *Liveness) Alive(ctx context.Context, gatewayID string) bool {
 		l.reconnects, l.stable = n, now
 	}
 	if errors.Is(err, nats.ErrNoResponders) {
-		since, ok := l.silent[gatewayID]
-		if !ok {
-			since = now
-			l.silent[gatewayID] = now
+		sl, ok := l.silent[gatewayID]
+		if !ok || now.Sub(sl.last) > silenceGap || sl.first.Before(l.stable) {
+			sl.first = now // a new run: the old one is too old to count
 		}
-		return now.Sub(l.stable) < goneAfter && now.Sub(since) < goneAfter
+		sl.last = now
+		l.silent[gatewayID] = sl
+		return now.Sub(sl.first) < goneAfter || now.Sub(l.stable) < goneAfter
 	}
 	delete(l.silent, gatewayID)
 	if err == nil {
@@ -90,8 +96,8 @@ func (l *Liveness) prune(now time.Time) {
 			delete(l.seen, id)
 		}
 	}
-	for id, t := range l.silent {
-		if now.Sub(t) > time.Hour {
+	for id, sl := range l.silent {
+		if now.Sub(sl.last) > time.Minute {
 			delete(l.silent, id)
 		}
 	}

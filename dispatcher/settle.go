@@ -50,6 +50,11 @@ func (s *settle) admit(ctx context.Context) bool {
 	case err == nil && rec.State.Ended():
 		s.drop(ctx, "request already "+string(rec.State))
 		return false
+	case err == nil && rec.Gateway != job.GatewayID():
+		// The id was taken over by a client's retry at another gateway, or
+		// by a replay: this job is the earlier request's.
+		s.drop(ctx, "the request id was taken over by a retry or a replay")
+		return false
 	case err != nil && !errors.Is(err, ErrNoRecord):
 		// Not knowing the record is no reason to stop: run the job.
 		s.log.Warn("could not read the request record; running the job", logging.Err(err))
@@ -63,12 +68,8 @@ func (s *settle) admit(ctx context.Context) bool {
 	}
 	if !l.liveness.Alive(ctx, job.GatewayID()) {
 		s.end(ctx, StateCancelled, &RecordError{Status: 499, Message: errGatewayGone.Error(), Stage: l.cfg.Stage})
+		s.answer(gatewayGoneError()) // heard by nobody, unless the gateway was only unreachable
 		s.drop(ctx, errGatewayGone.Error())
-		return false
-	}
-	if s.attempt > MaxDeliver {
-		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, MaxDeliver)
-		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)
 		return false
 	}
 	if l.cfg.Stage == StagePrefill && s.attempt > 1 && s.handedOff(ctx) {
@@ -78,6 +79,11 @@ func (s *settle) admit(ctx context.Context) bool {
 		if err := s.msg.DoubleAck(ctx); err != nil {
 			s.log.Warn("ack failed; the job will be redelivered and acked again", logging.Err(err))
 		}
+		return false
+	}
+	if s.attempt > MaxDeliver {
+		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, MaxDeliver)
+		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)
 		return false
 	}
 	if handoff && s.attempt > 1 {
@@ -105,10 +111,20 @@ func (s *settle) handedOff(ctx context.Context) bool {
 	return err == nil && m.Header.Get(HeaderGeneration) == strconv.Itoa(s.job.Generation)
 }
 
+// gatewayGoneError is what a job stopped for its gateway's silence
+// answers, in case the gateway was only unreachable for a while: an error,
+// rather than a client left waiting.
+func gatewayGoneError() *openai.Error {
+	return openai.NewError(http.StatusServiceUnavailable, "pdq lost touch with this request's gateway and stopped it; retry it")
+}
+
 // stopped settles a job stopped by its client or its gateway's end.
 func (s *settle) stopped(ctx context.Context, cause error) {
 	s.log.Debug("job stopped: " + cause.Error())
 	s.end(ctx, StateCancelled, &RecordError{Status: 499, Message: cause.Error(), Stage: s.l.cfg.Stage})
+	if errors.Is(cause, errGatewayGone) {
+		s.answer(gatewayGoneError()) // heard by nobody, unless the gateway was only unreachable
+	}
 	if !s.ran {
 		s.drop(ctx, cause.Error())
 		return
@@ -154,16 +170,20 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 // storeHandoff publishes a prefill's result, retrying the publish (never
 // the prefill) with back-off for up to 10 s.
 func (s *settle) storeHandoff(ctx context.Context, h *Job) error {
-	return s.publishRetry(ctx, h.Msg(StageDecode), "handoff")
+	_, err := s.publishRetry(ctx, h.Msg(StageDecode), "handoff")
+	return err
 }
 
-// publishRetry stores msg, retrying with back-off for up to 10 s. A
-// duplicate is an earlier try whose ack was lost: stored.
-func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) error {
+// publishRetry stores msg, retrying with back-off for up to 10 s, and
+// returns its stream sequence. A duplicate is an earlier try whose ack was
+// lost: stored.
+func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (uint64, error) {
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
-	return backoff.RetryNotify(func() error {
-		err := publish(ctx, s.l.js, msg)
+	var seq uint64
+	err := backoff.RetryNotify(func() error {
+		var err error
+		seq, err = publishSeq(ctx, s.l.js, msg)
 		if errors.Is(err, ErrDuplicate) {
 			return nil
 		}
@@ -171,6 +191,7 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) e
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
 		s.log.Warn(what+" publish failed; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
 	})
+	return seq, err
 }
 
 // keepResult writes a replay's answer into its record: the JSON response,
@@ -195,11 +216,19 @@ func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) error {
 	if !json.Valid(result) {
 		result, _ = json.Marshal(string(result))
 	}
+	var tooBig *RecordError
+	if len(result) > maxRecordResult {
+		// Bigger than a record may hold: running the job again would not
+		// change that.
+		tooBig = &RecordError{Status: http.StatusInsufficientStorage, Stage: StageDecode,
+			Message: fmt.Sprintf("the answer (%d bytes) is too large to keep in the request record", len(result))}
+		result = nil
+	}
 	if _, err := s.l.records.Transition(ctx, s.job.ID, func(r *Record) error {
 		if r.Generation > s.job.Generation {
 			return ErrNoChange
 		}
-		r.State, r.Generation, r.Error, r.Result, r.Stages = StateDone, s.job.Generation, nil, result, stages
+		r.State, r.Generation, r.Error, r.Result, r.Stages = StateDone, s.job.Generation, tooBig, result, stages
 		return nil
 	}); err != nil && !errors.Is(err, ErrNoRecord) {
 		return err
@@ -283,19 +312,33 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	// The next generation is stored first, then recorded: a job always
 	// exists for the generation a live record names. A stored job whose
 	// request has ended meanwhile is dropped at its pull.
-	if err := s.publishRetry(ctx, next.Msg(StagePrefill), "new generation"); err != nil {
+	seq, err := s.publishRetry(ctx, next.Msg(StagePrefill), "new generation")
+	if err != nil {
 		e := openai.NewError(http.StatusServiceUnavailable, "could not queue the request for a new prefill: %v", err)
 		s.failForGood(ctx, e, err, true)
 		return
 	}
+	moved := false
 	if _, err := l.records.Transition(ctx, job.ID, func(r *Record) error {
-		if r.Generation > job.Generation || r.State.Ended() {
+		if r.Generation > job.Generation || r.State.Ended() || r.Gateway != job.GatewayID() {
 			return ErrNoChange
 		}
-		r.Generation = next.Generation
+		r.Generation, moved = next.Generation, true
 		return nil
 	}); err != nil && !errors.Is(err, ErrNoRecord) {
+		moved = true // not knowing, keep the job: its pull checks the record again
 		s.log.Warn("could not record the new generation; its job runs all the same", logging.Err(err))
+	}
+	if !moved {
+		// The request ended, or was taken over, meanwhile: the job just
+		// stored must not linger to meet a later retry under its ids.
+		if st, err := l.js.Stream(ctx, StreamPrefill); err == nil && seq > 0 {
+			if err := st.DeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+				s.log.Warn("could not delete a new generation's job; its pull will drop it", logging.Err(err))
+			}
+		}
+		s.term("the request moved on while it was sent back to prefill")
+		return
 	}
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)

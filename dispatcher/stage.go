@@ -83,6 +83,9 @@ const (
 	DefaultKVTTL = 25 * time.Second
 	// DefaultMaxGenerations bounds the prefills one request may start.
 	DefaultMaxGenerations = 3
+	// maxRecordResult bounds a replay's answer kept in its record, under
+	// the bucket's value limit.
+	maxRecordResult = 4 << 20
 	// dlqRetry is how long a job whose dead letter could not be stored
 	// waits in its queue before it tries again.
 	dlqRetry = 30 * time.Second
@@ -371,8 +374,15 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) 
 	if !s.admit(sctx) {
 		return
 	}
-	if cause := context.Cause(jctx); cause != nil {
+	switch cause := context.Cause(jctx); {
+	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
 		s.stopped(sctx, cause)
+		return
+	case cause != nil: // the grace period ended during the checks
+		s.log.Warn("shutdown before the job ran; handing it back")
+		if err := msg.Nak(); err != nil {
+			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+		}
 		return
 	}
 	start := time.Now()

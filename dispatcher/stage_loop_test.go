@@ -530,6 +530,7 @@ func TestLifecycle(t *testing.T) {
 		pings.Unsubscribe()      // the first request's gateway dies
 		other := NewLiveness(nc) // another gateway, connected for a while
 		other.stable = time.Now().Add(-time.Minute)
+		other.silent["gw-alive"] = silence{first: time.Now().Add(-goneAfter), last: time.Now()}
 		sub = NewSubmitter(js, records, other)
 		retry := mk()
 		if err := sub.Submit(ctx, StageDecode, retry); err != nil {
@@ -624,9 +625,10 @@ func TestHandoffGenerations(t *testing.T) {
 	}
 }
 
-// TestLiveness checks what counts as a gone gateway: silence while this
-// process has been connected for a while, or long silence; not the silence
-// of a gateway that may be reconnecting after a NATS restart.
+// TestLiveness checks what counts as a gone gateway: only an unbroken
+// silence of goneAfter, heard while this process's own connection was up;
+// not the silence of a gateway whose connection blipped, nor one heard
+// around this process's own reconnect.
 func TestLiveness(t *testing.T) {
 	nc, _ := startJetStream(t)
 	ctx := context.Background()
@@ -635,24 +637,25 @@ func TestLiveness(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pings.Unsubscribe()
-	fresh := NewLiveness(nc)
-	if !fresh.Alive(ctx, "gw-up") || !fresh.Alive(ctx, "") {
+	l := NewLiveness(nc)
+	l.stable = time.Now().Add(-time.Minute) // connected for a while
+	if !l.Alive(ctx, "gw-up") || !l.Alive(ctx, "") {
 		t.Error("a gateway that answers, or a replay, counted as gone")
 	}
-	if !fresh.Alive(ctx, "gw-never") {
-		t.Error("a just-connected process took one silence for a gone gateway; after a NATS restart it may be reconnecting")
+	if !l.Alive(ctx, "gw-never") {
+		t.Error("one unanswered ping counted as gone: the gateway's connection may have blipped")
 	}
-	fresh.silent["gw-never"] = time.Now().Add(-goneAfter)
-	if fresh.Alive(ctx, "gw-never") {
-		t.Error("a gateway silent for goneAfter still counts as alive")
+	l.silent["gw-never"] = silence{first: time.Now().Add(-goneAfter), last: time.Now().Add(-time.Second)}
+	if l.Alive(ctx, "gw-never") {
+		t.Error("a gateway silent for goneAfter at every ping still counts as alive")
 	}
-	settled := NewLiveness(nc)
-	settled.stable = time.Now().Add(-goneAfter)
-	if settled.Alive(ctx, "gw-never") {
-		t.Error("a long-connected process did not take silence for a gone gateway")
+	l.silent["gw-old"] = silence{first: time.Now().Add(-time.Hour), last: time.Now().Add(-10 * time.Minute)}
+	if !l.Alive(ctx, "gw-old") {
+		t.Error("an old silence, with no ping for minutes, was taken for an unbroken one")
 	}
-	settled.reconnects-- // as if this connection had just come back
-	if !settled.Alive(ctx, "gw-other") {
-		t.Error("right after a reconnect, silence was taken for a gone gateway")
+	l.silent["gw-never"] = silence{first: time.Now().Add(-goneAfter), last: time.Now().Add(-time.Second)}
+	l.reconnects-- // as if this connection had just come back
+	if !l.Alive(ctx, "gw-never") {
+		t.Error("right after this process's own reconnect, silence was taken for a gone gateway")
 	}
 }

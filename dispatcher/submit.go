@@ -122,17 +122,24 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) error {
 
 // publish stores msg on its stream, deduplicated by its Nats-Msg-Id.
 func publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
+	_, err := publishSeq(ctx, js, msg)
+	return err
+}
+
+// publishSeq is publish that also returns the message's stream sequence
+// (for a duplicate, the earlier message's).
+func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
 	ack, err := js.PublishMsg(ctx, msg)
 	if err != nil {
 		if isFull(err) {
-			return fmt.Errorf("publish %s: %w: %w", msg.Subject, ErrQueueFull, err)
+			return 0, fmt.Errorf("publish %s: %w: %w", msg.Subject, ErrQueueFull, err)
 		}
-		return fmt.Errorf("publish %s: %w", msg.Subject, err)
+		return 0, fmt.Errorf("publish %s: %w", msg.Subject, err)
 	}
 	if ack.Duplicate {
-		return fmt.Errorf("publish %s: %w", msg.Subject, ErrDuplicate)
+		return ack.Sequence, fmt.Errorf("publish %s: %w", msg.Subject, ErrDuplicate)
 	}
-	return nil
+	return ack.Sequence, nil
 }
 
 func isFull(err error) bool {

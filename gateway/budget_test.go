@@ -26,3 +26,17 @@ func TestBudgetReader(t *testing.T) {
 		t.Errorf("%d bytes still counted after every body was released", b.used)
 	}
 }
+
+// TestBudgetReaderEdge: a chunked body just under the limit fits, although
+// the 64 KiB reservation steps would overshoot it.
+func TestBudgetReaderEdge(t *testing.T) {
+	const limit = 1 << 20
+	b := newByteBudget(limit)
+	r := &budgetReader{r: bytes.NewReader(make([]byte, limit-1000)), budget: b}
+	if _, err := io.ReadAll(r); err != nil {
+		t.Fatalf("a chunked body of limit-1000 bytes on an idle gateway: %v", err)
+	}
+	if r.taken > limit {
+		t.Errorf("took %d bytes of a %d budget", r.taken, limit)
+	}
+}

@@ -329,12 +329,16 @@ func (b *budgetReader) Read(p []byte) (int, error) {
 	n, err := b.r.Read(p)
 	b.read += int64(n)
 	if extra := b.read - b.taken; extra > 0 {
-		// Reserve in steps of 64 KiB, not per read, to keep the lock cold.
-		step := max(extra, 64<<10)
-		if !b.budget.take(step) {
+		// Reserve in steps of 64 KiB, not per read, to keep the lock cold;
+		// near the limit, exactly what was read.
+		switch step := max(extra, 64<<10); {
+		case b.budget.take(step):
+			b.taken += step
+		case b.budget.take(extra):
+			b.taken += extra
+		default:
 			return n, errOverBudget
 		}
-		b.taken += step
 	}
 	return n, err
 }

@@ -183,8 +183,14 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
 	case status == http.StatusUnauthorized || status == http.StatusForbidden || status == http.StatusNotFound:
 		// Not the client's doing: the worker is set up wrong for its engine
-		// (a key, a route, a model). Retried, then kept for replay.
-		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine refused pdq (%d): %s", stage, status, apiErr.Message))
+		// (a key, a route, a model). A prefill is retried, then kept for
+		// replay; a decode ends at once (a retry would prefill again), with
+		// its KV released, since the engine refused before reading it.
+		e := openai.NewError(http.StatusBadGateway, "%s engine refused pdq (%d): %s", stage, status, apiErr.Message)
+		if stage == dispatcher.StageDecode {
+			return dispatcher.Rejected(err, e)
+		}
+		return dispatcher.Retryable(err, e)
 	case status >= 400:
 		apiErr.Code, apiErr.Type = status, openai.ErrorType(status)
 		return dispatcher.Rejected(err, apiErr)
