@@ -59,7 +59,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// Not knowing the record is no reason to stop: run the job.
 		s.log.Warn("could not read the request record; running the job", logging.Err(err))
 	}
-	if job.Expired(time.Now()) {
+	if job.Expired(time.Now().Add(minUsefulTime)) {
 		e := openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed before a %s worker was free", l.cfg.Stage)
 		s.end(ctx, StateExpired, &RecordError{Status: e.Status(), Message: e.Message, Stage: l.cfg.Stage})
 		s.answer(e)

@@ -83,6 +83,11 @@ const (
 	DefaultKVTTL = 25 * time.Second
 	// DefaultMaxGenerations bounds the prefills one request may start.
 	DefaultMaxGenerations = 3
+	// minUsefulTime is the least time before its deadline that a job must
+	// have left when it is pulled: with less, no engine could answer before
+	// the gateway gives up, and a burst of jobs submitted together would
+	// each start an engine call only to be cancelled a moment later.
+	minUsefulTime = 100 * time.Millisecond
 	// maxRecordResult bounds a replay's answer kept in its record, under
 	// the bucket's value limit.
 	maxRecordResult = 4 << 20
