@@ -141,6 +141,7 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 				status = http.StatusTooManyRequests
 			}
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
+			s.queueRelease(ctx, d.handoff)
 			e := openai.NewError(status, "could not queue the decode stage: %v", err)
 			s.end(ctx, StateFailed, &RecordError{Status: status, Message: e.Message, Stage: StagePrefill})
 			s.answer(e)
@@ -172,6 +173,17 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 func (s *settle) storeHandoff(ctx context.Context, h *Job) error {
 	_, err := s.publishRetry(ctx, h.Msg(StageDecode), "handoff")
 	return err
+}
+
+// queueRelease hands a handoff that could not be stored to the decode
+// pool's release queue, so that a decode worker frees its KV.
+func (s *settle) queueRelease(ctx context.Context, h *Job) {
+	m := h.Msg(StageDecode)
+	m.Subject = ReleaseSubject(h.Pool, h.ID)
+	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation)}
+	if err := publish(ctx, s.l.js, m); err != nil && !errors.Is(err, ErrDuplicate) {
+		s.log.Warn("could not queue the release of the prefill's KV; it stays held until its lease ends", logging.Err(err))
+	}
 }
 
 // publishRetry stores msg, retrying with back-off for up to 10 s, and

@@ -274,6 +274,9 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	var bg sync.WaitGroup
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
+	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
+		bg.Go(func() { l.releaseLoop(ctx) })
+	}
 
 	// Jobs outlive ctx by the grace period, so a shutdown does not abort
 	// engine calls that are about to finish.

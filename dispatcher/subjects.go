@@ -21,6 +21,7 @@ const (
 	StreamPrefill  = "PDQ_PREFILL"
 	StreamDecode   = "PDQ_DECODE"
 	StreamDLQ      = "PDQ_DLQ"
+	StreamRelease  = "PDQ_RELEASE"
 	BucketWorkers  = "pdq_workers"
 	BucketRequests = "pdq_requests"
 )
@@ -30,6 +31,7 @@ const (
 	subjectPrefill = "pdq.prefill"
 	subjectDecode  = "pdq.decode"
 	subjectDLQ     = "pdq.dlq"
+	subjectRelease = "pdq.release"
 	subjectReply   = "pdq.reply"
 	subjectCancel  = "pdq.cancel"
 	subjectGateway = "pdq.gateway"
@@ -69,6 +71,10 @@ func CancelSubject(id string) string { return subjectCancel + "." + id }
 // GatewaySubject is where a gateway answers the pings of workers that ask
 // whether it still holds its clients.
 func GatewaySubject(gatewayID string) string { return subjectGateway + "." + gatewayID }
+
+// ReleaseSubject is where a handoff that could not be stored waits for a
+// decode worker of its pool to release its KV.
+func ReleaseSubject(pool, id string) string { return subjectRelease + "." + pool + "." + id }
 
 // DLQSubject is where a request that failed for good is kept for replay.
 func DLQSubject(pool, id string) string { return subjectDLQ + "." + pool + "." + id }

@@ -20,6 +20,7 @@ const (
 	dlqMaxAge       = 7 * 24 * time.Hour
 	dlqMaxBytes     = 1 << 30
 	dlqMaxMsgs      = 10000
+	releaseMaxBytes = 256 << 20
 	workersTTL      = 30 * time.Second
 	requestsTTL     = 24 * time.Hour
 	maxAckPending   = 10000
@@ -43,6 +44,20 @@ func Ensure(ctx context.Context, js jetstream.JetStream) error {
 	for _, cfg := range []jetstream.StreamConfig{
 		stageStreamConfig(StreamPrefill, subjectPrefill+".>", "jobs waiting for a prefill worker"),
 		stageStreamConfig(StreamDecode, subjectDecode+".>", "handoffs and decode-only jobs waiting for a decode worker"),
+		{
+			// Its own stream, so that a full PDQ_DECODE cannot also refuse
+			// the release of the handoffs it refused.
+			Name:        StreamRelease,
+			Description: "handoffs that could not be stored, waiting for a decode worker to release their KV",
+			Subjects:    []string{subjectRelease + ".>"},
+			Retention:   jetstream.WorkQueuePolicy,
+			Storage:     jetstream.FileStorage,
+			MaxBytes:    releaseMaxBytes,
+			Discard:     jetstream.DiscardNew,
+			MaxAge:      5 * time.Minute, // a KV lease is 30 s: older releases are moot
+			Duplicates:  dedupWindow,
+			MaxMsgSize:  maxMsgSize,
+		},
 		{
 			// Bounded by count and age; a full DLQ refuses new entries
 			// rather than pushing out older failures. One entry per

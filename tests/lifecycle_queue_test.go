@@ -16,9 +16,10 @@ import (
 // TestLifecycleHandoffPublishRetried is issue 6's case 4: with PDQ_DECODE
 // full, a prefill's handoff is retried as a publish, never by running the
 // prefill again; the client gets a 429 with Retry-After when the stream
-// stays full, and a 200 once there is room.
+// stays full, and the KV is released (through the decode pool's release
+// queue); a 200 once there is room.
 func TestLifecycleHandoffPublishRetried(t *testing.T) {
-	c := startCluster(t, clusterOptions{})
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--kv-lease", "60s"}})
 	prefill := c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()
@@ -45,6 +46,10 @@ func TestLifecycleHandoffPublishRetried(t *testing.T) {
 	}
 	if n := c.prefill.Stats(t).Prefills - p0.Prefills; n != 1 {
 		t.Errorf("%d prefills for one request whose handoff could not be stored, want 1", n)
+	}
+	c.prefill.WaitStats(t, 10*time.Second, "the refused handoff's KV released", func(s sim.Stats) bool { return s.BlocksHeld == 0 })
+	if s := c.prefill.Stats(t); s.HoldsExpired != 0 {
+		t.Errorf("%d holds expired; the release should have freed them", s.HoldsExpired)
 	}
 
 	done := make(chan response, 1)

@@ -1,0 +1,79 @@
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// releaseConsumer is the durable consumer of a pool's release queue.
+func releaseConsumer(pool string) string { return "release-" + pool }
+
+// releaseLoop frees the KV of handoffs that the prefill stage could not
+// store (PDQ_DECODE full): every decode worker of the pool takes them, one
+// at a time, between its jobs' engine calls.
+func (l *StageLoop) releaseLoop(ctx context.Context) {
+	var cons jetstream.Consumer
+	for ctx.Err() == nil {
+		if cons == nil {
+			c, err := l.js.CreateOrUpdateConsumer(ctx, StreamRelease, jetstream.ConsumerConfig{
+				Durable:       releaseConsumer(l.cfg.Pool),
+				Description:   "decode workers of pool " + l.cfg.Pool + " releasing KV of handoffs never stored",
+				FilterSubject: subjectRelease + "." + l.cfg.Pool + ".>",
+				AckPolicy:     jetstream.AckExplicitPolicy,
+				AckWait:       l.cfg.AckWait,
+				MaxDeliver:    MaxDeliver,
+			})
+			if err != nil {
+				l.log.Warn("no release queue; retrying in 5s", logging.Err(err))
+				if sleepCtx(ctx, 5*time.Second) != nil {
+					return
+				}
+				continue
+			}
+			cons = c
+		}
+		msg, err := cons.Next(jetstream.FetchContext(ctx))
+		switch {
+		case ctx.Err() != nil:
+			return
+		case errors.Is(err, nats.ErrTimeout) || errors.Is(err, jetstream.ErrNoMessages):
+			continue
+		case err != nil:
+			l.log.Warn("release pull failed; retrying in 1s", logging.Err(err))
+			cons = nil
+			if sleepCtx(ctx, time.Second) != nil {
+				return
+			}
+			continue
+		}
+		l.releaseOne(ctx, msg)
+	}
+}
+
+func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
+	job, err := ParseJob(msg.Headers(), msg.Data())
+	if err == nil && len(job.KV) == 0 {
+		err = fmt.Errorf("release of %s carries no kv_transfer_params", job.ID)
+	}
+	if err != nil {
+		l.log.Warn("dropping an unreadable release", logging.Err(err))
+		_ = msg.Term() // nothing to release: a lost term redelivers it, to be dropped again
+		return
+	}
+	s := &settle{l: l, msg: msg, job: job, attempt: 1, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	// At most once: a release that ran twice would read freed blocks, which
+	// with NIXL v1 kills the decode engine; one that never ran only leaves
+	// the blocks to their lease.
+	if err := msg.DoubleAck(ctx); err != nil {
+		s.log.Warn("could not take a release off its queue; leaving the KV to its lease", logging.Err(err))
+		return
+	}
+	s.release(context.WithoutCancel(ctx), "its handoff could not be stored")
+}
