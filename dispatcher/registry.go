@@ -27,14 +27,18 @@ const (
 
 // WorkerInfo is a worker's entry in the pdq_workers bucket.
 type WorkerInfo struct {
-	ID       string    `json:"id"`
-	Role     Stage     `json:"role"`
-	Pool     string    `json:"pool"`
-	Model    string    `json:"model"`
-	Engine   string    `json:"engine"`
-	Slots    int       `json:"slots"`
-	InFlight int       `json:"in_flight"`
-	Started  time.Time `json:"started"`
+	ID       string `json:"id"`
+	Role     Stage  `json:"role"`
+	Pool     string `json:"pool"`
+	Model    string `json:"model"`
+	Engine   string `json:"engine"`
+	Slots    int    `json:"slots"`
+	InFlight int    `json:"in_flight"`
+	// KVReleased counts the handoffs whose KV this worker released, and
+	// DeadLettersRefused the failures a full DLQ refused, since it started.
+	KVReleased         int64     `json:"kv_released,omitempty"`
+	DeadLettersRefused int64     `json:"dead_letters_refused,omitempty"`
+	Started            time.Time `json:"started"`
 }
 
 // NewWorkerID returns a unique worker id, usable as a bucket key.
@@ -54,6 +58,7 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 	}
 	put := func() {
 		info.InFlight = l.InFlight()
+		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
 		data, err := json.Marshal(info)
 		if err != nil {
 			l.log.Error("encode registry entry", logging.Err(err))

@@ -373,6 +373,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 		case errors.Is(err, errDLQFull):
 			// A full DLQ refuses the entry rather than dropping older
 			// ones; the client is answered all the same.
+			s.l.dlqRefused.Add(1)
 			s.log.Error("the dead-letter stream is full: this failure is not kept for replay", logging.Err(err))
 		case err != nil:
 			s.log.Error("could not store the dead letter; the job stays queued until it can be", logging.Err(err))

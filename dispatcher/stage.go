@@ -188,10 +188,11 @@ type StageLoop struct {
 	liveness *Liveness
 	log      *slog.Logger
 
-	inFlight atomic.Int64
-	released atomic.Int64
-	mu       sync.Mutex
-	running  map[*runningJob]struct{}
+	inFlight   atomic.Int64
+	released   atomic.Int64
+	dlqRefused atomic.Int64
+	mu         sync.Mutex
+	running    map[*runningJob]struct{}
 }
 
 // runningJob is a job a slot is running, as the cancel broadcast and the
@@ -339,7 +340,7 @@ pull:
 		<-done
 	}
 	bg.Wait()
-	l.log.Info("stage worker stopped", "kv_released", l.Released())
+	l.log.Info("stage worker stopped", "kv_released", l.Released(), "dead_letters_refused", l.dlqRefused.Load())
 	return nil
 }
 
@@ -421,7 +422,11 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 	if !ValidRequestID(id) {
 		id = "invalid-" + randomID()
 	}
-	if derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error()); derr != nil && !errors.Is(derr, errDLQFull) {
+	derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error())
+	if errors.Is(derr, errDLQFull) {
+		l.dlqRefused.Add(1)
+		l.log.Error("the dead-letter stream is full: this unreadable job is not kept", logging.Err(derr))
+	} else if derr != nil {
 		l.log.Error("could not keep an unreadable job in the dead-letter stream; it stays queued", logging.Err(derr))
 		if nerr := msg.NakWithDelay(dlqRetry); nerr != nil {
 			l.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(nerr))
