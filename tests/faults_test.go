@@ -436,6 +436,22 @@ func TestFaultSuite(t *testing.T) {
 			t.Errorf("decode engine: %+v before, %+v after: want the stream aborted and only the one-token release finished", d0, d1)
 			r.cancelledCalls += max(n-1, 0)
 		}
+		// The decode worker counts the release in its registry entry.
+		waitUntil(t, "the release counted in the registry", func() bool {
+			kv, err := c.js.KeyValue(context.Background(), dispatcher.BucketWorkers)
+			if err != nil {
+				return false
+			}
+			keys, _ := kv.Keys(context.Background())
+			for _, k := range keys {
+				e, err := kv.Get(context.Background(), k)
+				var w dispatcher.WorkerInfo
+				if err == nil && json.Unmarshal(e.Value(), &w) == nil && w.Role == dispatcher.StageDecode && w.KVReleased == 1 {
+					return true
+				}
+			}
+			return false
+		})
 		for _, id := range []string{"leave-decoding", "leave-handoff", "leave-prefilling", "leave-queued"} {
 			if st := c.state(id); st != dispatcher.StateCancelled {
 				t.Errorf("%s: state %s, want cancelled", id, st)
