@@ -14,15 +14,14 @@ import (
 // gateRecheck is how often a closed gate looks at the decode backlog again.
 const gateRecheck = 50 * time.Millisecond
 
-// decodeGate is admission by capacity for a prefill stage: it lets a
-// prefill start only while the pool's decode backlog (handoffs no decode
-// worker has pulled) is smaller than the pool's decode slots. A handoff
-// that waits then waits for one slot to free, not for a queue to drain, so
-// its KV is read well within its lease; prefilling further ahead would
-// only make KV that expires unread.
+// decodeGate is admission by capacity for a prefill stage: a prefill
+// starts only while its handoff can be expected to start decoding within
+// the KV TTL. Prefilling further ahead would only make KV that expires
+// unread. See [decodeRoom].
 type decodeGate struct {
 	js       jetstream.StreamConsumerManager
 	pool     string
+	ttl      time.Duration
 	registry *Registry
 	log      *slog.Logger
 
@@ -30,12 +29,12 @@ type decodeGate struct {
 	open bool // the last look's answer, for the log
 }
 
-func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, log *slog.Logger) (*decodeGate, error) {
+func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*decodeGate, error) {
 	registry, err := WatchWorkers(ctx, js, log)
 	if err != nil {
 		return nil, err
 	}
-	return &decodeGate{js: js, pool: pool, registry: registry, log: log}, nil
+	return &decodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log}, nil
 }
 
 // wait returns once a prefill may start, or when ctx ends.
@@ -48,9 +47,9 @@ func (g *decodeGate) wait(ctx context.Context) error {
 	return nil
 }
 
+// isOpen looks at the decode backlog afresh at every pull: a cached "open"
+// would let a burst of fast prefills through before their handoffs show.
 func (g *decodeGate) isOpen(ctx context.Context) bool {
-	// Every pull looks afresh: a cached "open" would let a burst of fast
-	// prefills through before their handoffs show in the backlog.
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	was := g.open
@@ -59,15 +58,34 @@ func (g *decodeGate) isOpen(ctx context.Context) bool {
 	if err != nil {
 		return true // no decode consumer yet: nothing is waiting for one
 	}
-	info, err := cons.Info(ctx)
-	if err != nil {
-		g.log.Debug("could not read the decode backlog; prefilling on", logging.Err(err))
-		return true
-	}
-	slots := max(g.registry.DecodeSlots(g.pool), 1)
-	g.open = info.NumPending < uint64(slots)
+	info := cons.CachedInfo() // fresh: Consumer just fetched it
+	slots, avg := g.registry.DecodeCapacity(g.pool)
+	g.open = decodeRoom(int(info.NumPending), info.NumWaiting, slots, avg, g.ttl)
 	if g.open != was {
-		g.log.Debug("decode backlog gate", "open", g.open, "handoffs_waiting", info.NumPending, "decode_slots", slots)
+		g.log.Debug("decode backlog gate", "open", g.open, "handoffs_waiting", info.NumPending,
+			"idle_decode_slots", info.NumWaiting, "decode_slots", slots, logging.Ms("avg_decode_ms", avg))
 	}
 	return g.open
+}
+
+// decodeRoom decides whether one more handoff can be expected to start
+// decoding within ttl. pending handoffs wait in the queue, idle decode
+// slots wait for work (their pulls), slots is the pool's decode
+// concurrency and avg how long a decode takes (0: not known yet).
+//
+// A new handoff starts at once while idle slots outnumber the waiting
+// handoffs. Otherwise it waits for the decodes ahead of it: about
+// (pending-idle+1)/slots rounds of avg. Without an average, it waits at
+// most one decode as long as fewer handoffs wait than there are slots.
+func decodeRoom(pending, idle, slots int, avg, ttl time.Duration) bool {
+	if pending < idle {
+		return true
+	}
+	slots = max(slots, 1)
+	if avg <= 0 {
+		return pending < slots
+	}
+	ahead := pending - idle + 1
+	rounds := (ahead + slots - 1) / slots
+	return time.Duration(rounds)*avg < ttl
 }

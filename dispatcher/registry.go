@@ -36,9 +36,12 @@ type WorkerInfo struct {
 	InFlight int    `json:"in_flight"`
 	// KVReleased counts the handoffs whose KV this worker released, and
 	// DeadLettersRefused the failures a full DLQ refused, since it started.
-	KVReleased         int64     `json:"kv_released,omitempty"`
-	DeadLettersRefused int64     `json:"dead_letters_refused,omitempty"`
-	Started            time.Time `json:"started"`
+	KVReleased         int64 `json:"kv_released,omitempty"`
+	DeadLettersRefused int64 `json:"dead_letters_refused,omitempty"`
+	// AvgJobMs is how long this worker's jobs have taken of late (an
+	// exponential average), for the prefill stage's decode gate.
+	AvgJobMs float64   `json:"avg_job_ms,omitempty"`
+	Started  time.Time `json:"started"`
 }
 
 // NewWorkerID returns a unique worker id, usable as a bucket key.
@@ -59,6 +62,7 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 	put := func() {
 		info.InFlight = l.InFlight()
 		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
+		info.AvgJobMs = l.avgJobMs()
 		data, err := json.Marshal(info)
 		if err != nil {
 			l.log.Error("encode registry entry", logging.Err(err))
@@ -212,8 +216,30 @@ func (r *Registry) Models() []string {
 	return out
 }
 
-// DecodeSlots sums the slots of pool's live decode workers.
-func (r *Registry) DecodeSlots(pool string) int { return r.Slots(StageDecode, pool) }
+// DecodeCapacity sums the slots of pool's live decode workers, and
+// averages how long their jobs take (weighted by slots; 0 when no worker
+// has finished one yet).
+func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	var weighted float64
+	timed := 0
+	for _, e := range r.workers {
+		if e.info.Role != StageDecode || e.info.Pool != pool || now.Sub(e.at) > LiveFor {
+			continue
+		}
+		slots += e.info.Slots
+		if e.info.AvgJobMs > 0 {
+			weighted += e.info.AvgJobMs * float64(e.info.Slots)
+			timed += e.info.Slots
+		}
+	}
+	if timed > 0 {
+		avg = time.Duration(weighted / float64(timed) * float64(time.Millisecond))
+	}
+	return slots, avg
+}
 
 // Slots sums the slots of pool's live workers of stage.
 func (r *Registry) Slots(stage Stage, pool string) int {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -191,6 +192,7 @@ type StageLoop struct {
 	inFlight   atomic.Int64
 	released   atomic.Int64
 	dlqRefused atomic.Int64
+	avgMs      atomic.Uint64 // math.Float64bits of the jobs' average duration
 	mu         sync.Mutex
 	running    map[*runningJob]struct{}
 }
@@ -247,6 +249,24 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 // InFlight is the number of jobs running now.
 func (l *StageLoop) InFlight() int { return int(l.inFlight.Load()) }
 
+// recordDuration folds a finished job's duration into the average.
+func (l *StageLoop) recordDuration(d time.Duration) {
+	ms := float64(d.Microseconds()) / 1000
+	for {
+		old := l.avgMs.Load()
+		avg := math.Float64frombits(old)
+		next := ms
+		if avg > 0 {
+			next = 0.8*avg + 0.2*ms
+		}
+		if l.avgMs.CompareAndSwap(old, math.Float64bits(next)) {
+			return
+		}
+	}
+}
+
+func (l *StageLoop) avgJobMs() float64 { return math.Float64frombits(l.avgMs.Load()) }
+
 // Released counts the handoffs whose KV blocks this loop released.
 func (l *StageLoop) Released() int64 { return l.released.Load() }
 
@@ -262,7 +282,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	}
 	var gate *decodeGate
 	if l.cfg.Stage == StagePrefill {
-		if gate, err = newDecodeGate(ctx, l.js, l.cfg.Pool, l.log); err != nil {
+		if gate, err = newDecodeGate(ctx, l.js, l.cfg.Pool, l.cfg.KVTTL, l.log); err != nil {
 			return err
 		}
 	}
@@ -403,6 +423,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) 
 	cause := context.Cause(jctx)
 	switch {
 	case err == nil:
+		l.recordDuration(time.Since(start))
 		s.succeeded(sctx, d, time.Since(start))
 	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
 		s.stopped(sctx, cause)

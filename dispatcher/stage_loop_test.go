@@ -659,3 +659,26 @@ func TestLiveness(t *testing.T) {
 		t.Error("right after this process's own reconnect, silence was taken for a gone gateway")
 	}
 }
+
+func TestDecodeRoom(t *testing.T) {
+	const ttl = 25 * time.Second
+	for _, tc := range []struct {
+		name                 string
+		pending, idle, slots int
+		avg                  time.Duration
+		want                 bool
+	}{
+		{"an idle slot takes the handoff at once", 0, 1, 4, time.Minute, true},
+		{"more idle slots than waiting handoffs", 2, 3, 4, time.Minute, true},
+		{"no average yet: fewer waiting than slots", 3, 0, 4, 0, true},
+		{"no average yet: as many waiting as slots", 4, 0, 4, 0, false},
+		{"short decodes: a queue of rounds within the TTL", 10, 0, 4, 5 * time.Second, true}, // 3 rounds of 5 s
+		{"short decodes: too many rounds", 20, 0, 4, 5 * time.Second, false},                 // 6 rounds of 5 s
+		{"decodes longer than the TTL: only a free slot will do", 0, 0, 4, 30 * time.Second, false},
+		{"no slots known: one at a time", 0, 0, 0, 0, true},
+	} {
+		if got := decodeRoom(tc.pending, tc.idle, tc.slots, tc.avg, ttl); got != tc.want {
+			t.Errorf("%s: decodeRoom(%d, %d, %d, %v) = %v, want %v", tc.name, tc.pending, tc.idle, tc.slots, tc.avg, got, tc.want)
+		}
+	}
+}
