@@ -374,6 +374,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 			// A full DLQ refuses the entry rather than dropping older
 			// ones; the client is answered all the same.
 			s.l.dlqRefused.Add(1)
+			s.l.cfg.Metrics.deadLetterRefused(s.l.cfg.Stage)
 			s.log.Error("the dead-letter stream is full: this failure is not kept for replay", logging.Err(err))
 		case err != nil:
 			s.log.Error("could not store the dead letter; the job stays queued until it can be", logging.Err(err))
@@ -422,6 +423,7 @@ func (s *settle) release(ctx context.Context, why string) {
 		return
 	}
 	s.l.released.Add(1)
+	s.l.cfg.Metrics.released(s.l.cfg.Pool)
 	s.log.Debug("released the prefill's KV blocks", "reason", why)
 }
 
@@ -476,5 +478,6 @@ func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string
 		}
 		return err
 	}
+	l.cfg.Metrics.deadLetter(l.cfg.Stage)
 	return nil
 }

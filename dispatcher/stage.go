@@ -178,6 +178,8 @@ type StageConfig struct {
 	// MaxGenerations bounds the prefills of one request; 0 takes
 	// DefaultMaxGenerations.
 	MaxGenerations int
+	// Metrics counts dead letters and KV releases; nil counts nothing.
+	Metrics *Metrics
 }
 
 // StageLoop pulls jobs of one stage and pool and runs them.
@@ -446,6 +448,7 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 	derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error())
 	if errors.Is(derr, errDLQFull) {
 		l.dlqRefused.Add(1)
+		l.cfg.Metrics.deadLetterRefused(l.cfg.Stage)
 		l.log.Error("the dead-letter stream is full: this unreadable job is not kept", logging.Err(derr))
 	} else if derr != nil {
 		l.log.Error("could not keep an unreadable job in the dead-letter stream; it stays queued", logging.Err(derr))

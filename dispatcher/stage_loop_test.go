@@ -11,6 +11,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -680,5 +682,58 @@ func TestDecodeRoom(t *testing.T) {
 		if got := decodeRoom(tc.pending, tc.idle, tc.slots, tc.avg, ttl); got != tc.want {
 			t.Errorf("%s: decodeRoom(%d, %d, %d, %v) = %v, want %v", tc.name, tc.pending, tc.idle, tc.slots, tc.avg, got, tc.want)
 		}
+	}
+}
+
+// TestFullDLQ: a full dead-letter stream refuses a new entry rather than
+// dropping an older one, the refusal is counted, and the client is
+// answered at once.
+func TestFullDLQ(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	st, err := js.Stream(ctx, StreamDLQ)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.MaxMsgs = 1
+	if _, err := js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, DLQSubject("other", "older-failure"), []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lt := startLoop(t, nc, js, StageConfig{Metrics: m, Handler: func(context.Context, *Delivery) error {
+		return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
+	}})
+	s := lt.submit("dlq-full-1")
+	r, err := s.Next(ctx, 10*time.Second)
+	if err != nil || r.Kind != KindError || r.Status != 502 {
+		t.Fatalf("reply %+v %s, %v; want the 502 at once", r, r.Data, err)
+	}
+	waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
+	if got := testutil.ToFloat64(m.deadLettersRefused.WithLabelValues("prefill")); got != 1 {
+		t.Errorf("pdq_dead_letters_refused_total = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(m.deadLetters.WithLabelValues("prefill")); got != 0 {
+		t.Errorf("pdq_dead_letters_total = %v, want 0", got)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 1 {
+		t.Errorf("the DLQ holds %d entries, want the older one only", info.State.Msgs)
+	}
+	if _, err := st.GetLastMsgForSubject(ctx, DLQSubject("other", "older-failure")); err != nil {
+		t.Errorf("the older entry was dropped: %v", err)
+	}
+	if rec := lt.record("dlq-full-1"); rec.State != StateFailed {
+		t.Errorf("record %+v, want failed", rec)
 	}
 }

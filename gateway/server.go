@@ -15,6 +15,8 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -62,6 +64,8 @@ type Config struct {
 	// MaxQueue bounds the jobs waiting in one pool's stage; past it, a
 	// request gets a 429 with a Retry-After derived from the depth.
 	MaxQueue int
+	// Metrics is what GET /metrics serves; nil serves an empty set.
+	Metrics prometheus.Gatherer
 }
 
 func (c *Config) setDefaults() {
@@ -194,6 +198,11 @@ func (h *handlers) routes() http.Handler {
 	e.GET("/v1/models", h.models, h.requireKey)
 	e.GET("/v1/requests/:id", h.request, h.requireKey)
 	e.GET("/health", func(c echo.Context) error { return c.NoContent(http.StatusOK) })
+	metrics := h.cfg.Metrics
+	if metrics == nil {
+		metrics = prometheus.NewRegistry()
+	}
+	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(metrics, promhttp.HandlerOpts{})))
 	e.GET("/ready", h.ready)
 	return e
 }

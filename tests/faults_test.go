@@ -82,13 +82,14 @@ func (c *cluster) startGateway() {
 }
 
 // worker starts a worker process for the stage's engine.
-func (c *cluster) worker(stage dispatcher.Stage, slots int) *process {
+func (c *cluster) worker(stage dispatcher.Stage, slots int, env ...string) *process {
 	c.t.Helper()
 	engine := c.prefill
 	if stage == dispatcher.StageDecode {
 		engine = c.decode
 	}
-	p := startPDQ(c.t, append([]string{"PDQ_ENGINE_URL=" + engine.URL, fmt.Sprintf("PDQ_ENGINE_SLOTS=%d", slots)}, c.env...), string(stage))
+	env = append(append([]string{"PDQ_ENGINE_URL=" + engine.URL, fmt.Sprintf("PDQ_ENGINE_SLOTS=%d", slots)}, c.env...), env...)
+	p := startPDQ(c.t, env, string(stage))
 	p.waitLog(c.t, "stage worker pulling")
 	return p
 }
@@ -511,7 +512,8 @@ func TestFaultSuite(t *testing.T) {
 		c := startCluster(t, clusterOptions{decodeAddr: addr, prefillSim: []string{"--kv-lease", "2s"},
 			env: []string{"PDQ_MAX_GENERATIONS=2"}})
 		c.worker(dispatcher.StagePrefill, 2)
-		c.worker(dispatcher.StageDecode, 4)
+		dw := c.worker(dispatcher.StageDecode, 4, "PDQ_METRICS_ADDR=127.0.0.1:0")
+		metricsURL := "http://" + dw.waitLog(t, "serving metrics")["addr"].(string) + "/metrics"
 		c.ready()
 		kill9(t, c.decodeP)
 		outs := c.load(3, "dead", 0, pd(6, false))
@@ -521,6 +523,9 @@ func TestFaultSuite(t *testing.T) {
 			if o.status != http.StatusBadGateway {
 				t.Errorf("outcome %+v, want 502", o)
 			}
+		}
+		if m := get(t, metricsURL); !strings.Contains(string(m.body), `pdq_dead_letters_total{stage="decode"} 3`) {
+			t.Errorf("the decode worker's /metrics does not count the 3 dead letters:\n%s", m.body)
 		}
 		c.decodeP, c.decode = startSimProcess(t, "--addr", addr)
 		r.blocksHeld = c.settle(10 * time.Second)

@@ -53,6 +53,8 @@ type Config struct {
 	MaxGenerations int
 	// AckWait is the consumer's ack wait; 0 takes dispatcher.DefaultAckWait.
 	AckWait time.Duration
+	// Metrics counts dead letters and KV releases; nil counts nothing.
+	Metrics *dispatcher.Metrics
 }
 
 // Worker runs one stage on one engine.
@@ -117,6 +119,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		AckWait:        w.cfg.AckWait,
 		KVTTL:          w.cfg.KVTTL,
 		MaxGenerations: w.cfg.MaxGenerations,
+		Metrics:        w.cfg.Metrics,
 		Worker: dispatcher.WorkerInfo{
 			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),
 		},

@@ -7,11 +7,16 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/gateway"
@@ -113,18 +118,19 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 	}
 }
 
-func gatewayConfig(cfg config.Config) gateway.Config {
+func gatewayConfig(cfg config.Config, metrics prometheus.Gatherer) gateway.Config {
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
+		Metrics: metrics,
 	}
 }
 
 // workerConfig is the configuration of a worker for one engine.
-func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string) workers.Config {
+func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *dispatcher.Metrics) workers.Config {
 	return workers.Config{
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
-		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait,
+		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, Metrics: metrics,
 	}
 }
 
@@ -138,7 +144,7 @@ func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return err
 	}
 	defer drain(nc, log)
-	return gateway.New(nc, js, gatewayConfig(cfg), log).Run(ctx)
+	return gateway.New(nc, js, gatewayConfig(cfg, prometheus.NewRegistry()), log).Run(ctx)
 }
 
 func runPrefill(ctx context.Context, args []string, _, stderr io.Writer) error {
@@ -163,11 +169,42 @@ func runWorker(ctx context.Context, role dispatcher.Stage, args []string, stderr
 		return err
 	}
 	defer drain(nc, log)
-	w, err := workers.New(nc, js, workerConfig(cfg, role, cfg.EngineURL), log)
+	reg := prometheus.NewRegistry()
+	metrics, err := dispatcher.NewMetrics(reg)
 	if err != nil {
 		return err
 	}
-	return w.Run(ctx)
+	w, err := workers.New(nc, js, workerConfig(cfg, role, cfg.EngineURL, metrics), log)
+	if err != nil {
+		return err
+	}
+	if cfg.MetricsAddr == "" {
+		return w.Run(ctx)
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg, log) })
+	g.Go(func() error { return w.Run(gctx) })
+	return g.Wait()
+}
+
+// serveMetrics serves GET /metrics from reg on addr until ctx ends.
+func serveMetrics(ctx context.Context, addr string, reg prometheus.Gatherer, log *slog.Logger) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("metrics: listen on %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	log.Info("serving metrics", "addr", ln.Addr().String())
+	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("metrics: %w", err)
+	}
+	return nil
 }
 
 func helpIsNoError(err error) error {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -68,6 +69,13 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("gateway: listen on %s: %w", cfg.HTTPAddr, err)
 	}
+	// One set of metrics for the whole process, served by the gateway.
+	reg := prometheus.NewRegistry()
+	metrics, err := dispatcher.NewMetrics(reg)
+	if err != nil {
+		gwLn.Close()
+		return err
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	prefill, decode := cfg.PrefillEngines, cfg.DecodeEngines
 	simulated := len(prefill) == 0
@@ -90,7 +98,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		urls []string
 	}{{dispatcher.StagePrefill, prefill}, {dispatcher.StageDecode, decode}} {
 		for _, url := range eng.urls {
-			w, err := workers.New(nc, js, workerConfig(cfg, eng.role, url), log)
+			w, err := workers.New(nc, js, workerConfig(cfg, eng.role, url, metrics), log)
 			if err != nil {
 				gwLn.Close()
 				return err
@@ -98,7 +106,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			g.Go(func() error { return w.Run(gctx) })
 		}
 	}
-	gw := gateway.New(nc, js, gatewayConfig(cfg), log)
+	gw := gateway.New(nc, js, gatewayConfig(cfg, reg), log)
 	g.Go(func() error { return gw.Serve(gctx, gwLn) })
 
 	// Say "up" once the workers can take requests, so the curl line works

@@ -55,6 +55,11 @@ type Config struct {
 	// loopback or unspecified one.
 	KVHost string `envconfig:"KV_HOST"`
 
+	// MetricsAddr is where a lone worker (pdq prefill, pdq decode) serves
+	// /metrics; empty serves none. The gateway serves /metrics on its own
+	// address, for itself and for pdq up's workers.
+	MetricsAddr string `envconfig:"METRICS_ADDR"`
+
 	// APIKeys, when set, are the bearer tokens the gateway accepts.
 	APIKeys []string `envconfig:"API_KEYS"`
 	// DisaggMinPromptTokens is the P/D threshold: prompts estimated shorter
