@@ -35,7 +35,20 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
 	}
+	// Zeros from the start, so that a dashboard sees the series before the
+	// first failure.
+	for _, stage := range []Stage{StagePrefill, StageDecode} {
+		m.deadLetters.WithLabelValues(string(stage))
+		m.deadLettersRefused.WithLabelValues(string(stage))
+	}
 	return m, nil
+}
+
+// pool shows pool's series from the start.
+func (m *Metrics) pool(pool string) {
+	if m != nil {
+		m.kvReleased.WithLabelValues(pool)
+	}
 }
 
 func (m *Metrics) deadLetter(stage Stage) {

@@ -298,6 +298,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
+		l.cfg.Metrics.pool(l.cfg.Pool)
 		bg.Go(func() { l.releaseLoop(ctx) })
 	}
 
