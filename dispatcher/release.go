@@ -17,8 +17,9 @@ func releaseConsumer(pool string) string { return "release-" + pool }
 
 // releaseLoop frees the KV of handoffs that the prefill stage could not
 // store (PDQ_DECODE full): every decode worker of the pool takes them, one
-// at a time, between its jobs' engine calls.
-func (l *StageLoop) releaseLoop(ctx context.Context) {
+// at a time, each in one of the worker's slots, so the engine never gets
+// more calls than the slots.
+func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 	var cons jetstream.Consumer
 	for ctx.Err() == nil {
 		if cons == nil {
@@ -53,7 +54,13 @@ func (l *StageLoop) releaseLoop(ctx context.Context) {
 			}
 			continue
 		}
+		select {
+		case slots <- struct{}{}:
+		case <-ctx.Done():
+			return // the message comes back after the ack wait
+		}
 		l.releaseOne(ctx, msg)
+		<-slots
 	}
 }
 
@@ -70,10 +77,21 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 	s := &settle{l: l, msg: msg, job: job, attempt: 1, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	// At most once: a release that ran twice would read freed blocks, which
 	// with NIXL v1 kills the decode engine; one that never ran only leaves
-	// the blocks to their lease.
-	if err := msg.DoubleAck(ctx); err != nil {
-		s.log.Warn("could not take a release off its queue; leaving the KV to its lease", logging.Err(err))
+	// the blocks to their lease. Deleting the message claims it: of two
+	// workers holding it (a redelivery), only one delete succeeds.
+	meta, err := msg.Metadata()
+	if err == nil {
+		var st jetstream.Stream
+		if st, err = l.js.Stream(ctx, StreamRelease); err == nil {
+			err = st.DeleteMsg(ctx, meta.Sequence.Stream)
+		}
+	}
+	if err != nil {
+		s.log.Debug("release not claimed (taken by another worker, or NATS unreachable); leaving it", logging.Err(err))
 		return
+	}
+	if err := msg.Ack(); err != nil {
+		s.log.Debug("ack of a claimed release failed; the message is gone all the same", logging.Err(err))
 	}
 	s.release(context.WithoutCancel(ctx), "its handoff could not be stored")
 }

@@ -141,7 +141,13 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 				status = http.StatusTooManyRequests
 			}
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
-			s.queueRelease(ctx, d.handoff)
+			if errors.Is(err, ErrQueueFull) {
+				// A full stream refused it outright (it checks for a
+				// duplicate first): nothing was stored, so nothing else will
+				// read or release the KV. After any other error the handoff
+				// may have been stored, and is left to its decode or lease.
+				s.queueRelease(ctx, d.handoff)
+			}
 			e := openai.NewError(status, "could not queue the decode stage: %v", err)
 			s.end(ctx, StateFailed, &RecordError{Status: status, Message: e.Message, Stage: StagePrefill})
 			s.answer(e)
@@ -472,12 +478,15 @@ func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string
 	m.Header[HeaderReason] = []string{truncate(reason, 1024)}
 	m.Header[nats.MsgIdHdr] = []string{id + "/dlq/" + msg.Headers().Get(HeaderGeneration)}
 	m.Data = msg.Data()
-	if _, err := l.js.PublishMsg(ctx, m); err != nil {
+	ack, err := l.js.PublishMsg(ctx, m)
+	if err != nil {
 		if isFull(err) {
 			return fmt.Errorf("%w (%d entries or %d bytes): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
 		}
 		return err
 	}
-	l.cfg.Metrics.deadLetter(l.cfg.Stage)
+	if !ack.Duplicate { // a duplicate was counted when it was stored
+		l.cfg.Metrics.deadLetter(l.cfg.Stage)
+	}
 	return nil
 }

@@ -297,16 +297,16 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	var bg sync.WaitGroup
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
+	slots := make(chan struct{}, l.cfg.Slots)
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
 		l.cfg.Metrics.pool(l.cfg.Pool)
-		bg.Go(func() { l.releaseLoop(ctx) })
+		bg.Go(func() { l.releaseLoop(ctx, slots) })
 	}
 
 	// Jobs outlive ctx by the grace period, so a shutdown does not abort
 	// engine calls that are about to finish.
 	jobCtx, stopJobs := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopJobs()
-	slots := make(chan struct{}, l.cfg.Slots)
 	var wg sync.WaitGroup
 	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", ConsumerName(l.cfg.Stage, l.cfg.Pool))
 pull:
