@@ -135,14 +135,15 @@ func (rp *Replayer) Find(ctx context.Context, id string) (DeadLetter, error) {
 	if err != nil {
 		return DeadLetter{}, err
 	}
-	for m := range batch.Messages() {
-		meta, err := m.Metadata()
-		if err != nil {
-			return DeadLetter{}, err
-		}
-		return rp.load(ctx, st, meta.Sequence.Stream)
+	m, ok := <-batch.Messages() // one at most: the latest for the id
+	if !ok {
+		return DeadLetter{}, fmt.Errorf("%s: %w", id, ErrNoDeadLetter)
 	}
-	return DeadLetter{}, fmt.Errorf("%s: %w", id, ErrNoDeadLetter)
+	meta, err := m.Metadata()
+	if err != nil {
+		return DeadLetter{}, err
+	}
+	return rp.load(ctx, st, meta.Sequence.Stream)
 }
 
 // Replay runs a dead letter's request again as its next generation, with

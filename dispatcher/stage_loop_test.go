@@ -737,3 +737,55 @@ func TestFullDLQ(t *testing.T) {
 		t.Errorf("record %+v, want failed", rec)
 	}
 }
+
+// TestReplay: a dead letter is found by id (through its record, or without
+// one), replayed once as the next generation, and refused while in flight.
+// (The fault suite replays through the whole pipeline, to a done record.)
+func TestReplay(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	var fail atomic.Bool
+	fail.Store(true)
+	lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+		if fail.Load() {
+			return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
+		}
+		return nil
+	}})
+	for _, id := range []string{"replay-1", "replay-2"} {
+		lt.submit(id)
+		waitFor(t, "the dead letter of "+id, func() bool { return lt.deadLetter(id) != nil })
+	}
+	records, _ := OpenRecords(ctx, js)
+	if err := records.kv.Delete(ctx, "replay-2"); err != nil { // as if older than the bucket's TTL
+		t.Fatal(err)
+	}
+	rp, err := NewReplayer(ctx, js, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail.Store(false)
+	for _, id := range []string{"replay-1", "replay-2"} {
+		dl, err := rp.Find(ctx, id)
+		if err != nil {
+			t.Fatalf("find %s: %v", id, err)
+		}
+		gen, err := rp.Replay(ctx, dl)
+		if err != nil || gen != 2 {
+			t.Fatalf("replay %s: generation %d, %v; want 2", id, gen, err)
+		}
+		if _, err := rp.Replay(ctx, dl); !errors.Is(err, ErrLive) {
+			t.Errorf("a second replay of %s: %v, want ErrLive", id, err)
+		}
+		// This loop is a prefill stage with no decode after it: the record
+		// stays queued in generation 2, and the job ran and was acked.
+		rec := lt.record(id)
+		if rec.State != StateQueued || rec.Generation != 2 || rec.Replays != 1 || rec.Gateway != "" {
+			t.Errorf("replayed record %+v; want queued in generation 2 after 1 replay, with no gateway", rec)
+		}
+		waitFor(t, "the replayed job run", func() bool { return lt.pending(StagePrefill) == 0 })
+		if _, err := rp.Find(ctx, id); !errors.Is(err, ErrNoDeadLetter) {
+			t.Errorf("the dead letter of %s is still there after its replay: %v", id, err)
+		}
+	}
+}
