@@ -185,27 +185,8 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 	}
 	job.Generation, job.ReplyTo, job.Deadline, job.Submitted = rec.Generation, "", rec.Deadline, now
 	job.KV, job.Prefill = nil, nil
-	err = publish(ctx, rp.js, job.Msg(stage))
-	for range 3 {
-		if !errors.Is(err, ErrDuplicate) {
-			break
-		}
-		// The generation's ids are still deduplicated (a regeneration that
-		// ended): take the next one.
-		next, terr := rp.records.Transition(ctx, job.ID, func(r *Record) error {
-			r.Generation++
-			return nil
-		})
-		if terr != nil {
-			err = terr
-			break
-		}
-		rec = next
-		job.Generation = rec.Generation
-		err = publish(ctx, rp.js, job.Msg(stage))
-	}
-	if err != nil {
-		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, rec.Generation, StateFailed,
+	if err := publishGeneration(ctx, rp.js, rp.records, job, stage); err != nil {
+		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, job.Generation, StateFailed,
 			&RecordError{Status: 503, Message: "replay could not queue the request: " + err.Error()}); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
@@ -216,9 +197,9 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 		err = st.DeleteMsg(ctx, dl.seq)
 	}
 	if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
-		return rec.Generation, fmt.Errorf("queued, but the dead letter stays: %w", err)
+		return job.Generation, fmt.Errorf("queued, but the dead letter stays: %w", err)
 	}
-	return rec.Generation, nil
+	return job.Generation, nil
 }
 
 // Wait waits until id's record ends, or ctx does, and returns it.

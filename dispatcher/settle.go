@@ -100,8 +100,10 @@ func (s *settle) admit(ctx context.Context) bool {
 }
 
 // handedOff reports whether this generation's handoff is in the decode
-// stream (or was already pulled from it, in which case the record has moved
-// on and admit dropped the job before).
+// stream: waiting, or being decoded (a work queue keeps a message until it
+// is acked). Once decoded and acked, the gateway records the request done
+// and admit drops the job before this; in the moment between the two, the
+// prefill runs again and its KV is left to its lease.
 func (s *settle) handedOff(ctx context.Context) bool {
 	st, err := s.l.js.Stream(ctx, StreamDecode)
 	if err != nil {
@@ -136,12 +138,10 @@ func (s *settle) stopped(ctx context.Context, cause error) {
 func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration) {
 	if d.handoff != nil {
 		if err := s.storeHandoff(ctx, d.handoff); err != nil {
+			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
 			status := http.StatusServiceUnavailable
 			if errors.Is(err, ErrQueueFull) {
 				status = http.StatusTooManyRequests
-			}
-			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
-			if errors.Is(err, ErrQueueFull) {
 				// A full stream refused it outright (it checks for a
 				// duplicate first): nothing was stored, so nothing else will
 				// read or release the KV. After any other error the handoff
@@ -379,8 +379,6 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 		case errors.Is(err, errDLQFull):
 			// A full DLQ refuses the entry rather than dropping older
 			// ones; the client is answered all the same.
-			s.l.dlqRefused.Add(1)
-			s.l.cfg.Metrics.deadLetterRefused(s.l.cfg.Stage)
 			s.log.Error("the dead-letter stream is full: this failure is not kept for replay", logging.Err(err))
 		case err != nil:
 			s.log.Error("could not store the dead letter; the job stays queued until it can be", logging.Err(err))
@@ -463,7 +461,8 @@ var errDLQFull = errors.New("the dead-letter stream is full")
 // deadLetter keeps a failed job for replay: its message as it was, with
 // the stage, status and reason. WorkQueue streams delete a terminated
 // message, so it is stored before the term. One entry per request id; a
-// full DLQ refuses new entries rather than dropping old ones.
+// full DLQ refuses new entries rather than dropping old ones, and each
+// refusal is counted here.
 func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string, status int, reason string) error {
 	pool := msg.Headers().Get(HeaderPool)
 	if !ValidPool(pool) {
@@ -481,6 +480,8 @@ func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string
 	ack, err := l.js.PublishMsg(ctx, m)
 	if err != nil {
 		if isFull(err) {
+			l.dlqRefused.Add(1)
+			l.cfg.Metrics.deadLetterRefused(l.cfg.Stage)
 			return fmt.Errorf("%w (%d entries or %d bytes): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
 		}
 		return err

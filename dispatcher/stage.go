@@ -448,8 +448,6 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 	}
 	derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error())
 	if errors.Is(derr, errDLQFull) {
-		l.dlqRefused.Add(1)
-		l.cfg.Metrics.deadLetterRefused(l.cfg.Stage)
 		l.log.Error("the dead-letter stream is full: this unreadable job is not kept", logging.Err(derr))
 	} else if derr != nil {
 		l.log.Error("could not keep an unreadable job in the dead-letter stream; it stays queued", logging.Err(derr))

@@ -407,51 +407,43 @@ func TestLifecycle(t *testing.T) {
 		}
 	})
 
-	t.Run("a job of an unknown envelope version is answered and dead-lettered", func(t *testing.T) {
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
-			t.Error("the handler ran an unreadable job")
-			return nil
-		}})
-		s, err := lt.replies.Open("v9-1")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close()
-		job := &Job{ID: "v9-1", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
-			ReplyTo: lt.replies.Subject("v9-1"), Generation: 1}
-		m := job.Msg(StagePrefill)
-		m.Header.Set(HeaderVersion, "9")
-		if _, err := js.PublishMsg(ctx, m); err != nil {
-			t.Fatal(err)
-		}
-		r, err := s.Next(ctx, 10*time.Second)
-		if err != nil || r.Kind != KindError || r.Status != 500 || !strings.Contains(string(r.Data), "envelope version") {
-			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
-		}
-		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("v9-1") != nil })
-	})
-
-	t.Run("a job that fails validation is answered at its reply subject", func(t *testing.T) {
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
-			t.Error("the handler ran an invalid job")
-			return nil
-		}})
-		s, err := lt.replies.Open("bad-1")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close()
-		job := &Job{ID: "bad-1", Model: "m", Pool: lt.pool, Endpoint: "embeddings", Body: []byte(`{}`),
-			ReplyTo: lt.replies.Subject("bad-1"), Generation: 1}
-		if _, err := js.PublishMsg(ctx, job.Msg(StagePrefill)); err != nil {
-			t.Fatal(err)
-		}
-		r, err := s.Next(ctx, 10*time.Second)
-		if err != nil || r.Kind != KindError || !strings.Contains(string(r.Data), "unknown endpoint") {
-			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
-		}
-		waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
-	})
+	for _, tc := range []struct {
+		name, id string
+		spoil    func(*nats.Msg)
+		status   int
+		want     string
+	}{
+		// Both are answered at their reply subject and dead-lettered.
+		{"a job of an unknown envelope version", "v9-1",
+			func(m *nats.Msg) { m.Header.Set(HeaderVersion, "9") }, 500, "envelope version"},
+		{"a job that fails validation", "bad-1",
+			func(m *nats.Msg) { m.Header.Set(HeaderEndpoint, "embeddings") }, 500, "unknown endpoint"},
+	} {
+		t.Run(tc.name+" is answered and dead-lettered", func(t *testing.T) {
+			lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+				t.Error("the handler ran an unreadable job")
+				return nil
+			}})
+			s, err := lt.replies.Open(tc.id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			job := &Job{ID: tc.id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+				ReplyTo: lt.replies.Subject(tc.id), Generation: 1}
+			m := job.Msg(StagePrefill)
+			tc.spoil(m)
+			if _, err := js.PublishMsg(ctx, m); err != nil {
+				t.Fatal(err)
+			}
+			r, err := s.Next(ctx, 10*time.Second)
+			if err != nil || r.Kind != KindError || r.Status != tc.status || !strings.Contains(string(r.Data), tc.want) {
+				t.Fatalf("reply %+v %s, %v", r, r.Data, err)
+			}
+			waitFor(t, "the dead letter", func() bool { return lt.deadLetter(tc.id) != nil })
+			waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
+		})
+	}
 
 	t.Run("the body travels as the client's bytes", func(t *testing.T) {
 		body := []byte(`{"model":"m","prompt":"<a href=\"x\">&amp;</a>\u2028 é","z":1,  "a":[ 1 ]}`)

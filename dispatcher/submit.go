@@ -66,29 +66,14 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) error {
 	if err != nil {
 		return err
 	}
-	// A retry's generation may have been used by a regeneration that
-	// JetStream still deduplicates: take the next one.
-	for range 3 {
-		job.Generation = rec.Generation
-		err = publish(ctx, s.js, job.Msg(stage))
-		if !errors.Is(err, ErrDuplicate) {
-			break
-		}
-		if _, err = s.records.Transition(ctx, job.ID, func(r *Record) error {
-			r.Generation++
-			rec = r
-			return nil
-		}); err != nil {
-			break
-		}
-	}
-	if err != nil {
+	job.Generation = rec.Generation
+	if err = publishGeneration(ctx, s.js, s.records, job, stage); err != nil {
 		status := 503
 		if errors.Is(err, ErrQueueFull) {
 			status = 429
 		}
 		// The id must not stay claimed by a request that never queued.
-		if rerr := s.records.End(context.WithoutCancel(ctx), job.ID, rec.Generation, StateFailed,
+		if rerr := s.records.End(context.WithoutCancel(ctx), job.ID, job.Generation, StateFailed,
 			&RecordError{Status: status, Message: err.Error()}); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
@@ -118,6 +103,30 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) error {
 		return fmt.Errorf("record %s: %w", rec.ID, err)
 	}
 	return nil
+}
+
+// publishGeneration stores a job its record has just claimed. The record's
+// generation may be one whose message ids JetStream still deduplicates (a
+// regeneration of an earlier request under this id, within the dedup
+// window): then the record and the job take the next generation, up to 3
+// times. It sets job.Generation to the one stored.
+func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Records, job *Job, stage Stage) error {
+	err := publish(ctx, js, job.Msg(stage))
+	for range 3 {
+		if !errors.Is(err, ErrDuplicate) {
+			return err
+		}
+		rec, terr := records.Transition(ctx, job.ID, func(r *Record) error {
+			r.Generation++
+			return nil
+		})
+		if terr != nil {
+			return terr
+		}
+		job.Generation = rec.Generation
+		err = publish(ctx, js, job.Msg(stage))
+	}
+	return err
 }
 
 // publish stores msg on its stream, deduplicated by its Nats-Msg-Id.
