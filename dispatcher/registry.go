@@ -40,9 +40,26 @@ type WorkerInfo struct {
 	DeadLettersRefused int64 `json:"dead_letters_refused,omitempty"`
 	// AvgJobMs is how long this worker's jobs have taken of late (an
 	// exponential average), for the prefill stage's decode gate.
-	AvgJobMs float64   `json:"avg_job_ms,omitempty"`
-	Started  time.Time `json:"started"`
+	AvgJobMs float64 `json:"avg_job_ms,omitempty"`
+	// Breaker is the state of the worker's circuit breaker on its engine:
+	// closed (healthy), open (the engine keeps failing; the worker probes
+	// it and pulls nothing) or half-open (one trial job).
+	Breaker BreakerState `json:"breaker,omitempty"`
+	Started time.Time    `json:"started"`
 }
+
+// BreakerState is the state of a worker's circuit breaker.
+type BreakerState string
+
+// The breaker states.
+const (
+	BreakerClosed   BreakerState = "closed"
+	BreakerOpen     BreakerState = "open"
+	BreakerHalfOpen BreakerState = "half-open"
+)
+
+// Healthy reports whether the worker's engine is taking jobs.
+func (w WorkerInfo) Healthy() bool { return w.Breaker != BreakerOpen }
 
 // NewWorkerID returns a unique worker id, usable as a bucket key.
 func NewWorkerID(role Stage) string { return string(role) + "-" + randomID() }
@@ -179,6 +196,9 @@ type PoolStatus struct {
 	Known   bool // a worker for the model has been seen since the gateway started
 	Prefill int
 	Decode  int
+	// PrefillHealthy counts the live prefill workers whose breaker is not
+	// open: the ones a prefill job can expect to run on.
+	PrefillHealthy int
 }
 
 // Status reports the live workers of model.
@@ -194,6 +214,9 @@ func (r *Registry) Status(model string) PoolStatus {
 		switch e.info.Role {
 		case StagePrefill:
 			s.Prefill++
+			if e.info.Healthy() {
+				s.PrefillHealthy++
+			}
 		case StageDecode:
 			s.Decode++
 		}

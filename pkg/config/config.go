@@ -85,7 +85,57 @@ type Config struct {
 	MaxQueue int `envconfig:"MAX_QUEUE" default:"1024"`
 	// MaxInflightBytes bounds the request bodies the gateway holds at once.
 	MaxInflightBytes int64 `envconfig:"MAX_INFLIGHT_BYTES" default:"536870912"`
+	// MaxDeliver is how many deliveries of one job a stage runs before the
+	// job fails for good (a crashed worker's job is delivered again).
+	MaxDeliver int `envconfig:"MAX_DELIVER" default:"4"`
+
+	// PrefillTimeout bounds a prefill engine's answer; past it the attempt
+	// fails as retryable and the job goes to another engine.
+	PrefillTimeout time.Duration `envconfig:"PREFILL_TIMEOUT" default:"60s"`
+	// StallTimeout bounds the silence of a decode: the engine's time to its
+	// first chunk and between chunks, and the gateway's wait for a running
+	// decode's heartbeats.
+	StallTimeout time.Duration `envconfig:"STALL_TIMEOUT" default:"30s"`
+	// PrefillFallback is what the gateway does with a long prompt when its
+	// pool has no healthy prefill worker: decode (the decode engine
+	// prefills it itself) or fail (503).
+	PrefillFallback string `envconfig:"PREFILL_FALLBACK" default:"decode"`
+	// MigrationLimit bounds how many times one request's decode moves to
+	// another engine after output was sent; 0 ends such a stream with an
+	// error.
+	MigrationLimit int `envconfig:"MIGRATION_LIMIT" default:"1"`
+	// BreakerFailures is how many consecutive transport errors, 5xx or
+	// time-outs open a worker's circuit breaker on its engine.
+	BreakerFailures int `envconfig:"BREAKER_FAILURES" default:"3"`
+
+	// NATS holds the NATS connection's credentials and stream replicas.
+	NATS NATS
 }
+
+// NATS is how every process authenticates to NATS, and how many replicas
+// the streams and buckets it creates get.
+type NATS struct {
+	// Replicas is the streams' and buckets' replica count: 1 on one server,
+	// 3 in a 3-node cluster.
+	Replicas int `envconfig:"NATS_REPLICAS" default:"1"`
+	// User and Password, or Token, or Creds (a .creds file) authenticate;
+	// credentials in PDQ_NATS_URL work too.
+	User     string `envconfig:"NATS_USER"`
+	Password string `envconfig:"NATS_PASSWORD"`
+	Token    string `envconfig:"NATS_TOKEN"`
+	Creds    string `envconfig:"NATS_CREDS"`
+	// CA is a PEM file of the CAs that sign the server's certificate; Cert
+	// and Key are the client's certificate for mutual TLS.
+	CA   string `envconfig:"NATS_CA"`
+	Cert string `envconfig:"NATS_CERT"`
+	Key  string `envconfig:"NATS_KEY"`
+}
+
+// The values of PDQ_PREFILL_FALLBACK.
+const (
+	FallbackDecode = "decode"
+	FallbackFail   = "fail"
+)
 
 // ErrInvalid is wrapped by every validation error.
 var ErrInvalid = errors.New("invalid configuration")
@@ -164,6 +214,26 @@ func (c Config) Validate() error {
 	positive("PDQ_MAX_GENERATIONS", c.MaxGenerations > 0, c.MaxGenerations)
 	positive("PDQ_MAX_INFLIGHT_BYTES", c.MaxInflightBytes > 0, c.MaxInflightBytes)
 	positive("PDQ_MAX_QUEUE", c.MaxQueue > 0, c.MaxQueue)
+	positive("PDQ_MAX_DELIVER", c.MaxDeliver > 0, c.MaxDeliver)
+	positive("PDQ_PREFILL_TIMEOUT", c.PrefillTimeout > 0, c.PrefillTimeout)
+	if c.StallTimeout < time.Second {
+		errs = append(errs, fmt.Errorf("%w: PDQ_STALL_TIMEOUT must be at least 1s, got %v", ErrInvalid, c.StallTimeout))
+	}
+	switch c.PrefillFallback {
+	case FallbackDecode, FallbackFail:
+	default:
+		errs = append(errs, fmt.Errorf("%w: PDQ_PREFILL_FALLBACK: %q is not decode or fail", ErrInvalid, c.PrefillFallback))
+	}
+	if c.MigrationLimit < 0 {
+		errs = append(errs, fmt.Errorf("%w: PDQ_MIGRATION_LIMIT must not be negative, got %d", ErrInvalid, c.MigrationLimit))
+	}
+	positive("PDQ_BREAKER_FAILURES", c.BreakerFailures > 0, c.BreakerFailures)
+	if c.NATS.Replicas < 1 || c.NATS.Replicas > 5 {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_REPLICAS must be 1 to 5, got %d", ErrInvalid, c.NATS.Replicas))
+	}
+	if (c.NATS.Cert == "") != (c.NATS.Key == "") {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_CERT and PDQ_NATS_KEY go together", ErrInvalid))
+	}
 	if c.HTTPAddr == "" {
 		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))
 	}
