@@ -29,7 +29,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 				FilterSubject: subjectRelease + "." + l.cfg.Pool + ".>",
 				AckPolicy:     jetstream.AckExplicitPolicy,
 				AckWait:       l.cfg.AckWait,
-				MaxDeliver:    MaxDeliver,
+				MaxDeliver:    l.cfg.MaxDeliver,
 			})
 			if err != nil {
 				l.log.Warn("no release queue; retrying in 5s", logging.Err(err))

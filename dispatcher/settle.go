@@ -81,8 +81,8 @@ func (s *settle) admit(ctx context.Context) bool {
 		}
 		return false
 	}
-	if s.attempt > MaxDeliver {
-		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, MaxDeliver)
+	if s.attempt > l.cfg.MaxDeliver {
+		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, l.cfg.MaxDeliver)
 		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)
 		return false
 	}
@@ -299,7 +299,7 @@ func (s *settle) failed(ctx context.Context, err error) {
 		// Before output, but the engine may have read the KV blocks.
 		s.log.Warn("decode failed before output", logging.Err(err))
 		s.regenerate(ctx, "decode failed before output: "+err.Error(), false)
-	case s.attempt < MaxDeliver:
+	case s.attempt < s.l.cfg.MaxDeliver:
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
 		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := s.msg.NakWithDelay(delay); err != nil {

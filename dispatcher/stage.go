@@ -178,6 +178,9 @@ type StageConfig struct {
 	// MaxGenerations bounds the prefills of one request; 0 takes
 	// DefaultMaxGenerations.
 	MaxGenerations int
+	// MaxDeliver bounds the deliveries of one job; 0 takes
+	// DefaultMaxDeliver.
+	MaxDeliver int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
 }
@@ -222,7 +225,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
 		return nil, fmt.Errorf("stage loop: pool, slots >= 1 and a handler are required")
 	}
-	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 {
+	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 {
 		return nil, fmt.Errorf("stage loop: durations and limits must not be negative")
 	}
 	if cfg.Grace == 0 {
@@ -239,6 +242,9 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	}
 	if cfg.MaxGenerations == 0 {
 		cfg.MaxGenerations = DefaultMaxGenerations
+	}
+	if cfg.MaxDeliver == 0 {
+		cfg.MaxDeliver = DefaultMaxDeliver
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{

@@ -212,7 +212,7 @@ func TestStageLoop(t *testing.T) {
 		}
 	})
 
-	t.Run("out of attempts after MaxDeliver", func(t *testing.T) {
+	t.Run("out of attempts after DefaultMaxDeliver", func(t *testing.T) {
 		var calls atomic.Int32
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
@@ -223,8 +223,8 @@ func TestStageLoop(t *testing.T) {
 		if err != nil || r.Kind != KindError || r.Status != 502 || !strings.Contains(string(r.Data), "after 4 attempts") {
 			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
 		}
-		if calls.Load() != MaxDeliver {
-			t.Errorf("handler ran %d times, want %d", calls.Load(), MaxDeliver)
+		if calls.Load() != DefaultMaxDeliver {
+			t.Errorf("handler ran %d times, want %d", calls.Load(), DefaultMaxDeliver)
 		}
 		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-3") != nil })
 		if dl := lt.deadLetter("job-3"); dl.Header.Get(HeaderStage) != "prefill" || dl.Header.Get(HeaderStatus) != "502" ||
@@ -379,7 +379,7 @@ func TestLifecycle(t *testing.T) {
 		}
 		defer lt.replies.Close()
 		s := lt.submit("crash-1")
-		for i := range MaxDeliver {
+		for i := range DefaultMaxDeliver {
 			// A worker that pulls the job and dies: no ack, no nak.
 			msg, err := cons.Next(jetstream.FetchMaxWait(5 * time.Second))
 			if err != nil {

@@ -26,11 +26,12 @@ const (
 	maxAckPending   = 10000
 	maxWaitingPulls = 512
 
-	// MaxDeliver is how many deliveries of one job a stage runs before the
-	// job fails for good. The stage loop counts them at pull, not the
-	// consumer: a consumer's own limit would leave an exhausted message
-	// sitting in the work queue with nobody to answer its client.
-	MaxDeliver = 4
+	// DefaultMaxDeliver is how many deliveries of one job a stage runs
+	// before the job fails for good (PDQ_MAX_DELIVER). The stage loop
+	// counts them at pull, not the consumer: a consumer's own limit would
+	// leave an exhausted message sitting in the work queue with nobody to
+	// answer its client.
+	DefaultMaxDeliver = 4
 	// DefaultAckWait is how long a job may go without an ack or InProgress
 	// before it is redelivered to another worker: a crashed worker's jobs
 	// move on after this long. Running jobs send InProgress every third of
@@ -131,7 +132,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 		FilterSubject: stageSubject(stage) + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
-		MaxDeliver:    -1, // counted by the stage loop: see MaxDeliver
+		MaxDeliver:    -1, // counted by the stage loop: see DefaultMaxDeliver
 		MaxAckPending: maxAckPending,
 		MaxWaiting:    maxWaitingPulls,
 		DeliverPolicy: jetstream.DeliverAllPolicy,

@@ -194,6 +194,9 @@ type row struct {
 	cancelledCalls      int64
 	blocksHeld          int64
 	replayed, replayedN int
+	// cost is what the fault cost the clients, e.g. "+320 ms p50"; empty
+	// when not measured.
+	cost string
 }
 
 // tally counts outcomes: a client that gave up itself is not an accepted
@@ -251,10 +254,10 @@ func TestFaultSuite(t *testing.T) {
 	t.Cleanup(func() {
 		var b strings.Builder
 		fmt.Fprintf(&b, "\nFault suite (%s)\n", time.Now().Format(time.RFC3339))
-		fmt.Fprintf(&b, "| %-52s | %4s | %8s | %9s | %6s | %4s | %19s | %11s | %8s |\n",
-			"scenario", "left", "accepted", "completed", "errors", "lost", "calls for cancelled", "blocks held", "replayed")
-		fmt.Fprintf(&b, "|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 6), strings.Repeat("-", 10),
-			strings.Repeat("-", 11), strings.Repeat("-", 8), strings.Repeat("-", 6), strings.Repeat("-", 21), strings.Repeat("-", 13), strings.Repeat("-", 10))
+		fmt.Fprintf(&b, "| %-52s | %4s | %8s | %9s | %6s | %4s | %19s | %11s | %8s | %-28s |\n",
+			"scenario", "left", "accepted", "completed", "errors", "lost", "calls for cancelled", "blocks held", "replayed", "cost to clients")
+		fmt.Fprintf(&b, "|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 6), strings.Repeat("-", 10),
+			strings.Repeat("-", 11), strings.Repeat("-", 8), strings.Repeat("-", 6), strings.Repeat("-", 21), strings.Repeat("-", 13), strings.Repeat("-", 10), strings.Repeat("-", 30))
 		for _, r := range rows {
 			replayed := "-"
 			if r.replayedN > 0 {
@@ -264,8 +267,12 @@ func TestFaultSuite(t *testing.T) {
 			if r.cancelledCalls >= 0 {
 				calls = fmt.Sprint(r.cancelledCalls)
 			}
-			fmt.Fprintf(&b, "| %-52s | %4d | %8d | %9d | %6d | %4d | %19s | %11d | %8s |\n",
-				r.scenario, r.left, r.accepted, r.completed, r.errors, r.lost, calls, r.blocksHeld, replayed)
+			cost := r.cost
+			if cost == "" {
+				cost = "-"
+			}
+			fmt.Fprintf(&b, "| %-52s | %4d | %8d | %9d | %6d | %4d | %19s | %11d | %8s | %-28s |\n",
+				r.scenario, r.left, r.accepted, r.completed, r.errors, r.lost, calls, r.blocksHeld, replayed, cost)
 		}
 		fmt.Fprint(os.Stdout, b.String())
 	})

@@ -89,7 +89,7 @@ func TestLifecycleCrashedDeliveriesAnswered(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}()
-	for i := range dispatcher.MaxDeliver {
+	for i := range dispatcher.DefaultMaxDeliver {
 		if i > 0 {
 			w = c.worker(dispatcher.StagePrefill, 1)
 		}

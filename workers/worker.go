@@ -53,6 +53,9 @@ type Config struct {
 	MaxGenerations int
 	// AckWait is the consumer's ack wait; 0 takes dispatcher.DefaultAckWait.
 	AckWait time.Duration
+	// MaxDeliver bounds the deliveries of one job (PDQ_MAX_DELIVER); 0
+	// takes dispatcher.DefaultMaxDeliver.
+	MaxDeliver int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -119,6 +122,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		AckWait:        w.cfg.AckWait,
 		KVTTL:          w.cfg.KVTTL,
 		MaxGenerations: w.cfg.MaxGenerations,
+		MaxDeliver:     w.cfg.MaxDeliver,
 		Metrics:        w.cfg.Metrics,
 		Worker: dispatcher.WorkerInfo{
 			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),

@@ -130,7 +130,8 @@ func gatewayConfig(cfg config.Config, metrics prometheus.Gatherer) gateway.Confi
 func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *dispatcher.Metrics) workers.Config {
 	return workers.Config{
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
-		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, Metrics: metrics,
+		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
+		Metrics: metrics,
 	}
 }
 
