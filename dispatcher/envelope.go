@@ -226,10 +226,12 @@ func CompactKV(params json.RawMessage) (json.RawMessage, error) {
 
 // Headers of reply and dead-letter messages.
 const (
-	// HeaderKind is the kind of a reply message: chunk, done or error.
+	// HeaderKind is the kind of a reply message: chunk, beat, moved, done,
+	// error, or the gateway's ack.
 	HeaderKind = "Pdq-Kind"
-	// HeaderSeq numbers the chunks of one attempt from 0; on done it is the
-	// number of chunks sent.
+	// HeaderSeq numbers the chunks of one reply from 0; on beat, moved, done
+	// and error it is the number of chunks sent, and on an ack the number
+	// of chunks the gateway has, in order.
 	HeaderSeq = "Pdq-Seq"
 	// HeaderAttempt orders the attempts that write a request's reply: see
 	// [ReplyAttempt]. A reply from a later attempt starts over.
@@ -249,6 +251,14 @@ const (
 	KindChunk = "chunk"
 	KindDone  = "done"
 	KindError = "error"
+	// KindBeat is a running decode's heartbeat: the gateway acks it with
+	// the chunks it has, and the worker resends the ones it lacks.
+	KindBeat = "beat"
+	// KindMoved ends a decode whose reply a later generation continues
+	// from this chunk on (a migration).
+	KindMoved = "moved"
+	// KindAck is the gateway's answer to a beat, moved, done or error.
+	KindAck = "ack"
 )
 
 // ReplyAttempt orders the writers of one request's reply: later

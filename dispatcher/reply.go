@@ -17,30 +17,73 @@ import (
 
 // ReplyWriter sends a request's reply to the gateway over core NATS: chunks
 // numbered from 0, then one terminal message, done or error. Core NATS may
-// drop messages (a slow consumer), so the numbering lets the gateway see a
-// gap instead of silence. A writer without a subject (a replay, which has
-// no client) keeps the chunks for the request record instead.
+// lose messages (a slow consumer, a server restart), so nothing is taken
+// as delivered until the gateway says so: the writer keeps the chunks, a
+// running decode beats (see [ReplyWriter.Beats]), and the gateway answers
+// each beat and the end with the number of chunks it has; the writer sends
+// again whatever is missing. A writer without a subject (a replay, which
+// has no client) keeps the chunks for the request record instead.
 type ReplyWriter struct {
 	nc      *nats.Conn
 	subject string
 	attempt string // formatted once: it goes on every message
-	seq     int
+	// endWait bounds the wait for the gateway's ack of the end.
+	endWait time.Duration
+
+	mu sync.Mutex
+	// seq is the number of chunks sent; kept holds the ones from base on,
+	// which the gateway has not acknowledged (all of them without a
+	// subject).
+	seq, base int
+	kept      [][]byte
 	// stages go on the done message, for the gateway's request record.
 	stages []StageRecord
-	// kept holds the chunks of a writer without a subject, and failed its
-	// error.
-	kept   [][]byte
 	failed *openai.Error
 }
+
+// Errors of a [ReplyWriter]'s end.
+var (
+	// ErrReplyUnacked means the gateway did not acknowledge the end within
+	// the writer's wait: it is gone, or cut off from NATS. Its own stall
+	// timer answers the client.
+	ErrReplyUnacked = errors.New("the gateway did not acknowledge the reply")
+)
+
+// DefaultEndWait is how long a writer waits for the gateway to acknowledge
+// the end of a reply.
+const DefaultEndWait = 10 * time.Second
+
+// ackTimeout is the wait for one ack; the end is sent again after it.
+const ackTimeout = time.Second
 
 // NewReplyWriter writes to subject as the given attempt (see
 // [ReplyAttempt]); an empty subject keeps the reply instead.
 func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-	return &ReplyWriter{nc: nc, subject: subject, attempt: strconv.Itoa(attempt)}
+	return &ReplyWriter{nc: nc, subject: subject, attempt: strconv.Itoa(attempt), endWait: DefaultEndWait}
 }
 
-// Sent is the number of chunks sent so far.
-func (w *ReplyWriter) Sent() int { return w.seq }
+// ContinueAt makes the writer continue a reply whose first n chunks an
+// earlier generation sent (a migrated decode).
+func (w *ReplyWriter) ContinueAt(n int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.seq, w.base = n, n
+}
+
+// SetEndWait bounds the wait for the gateway's ack of the end.
+func (w *ReplyWriter) SetEndWait(d time.Duration) {
+	if d > 0 {
+		w.endWait = d
+	}
+}
+
+// Sent is the number of chunks sent so far, including those of the
+// generation this writer continues.
+func (w *ReplyWriter) Sent() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.seq
+}
 
 // SetStages records the stage runs that the done message reports; the last
 // one's duration is measured when Done is sent.
@@ -48,19 +91,80 @@ func (w *ReplyWriter) SetStages(stages ...StageRecord) { w.stages = stages }
 
 // Chunk sends one chunk: an SSE event's data, or a whole JSON response.
 func (w *ReplyWriter) Chunk(data []byte) error {
-	if w.subject == "" {
-		w.kept = append(w.kept, data)
-		w.seq++
-		return nil
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.subject != "" {
+		if err := w.nc.PublishMsg(w.msg(KindChunk, w.seq, data)); err != nil {
+			return fmt.Errorf("send chunk to %s: %w", w.subject, err)
+		}
 	}
-	if err := w.send(KindChunk, w.seq, data, 0, nil); err != nil {
-		return err
-	}
+	w.kept = append(w.kept, data)
 	w.seq++
 	return nil
 }
 
-// Done ends the reply after the chunks sent.
+// Beats sends a heartbeat every interval until stopped, so that the
+// gateway knows the decode runs and learns how many chunks it should have.
+func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func()) {
+	if w.subject == "" {
+		return func() {}
+	}
+	bctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			w.beat(bctx)
+			select {
+			case <-bctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// beat sends one heartbeat and resends what the gateway's ack says it
+// lacks. A lost beat or ack is harmless: the next one repeats it.
+func (w *ReplyWriter) beat(ctx context.Context) {
+	w.mu.Lock()
+	msg := w.msg(KindBeat, w.seq, nil)
+	w.mu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, ackTimeout)
+	defer cancel()
+	if resp, err := w.nc.RequestMsgWithContext(ctx, msg); err == nil {
+		w.mu.Lock()
+		w.acked(resp)
+		w.mu.Unlock()
+	}
+}
+
+// acked takes in the gateway's ack: the chunks it has are dropped, and the
+// rest sent again, in order. It returns the number the gateway has.
+func (w *ReplyWriter) acked(resp *nats.Msg) int {
+	n, err := strconv.Atoi(resp.Header.Get(HeaderSeq))
+	if err != nil || resp.Header.Get(HeaderKind) != KindAck || n < w.base || n > w.seq {
+		return -1 // not an ack of this reply: a stale gateway's, or none
+	}
+	w.kept = w.kept[n-w.base:]
+	w.base = n
+	for i, data := range w.kept {
+		if err := w.nc.PublishMsg(w.msg(KindChunk, n+i, data)); err != nil {
+			break // the next ack asks again
+		}
+	}
+	return n
+}
+
+// Done ends the reply after the chunks sent, once the gateway has them
+// all. It fails with ErrReplyUnacked if the gateway does not say so in
+// time.
 func (w *ReplyWriter) Done() error {
 	var stages []byte
 	if n := len(w.stages); n > 0 {
@@ -71,7 +175,16 @@ func (w *ReplyWriter) Done() error {
 	if w.subject == "" {
 		return nil
 	}
-	return w.send(KindDone, w.seq, nil, 0, stages)
+	return w.end(KindDone, nil, 0, stages)
+}
+
+// Moved ends this writer's part of a reply that a later generation
+// continues: it returns once the gateway has every chunk sent so far.
+func (w *ReplyWriter) Moved() error {
+	if w.subject == "" {
+		return nil
+	}
+	return w.end(KindMoved, nil, 0, nil)
 }
 
 // Error ends the reply with an error to pass to the client.
@@ -84,29 +197,54 @@ func (w *ReplyWriter) Error(e *openai.Error) error {
 	if err != nil {
 		return fmt.Errorf("encode error reply: %w", err)
 	}
-	return w.send(KindError, w.seq, body, e.Status(), nil)
+	return w.end(KindError, body, e.Status(), nil)
+}
+
+// end sends a terminal message until the gateway acks it with every chunk
+// (an error needs no chunks), resending what it lacks, for at most the
+// writer's end wait.
+func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) error {
+	deadline := time.Now().Add(w.endWait)
+	for {
+		w.mu.Lock()
+		msg := w.msg(kind, w.seq, data)
+		w.mu.Unlock()
+		if status != 0 {
+			msg.Header[HeaderStatus] = []string{strconv.Itoa(status)}
+		}
+		if stages != nil {
+			msg.Header[HeaderStages] = []string{string(stages)}
+		}
+		resp, err := w.nc.RequestMsg(msg, min(ackTimeout, max(time.Until(deadline), time.Millisecond)))
+		if err == nil {
+			w.mu.Lock()
+			n, seq := w.acked(resp), w.seq
+			w.mu.Unlock()
+			if n == seq || (kind == KindError && n >= 0) {
+				return nil
+			}
+		} else if errors.Is(err, nats.ErrNoResponders) {
+			// The gateway's subscription is missing: it is gone, or
+			// reconnecting. Ask again shortly.
+			time.Sleep(min(250*time.Millisecond, max(time.Until(deadline), 0)))
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: %s after %v", ErrReplyUnacked, kind, w.endWait)
+		}
+	}
 }
 
 // Kept is what a writer without a subject kept: the chunks, and the stage
 // runs.
 func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages }
 
-func (w *ReplyWriter) send(kind string, seq int, data []byte, status int, stages []byte) error {
+func (w *ReplyWriter) msg(kind string, seq int, data []byte) *nats.Msg {
 	msg := nats.NewMsg(w.subject)
 	msg.Header[HeaderKind] = []string{kind}
 	msg.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
 	msg.Header[HeaderAttempt] = []string{w.attempt}
-	if status != 0 {
-		msg.Header[HeaderStatus] = []string{strconv.Itoa(status)}
-	}
-	if stages != nil {
-		msg.Header[HeaderStages] = []string{string(stages)}
-	}
 	msg.Data = data
-	if err := w.nc.PublishMsg(msg); err != nil {
-		return fmt.Errorf("send %s reply to %s: %w", kind, w.subject, err)
-	}
-	return nil
+	return msg
 }
 
 // Reply is one message of a reply stream, as the gateway reads it.
@@ -122,13 +260,16 @@ type Reply struct {
 
 // Errors of [ReplyStream.Next].
 var (
-	// ErrReplyGap means a chunk went missing: the reply cannot be trusted.
+	// ErrReplyGap means chunks went missing and could not be had again:
+	// the reply cannot be trusted.
 	ErrReplyGap = errors.New("reply chunks lost in transit")
-	// ErrReplyRestarted means the decode restarted after chunks had already
-	// gone to the client, who cannot be given a second beginning.
+	// ErrReplyRestarted means the decode restarted after output was sent,
+	// and not as a continuation: the client cannot be given a second
+	// beginning.
 	ErrReplyRestarted = errors.New("decode restarted after output was sent")
-	// ErrReplyTimeout means nothing arrived for the idle timeout.
-	ErrReplyTimeout = errors.New("no reply from the workers in time")
+	// ErrReplyStalled means a running decode went silent for the stall
+	// time-out: no chunk and no heartbeat.
+	ErrReplyStalled = errors.New("the decode went silent")
 	// ErrInFlight means a request with this id is already in flight here.
 	ErrInFlight = errors.New("a request with this id is in flight")
 )
@@ -190,13 +331,28 @@ func (r *Replies) dispatch(msg *nats.Msg) {
 	s := r.streams[id]
 	r.mu.Unlock()
 	if s == nil {
-		return // the client is gone, or this is a late duplicate
+		// The request has ended here (answered, or given up). Its worker
+		// waits for an ack of its beat or end: say it has nothing to send.
+		ack(msg, msg.Header.Get(HeaderSeq))
+		return
 	}
 	select {
 	case s.ch <- msg:
 	default:
 		s.overflow.Store(true)
 	}
+}
+
+// ack answers a worker's beat or end with the number of chunks the
+// gateway has.
+func ack(msg *nats.Msg, seq string) {
+	if msg.Reply == "" {
+		return
+	}
+	a := nats.NewMsg(msg.Reply)
+	a.Header[HeaderKind] = []string{KindAck}
+	a.Header[HeaderSeq] = []string{seq}
+	_ = msg.RespondMsg(a) // a lost ack is asked for again
 }
 
 // ReplyStream is one request's reply, read in order.
@@ -206,17 +362,22 @@ type ReplyStream struct {
 	ch       chan *nats.Msg
 	overflow atomic.Bool
 	attempt  int
-	// next is the next chunk number; while no attempt has restarted after
-	// output, it is also the number of chunks relayed.
+	// next is the next chunk number: the number of chunks relayed.
 	next int
-	// idle is one timer for the whole stream: Next runs once per token.
-	idle *time.Timer
+	// moved means the current attempt handed the reply on at next; a later
+	// attempt continues it from there.
+	moved bool
+	// heard means a decode of the current attempt has been heard from: from
+	// then on, silence for the stall time-out fails the request.
+	heard bool
+	// stall is one timer for the whole stream: Next runs once per token.
+	stall *time.Timer
 }
 
 // Close unregisters the request.
 func (s *ReplyStream) Close() {
-	if s.idle != nil {
-		s.idle.Stop()
+	if s.stall != nil {
+		s.stall.Stop()
 	}
 	s.owner.mu.Lock()
 	defer s.owner.mu.Unlock()
@@ -225,21 +386,32 @@ func (s *ReplyStream) Close() {
 	}
 }
 
+// Generation is the generation of the attempt the stream follows.
+func (s *ReplyStream) Generation() int { return s.attempt >> 8 }
+
+// Rearm forgets the decode heard so far, for a request that went back to
+// prefill: until a decode of it is heard again, silence is expected.
+func (s *ReplyStream) Rearm() { s.heard = false }
+
 // Next returns the next reply in order: a chunk, or the terminal done or
-// error. It fails on a gap, on a restart after output, when nothing comes
-// for idle, or when ctx ends.
-func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, error) {
-	if s.idle == nil {
-		s.idle = time.NewTimer(idle)
-	} else {
-		s.idle.Reset(idle) // Go 1.23+: no stale tick can be left in the channel
+// error. Chunks lost in transit are asked for again; Next fails on a
+// restart after output, when a running decode is silent for stall, or
+// when ctx ends.
+func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
+	if s.stall == nil {
+		s.stall = time.NewTimer(stall)
 	}
+	s.stall.Reset(stall) // Go 1.23+: no stale tick can be left in the channel
 	for {
+		var stalled <-chan time.Time
+		if s.heard {
+			stalled = s.stall.C
+		}
 		var msg *nats.Msg
 		select {
 		case msg = <-s.ch:
-		case <-s.idle.C:
-			return Reply{}, ErrReplyTimeout
+		case <-stalled:
+			return Reply{}, ErrReplyStalled
 		case <-ctx.Done():
 			return Reply{}, ctx.Err()
 		}
@@ -254,23 +426,39 @@ func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, erro
 		}
 		switch {
 		case attempt < s.attempt:
-			continue // from an attempt that was superseded
+			ack(msg, strconv.Itoa(seq)) // a superseded writer: let it go
+			continue
 		case attempt > s.attempt:
-			if s.next > 0 {
+			if s.next > 0 && !s.moved {
 				return Reply{}, ErrReplyRestarted
 			}
-			s.attempt, s.next = attempt, 0
+			s.attempt, s.moved = attempt, false
 		}
+		if !s.heard || kind == KindBeat || (kind == KindChunk && seq == s.next) {
+			s.stall.Reset(stall) // a sign of life, or progress
+		}
+		s.heard = true
 		switch kind {
+		case KindBeat:
+			ack(msg, strconv.Itoa(s.next))
+			continue
 		case KindChunk:
 			if seq != s.next {
-				return Reply{}, fmt.Errorf("%w: chunk %d arrived, %d expected", ErrReplyGap, seq, s.next)
+				continue // a duplicate, or past a gap the next ack fills
 			}
 			s.next++
 			return Reply{Kind: KindChunk, Data: msg.Data}, nil
-		case KindDone:
-			if seq != s.next {
+		case KindMoved, KindDone:
+			ack(msg, strconv.Itoa(s.next))
+			if seq > s.next {
+				continue // the writer sends what is missing, then ends again
+			}
+			if seq < s.next {
 				return Reply{}, fmt.Errorf("%w: %d chunks sent, %d arrived", ErrReplyGap, seq, s.next)
+			}
+			if kind == KindMoved {
+				s.moved = true
+				continue
 			}
 			done := Reply{Kind: KindDone}
 			if raw := msg.Header.Get(HeaderStages); raw != "" {
@@ -278,6 +466,7 @@ func (s *ReplyStream) Next(ctx context.Context, idle time.Duration) (Reply, erro
 			}
 			return done, nil
 		case KindError:
+			ack(msg, strconv.Itoa(seq))
 			status, _ := strconv.Atoi(msg.Header.Get(HeaderStatus))
 			return Reply{Kind: KindError, Data: msg.Data, Status: status}, nil
 		}

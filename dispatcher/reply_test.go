@@ -20,6 +20,41 @@ func TestReplies(t *testing.T) {
 	ctx := context.Background()
 	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
 
+	// end runs a writer's end concurrently, as a worker does: it waits for
+	// the gateway's ack, which the reader sends.
+	end := func(t *testing.T, f func() error) {
+		errc := make(chan error, 1)
+		go func() { errc <- f() }()
+		t.Cleanup(func() {
+			if err := <-errc; err != nil {
+				t.Errorf("end: %v", err)
+			}
+		})
+	}
+	// lose makes the writer count a chunk as sent without sending it, as if
+	// NATS lost it in transit.
+	lose := func(w *ReplyWriter, data string) {
+		w.kept = append(w.kept, []byte(data))
+		w.seq++
+	}
+	want := func(t *testing.T, s *ReplyStream, chunks ...string) {
+		t.Helper()
+		for _, c := range chunks {
+			r, err := next(s)
+			if err != nil || r.Kind != KindChunk || string(r.Data) != c {
+				t.Fatalf("got %+v, %v; want chunk %q", r, err, c)
+			}
+		}
+	}
+	wantKind := func(t *testing.T, s *ReplyStream, kind string) Reply {
+		t.Helper()
+		r, err := next(s)
+		if err != nil || r.Kind != kind {
+			t.Fatalf("got %+v, %v; want %s", r, err, kind)
+		}
+		return r
+	}
+
 	t.Run("chunks in order, then done", func(t *testing.T) {
 		s, _ := replies.Open("r1")
 		defer s.Close()
@@ -27,59 +62,59 @@ func TestReplies(t *testing.T) {
 		for _, c := range []string{"a", "b", "c"} {
 			w.Chunk([]byte(c))
 		}
-		w.Done()
-		for _, want := range []string{"a", "b", "c"} {
-			r, err := next(s)
-			if err != nil || r.Kind != KindChunk || string(r.Data) != want {
-				t.Fatalf("got %+v, %v; want chunk %q", r, err, want)
-			}
-		}
-		if r, err := next(s); err != nil || r.Kind != KindDone {
-			t.Fatalf("got %+v, %v; want done", r, err)
-		}
+		end(t, w.Done)
+		want(t, s, "a", "b", "c")
+		wantKind(t, s, KindDone)
 	})
 
-	t.Run("a lost chunk is an error", func(t *testing.T) {
+	t.Run("a lost chunk is sent again", func(t *testing.T) {
 		s, _ := replies.Open("r2")
 		defer s.Close()
 		w := NewReplyWriter(nc, replies.Subject("r2"), 1)
 		w.Chunk([]byte("a"))
-		w.seq++ // chunk 1 is lost in transit
+		lose(w, "b")
 		w.Chunk([]byte("c"))
-		next(s)
-		if _, err := next(s); !errors.Is(err, ErrReplyGap) {
-			t.Fatalf("err = %v, want ErrReplyGap", err)
-		}
+		end(t, w.Done)
+		want(t, s, "a", "b", "c")
+		wantKind(t, s, KindDone)
 	})
 
-	t.Run("a lost last chunk is an error at done", func(t *testing.T) {
+	t.Run("a lost tail is sent again", func(t *testing.T) {
 		s, _ := replies.Open("r3")
 		defer s.Close()
 		w := NewReplyWriter(nc, replies.Subject("r3"), 1)
 		w.Chunk([]byte("a"))
-		w.seq++
-		w.Done()
-		next(s)
-		if _, err := next(s); !errors.Is(err, ErrReplyGap) {
-			t.Fatalf("err = %v, want ErrReplyGap", err)
+		lose(w, "b")
+		lose(w, "c")
+		end(t, w.Done)
+		want(t, s, "a", "b", "c")
+		wantKind(t, s, KindDone)
+	})
+
+	t.Run("beats fill a gap while the decode runs", func(t *testing.T) {
+		s, _ := replies.Open("r3b")
+		defer s.Close()
+		w := NewReplyWriter(nc, replies.Subject("r3b"), 1)
+		w.Chunk([]byte("a"))
+		lose(w, "b")
+		stop := w.Beats(ctx, 20*time.Millisecond)
+		defer stop()
+		want(t, s, "a", "b")
+		if w.Sent() != 2 || len(w.kept) > 1 {
+			t.Errorf("sent %d, kept %d; want 2 sent and at most the unacknowledged one kept", w.Sent(), len(w.kept))
 		}
 	})
 
 	t.Run("a restart before any output is followed", func(t *testing.T) {
 		s, _ := replies.Open("r4")
 		defer s.Close()
-		NewReplyWriter(nc, replies.Subject("r4"), 2).Chunk([]byte("second"))
+		w := NewReplyWriter(nc, replies.Subject("r4"), 2)
+		w.Chunk([]byte("second"))
 		// a late message from the superseded attempt is ignored
 		NewReplyWriter(nc, replies.Subject("r4"), 1).Chunk([]byte("first"))
-		w := NewReplyWriter(nc, replies.Subject("r4"), 2)
-		w.seq = 1
-		w.Done()
-		if r, err := next(s); err != nil || string(r.Data) != "second" {
-			t.Fatalf("got %+v, %v", r, err)
-		}
-		if r, err := next(s); err != nil || r.Kind != KindDone {
-			t.Fatalf("got %+v, %v; want done", r, err)
-		}
+		end(t, w.Done)
+		want(t, s, "second")
+		wantKind(t, s, KindDone)
 	})
 
 	t.Run("a restart after output is an error", func(t *testing.T) {
@@ -93,14 +128,53 @@ func TestReplies(t *testing.T) {
 		}
 	})
 
+	t.Run("a moved reply continues in the next attempt", func(t *testing.T) {
+		s, _ := replies.Open("r5b")
+		defer s.Close()
+		first := NewReplyWriter(nc, replies.Subject("r5b"), ReplyAttempt(1, 1))
+		first.Chunk([]byte("a"))
+		lose(first, "b")
+		moved := make(chan error, 1)
+		go func() { moved <- first.Moved() }()
+		want(t, s, "a", "b")
+		second := NewReplyWriter(nc, replies.Subject("r5b"), ReplyAttempt(2, 1))
+		second.ContinueAt(2)
+		end(t, func() error {
+			if err := <-moved; err != nil {
+				return err
+			}
+			second.Chunk([]byte("c"))
+			return second.Done()
+		})
+		want(t, s, "c")
+		wantKind(t, s, KindDone)
+	})
+
 	t.Run("errors carry their status", func(t *testing.T) {
 		s, _ := replies.Open("r6")
 		defer s.Close()
-		NewReplyWriter(nc, replies.Subject("r6"), 0).Error(openai.NewError(400, "too long"))
-		r, err := next(s)
+		end(t, func() error { return NewReplyWriter(nc, replies.Subject("r6"), 0).Error(openai.NewError(400, "too long")) })
+		r := wantKind(t, s, KindError)
 		e, ok := openai.ParseError(r.Data)
-		if err != nil || r.Kind != KindError || r.Status != 400 || !ok || e.Message != "too long" {
-			t.Fatalf("got %+v, %v", r, err)
+		if r.Status != 400 || !ok || e.Message != "too long" {
+			t.Fatalf("got %+v", r)
+		}
+	})
+
+	t.Run("a request that ended here acks its late writers", func(t *testing.T) {
+		w := NewReplyWriter(nc, replies.Subject("gone"), 1)
+		w.Chunk([]byte("a"))
+		w.SetEndWait(5 * time.Second)
+		if err := w.Done(); err != nil {
+			t.Fatalf("done = %v, want an ack from the gateway", err)
+		}
+	})
+
+	t.Run("an end nobody acknowledges gives up", func(t *testing.T) {
+		w := NewReplyWriter(nc, ReplySubject("no-gateway", "x"), 1)
+		w.SetEndWait(300 * time.Millisecond)
+		if err := w.Done(); !errors.Is(err, ErrReplyUnacked) {
+			t.Fatalf("done = %v, want ErrReplyUnacked", err)
 		}
 	})
 
@@ -120,11 +194,26 @@ func TestReplies(t *testing.T) {
 		}
 	})
 
-	t.Run("silence times out", func(t *testing.T) {
+	t.Run("silence before a decode starts is no stall", func(t *testing.T) {
 		s, _ := replies.Open("r8")
 		defer s.Close()
-		if _, err := s.Next(ctx, 50*time.Millisecond); !errors.Is(err, ErrReplyTimeout) {
-			t.Fatalf("err = %v, want ErrReplyTimeout", err)
+		qctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		if _, err := s.Next(qctx, 50*time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("err = %v, want the caller's deadline: a queued request is silent", err)
+		}
+	})
+
+	t.Run("a running decode that goes silent stalls", func(t *testing.T) {
+		s, _ := replies.Open("r8b")
+		defer s.Close()
+		w := NewReplyWriter(nc, replies.Subject("r8b"), 1)
+		w.Chunk([]byte("a"))
+		if _, err := s.Next(ctx, 100*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Next(ctx, 100*time.Millisecond); !errors.Is(err, ErrReplyStalled) {
+			t.Fatalf("err = %v, want ErrReplyStalled", err)
 		}
 	})
 

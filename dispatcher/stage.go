@@ -84,6 +84,11 @@ const (
 	DefaultKVTTL = 25 * time.Second
 	// DefaultMaxGenerations bounds the prefills one request may start.
 	DefaultMaxGenerations = 3
+	// DefaultStallTimeout bounds a decode's silence: the engine's, between
+	// chunks, and the worker's, between heartbeats to the gateway.
+	DefaultStallTimeout = 30 * time.Second
+	// DefaultPrefillTimeout bounds a prefill engine's answer.
+	DefaultPrefillTimeout = 60 * time.Second
 	// minUsefulTime is the least time before its deadline that a job must
 	// have left when it is pulled: with less, no engine could answer before
 	// the gateway gives up, and a burst of jobs submitted together would
@@ -144,7 +149,15 @@ func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
 	if l.cfg.Stage != StageDecode {
 		attempt = 0
 	}
-	return NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
+	w := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
+	w.SetEndWait(min(l.cfg.StallTimeout, DefaultEndWait))
+	return w
+}
+
+// beatEvery is how often a running decode beats to its gateway: five times
+// within the stall time-out, so a few lost beats do not fail a request.
+func beatEvery(stall time.Duration) time.Duration {
+	return min(max(stall/5, 100*time.Millisecond), 2*time.Second)
 }
 
 // StageConfig configures a [StageLoop].
@@ -181,6 +194,11 @@ type StageConfig struct {
 	// MaxDeliver bounds the deliveries of one job; 0 takes
 	// DefaultMaxDeliver.
 	MaxDeliver int
+	// StallTimeout is how long the gateway waits for a sign of a running
+	// decode; 0 takes DefaultStallTimeout. A decode delivery beats well
+	// within it, and waits at most this long (10 s at most) for the
+	// gateway to acknowledge the end of a reply.
+	StallTimeout time.Duration
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
 }
@@ -225,7 +243,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
 		return nil, fmt.Errorf("stage loop: pool, slots >= 1 and a handler are required")
 	}
-	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 {
+	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 || cfg.StallTimeout < 0 {
 		return nil, fmt.Errorf("stage loop: durations and limits must not be negative")
 	}
 	if cfg.Grace == 0 {
@@ -245,6 +263,9 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	}
 	if cfg.MaxDeliver == 0 {
 		cfg.MaxDeliver = DefaultMaxDeliver
+	}
+	if cfg.StallTimeout == 0 {
+		cfg.StallTimeout = DefaultStallTimeout
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{
@@ -425,7 +446,14 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) 
 	}
 	start := time.Now()
 	d := &Delivery{Job: job, Attempt: attempt, loop: l}
+	stopBeats := func() {}
+	if l.cfg.Stage == StageDecode {
+		// The gateway learns that the decode runs, and which chunks it
+		// lacks, even while the engine is silent.
+		stopBeats = d.Replies().Beats(jctx, beatEvery(l.cfg.StallTimeout))
+	}
 	err = l.cfg.Handler(jctx, d)
+	stopBeats()
 	s.ran = true
 	s.sent = d.sent()
 

@@ -2,7 +2,9 @@ package gateway
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -112,7 +114,7 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) err
 func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, log *slog.Logger) error {
 	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), job.Deadline, errDeadline)
 	defer cancel()
-	first, err := replies.Next(ctx, h.cfg.IdleTimeout)
+	first, err := h.next(ctx, replies, job)
 	if err != nil {
 		return h.replyFailed(c, ctx, nil, job, err, log)
 	}
@@ -124,7 +126,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 		return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
 	}
 	if !job.Stream {
-		end, err := replies.Next(ctx, h.cfg.IdleTimeout)
+		end, err := h.next(ctx, replies, job)
 		if err != nil {
 			return h.replyFailed(c, ctx, nil, job, err, log)
 		}
@@ -164,9 +166,35 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			}
 			return nil
 		}
-		if msg, err = replies.Next(ctx, h.cfg.IdleTimeout); err != nil {
+		if msg, err = h.next(ctx, replies, job); err != nil {
 			return h.replyFailed(c, ctx, sse, job, err, log)
 		}
+	}
+}
+
+// next reads the next reply. A decode that goes silent for the stall
+// time-out fails the request, unless the request went back to prefill as a
+// new generation (silent until its decode starts) or ended with an error
+// whose message was lost.
+func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job) (dispatcher.Reply, error) {
+	for {
+		r, err := replies.Next(ctx, h.cfg.StallTimeout)
+		if !errors.Is(err, dispatcher.ErrReplyStalled) {
+			return r, err
+		}
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		rec, _, gerr := h.records.Get(rctx, job.ID)
+		cancel()
+		switch {
+		case gerr != nil || rec.Gateway != h.id:
+			return r, err
+		case rec.State == dispatcher.StateFailed && rec.Error != nil:
+			data, _ := json.Marshal(openai.ErrorResponse{Error: openai.NewError(rec.Error.Status, "%s", rec.Error.Message)})
+			return dispatcher.Reply{Kind: dispatcher.KindError, Data: data, Status: rec.Error.Status}, nil
+		case rec.State.Ended() || rec.Generation <= replies.Generation():
+			return r, err
+		}
+		replies.Rearm()
 	}
 }
 
@@ -199,8 +227,8 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 	switch {
 	case errors.Is(context.Cause(ctx), errDeadline):
 		status, state, err = http.StatusGatewayTimeout, dispatcher.StateExpired, errDeadline
-	case errors.Is(err, dispatcher.ErrReplyTimeout):
-		status = http.StatusGatewayTimeout
+	case errors.Is(err, dispatcher.ErrReplyStalled):
+		status, err = http.StatusGatewayTimeout, fmt.Errorf("%w for %v", err, h.cfg.StallTimeout)
 	}
 	log.Warn("reply failed", logging.Err(err), "status", status)
 	h.cancel(job, log, state, status, err.Error())

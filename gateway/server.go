@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -32,9 +33,6 @@ const (
 	// DefaultMaxBodyBytes keeps a job, body and envelope, under the 8 MiB
 	// message limit.
 	DefaultMaxBodyBytes = 7 << 20
-	// DefaultIdleTimeout ends a request that hears nothing from the workers
-	// for this long (a queue that does not move, workers that died).
-	DefaultIdleTimeout = 10 * time.Minute
 	// DefaultGrace is how long running requests may finish at shutdown.
 	DefaultGrace = 30 * time.Second
 	// DefaultRequestTimeout is every request's deadline (PDQ_REQUEST_TIMEOUT).
@@ -54,7 +52,12 @@ type Config struct {
 	// 0 sends every request through prefill. Negative takes the default.
 	MinPromptTokens int
 	MaxBodyBytes    int64
-	IdleTimeout     time.Duration
+	// StallTimeout fails a request whose running decode is silent this
+	// long: no chunk and no heartbeat (PDQ_STALL_TIMEOUT).
+	StallTimeout time.Duration
+	// PrefillFallback is decode (long prompts go decode-only while the
+	// pool has no healthy prefill worker) or fail (they get a 503).
+	PrefillFallback string
 	Grace           time.Duration
 	// RequestTimeout is every request's deadline, carried by its jobs.
 	RequestTimeout time.Duration
@@ -75,8 +78,11 @@ func (c *Config) setDefaults() {
 	if c.MaxBodyBytes <= 0 {
 		c.MaxBodyBytes = DefaultMaxBodyBytes
 	}
-	if c.IdleTimeout <= 0 {
-		c.IdleTimeout = DefaultIdleTimeout
+	if c.StallTimeout <= 0 {
+		c.StallTimeout = dispatcher.DefaultStallTimeout
+	}
+	if c.PrefillFallback == "" {
+		c.PrefillFallback = config.FallbackDecode
 	}
 	if c.Grace <= 0 {
 		c.Grace = DefaultGrace

@@ -14,8 +14,10 @@ import (
 )
 
 // TestGatewayGivesUpAndCancels breaks a reply stream the ways the gateway
-// cannot recover from, a lost chunk and a decode that starts over after
-// output, by injecting the message into the real reply subject. The client
+// cannot recover from, an end that disowns chunks already relayed and a
+// decode that starts over after output, by injecting the message into the
+// real reply subject. (A lost chunk is sent again: see dispatcher's
+// TestReplies.) The client
 // gets an in-stream error, and the decode engine must stop at once instead
 // of generating up to max_tokens for nobody.
 func TestGatewayGivesUpAndCancels(t *testing.T) {
@@ -24,12 +26,13 @@ func TestGatewayGivesUpAndCancels(t *testing.T) {
 	p := startPipeline(t, pipelineOptions{sim: cfg})
 	for _, tc := range []struct {
 		name    string
+		kind    string
 		attempt func(seen int) int
 		seq     func(sent int) int
 		want    string
 	}{
-		{"a lost chunk", func(seen int) int { return seen }, func(sent int) int { return sent + 5 }, "lost in transit"},
-		{"a decode restarted after output", func(seen int) int { return seen + 1 }, func(int) int { return 0 }, "restarted"},
+		{"an end short of the chunks relayed", dispatcher.KindDone, func(seen int) int { return seen }, func(sent int) int { return max(sent-1, 0) }, "lost in transit"},
+		{"a decode restarted after output", dispatcher.KindChunk, func(seen int) int { return seen + 1 }, func(int) int { return 0 }, "restarted"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			id := "giveup-" + strings.ReplaceAll(tc.name, " ", "-")
@@ -51,7 +54,7 @@ func TestGatewayGivesUpAndCancels(t *testing.T) {
 			}
 			seen := atoi(first.Header.Get(dispatcher.HeaderAttempt))
 			bad := nats.NewMsg(first.Subject)
-			bad.Header.Set(dispatcher.HeaderKind, dispatcher.KindChunk)
+			bad.Header.Set(dispatcher.HeaderKind, tc.kind)
 			bad.Header.Set(dispatcher.HeaderSeq, itoa(tc.seq(atoi(first.Header.Get(dispatcher.HeaderSeq)))))
 			bad.Header.Set(dispatcher.HeaderAttempt, itoa(tc.attempt(seen)))
 			bad.Data = []byte(`{"choices":[]}`)

@@ -2,6 +2,7 @@ package workers
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -35,18 +36,31 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	} else {
 		out.SetStages(stage)
 	}
-	resp, err := w.call(ctx, job, body)
+	// The engine's silence is bounded, to its first chunk and between
+	// chunks: a hung engine must not hold the request.
+	streamed := job.Stream && job.ReplyTo != ""
+	limit := w.cfg.StallTimeout
+	if !streamed {
+		limit = wholeAnswerLimit(job.Body, limit)
+	}
+	cctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	watchdog := time.AfterFunc(limit, func() { cancel(errTimedOut) })
+	defer watchdog.Stop()
+	err = w.relay(cctx, job, body, out, streamed, func() { watchdog.Reset(limit) })
+	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut) {
+		err = timedOut(dispatcher.StageDecode, "silent", limit)
+	}
 	if err != nil {
+		if out.Sent() > 0 && ctx.Err() == nil {
+			return w.brokeAfterOutput(ctx, d, out, err)
+		}
 		return err
 	}
-	defer resp.Body.Close()
-	if job.Stream && job.ReplyTo != "" {
-		err = w.relayStream(ctx, resp.Body, out)
-	} else {
-		err = relayBody(ctx, resp.Body, out)
-	}
-	if err != nil {
-		return err
+	if err := out.Done(); err != nil {
+		// The answer went out; the gateway did not confirm its end in
+		// time. Its stall timer answers the client if the end was lost.
+		log.Warn("the gateway did not acknowledge the end of the reply", logging.Err(err))
 	}
 	mode := "pd"
 	if len(job.KV) == 0 {
@@ -55,6 +69,52 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	log.Debug("decode done", "mode", mode, "chunks", out.Sent(), logging.Ms("decode_ms", time.Since(start)),
 		logging.Ms("total_ms", time.Since(job.Submitted)))
 	return nil
+}
+
+// relay posts the decode leg and sends its output to the gateway, calling
+// alive at each sign of progress from the engine.
+func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, out *dispatcher.ReplyWriter, streamed bool, alive func()) error {
+	resp, err := w.call(ctx, job, body)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	alive()
+	if streamed {
+		return relayStream(ctx, resp.Body, out, alive)
+	}
+	return relayBody(ctx, resp.Body, out)
+}
+
+// brokeAfterOutput ends a decode that failed after part of the answer went
+// out: nothing can start over, so the client gets an in-stream error.
+func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, out *dispatcher.ReplyWriter, err error) error {
+	if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
+		w.log.Warn("could not send the error to the gateway", logging.Err(rerr), logging.KeyRequestID, d.Job.ID)
+	}
+	return dispatcher.Reported(err)
+}
+
+// wholeAnswerLimit bounds the wait for a response that comes whole (a
+// non-streamed one): there are no chunks to time, so the stall time-out is
+// stretched by 50 ms per requested token, a slow decode's pace. Without a
+// token limit the request's deadline alone bounds it.
+func wholeAnswerLimit(body []byte, stall time.Duration) time.Duration {
+	var limits struct {
+		MaxTokens           *int `json:"max_tokens"`
+		MaxCompletionTokens *int `json:"max_completion_tokens"`
+	}
+	if json.Unmarshal(body, &limits) != nil {
+		return stall
+	}
+	n := limits.MaxTokens
+	if limits.MaxCompletionTokens != nil {
+		n = limits.MaxCompletionTokens
+	}
+	if n == nil {
+		return 24 * time.Hour
+	}
+	return stall + time.Duration(max(*n, 0))*50*time.Millisecond
 }
 
 // release frees the prefill engine's KV blocks of a handoff that will not
@@ -78,10 +138,10 @@ func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 	return nil
 }
 
-// relayStream forwards each SSE event as a chunk and ends on [DONE]. A
-// stream that breaks before any event is retried; one that breaks later
-// cannot be, since the client has part of it, and ends with an error.
-func (w *Worker) relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter) error {
+// relayStream forwards each SSE event as a chunk, calling alive at each,
+// and ends on [DONE]. A stream that breaks before any event is retried;
+// one that breaks later is the caller's to end.
+func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, alive func()) error {
 	events := openai.NewSSEReader(body)
 	for {
 		ev, err := events.Next()
@@ -93,16 +153,11 @@ func (w *Worker) relayStream(ctx context.Context, body io.Reader, out *dispatche
 				err = io.ErrUnexpectedEOF // ended without [DONE]
 			}
 			err = fmt.Errorf("decode stream broke after %d events: %w", out.Sent(), err)
-			if out.Sent() == 0 {
-				return unreachable(ctx, dispatcher.StageDecode, err)
-			}
-			if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
-				w.log.Warn("could not send the error to the gateway", logging.Err(rerr))
-			}
-			return dispatcher.Reported(err)
+			return unreachable(ctx, dispatcher.StageDecode, err)
 		}
+		alive()
 		if ev.IsDone() {
-			return out.Done()
+			return nil
 		}
 		if err := out.Chunk(ev.Data); err != nil {
 			return dispatcher.Retryable(err, nil)
@@ -119,5 +174,5 @@ func relayBody(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter)
 	if err := out.Chunk(raw); err != nil {
 		return dispatcher.Retryable(err, nil)
 	}
-	return out.Done()
+	return nil
 }

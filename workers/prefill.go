@@ -23,14 +23,16 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 		return badBody(err)
 	}
 	start := time.Now()
-	resp, err := w.call(ctx, job, body)
+	// A hung engine must not hold the job: past the deadline the attempt
+	// fails as retryable and the job moves on.
+	cctx, cancel := context.WithTimeoutCause(ctx, w.cfg.PrefillTimeout, errTimedOut)
+	defer cancel()
+	raw, err := w.prefillCall(cctx, job, body)
 	if err != nil {
+		if ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut) {
+			return timedOut(dispatcher.StagePrefill, "prefill", w.cfg.PrefillTimeout)
+		}
 		return err
-	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
-	if err != nil {
-		return unreachable(ctx, dispatcher.StagePrefill, fmt.Errorf("read prefill response: %w", err))
 	}
 	params, err := ExtractKVParams(raw)
 	if err != nil {
@@ -56,4 +58,18 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	log.Debug("prefill done", logging.Ms("prefill_ms", elapsed),
 		logging.Ms("queued_ms", start.Sub(job.Submitted)))
 	return nil
+}
+
+// prefillCall posts the prefill leg and reads its whole answer.
+func (w *Worker) prefillCall(ctx context.Context, job *dispatcher.Job, body []byte) ([]byte, error) {
+	resp, err := w.call(ctx, job, body)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
+	if err != nil {
+		return nil, unreachable(ctx, dispatcher.StagePrefill, fmt.Errorf("read prefill response: %w", err))
+	}
+	return raw, nil
 }

@@ -56,6 +56,13 @@ type Config struct {
 	// MaxDeliver bounds the deliveries of one job (PDQ_MAX_DELIVER); 0
 	// takes dispatcher.DefaultMaxDeliver.
 	MaxDeliver int
+	// PrefillTimeout bounds a prefill engine's answer (PDQ_PREFILL_TIMEOUT);
+	// 0 takes dispatcher.DefaultPrefillTimeout.
+	PrefillTimeout time.Duration
+	// StallTimeout bounds a decode engine's silence before its first chunk
+	// and between chunks (PDQ_STALL_TIMEOUT); 0 takes
+	// dispatcher.DefaultStallTimeout.
+	StallTimeout time.Duration
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -81,6 +88,12 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 		if cfg.Role == dispatcher.StagePrefill {
 			cfg.Slots = DefaultPrefillSlots
 		}
+	}
+	if cfg.PrefillTimeout <= 0 {
+		cfg.PrefillTimeout = dispatcher.DefaultPrefillTimeout
+	}
+	if cfg.StallTimeout <= 0 {
+		cfg.StallTimeout = dispatcher.DefaultStallTimeout
 	}
 	if cfg.Slots < 0 {
 		return nil, fmt.Errorf("worker: slots must not be negative, got %d", cfg.Slots)
@@ -123,6 +136,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		KVTTL:          w.cfg.KVTTL,
 		MaxGenerations: w.cfg.MaxGenerations,
 		MaxDeliver:     w.cfg.MaxDeliver,
+		StallTimeout:   w.cfg.StallTimeout,
 		Metrics:        w.cfg.Metrics,
 		Worker: dispatcher.WorkerInfo{
 			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),
@@ -203,6 +217,16 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 		return dispatcher.Rejected(err, apiErr)
 	}
 	return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", stage, status))
+}
+
+// errTimedOut is the cause of an engine call cut off by a stage deadline.
+var errTimedOut = errors.New("engine deadline passed")
+
+// timedOut is the failure of an engine call that took longer than its
+// stage allows: retryable, on another engine if one is free.
+func timedOut(stage dispatcher.Stage, what string, limit time.Duration) error {
+	return dispatcher.Retryable(fmt.Errorf("%s engine: %s: no answer within %v", stage, what, limit),
+		openai.NewError(http.StatusGatewayTimeout, "%s engine did not answer within %v", stage, limit))
 }
 
 // unreachable is the failure of an engine call that got no answer.

@@ -122,7 +122,7 @@ func gatewayConfig(cfg config.Config, metrics prometheus.Gatherer) gateway.Confi
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
-		Metrics: metrics,
+		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, Metrics: metrics,
 	}
 }
 
@@ -131,7 +131,7 @@ func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, me
 	return workers.Config{
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
-		Metrics: metrics,
+		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, Metrics: metrics,
 	}
 }
 
