@@ -153,7 +153,9 @@ func TestReplies(t *testing.T) {
 	t.Run("errors carry their status", func(t *testing.T) {
 		s, _ := replies.Open("r6")
 		defer s.Close()
-		end(t, func() error { return NewReplyWriter(nc, replies.Subject("r6"), 0).Error(openai.NewError(400, "too long")) })
+		end(t, func() error {
+			return NewReplyWriter(nc, replies.Subject("r6"), 0).Error(openai.NewError(400, "too long"))
+		})
 		r := wantKind(t, s, KindError)
 		e, ok := openai.ParseError(r.Data)
 		if r.Status != 400 || !ok || e.Message != "too long" {
