@@ -80,6 +80,9 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		info.InFlight = l.InFlight()
 		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
 		info.AvgJobMs = l.avgJobMs()
+		if l.cfg.Health != nil {
+			info.Breaker = l.cfg.Health()
+		}
 		data, err := json.Marshal(info)
 		if err != nil {
 			l.log.Error("encode registry entry", logging.Err(err))

@@ -126,6 +126,20 @@ func (d *Delivery) HandOff(kv json.RawMessage, rec StageRecord) {
 	d.handoff = &h
 }
 
+// Forward sends the job on to the decode stage without a prefill: the
+// decode engine prefills the prompt itself. It is the fallback of a
+// prefill worker whose engine is down while no other is healthy.
+func (d *Delivery) Forward() {
+	h := *d.Job
+	h.KV, h.Prefill = nil, nil
+	d.handoff = &h
+}
+
+// Forwarded reports whether Forward was called.
+func (d *Delivery) Forwarded() bool {
+	return d.handoff != nil && len(d.handoff.KV) == 0 && d.handoff.Prefill == nil
+}
+
 // Replies writes the client's reply for this delivery.
 func (d *Delivery) Replies() *ReplyWriter {
 	if d.replies == nil {
@@ -199,6 +213,11 @@ type StageConfig struct {
 	// within it, and waits at most this long (10 s at most) for the
 	// gateway to acknowledge the end of a reply.
 	StallTimeout time.Duration
+	// Ready, when set, is called before each pull and returns when the
+	// worker may take a job (its engine's breaker lets it).
+	Ready func(ctx context.Context) error
+	// Health, when set, is the worker's breaker state for the registry.
+	Health func() BreakerState
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
 }
@@ -341,6 +360,9 @@ pull:
 		select {
 		case slots <- struct{}{}:
 		case <-ctx.Done():
+			break pull
+		}
+		if l.cfg.Ready != nil && l.cfg.Ready(ctx) != nil {
 			break pull
 		}
 		if gate != nil && gate.wait(ctx) != nil {

@@ -13,6 +13,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -49,10 +50,14 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			return h.unavailable(c, "no live decode workers for model %s", model)
 		}
 		stage := dispatcher.StagePrefill
+		fallback := false
 		if in.promptTokens < h.cfg.MinPromptTokens {
 			stage = dispatcher.StageDecode
-		} else if pool.Prefill == 0 {
-			return h.unavailable(c, "no live prefill workers for model %s", model)
+		} else if fallback = h.prefillDown(model, pool); fallback {
+			if h.cfg.PrefillFallback == config.FallbackFail {
+				return h.unavailable(c, "no healthy prefill workers for model %s", model)
+			}
+			stage = dispatcher.StageDecode
 		}
 
 		replies, err := h.replies.Open(id)
@@ -75,12 +80,31 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		log = log.With("generation", job.Generation)
 		log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
 			"prompt_tokens_estimate", in.promptTokens)
-		if stage == dispatcher.StageDecode {
+		switch {
+		case fallback:
+			h.cfg.Counters.Fallback(job.Pool, "gateway")
+			log.Info("decode-only: no healthy prefill worker", "prompt_tokens_estimate", in.promptTokens)
+		case stage == dispatcher.StageDecode:
 			log.Info("decode-only: short prompt skips prefill", "prompt_tokens_estimate", in.promptTokens,
 				"threshold", h.cfg.MinPromptTokens)
 		}
 		return h.relay(c, replies, job, log)
 	}
+}
+
+// prefillDown reports whether model's pool has no healthy prefill worker
+// (none live, or every breaker open), and logs each change of that.
+func (h *handlers) prefillDown(model string, pool dispatcher.PoolStatus) bool {
+	down := pool.PrefillHealthy == 0
+	if was, _ := h.fallingBack.Swap(model, down); was != down && (was != nil || down) {
+		if down {
+			h.log.Warn("no healthy prefill worker for the model: long prompts go decode-only, prefilled by the decode engine",
+				"model", model, "prefill_workers", pool.Prefill, "fallback", h.cfg.PrefillFallback)
+		} else {
+			h.log.Info("a prefill worker is healthy again: long prompts go through prefill", "model", model)
+		}
+	}
+	return down
 }
 
 func (h *handlers) unavailable(c echo.Context, format string, args ...any) error {

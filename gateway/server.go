@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -69,6 +70,8 @@ type Config struct {
 	MaxQueue int
 	// Metrics is what GET /metrics serves; nil serves an empty set.
 	Metrics prometheus.Gatherer
+	// Counters counts the gateway's prefill fallbacks; nil counts nothing.
+	Counters *dispatcher.Metrics
 }
 
 func (c *Config) setDefaults() {
@@ -190,6 +193,9 @@ type handlers struct {
 	submitter *dispatcher.Submitter
 	budget    *byteBudget
 	admission *dispatcher.Admission
+	// fallingBack holds the pools whose long prompts go decode-only for
+	// want of a healthy prefill worker, to log each change once.
+	fallingBack sync.Map
 }
 
 func (h *handlers) routes() http.Handler {

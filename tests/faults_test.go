@@ -27,16 +27,17 @@ import (
 // loopback, and the gateway and every worker as its own `pdq` process, so
 // that a test can kill -9 any of them. The engines are `pdq sim` processes.
 type cluster struct {
-	t       *testing.T
-	natsURL string
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	gateway *process
-	url     string // the gateway's base URL
-	prefill *simtest.Engine
-	decode  *simtest.Engine
-	decodeP *process
-	env     []string // every pdq service's environment
+	t        *testing.T
+	natsURL  string
+	nc       *nats.Conn
+	js       jetstream.JetStream
+	gateway  *process
+	url      string // the gateway's base URL
+	prefill  *simtest.Engine
+	prefillP *process
+	decode   *simtest.Engine
+	decodeP  *process
+	env      []string // every pdq service's environment
 }
 
 // clusterOptions are the engines' extra flags and the services' extra
@@ -65,7 +66,7 @@ func startCluster(t *testing.T, o clusterOptions) *cluster {
 	}
 	c := &cluster{t: t, natsURL: srv.ClientURL(), nc: nc, js: js}
 	c.env = append([]string{"PDQ_NATS_URL=" + c.natsURL, "PDQ_ACK_WAIT=1s"}, o.env...)
-	_, c.prefill = startSimProcess(t, o.prefillSim...)
+	c.prefillP, c.prefill = startSimProcess(t, o.prefillSim...)
 	decodeArgs := o.decodeSim
 	if o.decodeAddr != "" {
 		decodeArgs = append([]string{"--addr", o.decodeAddr}, decodeArgs...)
@@ -254,10 +255,10 @@ func TestFaultSuite(t *testing.T) {
 	t.Cleanup(func() {
 		var b strings.Builder
 		fmt.Fprintf(&b, "\nFault suite (%s)\n", time.Now().Format(time.RFC3339))
-		fmt.Fprintf(&b, "| %-52s | %4s | %8s | %9s | %6s | %4s | %19s | %11s | %8s | %-28s |\n",
+		fmt.Fprintf(&b, "| %-56s | %4s | %8s | %9s | %6s | %4s | %19s | %11s | %8s | %-40s |\n",
 			"scenario", "left", "accepted", "completed", "errors", "lost", "calls for cancelled", "blocks held", "replayed", "cost to clients")
-		fmt.Fprintf(&b, "|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 6), strings.Repeat("-", 10),
-			strings.Repeat("-", 11), strings.Repeat("-", 8), strings.Repeat("-", 6), strings.Repeat("-", 21), strings.Repeat("-", 13), strings.Repeat("-", 10), strings.Repeat("-", 30))
+		fmt.Fprintf(&b, "|%s|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n", strings.Repeat("-", 58), strings.Repeat("-", 6), strings.Repeat("-", 10),
+			strings.Repeat("-", 11), strings.Repeat("-", 8), strings.Repeat("-", 6), strings.Repeat("-", 21), strings.Repeat("-", 13), strings.Repeat("-", 10), strings.Repeat("-", 42))
 		for _, r := range rows {
 			replayed := "-"
 			if r.replayedN > 0 {
@@ -271,7 +272,7 @@ func TestFaultSuite(t *testing.T) {
 			if cost == "" {
 				cost = "-"
 			}
-			fmt.Fprintf(&b, "| %-52s | %4d | %8d | %9d | %6d | %4d | %19s | %11d | %8s | %-28s |\n",
+			fmt.Fprintf(&b, "| %-56s | %4d | %8d | %9d | %6d | %4d | %19s | %11d | %8s | %-40s |\n",
 				r.scenario, r.left, r.accepted, r.completed, r.errors, r.lost, calls, r.blocksHeld, replayed, cost)
 		}
 		fmt.Fprint(os.Stdout, b.String())
@@ -556,6 +557,16 @@ func TestFaultSuite(t *testing.T) {
 		}
 		check(t, r)
 	})
+
+	t.Run("a dead prefill engine", func(t *testing.T) { check(t, deadPrefillRow(t)) })
+	t.Run("a hung decode engine", func(t *testing.T) { check(t, hungDecodeRow(t)) })
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		t.Run("engine faults at rate 0.3 on "+string(stage), func(t *testing.T) {
+			for _, r := range engineFaultRows(t, stage) {
+				check(t, r)
+			}
+		})
+	}
 }
 
 // record reads a request's record through the gateway's API.

@@ -19,6 +19,9 @@ const (
 	keyMinTokens           = "min_tokens"
 	keyMinCompletionTokens = "min_completion_tokens"
 	keyRemoteHost          = "remote_host"
+	keyRemoteEngineID      = "remote_engine_id"
+	keyRemoteBlockIDs      = "remote_block_ids"
+	keyDoRemotePrefill     = "do_remote_prefill"
 )
 
 // prefillParams is what the prefill leg asks for, exactly as vLLM's
@@ -29,6 +32,10 @@ var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill
 // kv_transfer_params: the decode engine would silently recompute the
 // prompt, so this is an error, never a fall-back.
 var ErrNoKVParams = errors.New("prefill engine answered 200 without kv_transfer_params")
+
+// ErrIncompleteKVParams means a prefill engine's kv_transfer_params cannot
+// point a decode engine at the prompt's blocks.
+var ErrIncompleteKVParams = errors.New("prefill engine answered 200 with incomplete kv_transfer_params")
 
 // PrefillBody builds the prefill leg's body from the client's: the
 // kv_transfer_params skeleton, stream false, one output token, and none of
@@ -97,7 +104,12 @@ func oneToken(m map[string]json.RawMessage) {
 }
 
 // ExtractKVParams returns the top-level kv_transfer_params of a prefill
-// response, or ErrNoKVParams when it is missing, null, or not an object.
+// response. It fails with ErrNoKVParams when they are missing, null, or not
+// an object, and with ErrIncompleteKVParams when they cannot point a decode
+// engine at the blocks: remote_engine_id or remote_block_ids missing or
+// empty, or do_remote_prefill not true. vLLM's decode engine would
+// recompute the prompt, or worse, from such params. The values themselves
+// stay opaque: their types differ between vLLM versions.
 func ExtractKVParams(response []byte) (json.RawMessage, error) {
 	var r struct {
 		KV json.RawMessage `json:"kv_transfer_params"`
@@ -109,7 +121,36 @@ func ExtractKVParams(response []byte) (json.RawMessage, error) {
 	if len(kv) == 0 || kv[0] != '{' {
 		return nil, ErrNoKVParams
 	}
+	m, err := fields(kv)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrIncompleteKVParams, err)
+	}
+	for _, key := range []string{keyRemoteEngineID, keyRemoteBlockIDs} {
+		if empty(m[key]) {
+			return nil, fmt.Errorf("%w: no %s", ErrIncompleteKVParams, key)
+		}
+	}
+	if string(bytes.TrimSpace(m[keyDoRemotePrefill])) != "true" {
+		return nil, fmt.Errorf("%w: do_remote_prefill is %s, not true", ErrIncompleteKVParams, orMissing(m[keyDoRemotePrefill]))
+	}
 	return kv, nil
+}
+
+// empty reports whether a value is missing, null, or an empty string, list
+// or object.
+func empty(raw json.RawMessage) bool {
+	switch string(bytes.Join(bytes.Fields(raw), nil)) {
+	case "", "null", `""`, "[]", "{}":
+		return true
+	}
+	return false
+}
+
+func orMissing(raw json.RawMessage) string {
+	if len(raw) == 0 {
+		return "missing"
+	}
+	return truncate(string(raw), 40)
 }
 
 // FixRemoteHost replaces remote_host when the engine advertised a host no

@@ -86,7 +86,22 @@ func TestExtractKVParams(t *testing.T) {
 		want    string
 		wantErr error
 	}{
-		{`{"id":"x","kv_transfer_params":{"remote_block_ids":["DUMMY_ID"],"remote_port":1}}`, `{"remote_block_ids":["DUMMY_ID"],"remote_port":1}`, nil},
+		// llm-d's simulator: strings where vLLM has lists, no remote_request_id;
+		// passed through untouched.
+		{`{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":["DUMMY_ID"],"remote_engine_id":"DUMMY_ID","remote_port":1234}}`,
+			`{"do_remote_prefill":true,"remote_block_ids":["DUMMY_ID"],"remote_engine_id":"DUMMY_ID","remote_port":1234}`, nil},
+		{`{"kv_transfer_params":{"do_remote_prefill": true ,"remote_block_ids":[[1,2],[3]],"remote_engine_id":"e"}}`,
+			`{"do_remote_prefill": true ,"remote_block_ids":[[1,2],[3]],"remote_engine_id":"e"}`, nil},
+		{`{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":"b","remote_engine_id":7}}`,
+			`{"do_remote_prefill":true,"remote_block_ids":"b","remote_engine_id":7}`, nil},
+		// Issue 7: an empty object is a silent recompute.
+		{`{"kv_transfer_params":{}}`, "", ErrIncompleteKVParams},
+		{`{"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e"}}`, "", ErrIncompleteKVParams},
+		{`{"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[]}}`, "", ErrIncompleteKVParams},
+		{`{"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":null,"remote_block_ids":[1]}}`, "", ErrIncompleteKVParams},
+		{`{"kv_transfer_params":{"do_remote_prefill":false,"remote_engine_id":"e","remote_block_ids":[1]}}`, "", ErrIncompleteKVParams},
+		{`{"kv_transfer_params":{"do_remote_prefill":"true","remote_engine_id":"e","remote_block_ids":[1]}}`, "", ErrIncompleteKVParams},
+		{`{"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[1]}}`, "", ErrIncompleteKVParams},
 		{`{"id":"x","kv_transfer_params":null}`, "", ErrNoKVParams},
 		{`{"id":"x"}`, "", ErrNoKVParams},
 		{`{"kv_transfer_params":[1]}`, "", ErrNoKVParams},

@@ -36,11 +36,12 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	}
 	params, err := ExtractKVParams(raw)
 	if err != nil {
-		if errors.Is(err, ErrNoKVParams) {
-			log.Error("prefill engine answered 200 without kv_transfer_params; not falling back to a recomputing decode",
-				"attempt", d.Attempt)
+		if errors.Is(err, ErrNoKVParams) || errors.Is(err, ErrIncompleteKVParams) {
+			w.cfg.Metrics.HandoffWithoutKV(job.Pool)
+			log.Error("prefill engine answered 200 without usable kv_transfer_params; not falling back to a recomputing decode",
+				logging.Err(err), "attempt", d.Attempt)
 		}
-		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no kv_transfer_params"))
+		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no usable kv_transfer_params"))
 	}
 	if fixed, ok := FixRemoteHost(params, w.kvHost); ok {
 		params = fixed

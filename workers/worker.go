@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -63,6 +64,14 @@ type Config struct {
 	// and between chunks (PDQ_STALL_TIMEOUT); 0 takes
 	// dispatcher.DefaultStallTimeout.
 	StallTimeout time.Duration
+	// BreakerFailures is how many consecutive engine failures open the
+	// worker's breaker (PDQ_BREAKER_FAILURES); 0 takes
+	// DefaultBreakerFailures.
+	BreakerFailures int
+	// PrefillFallback is "decode" (the default) or "fail": whether a prefill
+	// worker whose engine is down forwards its jobs decode-only while no
+	// other prefill worker of its pool is healthy.
+	PrefillFallback string
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -76,6 +85,14 @@ type Worker struct {
 	engine *vllm.Client
 	kvHost string
 	id     string // the registry key, and StageRecord.Worker
+	// breaker stops the pulls while the engine keeps failing.
+	breaker *breaker
+	// peers are the live workers, for a prefill worker to know whether
+	// another prefill engine is healthy; nil for decode workers.
+	peers *dispatcher.Registry
+	model string // the engine's, known once Run has asked it
+	// forwarding is the last answer of canForward, to log its changes.
+	forwarding atomic.Bool
 }
 
 // New checks cfg and builds a worker; Run starts it.
@@ -95,6 +112,9 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	if cfg.StallTimeout <= 0 {
 		cfg.StallTimeout = dispatcher.DefaultStallTimeout
 	}
+	if cfg.BreakerFailures <= 0 {
+		cfg.BreakerFailures = DefaultBreakerFailures
+	}
 	if cfg.Slots < 0 {
 		return nil, fmt.Errorf("worker: slots must not be negative, got %d", cfg.Slots)
 	}
@@ -105,6 +125,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine,
 		log: log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
 	w.id = dispatcher.NewWorkerID(cfg.Role)
+	w.breaker = newBreaker(cfg.BreakerFailures, engine, cfg.Role, cfg.Metrics, w.log)
 	w.kvHost = cfg.KVHost
 	if w.kvHost == "" && !IsLocalHost(engine.Host()) {
 		w.kvHost = engine.Host()
@@ -119,16 +140,22 @@ func (w *Worker) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	w.model = model
 	pool := dispatcher.PoolName(model)
 	handler, release := w.decode, w.release
 	if w.cfg.Role == dispatcher.StagePrefill {
 		handler, release = w.prefill, nil
+		if w.peers, err = dispatcher.WatchWorkers(ctx, w.js, w.log); err != nil {
+			return err
+		}
 	}
 	loop, err := dispatcher.NewStageLoop(w.nc, w.js, dispatcher.StageConfig{
 		Stage:          w.cfg.Role,
 		Pool:           pool,
 		Slots:          w.cfg.Slots,
-		Handler:        handler,
+		Handler:        w.observed(handler),
+		Ready:          func(ctx context.Context) error { return w.breaker.wait(ctx, w.canForward) },
+		Health:         w.breaker.State,
 		Release:        release,
 		Grace:          w.cfg.Grace,
 		RetryBase:      w.cfg.RetryBase,
@@ -146,6 +173,65 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	return loop.Run(ctx)
+}
+
+// observed runs a handler and tells the breaker how the engine did. A
+// prefill worker whose breaker is open forwards jobs decode-only while no
+// other prefill worker of its pool is healthy, instead of failing them.
+func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
+	return func(ctx context.Context, d *dispatcher.Delivery) error {
+		if w.breaker.Open() && w.canForward() {
+			w.forward(d)
+			return nil
+		}
+		err := h(ctx, d)
+		var fault *engineFault
+		switch {
+		case err == nil:
+			w.breaker.succeeded()
+		case errors.As(err, &fault) && ctx.Err() == nil:
+			w.breaker.failed(ctx, fault.unreachable, err)
+		default:
+			w.breaker.neutral()
+		}
+		var f *dispatcher.Failure
+		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.canForward() {
+			w.forward(d)
+			return nil
+		}
+		return err
+	}
+}
+
+// canForward reports whether this prefill worker should send jobs on
+// decode-only: fallback is on and no other prefill worker of the pool is
+// healthy. It logs each change.
+func (w *Worker) canForward() bool {
+	if w.cfg.Role != dispatcher.StagePrefill || w.cfg.PrefillFallback == "fail" || w.peers == nil {
+		return false
+	}
+	ok := true
+	for _, p := range w.peers.Workers() {
+		if p.Role == dispatcher.StagePrefill && p.ID != w.id && p.Model == w.model && p.Healthy() {
+			ok = false
+			break
+		}
+	}
+	if w.forwarding.Swap(ok) != ok {
+		if ok {
+			w.log.Warn("no healthy prefill engine in the pool: forwarding prefill jobs decode-only (PDQ_PREFILL_FALLBACK=decode)")
+		} else {
+			w.log.Info("another prefill engine is healthy: no longer forwarding")
+		}
+	}
+	return ok
+}
+
+// forward sends a job on to decode-only.
+func (w *Worker) forward(d *dispatcher.Delivery) {
+	d.Forward()
+	w.cfg.Metrics.Fallback(d.Job.Pool, "prefill")
+	w.log.Debug("prefill engine down: forwarded decode-only", logging.KeyRequestID, d.Job.ID)
 }
 
 // discover asks the engine which model it serves, retrying with back-off
@@ -198,10 +284,12 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 	}
 	err := fmt.Errorf("%s engine answered %d: %s", stage, status, apiErr.Message)
 	switch {
-	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
+	case status == http.StatusTooManyRequests:
 		return dispatcher.Retryable(err, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+	case status == http.StatusServiceUnavailable:
+		return dispatcher.Retryable(&engineFault{err: err}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
 	case status >= 500:
-		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
+		return dispatcher.Retryable(&engineFault{err: err}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
 	case status == http.StatusUnauthorized || status == http.StatusForbidden || status == http.StatusNotFound:
 		// Not the client's doing: the worker is set up wrong for its engine
 		// (a key, a route, a model). A prefill is retried, then kept for
@@ -225,7 +313,7 @@ var errTimedOut = errors.New("engine deadline passed")
 // timedOut is the failure of an engine call that took longer than its
 // stage allows: retryable, on another engine if one is free.
 func timedOut(stage dispatcher.Stage, what string, limit time.Duration) error {
-	return dispatcher.Retryable(fmt.Errorf("%s engine: %s: no answer within %v", stage, what, limit),
+	return dispatcher.Retryable(&engineFault{err: fmt.Errorf("%s engine: %s: no answer within %v", stage, what, limit)},
 		openai.NewError(http.StatusGatewayTimeout, "%s engine did not answer within %v", stage, limit))
 }
 
@@ -234,8 +322,18 @@ func unreachable(ctx context.Context, stage dispatcher.Stage, err error) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine unreachable", stage))
+	return dispatcher.Retryable(&engineFault{err: err, unreachable: true}, openai.NewError(http.StatusBadGateway, "%s engine unreachable", stage))
 }
+
+// engineFault is an engine failure that counts against its health, for
+// the breaker: no answer (unreachable), a 5xx, a stage time-out.
+type engineFault struct {
+	err         error
+	unreachable bool
+}
+
+func (e *engineFault) Error() string { return e.err.Error() }
+func (e *engineFault) Unwrap() error { return e.err }
 
 var errBadEnvelope = errors.New("job body is not a JSON object")
 

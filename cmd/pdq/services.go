@@ -118,11 +118,11 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 	}
 }
 
-func gatewayConfig(cfg config.Config, metrics prometheus.Gatherer) gateway.Config {
+func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatcher.Metrics) gateway.Config {
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
-		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, Metrics: metrics,
+		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, Metrics: reg, Counters: metrics,
 	}
 }
 
@@ -131,7 +131,8 @@ func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, me
 	return workers.Config{
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
-		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, Metrics: metrics,
+		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
+		PrefillFallback: cfg.PrefillFallback, Metrics: metrics,
 	}
 }
 
@@ -145,7 +146,12 @@ func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return err
 	}
 	defer drain(nc, log)
-	return gateway.New(nc, js, gatewayConfig(cfg, prometheus.NewRegistry()), log).Run(ctx)
+	reg := prometheus.NewRegistry()
+	metrics, err := dispatcher.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	return gateway.New(nc, js, gatewayConfig(cfg, reg, metrics), log).Run(ctx)
 }
 
 func runPrefill(ctx context.Context, args []string, _, stderr io.Writer) error {

@@ -106,7 +106,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			g.Go(func() error { return w.Run(gctx) })
 		}
 	}
-	gw := gateway.New(nc, js, gatewayConfig(cfg, reg), log)
+	gw := gateway.New(nc, js, gatewayConfig(cfg, reg, metrics), log)
 	g.Go(func() error { return gw.Serve(gctx, gwLn) })
 
 	// Say "up" once the workers can take requests, so the curl line works

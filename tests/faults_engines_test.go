@@ -1,0 +1,213 @@
+package tests
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+)
+
+// faultTimeouts are the stage deadlines of the engine-fault runs: short, so
+// that a hung engine costs the run seconds, not minutes.
+var faultTimeouts = []string{"PDQ_STALL_TIMEOUT=2s", "PDQ_PREFILL_TIMEOUT=2s"}
+
+// timedLoad sends n requests at once and returns what each client got and
+// how long each took.
+func (c *cluster) timedLoad(n int, idPrefix string, mk func(i int) body) ([]outcome, []time.Duration) {
+	outs := make([]outcome, n)
+	took := make([]time.Duration, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			start := time.Now()
+			outs[i] = c.one(fmt.Sprintf("%s-%d", idPrefix, i), 0, mk(i))
+			took[i] = time.Since(start)
+		})
+	}
+	wg.Wait()
+	return outs, took
+}
+
+// latency sums up a run's latencies: mean and max.
+type latency struct{ mean, max time.Duration }
+
+func measure(took []time.Duration) latency {
+	var l latency
+	for _, d := range took {
+		l.mean += d
+	}
+	l.mean /= time.Duration(max(len(took), 1))
+	l.max = slices.Max(took)
+	return l
+}
+
+// cost is what a run cost its clients next to a baseline.
+func (l latency) cost(base latency) string {
+	return fmt.Sprintf("%+d ms mean, %+d ms max", (l.mean - base.mean).Milliseconds(), (l.max - base.max).Milliseconds())
+}
+
+// idleAndFreed waits until every engine is idle and no prefill engine holds
+// blocks, and returns the blocks still held then.
+func idleAndFreed(t *testing.T, within time.Duration, prefill []*simtest.Engine, decode []*simtest.Engine) int64 {
+	t.Helper()
+	idle := func(s sim.Stats) bool { return s.Running == 0 && s.Waiting == 0 }
+	for _, e := range decode {
+		e.WaitStats(t, within, "the decode engine idle", idle)
+	}
+	var held int64
+	for _, e := range prefill {
+		s, err := e.Poll(within, func(s sim.Stats) bool { return idle(s) && s.BlocksHeld == 0 })
+		if err != nil {
+			t.Errorf("prefill engine: %v", err)
+		}
+		held += s.BlocksHeld
+	}
+	return held
+}
+
+// engineFaultRows runs each fault kind of `pdq sim` at rate 0.3 on one of
+// two engines of a stage, the other healthy, and returns a row per kind.
+// Every accepted request must end in one answer; the faulty engine's
+// share is retried, on another engine when one is free.
+func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
+	// A decode that fails before output leaves the prefill's blocks to the
+	// lease (its engine may have read them): 5 s keeps the settle short.
+	lease := []string{"--kv-lease", "5s"}
+	c := startCluster(t, clusterOptions{prefillSim: lease, env: faultTimeouts})
+	_, second := startSimProcess(t, lease...)
+	prefills, decodes := []*simtest.Engine{c.prefill}, []*simtest.Engine{c.decode}
+	faulty := c.prefill
+	if stage == dispatcher.StageDecode {
+		faulty = c.decode
+		decodes = append(decodes, second)
+	} else {
+		prefills = append(prefills, second)
+	}
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 8)
+	c.ready()
+	c.worker(stage, 8, "PDQ_ENGINE_URL="+second.URL)
+
+	const n = 12
+	load := func(prefix string) ([]outcome, latency) {
+		outs, took := c.timedLoad(n, prefix, func(int) body {
+			return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
+		})
+		return outs, measure(took)
+	}
+	base, baseLat := load(string(stage) + "-base")
+	for _, o := range base {
+		if !o.ok {
+			t.Fatalf("the healthy baseline failed: %+v", base)
+		}
+	}
+	var rows []row
+	for _, kind := range []sim.FaultKind{sim.Fault503, sim.Fault500, sim.FaultHang, sim.FaultDrop, sim.FaultNoKV, sim.FaultSlow} {
+		before := faulty.Stats(t).Faults
+		setFault(t, faulty, fmt.Sprintf(`{"rate":0.3,"kind":%q,"delay":"1s"}`, kind))
+		outs, lat := load(fmt.Sprintf("%s-%s", stage, kind))
+		setFault(t, faulty, `{"rate":0}`)
+		injected := faulty.Stats(t).Faults - before
+		r := row{scenario: fmt.Sprintf("%s engine: %s at rate 0.3, 2nd engine healthy", stage, kind),
+			cost: fmt.Sprintf("%d faults: %s", injected, lat.cost(baseLat))}
+		tally(&r, outs)
+		r.blocksHeld = idleAndFreed(t, 20*time.Second, prefills, decodes)
+		rows = append(rows, r)
+	}
+	return rows
+}
+
+// deadPrefillRow kills the only prefill engine: long prompts must go
+// decode-only (the fallback), costing about what a decode-only request
+// costs, instead of retries and a 502.
+func deadPrefillRow(t *testing.T) row {
+	c := startCluster(t, clusterOptions{env: faultTimeouts})
+	pw := c.worker(dispatcher.StagePrefill, 4, "PDQ_METRICS_ADDR=127.0.0.1:0")
+	prefillMetrics := "http://" + pw.waitLog(t, "serving metrics")["addr"].(string) + "/metrics"
+	c.worker(dispatcher.StageDecode, 8)
+	c.ready()
+	short := func(int) body {
+		return completionBody(model, "Hi", body{"max_tokens": 16, "ignore_eos": true, "stream": true})
+	}
+	long := func(int) body {
+		return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
+	}
+	sequential := func(prefix string, mk func(int) body) ([]outcome, []time.Duration) {
+		var outs []outcome
+		var took []time.Duration
+		for i := range 4 {
+			start := time.Now()
+			outs = append(outs, c.one(fmt.Sprintf("%s-%d", prefix, i), 0, mk(i)))
+			took = append(took, time.Since(start))
+		}
+		return outs, took
+	}
+	_, baseTook := sequential("dp-base", short)
+	kill9(t, c.prefillP)
+	outs, took := sequential("dp-seq", long)
+	burst, burstTook := c.timedLoad(8, "dp-burst", long)
+	r := row{scenario: "dead prefill engine: decode-only fallback"}
+	tally(&r, append(outs, burst...))
+	r.cost = measure(append(took, burstTook...)).cost(measure(baseTook)) + " vs decode-only"
+	c.decode.WaitStats(t, 10*time.Second, "the decode engine idle", func(s sim.Stats) bool { return s.Running == 0 && s.Waiting == 0 })
+	// Counted where they happened: at the gateway once it saw the breaker
+	// open, before that by the prefill worker, which forwarded its jobs.
+	if n := counter(t, c.url+"/metrics", "pdq_prefill_fallbacks_total") + counter(t, prefillMetrics, "pdq_prefill_fallbacks_total"); n != 12 {
+		t.Errorf("pdq_prefill_fallbacks_total adds up to %v at the gateway and the prefill worker, want 12", n)
+	}
+	return r
+}
+
+// hungDecodeRow hangs every request on one of two decode engines, as in
+// issue 7's report (4 of 8 requests got a 504 after 10 minutes): the
+// stall time-out and the breaker must send them to the healthy engine.
+func hungDecodeRow(t *testing.T) row {
+	lease := []string{"--kv-lease", "5s"}
+	c := startCluster(t, clusterOptions{prefillSim: lease, env: faultTimeouts})
+	_, second := startSimProcess(t)
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	c.worker(dispatcher.StageDecode, 4, "PDQ_ENGINE_URL="+second.URL)
+	pdLoad := func(prefix string) ([]outcome, latency) {
+		outs, took := c.timedLoad(8, prefix, func(int) body {
+			return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
+		})
+		return outs, measure(took)
+	}
+	_, base := pdLoad("hd-base")
+	setFault(t, c.decode, `{"rate":1,"kind":"hang"}`)
+	outs, lat := pdLoad("hd")
+	setFault(t, c.decode, `{"rate":0}`)
+	for _, o := range outs {
+		if !o.ok {
+			t.Logf("not completed: %+v", o)
+		}
+	}
+	r := row{scenario: "hung decode engine (every request), 2nd healthy", cost: lat.cost(base)}
+	tally(&r, outs)
+	r.blocksHeld = idleAndFreed(t, 20*time.Second, []*simtest.Engine{c.prefill}, []*simtest.Engine{c.decode, second})
+	return r
+}
+
+// counter sums the values of a Prometheus counter's series at url.
+func counter(t *testing.T, url, name string) float64 {
+	t.Helper()
+	var sum float64
+	for _, line := range strings.Split(string(get(t, url).body), "\n") {
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		var v float64
+		if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v); err == nil {
+			sum += v
+		}
+	}
+	return sum
+}
