@@ -47,7 +47,8 @@ type Job struct {
 	// PromptTokens is the gateway's estimate, which chose P/D or
 	// decode-only.
 	PromptTokens int
-	// Body is the client's request body, without any kv_transfer_params.
+	// Body is the client's request body, without any kv_transfer_params;
+	// on a migrated decode, the worker's continuation of it (see Resume).
 	Body json.RawMessage
 
 	// KV is set on a handoff: the prefill engine's kv_transfer_params for
@@ -55,6 +56,24 @@ type Job struct {
 	KV json.RawMessage
 	// Prefill says where and when the prefill ran, on a handoff.
 	Prefill *StageRecord
+	// Resume is set on a migrated decode: a decode that failed after
+	// output, continued by another engine from the text it had generated.
+	Resume *Resume
+}
+
+// Resume is what a migrated decode needs to continue the reply its earlier
+// generations began as if it were one stream.
+type Resume struct {
+	// Chunks is how many reply chunks the client has: the continuation's
+	// first chunk is numbered so.
+	Chunks int `json:"chunks"`
+	// Tokens is how many tokens they held: the continuation counts them in
+	// its usage.
+	Tokens int `json:"tokens"`
+	// Created is the response's created time, which every chunk repeats.
+	Created int64 `json:"created"`
+	// Migrations counts the moves so far, for PDQ_MIGRATION_LIMIT.
+	Migrations int `json:"migrations"`
 }
 
 // StageRecord says where and when a stage ran.
@@ -132,6 +151,8 @@ const (
 	HeaderKV = "Pdq-Kv-Transfer-Params"
 	// HeaderPrefill is the prefill's StageRecord on a handoff, as JSON.
 	HeaderPrefill = "Pdq-Prefill"
+	// HeaderResume is a migrated decode's Resume, as JSON.
+	HeaderResume = "Pdq-Resume"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -159,6 +180,10 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	if j.Prefill != nil {
 		rec, _ := json.Marshal(j.Prefill) // plain fields: it always encodes
 		h[HeaderPrefill] = []string{string(rec)}
+	}
+	if j.Resume != nil {
+		res, _ := json.Marshal(j.Resume) // plain fields: it always encodes
+		h[HeaderResume] = []string{string(res)}
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
@@ -206,6 +231,12 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 		j.Prefill = new(StageRecord)
 		if err := json.Unmarshal([]byte(p), j.Prefill); err != nil {
 			errs = append(errs, fmt.Errorf("header %s: %w", HeaderPrefill, err))
+		}
+	}
+	if r := h.Get(HeaderResume); r != "" {
+		j.Resume = new(Resume)
+		if err := json.Unmarshal([]byte(r), j.Resume); err != nil {
+			errs = append(errs, fmt.Errorf("header %s: %w", HeaderResume, err))
 		}
 	}
 	if err := errors.Join(errs...); err != nil {

@@ -33,8 +33,8 @@ type ReplyWriter struct {
 	mu sync.Mutex
 	// seq is the number of chunks sent; kept holds the ones from base on,
 	// which the gateway has not acknowledged (all of them without a
-	// subject).
-	seq, base int
+	// subject). The first start were sent by earlier generations.
+	seq, base, start int
 	kept      [][]byte
 	// stages go on the done message, for the gateway's request record.
 	stages []StageRecord
@@ -67,7 +67,7 @@ func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
 func (w *ReplyWriter) ContinueAt(n int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.seq, w.base = n, n
+	w.seq, w.base, w.start = n, n, n
 }
 
 // SetEndWait bounds the wait for the gateway's ack of the end.
@@ -83,6 +83,14 @@ func (w *ReplyWriter) Sent() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.seq
+}
+
+// Own is the number of chunks this writer sent itself, not counting those
+// of the generations it continues.
+func (w *ReplyWriter) Own() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.seq - w.start
 }
 
 // SetStages records the stage runs that the done message reports; the last
@@ -367,6 +375,10 @@ type ReplyStream struct {
 	// moved means the current attempt handed the reply on at next; a later
 	// attempt continues it from there.
 	moved bool
+	// base is the chunk the current attempt started at: 0, or where a
+	// migrated decode took over. An attempt that sent nothing past it may
+	// be followed by a later one.
+	base int
 	// heard means a decode of the current attempt has been heard from: from
 	// then on, silence for the stall time-out fails the request.
 	heard bool
@@ -429,7 +441,10 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			ack(msg, strconv.Itoa(seq)) // a superseded writer: let it go
 			continue
 		case attempt > s.attempt:
-			if s.next > 0 && !s.moved {
+			switch {
+			case s.moved:
+				s.base = s.next
+			case s.next > s.base:
 				return Reply{}, ErrReplyRestarted
 			}
 			s.attempt, s.moved = attempt, false

@@ -136,6 +136,10 @@ func (s *settle) stopped(ctx context.Context, cause error) {
 
 // succeeded acks a job that ran; a prefill's handoff is stored first.
 func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration) {
+	if d.moved != nil {
+		s.migrate(ctx, d.moved)
+		return
+	}
 	if d.handoff != nil {
 		if err := s.storeHandoff(ctx, d.handoff); err != nil {
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
@@ -360,6 +364,43 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	}
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)
+}
+
+// migrate queues the continuation of a decode that failed after output, as
+// the request's next generation, and acks this one. The gateway has every
+// chunk sent so far (the handler's Moved), and takes the continuation's
+// chunks as the same stream.
+func (s *settle) migrate(ctx context.Context, next *Job) {
+	l := s.l
+	fail := func(err error) {
+		e := openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off, and could not be moved: %v", err)
+		s.failForGood(ctx, e, err, true)
+	}
+	if _, err := s.publishRetry(ctx, next.Msg(StageDecode), "migration"); err != nil {
+		fail(err)
+		return
+	}
+	moved := false
+	if _, err := l.records.Transition(ctx, s.job.ID, func(r *Record) error {
+		if r.Generation > s.job.Generation || r.State.Ended() || r.Gateway != s.job.GatewayID() {
+			return ErrNoChange
+		}
+		r.Generation, moved = next.Generation, true
+		return nil
+	}); err != nil && !errors.Is(err, ErrNoRecord) {
+		moved = true // not knowing, keep the job: its pull checks the record again
+		s.log.Warn("could not record the migration; its job runs all the same", logging.Err(err))
+	}
+	if !moved {
+		s.log.Info("the request ended while its decode was being moved")
+	} else {
+		l.cfg.Metrics.Migrated(l.cfg.Pool)
+		s.log.Info("decode moved to another engine after output", "chunks_sent", next.Resume.Chunks,
+			"tokens_sent", next.Resume.Tokens, "next_generation", next.Generation)
+	}
+	if err := s.msg.DoubleAck(ctx); err != nil {
+		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
+	}
 }
 
 // failForGood ends the request: the job goes to the dead-letter stream when

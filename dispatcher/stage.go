@@ -114,6 +114,19 @@ type Delivery struct {
 	loop    *StageLoop
 	replies *ReplyWriter
 	handoff *Job
+	moved   *Job
+}
+
+// Migrate is how a decode handler that failed after output hands the rest
+// of the answer on: body continues the request from the text sent so far,
+// and resume says what the client has. The loop queues it as the next
+// generation, on any decode engine, before it acks this job. The handler
+// must have sent Moved on its reply first.
+func (d *Delivery) Migrate(body json.RawMessage, resume Resume) {
+	next := *d.Job
+	next.Body, next.KV, next.Prefill, next.Resume = body, nil, nil, &resume
+	next.Generation = d.Job.Generation + 1
+	d.moved = &next
 }
 
 // HandOff is how a prefill handler returns its result: the job for the
@@ -140,6 +153,9 @@ func (d *Delivery) Forwarded() bool {
 	return d.handoff != nil && len(d.handoff.KV) == 0 && d.handoff.Prefill == nil
 }
 
+// Moved reports whether Migrate was called.
+func (d *Delivery) Moved() bool { return d.moved != nil }
+
 // Replies writes the client's reply for this delivery.
 func (d *Delivery) Replies() *ReplyWriter {
 	if d.replies == nil {
@@ -153,7 +169,7 @@ func (d *Delivery) sent() int {
 	if d.replies == nil {
 		return 0
 	}
-	return d.replies.Sent()
+	return d.replies.Own()
 }
 
 // replies writes job's reply. Decode deliveries are ordered by generation
@@ -164,6 +180,9 @@ func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
 		attempt = 0
 	}
 	w := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
+	if job.Resume != nil && l.cfg.Stage == StageDecode {
+		w.ContinueAt(job.Resume.Chunks)
+	}
 	w.SetEndWait(min(l.cfg.StallTimeout, DefaultEndWait))
 	return w
 }

@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -210,4 +211,123 @@ func counter(t *testing.T, url, name string) float64 {
 		}
 	}
 	return sum
+}
+
+// streamSummary is what a client of a streamed answer got: its text, the
+// usage chunk, and whether it was whole.
+type streamSummary struct {
+	text              string
+	chunks            int
+	created           map[int64]bool
+	ids               map[string]bool
+	prompt, generated int
+	whole             bool // ended in [DONE], no error event
+}
+
+func summarize(s stream) streamSummary {
+	sum := streamSummary{created: map[int64]bool{}, ids: map[string]bool{}, whole: s.status == 200 && s.done && s.err == nil}
+	for _, ev := range s.events {
+		var c struct {
+			ID      string `json:"id"`
+			Created int64  `json:"created"`
+			Choices []struct {
+				Text  string `json:"text"`
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+			Usage *struct {
+				Prompt     int `json:"prompt_tokens"`
+				Completion int `json:"completion_tokens"`
+			} `json:"usage"`
+			Error any `json:"error"`
+		}
+		if json.Unmarshal(ev, &c) != nil || c.Error != nil {
+			sum.whole = false
+			continue
+		}
+		sum.ids[c.ID], sum.created[c.Created] = true, true
+		for _, ch := range c.Choices {
+			sum.text += ch.Text + ch.Delta.Content
+			sum.chunks++
+		}
+		if c.Usage != nil {
+			sum.prompt, sum.generated = c.Usage.Prompt, c.Usage.Completion
+		}
+	}
+	return sum
+}
+
+// migrationRow kills a decode engine mid-stream: each of its streams must
+// go on, on the other engine, as one uninterrupted stream to its client:
+// the same length of text as an uninterrupted run, one id, one created
+// time, usage that counts the original prompt and every token, [DONE].
+func migrationRow(t *testing.T) row {
+	itl := []string{"--itl", "10ms"}
+	c := startCluster(t, clusterOptions{decodeSim: itl, env: faultTimeouts})
+	_, second := startSimProcess(t, itl...)
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	c.worker(dispatcher.StageDecode, 4, "PDQ_ENGINE_URL="+second.URL)
+	const tokens = 150
+	bodies := []func() (string, body){
+		func() (string, body) {
+			return c.url + "/v1/completions", completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true,
+				"stream": true, "stream_options": body{"include_usage": true}})
+		},
+		func() (string, body) {
+			return c.url + "/v1/chat/completions", body{"model": model, "messages": []body{{"role": "user", "content": longPrompt}},
+				"max_completion_tokens": tokens, "ignore_eos": true, "stream": true, "stream_options": body{"include_usage": true}}
+		},
+	}
+	run := func(id string, i int) (streamSummary, time.Duration) {
+		url, b := bodies[i%2]()
+		start := time.Now()
+		s := postStream(t, url, id, b)
+		return summarize(s), time.Since(start)
+	}
+	var base [2]streamSummary
+	var baseTook []time.Duration
+	for i := range 2 {
+		var d time.Duration
+		base[i], d = run(fmt.Sprintf("mig-base-%d", i), i)
+		baseTook = append(baseTook, d)
+		if !base[i].whole || base[i].generated != tokens {
+			t.Fatalf("baseline %d: %+v", i, base[i])
+		}
+	}
+	const n = 6
+	sums := make([]streamSummary, n)
+	took := make([]time.Duration, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { sums[i], took[i] = run(fmt.Sprintf("mig-%d", i), i) })
+	}
+	c.decode.WaitStats(t, 10*time.Second, "streams under way on the first decode engine",
+		func(s sim.Stats) bool { return s.Running >= 2 && s.GenerationTokens >= 100 })
+	kill9(t, c.decodeP)
+	wg.Wait()
+	r := row{scenario: "decode engine killed mid-stream: migration", cost: measure(took).cost(measure(baseTook))}
+	for i, s := range sums {
+		b := base[i%2]
+		switch {
+		case !s.whole:
+			r.accepted++
+			r.errors++
+			t.Errorf("stream %d broke: %+v", i, s)
+		case sim.CountTokens(s.text) != sim.CountTokens(b.text) || s.generated != b.generated || s.prompt != b.prompt ||
+			len(s.ids) != 1 || len(s.created) != 1:
+			r.accepted++
+			r.errors++
+			t.Errorf("stream %d: %d tokens of text, usage %d+%d, %d ids, %d created times; want %d tokens, usage %d+%d, 1, 1",
+				i, sim.CountTokens(s.text), s.prompt, s.generated, len(s.ids), len(s.created),
+				sim.CountTokens(b.text), b.prompt, b.generated)
+		default:
+			r.accepted++
+			r.completed++
+		}
+	}
+	second.WaitStats(t, 10*time.Second, "the second decode engine idle", func(s sim.Stats) bool { return s.Running == 0 && s.Waiting == 0 })
+	return r
 }

@@ -560,6 +560,7 @@ func TestFaultSuite(t *testing.T) {
 
 	t.Run("a dead prefill engine", func(t *testing.T) { check(t, deadPrefillRow(t)) })
 	t.Run("a hung decode engine", func(t *testing.T) { check(t, hungDecodeRow(t)) })
+	t.Run("a decode engine killed mid-stream", func(t *testing.T) { check(t, migrationRow(t)) })
 	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
 		t.Run("engine faults at rate 0.3 on "+string(stage), func(t *testing.T) {
 			for _, r := range engineFaultRows(t, stage) {

@@ -47,13 +47,31 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	defer cancel(nil)
 	watchdog := time.AfterFunc(limit, func() { cancel(errTimedOut) })
 	defer watchdog.Stop()
-	err = w.relay(cctx, job, body, out, streamed, func() { watchdog.Reset(limit) })
+	var tr *transcript // what was relayed, to go on from if the engine fails
+	if streamed && w.cfg.MigrationLimit > 0 {
+		tr = &transcript{}
+	}
+	var cont *continuation
+	if job.Resume != nil {
+		cont = &continuation{resume: *job.Resume, chat: job.Endpoint == openai.Chat}
+	}
+	each := func(data []byte) []byte {
+		watchdog.Reset(limit)
+		if tr != nil {
+			tr.add(data)
+		}
+		if cont != nil {
+			return cont.rewrite(data)
+		}
+		return data
+	}
+	err = w.relay(cctx, job, body, out, streamed, func() { watchdog.Reset(limit) }, each)
 	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut) {
 		err = timedOut(dispatcher.StageDecode, "silent", limit)
 	}
 	if err != nil {
-		if out.Sent() > 0 && ctx.Err() == nil {
-			return w.brokeAfterOutput(ctx, d, out, err)
+		if out.Own() > 0 && ctx.Err() == nil {
+			return w.brokeAfterOutput(ctx, d, out, tr, err)
 		}
 		return err
 	}
@@ -73,7 +91,8 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 
 // relay posts the decode leg and sends its output to the gateway, calling
 // alive at each sign of progress from the engine.
-func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, out *dispatcher.ReplyWriter, streamed bool, alive func()) error {
+func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, out *dispatcher.ReplyWriter, streamed bool,
+	alive func(), each func([]byte) []byte) error {
 	resp, err := w.call(ctx, job, body)
 	if err != nil {
 		return err
@@ -81,18 +100,67 @@ func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, ou
 	defer resp.Body.Close()
 	alive()
 	if streamed {
-		return relayStream(ctx, resp.Body, out, alive)
+		return relayStream(ctx, resp.Body, out, each)
 	}
 	return relayBody(ctx, resp.Body, out)
 }
 
-// brokeAfterOutput ends a decode that failed after part of the answer went
-// out: nothing can start over, so the client gets an in-stream error.
-func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, out *dispatcher.ReplyWriter, err error) error {
-	if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
-		w.log.Warn("could not send the error to the gateway", logging.Err(rerr), logging.KeyRequestID, d.Job.ID)
+// brokeAfterOutput handles a decode that failed after part of the answer
+// went out. Nothing can start over; the rest of the answer moves to
+// another decode engine (a migration) within PDQ_MIGRATION_LIMIT, and
+// otherwise the client gets an in-stream error.
+func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, out *dispatcher.ReplyWriter, tr *transcript, err error) error {
+	job := d.Job
+	log := w.log.With(logging.KeyRequestID, job.ID)
+	resume := dispatcher.Resume{}
+	if job.Resume != nil {
+		resume = *job.Resume
 	}
-	return dispatcher.Reported(err)
+	why := w.migration(job, resume, tr)
+	if why == nil && tr.finished {
+		// The answer is whole; only its end was lost.
+		if derr := out.Done(); derr != nil {
+			log.Warn("the gateway did not acknowledge the end of the reply", logging.Err(derr))
+		}
+		return nil
+	}
+	var body []byte
+	if why == nil {
+		body, why = ContinueBody(job.Endpoint, job.Body, tr.text.String(), tr.tokens)
+	}
+	if why == nil {
+		// The gateway must have every chunk sent so far before another
+		// engine numbers the next ones.
+		why = out.Moved()
+	}
+	if why != nil {
+		log.Warn("decode failed after output and cannot move to another engine", logging.Err(err), "why", why.Error())
+		if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
+			log.Warn("could not send the error to the gateway", logging.Err(rerr))
+		}
+		return dispatcher.Reported(err)
+	}
+	if resume.Created == 0 {
+		resume.Created = tr.created
+	}
+	resume.Chunks, resume.Tokens, resume.Migrations = out.Sent(), resume.Tokens+tr.tokens, resume.Migrations+1
+	d.Migrate(body, resume)
+	var fault *engineFault
+	w.breaker.failed(ctx, errors.As(err, &fault) && fault.unreachable, err)
+	log.Debug("decode failed after output; moving it", logging.Err(err), "tokens_sent", resume.Tokens)
+	return nil
+}
+
+// migration says why a decode that failed after output cannot move, or
+// nil.
+func (w *Worker) migration(job *dispatcher.Job, resume dispatcher.Resume, tr *transcript) error {
+	switch {
+	case tr == nil:
+		return fmt.Errorf("%w: migration is off (PDQ_MIGRATION_LIMIT=0) or the reply is not streamed", errNotContinuable)
+	case resume.Migrations >= w.cfg.MigrationLimit:
+		return fmt.Errorf("%w: it moved %d times (PDQ_MIGRATION_LIMIT)", errNotContinuable, resume.Migrations)
+	}
+	return continuable(job.Endpoint, job.Body)
 }
 
 // wholeAnswerLimit bounds the wait for a response that comes whole (a
@@ -138,10 +206,10 @@ func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 	return nil
 }
 
-// relayStream forwards each SSE event as a chunk, calling alive at each,
-// and ends on [DONE]. A stream that breaks before any event is retried;
-// one that breaks later is the caller's to end.
-func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, alive func()) error {
+// relayStream forwards each SSE event as a chunk, as each makes it (nil:
+// dropped), and ends on [DONE]. A stream that breaks before any event is
+// retried; one that breaks later is the caller's to end.
+func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, each func([]byte) []byte) error {
 	events := openai.NewSSEReader(body)
 	for {
 		ev, err := events.Next()
@@ -155,11 +223,14 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 			err = fmt.Errorf("decode stream broke after %d events: %w", out.Sent(), err)
 			return unreachable(ctx, dispatcher.StageDecode, err)
 		}
-		alive()
 		if ev.IsDone() {
 			return nil
 		}
-		if err := out.Chunk(ev.Data); err != nil {
+		data := each(ev.Data)
+		if data == nil {
+			continue
+		}
+		if err := out.Chunk(data); err != nil {
 			return dispatcher.Retryable(err, nil)
 		}
 	}

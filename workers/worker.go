@@ -72,6 +72,10 @@ type Config struct {
 	// worker whose engine is down forwards its jobs decode-only while no
 	// other prefill worker of its pool is healthy.
 	PrefillFallback string
+	// MigrationLimit bounds how many times a decode that fails after
+	// output moves to another engine (PDQ_MIGRATION_LIMIT); 0 ends such a
+	// stream with an error.
+	MigrationLimit int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -187,6 +191,8 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 		err := h(ctx, d)
 		var fault *engineFault
 		switch {
+		case err == nil && d.Moved():
+			// The handler told the breaker of the failure it moved from.
 		case err == nil:
 			w.breaker.succeeded()
 		case errors.As(err, &fault) && ctx.Err() == nil:

@@ -132,7 +132,7 @@ func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, me
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
-		PrefillFallback: cfg.PrefillFallback, Metrics: metrics,
+		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit, Metrics: metrics,
 	}
 }
 

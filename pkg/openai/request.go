@@ -29,6 +29,13 @@ type Request struct {
 	IgnoreEOS           bool  `json:"ignore_eos"`
 	Echo                *bool `json:"echo"`
 
+	// AddGenerationPrompt and ContinueFinalMessage are vLLM's chat template
+	// switches (defaults true and false): a partial assistant message is
+	// continued with add_generation_prompt false and continue_final_message
+	// true.
+	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
+	ContinueFinalMessage *bool `json:"continue_final_message"`
+
 	// RequestID is vLLM's body fallback for the X-Request-Id header.
 	RequestID string `json:"request_id"`
 

@@ -97,6 +97,9 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			return outcome{}, errEngineDead
 		}
 		t := token{i: i, n: n, text: e.model.token(digest, i)}
+		if i == 0 && j.prompt.midWord {
+			t.text = " " + t.text // going on from a partial answer: a new word
+		}
 		if i == n-1 {
 			t.finish = finish
 		}

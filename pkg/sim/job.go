@@ -83,7 +83,18 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 	j := &job{endpoint: endpoint, req: req, created: time.Now().Unix(), start: time.Now()}
 	switch endpoint {
 	case openai.Chat:
-		text, err := RenderChat(req.Messages)
+		tmpl := ChatTemplate{AddGenerationPrompt: req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
+			ContinueFinalMessage: req.ContinueFinalMessage != nil && *req.ContinueFinalMessage}
+		if tmpl.AddGenerationPrompt && tmpl.ContinueFinalMessage {
+			// vLLM's own message.
+			return nil, openai.NewError(http.StatusBadRequest,
+				"Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+		}
+		if tmpl.ContinueFinalMessage && (len(req.Messages) == 0 || req.Messages[len(req.Messages)-1].Role != "assistant") {
+			return nil, openai.NewError(http.StatusBadRequest,
+				"continue_final_message is set but the final message is not the assistant's").WithParam("messages")
+		}
+		text, err := renderChat(req.Messages, tmpl)
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"strings"
 	"unicode"
+	"unicode/utf8"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -41,8 +42,23 @@ func CountTokens(s string) int {
 // "<|role|>\n" + content + "\n", then "<|assistant|>\n" for the answer. The
 // template's tokens count as prompt tokens, as a real template's do.
 func RenderChat(msgs []openai.Message) (string, error) {
+	return renderChat(msgs, ChatTemplate{AddGenerationPrompt: true})
+}
+
+// ChatTemplate holds vLLM's chat template switches.
+type ChatTemplate struct {
+	// AddGenerationPrompt ends the prompt with the assistant's header
+	// (vLLM's add_generation_prompt, default true).
+	AddGenerationPrompt bool
+	// ContinueFinalMessage leaves the final message open, so that the
+	// model goes on from it (vLLM's continue_final_message): a partial
+	// assistant answer is continued, not answered.
+	ContinueFinalMessage bool
+}
+
+func renderChat(msgs []openai.Message, tmpl ChatTemplate) (string, error) {
 	var b strings.Builder
-	for _, m := range msgs {
+	for i, m := range msgs {
 		text, err := m.Text()
 		if err != nil {
 			return "", err
@@ -51,9 +67,14 @@ func RenderChat(msgs []openai.Message) (string, error) {
 		b.WriteString(m.Role)
 		b.WriteString("|>\n")
 		b.WriteString(text)
+		if tmpl.ContinueFinalMessage && i == len(msgs)-1 {
+			return b.String(), nil
+		}
 		b.WriteString("\n")
 	}
-	b.WriteString("<|assistant|>\n")
+	if tmpl.AddGenerationPrompt {
+		b.WriteString("<|assistant|>\n")
+	}
 	return b.String(), nil
 }
 
@@ -62,11 +83,16 @@ func RenderChat(msgs []openai.Message) (string, error) {
 type prompt struct {
 	tokens int
 	digest string
+	// midWord means the prompt ends in a letter or digit, as a partial
+	// answer being continued does: the first output token is a new word.
+	midWord bool
 }
 
 func textPrompt(s string) prompt {
 	sum := sha256.Sum256([]byte(s))
-	return prompt{tokens: CountTokens(s), digest: hex.EncodeToString(sum[:12])}
+	last, _ := utf8.DecodeLastRuneInString(s)
+	return prompt{tokens: CountTokens(s), digest: hex.EncodeToString(sum[:12]),
+		midWord: unicode.IsLetter(last) || unicode.IsDigit(last)}
 }
 
 func tokenPrompt(ids []int) prompt {

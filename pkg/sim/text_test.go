@@ -45,6 +45,25 @@ func TestRenderChat(t *testing.T) {
 	}
 }
 
+// A continued answer is the original prompt plus the partial answer, token
+// for token: what a migrated decode relies on to count usage.
+func TestRenderChatContinued(t *testing.T) {
+	user := openai.Message{Role: "user", Content: json.RawMessage(`"Hi"`)}
+	first, _ := RenderChat([]openai.Message{user})
+	partial := " alpha bravo charlie"
+	cont, err := renderChat([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
+		ChatTemplate{ContinueFinalMessage: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cont != first+partial {
+		t.Errorf("continued = %q, want %q", cont, first+partial)
+	}
+	if CountTokens(cont) != CountTokens(first)+CountTokens(partial) {
+		t.Errorf("continued prompt has %d tokens, want %d + %d", CountTokens(cont), CountTokens(first), CountTokens(partial))
+	}
+}
+
 func TestModel(t *testing.T) {
 	m := model{seed: 7}
 	d := textPrompt("a prompt").digest

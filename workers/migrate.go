@@ -1,0 +1,281 @@
+package workers
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// Migration: a decode that fails after output goes on, on another decode
+// engine, from the text generated so far. The worker that failed keeps a
+// transcript of what it relayed; from it and the request it builds the
+// continuation (completions: the prompt plus the text; chat: the partial
+// answer as a final assistant message with continue_final_message), with
+// the token limits reduced by what was sent. The worker that continues
+// rewrites its chunks so the client sees one stream: the first created
+// time, no second role chunk, and usage that counts the original prompt
+// and every generated token.
+
+// transcript is what a streamed decode has relayed: its text, tokens and
+// created time. It counts a token per chunk that carries text, which is
+// how vLLM streams; usage chunks, when the engine sends them, correct it.
+type transcript struct {
+	text     strings.Builder
+	tokens   int
+	created  int64
+	finished bool // a chunk carried a finish_reason: nothing is left to generate
+}
+
+// chunk is the part of a streamed chunk that migration reads.
+type chunk struct {
+	Created int64 `json:"created"`
+	Choices []struct {
+		Text  *string `json:"text"`
+		Delta *struct {
+			Content *string `json:"content"`
+		} `json:"delta"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage *struct {
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+}
+
+// add takes in one relayed chunk.
+func (t *transcript) add(data []byte) {
+	var c chunk
+	if json.Unmarshal(data, &c) != nil {
+		return
+	}
+	if t.created == 0 {
+		t.created = c.Created
+	}
+	for _, ch := range c.Choices {
+		var s *string
+		switch {
+		case ch.Text != nil:
+			s = ch.Text
+		case ch.Delta != nil:
+			s = ch.Delta.Content
+		}
+		if s != nil && *s != "" {
+			t.text.WriteString(*s)
+			t.tokens++
+		}
+		if ch.FinishReason != nil && *ch.FinishReason != "" {
+			t.finished = true
+		}
+	}
+}
+
+// errNotContinuable is why a request cannot be migrated.
+var errNotContinuable = errors.New("the request cannot be continued on another engine")
+
+// continuable reports why a request cannot be continued from partial
+// output, or nil: several choices (n, best_of) or beam search cannot be
+// rebuilt from one text, echo would repeat the prompt, and a completions
+// prompt must be one string to append to.
+func continuable(endpoint openai.Endpoint, body []byte) error {
+	var r struct {
+		N             *int            `json:"n"`
+		BestOf        *int            `json:"best_of"`
+		UseBeamSearch bool            `json:"use_beam_search"`
+		Echo          bool            `json:"echo"`
+		Prompt        json.RawMessage `json:"prompt"`
+	}
+	if err := json.Unmarshal(body, &r); err != nil {
+		return fmt.Errorf("%w: %w", errNotContinuable, err)
+	}
+	switch {
+	case r.N != nil && *r.N > 1:
+		return fmt.Errorf("%w: n=%d", errNotContinuable, *r.N)
+	case r.BestOf != nil && *r.BestOf > 1:
+		return fmt.Errorf("%w: best_of=%d", errNotContinuable, *r.BestOf)
+	case r.UseBeamSearch:
+		return fmt.Errorf("%w: beam search", errNotContinuable)
+	case r.Echo:
+		return fmt.Errorf("%w: echo", errNotContinuable)
+	}
+	if endpoint == openai.Completions {
+		var one string
+		if json.Unmarshal(r.Prompt, &one) != nil {
+			var list []string
+			if json.Unmarshal(r.Prompt, &list) != nil || len(list) != 1 {
+				return fmt.Errorf("%w: the prompt is not one string", errNotContinuable)
+			}
+		}
+	}
+	return nil
+}
+
+// ContinueBody is the request that goes on from text: for completions the
+// prompt with text appended; for chat the messages with text as the final
+// assistant message (appended to it, if the request already continues
+// one), continue_final_message set and add_generation_prompt unset. The
+// token limits are reduced by tokens. Other fields keep their bytes.
+func ContinueBody(endpoint openai.Endpoint, body []byte, text string, tokens int) ([]byte, error) {
+	m, err := fields(body)
+	if err != nil {
+		return nil, err
+	}
+	switch endpoint {
+	case openai.Completions:
+		var prompt string
+		if err := json.Unmarshal(m["prompt"], &prompt); err != nil {
+			var list []string
+			if err := json.Unmarshal(m["prompt"], &list); err != nil || len(list) != 1 {
+				return nil, fmt.Errorf("%w: the prompt is not one string", errNotContinuable)
+			}
+			prompt = list[0]
+		}
+		m["prompt"], _ = json.Marshal(prompt + text) // a string always encodes
+	case openai.Chat:
+		var msgs []map[string]json.RawMessage
+		if err := json.Unmarshal(m["messages"], &msgs); err != nil {
+			return nil, fmt.Errorf("messages: %w", err)
+		}
+		cont := false
+		if raw, ok := m["continue_final_message"]; ok {
+			_ = json.Unmarshal(raw, &cont)
+		}
+		if n := len(msgs); cont && n > 0 && string(bytes.TrimSpace(msgs[n-1]["role"])) == `"assistant"` {
+			var prev string
+			if err := json.Unmarshal(msgs[n-1]["content"], &prev); err != nil {
+				return nil, fmt.Errorf("%w: the final message's content is not a string", errNotContinuable)
+			}
+			msgs[n-1]["content"], _ = json.Marshal(prev + text)
+		} else {
+			content, _ := json.Marshal(text)
+			msgs = append(msgs, map[string]json.RawMessage{"role": json.RawMessage(`"assistant"`), "content": content})
+		}
+		if m["messages"], err = json.Marshal(msgs); err != nil {
+			return nil, err
+		}
+		m["continue_final_message"] = json.RawMessage("true")
+		m["add_generation_prompt"] = json.RawMessage("false")
+	}
+	for _, key := range []string{keyMaxTokens, keyMaxCompletionTokens, keyMinTokens, keyMinCompletionTokens} {
+		raw, ok := m[key]
+		if !ok || string(raw) == "null" {
+			continue
+		}
+		var n int
+		if err := json.Unmarshal(raw, &n); err != nil {
+			return nil, fmt.Errorf("%s: %w", key, err)
+		}
+		n -= tokens
+		if key == keyMaxTokens || key == keyMaxCompletionTokens {
+			n = max(n, 1)
+		}
+		if n <= 0 {
+			delete(m, key)
+			continue
+		}
+		m[key], _ = json.Marshal(n)
+	}
+	delete(m, keyKVTransferParams)
+	return json.Marshal(m)
+}
+
+// continuation rewrites the chunks of a migrated decode so that they
+// continue the client's stream.
+type continuation struct {
+	resume    dispatcher.Resume
+	chat      bool
+	roleFound bool // the continuation's own role chunk has been dropped
+}
+
+// rewrite returns the chunk as the client must see it, or nil to drop it.
+func (c *continuation) rewrite(data []byte) []byte {
+	if c.chat && !c.roleFound && isRoleChunk(data) {
+		c.roleFound = true
+		return nil // the client had its role chunk from the first engine
+	}
+	out := setCreated(data, c.resume.Created)
+	return shiftUsage(out, c.resume.Tokens)
+}
+
+// isRoleChunk reports whether a chat chunk only opens the assistant's
+// message: role and empty content.
+func isRoleChunk(data []byte) bool {
+	var c struct {
+		Choices []struct {
+			Delta map[string]json.RawMessage `json:"delta"`
+		} `json:"choices"`
+	}
+	if json.Unmarshal(data, &c) != nil || len(c.Choices) != 1 {
+		return false
+	}
+	d := c.Choices[0].Delta
+	if _, ok := d["role"]; !ok {
+		return false
+	}
+	content, ok := d["content"]
+	return !ok || string(content) == `""` || string(content) == "null"
+}
+
+// setCreated replaces the top-level "created" value. In JSON a key's
+// quote cannot appear unescaped inside a string, so the first `"created":`
+// is the key.
+func setCreated(data []byte, created int64) []byte {
+	if created == 0 {
+		return data
+	}
+	key := []byte(`"created":`)
+	i := bytes.Index(data, key)
+	if i < 0 {
+		return data
+	}
+	start := i + len(key)
+	for start < len(data) && data[start] == ' ' {
+		start++
+	}
+	end := start
+	for end < len(data) && (data[end] >= '0' && data[end] <= '9') {
+		end++
+	}
+	if end == start {
+		return data
+	}
+	out := make([]byte, 0, len(data)+4)
+	out = append(out, data[:start]...)
+	out = fmt.Appendf(out, "%d", created)
+	return append(out, data[end:]...)
+}
+
+// shiftUsage moves tokens from prompt_tokens to completion_tokens in a
+// chunk's usage: the continuation's prompt held the text generated before
+// it.
+func shiftUsage(data []byte, tokens int) []byte {
+	key := []byte(`"usage":`)
+	i := bytes.Index(data, key)
+	if i < 0 || tokens == 0 {
+		return data
+	}
+	start := i + len(key)
+	dec := json.NewDecoder(bytes.NewReader(data[start:]))
+	var usage map[string]json.RawMessage
+	if dec.Decode(&usage) != nil || usage == nil {
+		return data // null, or not an object
+	}
+	end := start + int(dec.InputOffset())
+	var prompt, completion int
+	if json.Unmarshal(usage["prompt_tokens"], &prompt) != nil || json.Unmarshal(usage["completion_tokens"], &completion) != nil {
+		return data
+	}
+	usage["prompt_tokens"], _ = json.Marshal(max(prompt-tokens, 0))
+	usage["completion_tokens"], _ = json.Marshal(completion + tokens)
+	raw, err := json.Marshal(usage)
+	if err != nil {
+		return data
+	}
+	out := make([]byte, 0, len(data)+8)
+	out = append(out, data[:start]...)
+	out = append(out, raw...)
+	return append(out, data[end:]...)
+}

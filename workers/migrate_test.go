@@ -1,0 +1,110 @@
+package workers
+
+import (
+	"encoding/json"
+	"errors"
+	"reflect"
+	"testing"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+func TestContinueBody(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		endpoint openai.Endpoint
+		body     string
+		text     string
+		tokens   int
+		want     string
+	}{
+		{"completions: the text joins the prompt, limits shrink", openai.Completions,
+			`{"model":"m","prompt":"Once","max_tokens":10,"min_tokens":4,"stream":true,"kv_transfer_params":{"x":1}}`, " upon a", 2,
+			`{"max_tokens":8,"min_tokens":2,"model":"m","prompt":"Once upon a","stream":true}`},
+		{"completions: a prompt list of one", openai.Completions,
+			`{"prompt":["Once"],"max_tokens":3}`, " upon a time", 3,
+			`{"max_tokens":1,"prompt":"Once upon a time"}`},
+		{"completions: min_tokens met is dropped", openai.Completions,
+			`{"prompt":"a","min_tokens":2}`, " b c", 2,
+			`{"prompt":"a b c"}`},
+		{"chat: the text becomes the assistant's open message", openai.Chat,
+			`{"messages":[{"role":"user","content":"Hi"}],"max_completion_tokens":5}`, "Hello th", 2,
+			`{"add_generation_prompt":false,"continue_final_message":true,"max_completion_tokens":3,"messages":[{"content":"Hi","role":"user"},{"content":"Hello th","role":"assistant"}]}`},
+		{"chat: a continued message grows", openai.Chat,
+			`{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}],"continue_final_message":true,"add_generation_prompt":false}`, " there", 1,
+			`{"add_generation_prompt":false,"continue_final_message":true,"messages":[{"content":"Hi","role":"user"},{"content":"Hello there","role":"assistant"}]}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ContinueBody(tc.endpoint, []byte(tc.body), tc.text, tc.tokens)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var g, w any
+			json.Unmarshal(got, &g)
+			json.Unmarshal([]byte(tc.want), &w)
+			if !reflect.DeepEqual(g, w) {
+				t.Errorf("got  %s\nwant %s", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestContinuable(t *testing.T) {
+	for _, tc := range []struct {
+		endpoint openai.Endpoint
+		body     string
+		ok       bool
+	}{
+		{openai.Completions, `{"prompt":"a"}`, true},
+		{openai.Completions, `{"prompt":["a"],"n":1}`, true},
+		{openai.Chat, `{"messages":[]}`, true},
+		{openai.Completions, `{"prompt":[1,2,3]}`, false},
+		{openai.Completions, `{"prompt":["a","b"]}`, false},
+		{openai.Completions, `{"prompt":"a","echo":true}`, false},
+		{openai.Chat, `{"messages":[],"n":2}`, false},
+		{openai.Completions, `{"prompt":"a","best_of":3}`, false},
+		{openai.Completions, `{"prompt":"a","use_beam_search":true}`, false},
+	} {
+		err := continuable(tc.endpoint, []byte(tc.body))
+		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, errNotContinuable)) {
+			t.Errorf("%s %s: continuable = %v, want ok=%v", tc.endpoint, tc.body, err, tc.ok)
+		}
+	}
+}
+
+func TestTranscript(t *testing.T) {
+	var tr transcript
+	for _, c := range []string{
+		`{"id":"chatcmpl-x","created":111,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`,
+		`{"id":"chatcmpl-x","created":111,"choices":[{"index":0,"delta":{"content":"Hel"}}]}`,
+		`{"id":"chatcmpl-x","created":111,"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}`,
+	} {
+		tr.add([]byte(c))
+	}
+	if tr.text.String() != "Hello" || tr.tokens != 2 || tr.created != 111 || tr.finished {
+		t.Errorf("transcript %q, %d tokens, created %d, finished %v", tr.text.String(), tr.tokens, tr.created, tr.finished)
+	}
+	tr.add([]byte(`{"created":111,"choices":[{"text":"!","finish_reason":"length"}]}`))
+	if !tr.finished || tr.text.String() != "Hello!" {
+		t.Errorf("after the finish chunk: %q, finished %v", tr.text.String(), tr.finished)
+	}
+}
+
+func TestContinuationRewrite(t *testing.T) {
+	c := &continuation{resume: dispatcher.Resume{Chunks: 4, Tokens: 3, Created: 111}, chat: true}
+	for _, tc := range []struct{ in, want string }{
+		{`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":999,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`, ""},
+		{`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":999,"model":"m","choices":[{"index":0,"delta":{"content":"\"created\":5"}}]}`,
+			`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":111,"model":"m","choices":[{"index":0,"delta":{"content":"\"created\":5"}}]}`},
+		{`{"id":"chatcmpl-x","created":999,"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":5,"total_tokens":18}}`,
+			`{"id":"chatcmpl-x","created":111,"choices":[],"usage":{"completion_tokens":8,"prompt_tokens":10,"total_tokens":18}}`},
+		// a second role chunk is content, not the continuation's opening
+		{`{"created":999,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`,
+			`{"created":111,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`},
+	} {
+		if got := string(c.rewrite([]byte(tc.in))); got != tc.want {
+			t.Errorf("rewrite(%s)\n got  %s\n want %s", tc.in, got, tc.want)
+		}
+	}
+}
