@@ -35,7 +35,7 @@ type ReplyWriter struct {
 	// which the gateway has not acknowledged (all of them without a
 	// subject). The first start were sent by earlier generations.
 	seq, base, start int
-	kept      [][]byte
+	kept             [][]byte
 	// stages go on the done message, for the gateway's request record.
 	stages []StageRecord
 	failed *openai.Error
