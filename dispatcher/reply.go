@@ -275,8 +275,9 @@ var (
 	// and not as a continuation: the client cannot be given a second
 	// beginning.
 	ErrReplyRestarted = errors.New("decode restarted after output was sent")
-	// ErrReplyStalled means a running decode went silent for the stall
-	// time-out: no chunk and no heartbeat.
+	// ErrReplyStalled means nothing came for the stall time-out: from a
+	// running decode (see [ReplyStream.Heard]), no chunk and no heartbeat,
+	// which fails the request; before one, the silence of a queue.
 	ErrReplyStalled = errors.New("the decode went silent")
 	// ErrInFlight means a request with this id is already in flight here.
 	ErrInFlight = errors.New("a request with this id is in flight")
@@ -380,7 +381,8 @@ type ReplyStream struct {
 	// be followed by a later one.
 	base int
 	// heard means a decode of the current attempt has been heard from: from
-	// then on, silence for the stall time-out fails the request.
+	// then on, silence for the stall time-out fails the request; before,
+	// it is a queue's.
 	heard bool
 	// stall is one timer for the whole stream: Next runs once per token.
 	stall *time.Timer
@@ -401,28 +403,29 @@ func (s *ReplyStream) Close() {
 // Generation is the generation of the attempt the stream follows.
 func (s *ReplyStream) Generation() int { return s.attempt >> 8 }
 
+// Heard reports whether a decode of the current attempt has been heard
+// from.
+func (s *ReplyStream) Heard() bool { return s.heard }
+
 // Rearm forgets the decode heard so far, for a request that went back to
 // prefill: until a decode of it is heard again, silence is expected.
 func (s *ReplyStream) Rearm() { s.heard = false }
 
 // Next returns the next reply in order: a chunk, or the terminal done or
 // error. Chunks lost in transit are asked for again; Next fails on a
-// restart after output, when a running decode is silent for stall, or
-// when ctx ends.
+// restart after output, when nothing comes for stall (ErrReplyStalled:
+// the caller decides by Heard whether that is a silent decode or a queue),
+// or when ctx ends.
 func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 	if s.stall == nil {
 		s.stall = time.NewTimer(stall)
 	}
 	s.stall.Reset(stall) // Go 1.23+: no stale tick can be left in the channel
 	for {
-		var stalled <-chan time.Time
-		if s.heard {
-			stalled = s.stall.C
-		}
 		var msg *nats.Msg
 		select {
 		case msg = <-s.ch:
-		case <-stalled:
+		case <-s.stall.C:
 			return Reply{}, ErrReplyStalled
 		case <-ctx.Done():
 			return Reply{}, ctx.Err()

@@ -472,15 +472,20 @@ func (s *settle) release(ctx context.Context, why string) {
 	s.log.Debug("released the prefill's KV blocks", "reason", why)
 }
 
-// answer sends the client an error, if it has a reply subject.
+// answer sends the client an error, if it has a reply subject. The wait
+// for the gateway's ack does not hold the slot: the request's end is
+// recorded already, and a gateway that never hears the error finds it in
+// the record.
 func (s *settle) answer(e *openai.Error) {
 	if s.job.ReplyTo == "" {
 		return
 	}
 	w := s.l.replies(s.job, s.attempt)
-	if err := w.Error(e); err != nil {
-		s.log.Warn("could not send the error to the gateway", logging.Err(err))
-	}
+	go func() {
+		if err := w.Error(e); err != nil {
+			s.log.Warn("could not send the error to the gateway", logging.Err(err))
+		}
+	}()
 }
 
 // end records the request's end.

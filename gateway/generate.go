@@ -198,8 +198,9 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 
 // next reads the next reply. A decode that goes silent for the stall
 // time-out fails the request, unless the request went back to prefill as a
-// new generation (silent until its decode starts) or ended with an error
-// whose message was lost.
+// new generation (silent until its decode starts). Each silence, heard
+// decode or not, looks at the request's record, so that an error whose
+// message was lost still reaches the client.
 func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job) (dispatcher.Reply, error) {
 	for {
 		r, err := replies.Next(ctx, h.cfg.StallTimeout)
@@ -210,12 +211,12 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 		rec, _, gerr := h.records.Get(rctx, job.ID)
 		cancel()
 		switch {
-		case gerr != nil || rec.Gateway != h.id:
-			return r, err
-		case rec.State == dispatcher.StateFailed && rec.Error != nil:
+		case gerr == nil && rec.State == dispatcher.StateFailed && rec.Error != nil && rec.Gateway == h.id:
 			data, _ := json.Marshal(openai.ErrorResponse{Error: openai.NewError(rec.Error.Status, "%s", rec.Error.Message)})
 			return dispatcher.Reply{Kind: dispatcher.KindError, Data: data, Status: rec.Error.Status}, nil
-		case rec.State.Ended() || rec.Generation <= replies.Generation():
+		case !replies.Heard():
+			continue // queued or prefilling: only the deadline bounds that
+		case gerr != nil || rec.Gateway != h.id || rec.State.Ended() || rec.Generation <= replies.Generation():
 			return r, err
 		}
 		replies.Rearm()

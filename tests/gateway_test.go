@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -159,12 +160,21 @@ func TestGatewayCancel(t *testing.T) {
 	p.decode[0].WaitStats(t, 10*time.Second, "decode aborted", func(s sim.Stats) bool { return s.Aborts == 1 && s.Running == 0 })
 }
 
-// TestGatewayNoWorkers checks the 503s: a model whose prefill pool has no
-// live worker still serves short prompts (decode-only) but refuses long
-// ones, with Retry-After.
+// TestGatewayNoWorkers checks a model whose prefill pool has no live
+// worker: short prompts are served decode-only as always; long ones too,
+// by the decode-only fallback, or, with PDQ_PREFILL_FALLBACK=fail, refused
+// with a 503 and Retry-After.
 func TestGatewayNoWorkers(t *testing.T) {
 	p := startPipeline(t, pipelineOptions{prefill: -1})
 	parseResponse(t, post(t, p.chat(), "", chatBody(model, "hi", body{"max_tokens": 2})))
+	parseResponse(t, post(t, p.chat(), "fallback-1", chatBody(model, longPrompt, body{"max_tokens": 2})))
+	var rec dispatcher.Record
+	get(t, p.url+"/v1/requests/fallback-1").decode(t, &rec)
+	if !rec.DecodeOnly || rec.State != dispatcher.StateDone {
+		t.Errorf("record %+v, want done decode-only", rec)
+	}
+
+	p = startPipeline(t, pipelineOptions{prefill: -1, gateway: gateway.Config{PrefillFallback: config.FallbackFail}})
 	r := post(t, p.chat(), "", chatBody(model, longPrompt, body{"max_tokens": 2}))
 	r.wantStatus(t, http.StatusServiceUnavailable)
 	if r.header.Get("Retry-After") == "" || !strings.Contains(r.apiError(t).Message, "prefill") {

@@ -75,7 +75,9 @@ func TestLifecycleHandoffPublishRetried(t *testing.T) {
 // deliveries are used up by workers that crash (kill -9) mid-prefill is
 // answered and dead-lettered, not left in the queue while its client waits.
 func TestLifecycleCrashedDeliveriesAnswered(t *testing.T) {
-	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "3s"}})
+	// Without the fallback, a long prompt waits for the gateway to see the
+	// prefill worker (503 until then) rather than going decode-only.
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "3s"}, env: []string{"PDQ_PREFILL_FALLBACK=fail"}})
 	c.worker(dispatcher.StageDecode, 2)
 	w := c.worker(dispatcher.StagePrefill, 1)
 	res := make(chan outcome, 1)

@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -8,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
@@ -31,10 +33,16 @@ func startUp(t *testing.T, env ...string) (*process, string) {
 func waitServing(t *testing.T, url string) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
-	for {
-		r, err := tryPost(url+"/v1/completions", "", completionBody(model, longPrompt, body{"max_tokens": 1}))
+	for i := 0; ; i++ {
+		// Served through prefill: until the gateway sees a prefill worker,
+		// long prompts go decode-only (the fallback).
+		id := fmt.Sprintf("ready-%d-%d", time.Now().UnixNano(), i)
+		r, err := tryPost(url+"/v1/completions", id, completionBody(model, longPrompt, body{"max_tokens": 1}))
 		if err == nil && r.status == http.StatusOK {
-			return
+			var rec dispatcher.Record
+			if g, err := tryDo(http.MethodGet, url+"/v1/requests/"+id, nil, nil); err == nil && json.Unmarshal(g.body, &rec) == nil && !rec.DecodeOnly {
+				return
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("pdq up does not serve after 20s: %v %d %s", err, r.status, r.body)
