@@ -59,6 +59,9 @@ type Job struct {
 	// Resume is set on a migrated decode: a decode that failed after
 	// output, continued by another engine from the text it had generated.
 	Resume *Resume
+	// HandBacks counts the times a worker whose engine was failing gave
+	// the job back unrun; each copy has its own message id.
+	HandBacks int
 }
 
 // Resume is what a migrated decode needs to continue the reply its earlier
@@ -130,7 +133,11 @@ func (j *Job) Validate() error {
 // generation, so a republish after a crash is deduplicated and a new
 // generation is not.
 func (j *Job) MsgID(stage Stage) string {
-	return j.ID + "/" + string(stage[0]) + strconv.Itoa(j.Generation)
+	id := j.ID + "/" + string(stage[0]) + strconv.Itoa(j.Generation)
+	if j.HandBacks > 0 {
+		id += "." + strconv.Itoa(j.HandBacks)
+	}
+	return id
 }
 
 // Headers of a job message.
@@ -153,6 +160,8 @@ const (
 	HeaderPrefill = "Pdq-Prefill"
 	// HeaderResume is a migrated decode's Resume, as JSON.
 	HeaderResume = "Pdq-Resume"
+	// HeaderHandBacks counts a job's hand-backs.
+	HeaderHandBacks = "Pdq-Hand-Backs"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -184,6 +193,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	if j.Resume != nil {
 		res, _ := json.Marshal(j.Resume) // plain fields: it always encodes
 		h[HeaderResume] = []string{string(res)}
+	}
+	if j.HandBacks > 0 {
+		h[HeaderHandBacks] = []string{strconv.Itoa(j.HandBacks)}
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
@@ -224,6 +236,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.Generation = int(num(HeaderGeneration))
 	j.Submitted = time.UnixMicro(num(HeaderSubmitted))
 	j.PromptTokens = int(num(HeaderPromptTokens))
+	j.HandBacks = int(num(HeaderHandBacks))
 	if kv := h.Get(HeaderKV); kv != "" {
 		j.KV = json.RawMessage(kv)
 	}

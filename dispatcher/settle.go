@@ -295,6 +295,8 @@ func (s *settle) failed(ctx context.Context, err error) {
 		return
 	}
 	switch {
+	case f.HandBack && s.sent == 0 && s.job.HandBacks < maxHandBacks:
+		s.handBack(ctx, err)
 	case s.sent > 0:
 		// The client has part of the answer: no attempt can start over.
 		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
@@ -312,6 +314,25 @@ func (s *settle) failed(ctx context.Context, err error) {
 	default:
 		e := openai.NewError(client.Status(), "%s (after %d attempts)", client.Message, s.attempt)
 		s.failForGood(ctx, e, err, true)
+	}
+}
+
+// handBack stores a copy of a job that never reached an engine, under a
+// new message id, and acks this one: another worker takes it as if it were
+// new, with its KV (a handoff's) unread and its deliveries uncounted.
+func (s *settle) handBack(ctx context.Context, why error) {
+	next := *s.job
+	next.HandBacks++
+	if _, err := s.publishRetry(ctx, next.Msg(s.l.cfg.Stage), "hand-back"); err != nil {
+		s.log.Warn("could not hand the job back; retrying it later", logging.Err(err))
+		if nerr := s.msg.NakWithDelay(retryDelay(s.l.cfg.RetryBase, s.attempt)); nerr != nil {
+			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(nerr))
+		}
+		return
+	}
+	s.log.Debug("job handed back", "reason", why.Error(), "hand_backs", next.HandBacks)
+	if err := s.msg.DoubleAck(ctx); err != nil {
+		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
 	}
 }
 

@@ -35,6 +35,10 @@ type Failure struct {
 	// Rejected means the engine refused the request before running it, so
 	// a handoff's KV blocks were never read and must be released.
 	Rejected bool
+	// HandBack means the job never reached an engine: it goes back to the
+	// queue for another worker, as the same generation, with no delivery
+	// counted against it.
+	HandBack bool
 }
 
 func (f *Failure) Error() string { return f.Err.Error() }
@@ -57,6 +61,17 @@ func Rejected(err error, client *openai.Error) error {
 func Retryable(err error, client *openai.Error) error {
 	return &Failure{Err: err, Client: client}
 }
+
+// HandBack returns a job that never reached this worker's engine to the
+// queue for another worker (one whose engine is healthy); client is what
+// the client gets if it can go nowhere.
+func HandBack(err error, client *openai.Error) error {
+	return &Failure{Err: err, Client: client, HandBack: true}
+}
+
+// maxHandBacks bounds how often one job is handed back, should every
+// worker keep handing it on.
+const maxHandBacks = 8
 
 // Reported marks err as already told to the client.
 func Reported(err error) error {
@@ -115,14 +130,21 @@ type Delivery struct {
 	replies *ReplyWriter
 	handoff *Job
 	moved   *Job
+	// movedFrom is the engine's failure that made the handler migrate.
+	movedFrom error
+	// ctx and stopBeats run a decode's heartbeats from its first use of
+	// Replies to the handler's return.
+	ctx       context.Context
+	stopBeats func()
 }
 
 // Migrate is how a decode handler that failed after output hands the rest
 // of the answer on: body continues the request from the text sent so far,
-// and resume says what the client has. The loop queues it as the next
+// resume says what the client has, and cause is the engine's failure. The loop queues it as the next
 // generation, on any decode engine, before it acks this job. The handler
 // must have sent Moved on its reply first.
-func (d *Delivery) Migrate(body json.RawMessage, resume Resume) {
+func (d *Delivery) Migrate(body json.RawMessage, resume Resume, cause error) {
+	d.movedFrom = cause
 	next := *d.Job
 	next.Body, next.KV, next.Prefill, next.Resume = body, nil, nil, &resume
 	next.Generation = d.Job.Generation + 1
@@ -156,10 +178,18 @@ func (d *Delivery) Forwarded() bool {
 // Moved reports whether Migrate was called.
 func (d *Delivery) Moved() bool { return d.moved != nil }
 
-// Replies writes the client's reply for this delivery.
+// MovedFrom is the failure a migrated delivery moved away from.
+func (d *Delivery) MovedFrom() error { return d.movedFrom }
+
+// Replies writes the client's reply for this delivery. A decode's first
+// call starts its heartbeats: from then on the gateway knows the decode
+// runs, and which chunks it lacks, even while the engine is silent.
 func (d *Delivery) Replies() *ReplyWriter {
 	if d.replies == nil {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
+		if d.loop.cfg.Stage == StageDecode && d.ctx != nil {
+			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
+		}
 	}
 	return d.replies
 }
@@ -233,8 +263,9 @@ type StageConfig struct {
 	// gateway to acknowledge the end of a reply.
 	StallTimeout time.Duration
 	// Ready, when set, is called before each pull and returns when the
-	// worker may take a job (its engine's breaker lets it).
-	Ready func(ctx context.Context) error
+	// worker may take a job (its engine's breaker lets it); the loop calls
+	// the unclaim it returns when the pull got no job.
+	Ready func(ctx context.Context) (unclaim func(), err error)
 	// Health, when set, is the worker's breaker state for the registry.
 	Health func() BreakerState
 	// Metrics counts dead letters and KV releases; nil counts nothing.
@@ -381,14 +412,19 @@ pull:
 		case <-ctx.Done():
 			break pull
 		}
-		if l.cfg.Ready != nil && l.cfg.Ready(ctx) != nil {
-			break pull
+		unclaim := func() {}
+		if l.cfg.Ready != nil {
+			if unclaim, err = l.cfg.Ready(ctx); err != nil {
+				break pull
+			}
 		}
 		if gate != nil && gate.wait(ctx) != nil {
+			unclaim()
 			break pull
 		}
 		msg, err := cons.Next(jetstream.FetchContext(ctx))
 		if err != nil {
+			unclaim()
 			<-slots
 			if ctx.Err() != nil {
 				break pull
@@ -486,15 +522,10 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) 
 		return
 	}
 	start := time.Now()
-	d := &Delivery{Job: job, Attempt: attempt, loop: l}
-	stopBeats := func() {}
-	if l.cfg.Stage == StageDecode {
-		// The gateway learns that the decode runs, and which chunks it
-		// lacks, even while the engine is silent.
-		stopBeats = d.Replies().Beats(jctx, beatEvery(l.cfg.StallTimeout))
-	}
+	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}}
+	d.ctx = jctx
 	err = l.cfg.Handler(jctx, d)
-	stopBeats()
+	d.stopBeats()
 	s.ran = true
 	s.sent = d.sent()
 

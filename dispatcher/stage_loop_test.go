@@ -781,3 +781,50 @@ func TestReplay(t *testing.T) {
 		}
 	}
 }
+
+// TestHandBack: a job handed back (its worker's engine failing) runs again
+// as a first delivery of the same generation, under a new message id, and
+// after too many hand-backs is retried as any failure is.
+func TestHandBack(t *testing.T) {
+	nc, js := startJetStream(t)
+	type run struct{ attempt, generation, handBacks int }
+	runs := make(chan run, 20)
+	var handBack atomic.Int64
+	handBack.Store(2)
+	lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		runs <- run{d.Attempt, d.Job.Generation, d.Job.HandBacks}
+		if handBack.Add(-1) >= 0 {
+			return HandBack(errors.New("breaker open"), openai.NewError(503, "engine unavailable"))
+		}
+		return nil
+	}})
+	lt.submit("hb-1")
+	want := []run{{1, 1, 0}, {1, 1, 1}, {1, 1, 2}}
+	for i, w := range want {
+		select {
+		case got := <-runs:
+			if got != w {
+				t.Errorf("run %d: %+v, want %+v", i, got, w)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("run %d did not come", i)
+		}
+	}
+	waitFor(t, "the job done", func() bool { return lt.pending(StagePrefill) == 0 })
+
+	handBack.Store(maxHandBacks + 1)
+	lt.submit("hb-2")
+	for i := range maxHandBacks + 2 {
+		select {
+		case got := <-runs:
+			if i == maxHandBacks && (got.handBacks != maxHandBacks || got.attempt != 1) {
+				t.Errorf("run %d: %+v, want the last hand-back", i, got)
+			}
+			if i == maxHandBacks+1 && (got.handBacks != maxHandBacks || got.attempt != 2) {
+				t.Errorf("run %d: %+v, want a retry of the last copy, delivered again", i, got)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("run %d did not come", i)
+		}
+	}
+}

@@ -173,9 +173,11 @@ func hungDecodeRow(t *testing.T) row {
 	c := startCluster(t, clusterOptions{prefillSim: lease, env: faultTimeouts})
 	_, second := startSimProcess(t)
 	c.worker(dispatcher.StagePrefill, 4)
-	c.worker(dispatcher.StageDecode, 4)
+	hung := c.worker(dispatcher.StageDecode, 4, "PDQ_LOG_LEVEL=debug")
 	c.ready()
-	c.worker(dispatcher.StageDecode, 4, "PDQ_ENGINE_URL="+second.URL)
+	healthy := c.worker(dispatcher.StageDecode, 4, "PDQ_ENGINE_URL="+second.URL, "PDQ_LOG_LEVEL=debug")
+	// On failure, the workers' lines about the request and the breaker
+	// say which engine each generation met.
 	pdLoad := func(prefix string) ([]outcome, latency) {
 		outs, took := c.timedLoad(8, prefix, func(int) body {
 			return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
@@ -186,9 +188,17 @@ func hungDecodeRow(t *testing.T) row {
 	setFault(t, c.decode, `{"rate":1,"kind":"hang"}`)
 	outs, lat := pdLoad("hd")
 	setFault(t, c.decode, `{"rate":0}`)
-	for _, o := range outs {
+	for i, o := range outs {
 		if !o.ok {
-			t.Logf("not completed: %+v", o)
+			rec := c.record(fmt.Sprintf("hd-%d", i))
+			t.Logf("not completed: %+v; record: generation %d, %+v", o, rec.Generation, rec.Error)
+			for _, p := range []*process{hung, healthy} {
+				for _, line := range strings.Split(p.output(), "\n") {
+					if strings.Contains(line, fmt.Sprintf("hd-%d", i)) || strings.Contains(line, "breaker") || strings.Contains(line, "healthy") {
+						t.Logf("%s: %s", p.name, line)
+					}
+				}
+			}
 		}
 	}
 	r := row{scenario: "hung decode engine (every request), 2nd healthy", cost: lat.cost(base)}

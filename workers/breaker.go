@@ -30,6 +30,9 @@ type breaker struct {
 	stage     dispatcher.Stage
 	metrics   *dispatcher.Metrics
 	log       *slog.Logger
+	// generate, when set, asks the engine for one token: after failed
+	// trials, a probe must get an answer, not only /health.
+	generate func(ctx context.Context) error
 
 	mu    sync.Mutex
 	state dispatcher.BreakerState
@@ -40,6 +43,10 @@ type breaker struct {
 	// hang every request.
 	retrials int
 	changed  chan struct{} // closed and replaced at every change of state
+	// epoch counts the changes of state. A job's outcome counts only in the
+	// state it started in: a job that began before the breaker opened says
+	// nothing of a trial, which alone decides a half-open breaker.
+	epoch uint64
 }
 
 func newBreaker(threshold int, engine *vllm.Client, stage dispatcher.Stage, metrics *dispatcher.Metrics, log *slog.Logger) *breaker {
@@ -63,14 +70,33 @@ func (b *breaker) set(s dispatcher.BreakerState) {
 		return
 	}
 	b.state = s
+	b.epoch++
 	close(b.changed)
 	b.changed = make(chan struct{})
 }
 
-// succeeded records a job the engine served: the breaker closes.
-func (b *breaker) succeeded() {
+// Epoch is the breaker's epoch, taken when a job starts and handed back
+// with its outcome.
+func (b *breaker) Epoch() uint64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	return b.epoch
+}
+
+// stale reports whether an outcome from a job started in epoch is to be
+// ignored: the breaker has opened since, and the job was not its trial.
+// b.mu is held.
+func (b *breaker) stale(epoch uint64) bool {
+	return epoch != b.epoch && b.state != dispatcher.BreakerClosed
+}
+
+// succeeded records a job the engine served: the breaker closes.
+func (b *breaker) succeeded(epoch uint64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.stale(epoch) {
+		return
+	}
 	b.fails, b.trial, b.retrials = 0, false, 0
 	if b.state != dispatcher.BreakerClosed {
 		b.log.Info("engine healthy again: pulling jobs", "breaker", string(dispatcher.BreakerClosed))
@@ -80,17 +106,23 @@ func (b *breaker) succeeded() {
 
 // neutral records a job that says nothing of the engine's health (a client
 // that left, a request the engine refused): a trial slot is given back.
-func (b *breaker) neutral() {
+func (b *breaker) neutral(epoch uint64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.trial = false
+	if !b.stale(epoch) {
+		b.trial = false
+	}
 }
 
 // failed records an engine failure. unreachable means no answer at all:
 // then one failed /health probe is enough to open at once, so that a dead
 // engine costs its first request nothing more than a probe.
-func (b *breaker) failed(ctx context.Context, unreachable bool, cause error) {
+func (b *breaker) failed(ctx context.Context, epoch uint64, unreachable bool, cause error) {
 	b.mu.Lock()
+	if b.stale(epoch) {
+		b.mu.Unlock()
+		return
+	}
 	b.fails++
 	open := b.state == dispatcher.BreakerHalfOpen || b.fails >= b.threshold
 	b.mu.Unlock()
@@ -118,6 +150,9 @@ func (b *breaker) failed(ctx context.Context, unreachable bool, cause error) {
 	go b.probe(context.WithoutCancel(ctx), trialWait(b.retrials))
 }
 
+// probeTimeout bounds a one-token probe of an engine that hung before.
+const probeTimeout = 5 * time.Second
+
 // trialWait is the pause before probing again after failed trials: none
 // after the first opening, then 1 s, 2 s, 4 s... up to 30 s.
 func trialWait(failedTrials int) time.Duration {
@@ -128,15 +163,24 @@ func trialWait(failedTrials int) time.Duration {
 }
 
 // probe waits, then asks /health with back-off until the engine answers,
-// then lets one trial job through.
+// then lets one trial job through. After a failed trial it also asks for
+// one token, since a trial failed with /health answering.
 func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 	time.Sleep(wait)
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
+	b.mu.Lock()
+	deep := b.retrials > 0 && b.generate != nil
+	b.mu.Unlock()
 	_ = backoff.Retry(func() error {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		return b.engine.Health(pctx)
+		if err := b.engine.Health(pctx); err != nil || !deep {
+			return err
+		}
+		gctx, cancel := context.WithTimeout(ctx, probeTimeout)
+		defer cancel()
+		return b.generate(gctx)
 	}, backoff.WithContext(bo, ctx))
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -148,23 +192,25 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 
 // wait returns when a job may be pulled: the breaker is closed, or it is
 // half-open and this pull takes the trial. bypass, when it returns true,
-// lets an open breaker's worker pull anyway (to forward jobs decode-only).
-func (b *breaker) wait(ctx context.Context, bypass func() bool) error {
+// lets an open breaker's worker pull anyway (see Worker.alone). The pull
+// calls unclaim if it got no job, so that the trial is not spent on
+// nothing.
+func (b *breaker) wait(ctx context.Context, bypass func() bool) (unclaim func(), err error) {
 	for {
 		b.mu.Lock()
 		state, changed := b.state, b.changed
 		switch {
 		case state == dispatcher.BreakerClosed:
 			b.mu.Unlock()
-			return nil
+			return func() {}, nil
 		case state == dispatcher.BreakerHalfOpen && !b.trial:
 			b.trial = true
 			b.mu.Unlock()
-			return nil
+			return b.unclaim, nil
 		}
 		b.mu.Unlock()
 		if state == dispatcher.BreakerOpen && bypass != nil && bypass() {
-			return nil
+			return func() {}, nil
 		}
 		// Woken by a change of state; the bypass is looked at again now
 		// and then, as peers come and go.
@@ -174,8 +220,17 @@ func (b *breaker) wait(ctx context.Context, bypass func() bool) error {
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return ctx.Err()
+			return nil, ctx.Err()
 		}
 		t.Stop()
+	}
+}
+
+// unclaim gives back a trial whose pull got no job.
+func (b *breaker) unclaim() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.state == dispatcher.BreakerHalfOpen {
+		b.trial = false
 	}
 }

@@ -91,12 +91,12 @@ type Worker struct {
 	id     string // the registry key, and StageRecord.Worker
 	// breaker stops the pulls while the engine keeps failing.
 	breaker *breaker
-	// peers are the live workers, for a prefill worker to know whether
-	// another prefill engine is healthy; nil for decode workers.
+	// peers are the live workers, to know whether another worker of the
+	// stage has a healthy engine.
 	peers *dispatcher.Registry
 	model string // the engine's, known once Run has asked it
-	// forwarding is the last answer of canForward, to log its changes.
-	forwarding atomic.Bool
+	// lonely is the last answer of alone, to log its changes.
+	lonely atomic.Bool
 }
 
 // New checks cfg and builds a worker; Run starts it.
@@ -145,20 +145,23 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	w.model = model
+	w.breaker.generate = func(ctx context.Context) error {
+		return w.engine.Generate(ctx, model, "pdq-probe-"+w.id)
+	}
 	pool := dispatcher.PoolName(model)
 	handler, release := w.decode, w.release
 	if w.cfg.Role == dispatcher.StagePrefill {
 		handler, release = w.prefill, nil
-		if w.peers, err = dispatcher.WatchWorkers(ctx, w.js, w.log); err != nil {
-			return err
-		}
+	}
+	if w.peers, err = dispatcher.WatchWorkers(ctx, w.js, w.log); err != nil {
+		return err
 	}
 	loop, err := dispatcher.NewStageLoop(w.nc, w.js, dispatcher.StageConfig{
 		Stage:          w.cfg.Role,
 		Pool:           pool,
 		Slots:          w.cfg.Slots,
 		Handler:        w.observed(handler),
-		Ready:          func(ctx context.Context) error { return w.breaker.wait(ctx, w.canForward) },
+		Ready:          func(ctx context.Context) (func(), error) { return w.breaker.wait(ctx, w.alone) },
 		Health:         w.breaker.State,
 		Release:        release,
 		Grace:          w.cfg.Grace,
@@ -184,24 +187,35 @@ func (w *Worker) Run(ctx context.Context) error {
 // other prefill worker of its pool is healthy, instead of failing them.
 func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 	return func(ctx context.Context, d *dispatcher.Delivery) error {
-		if w.breaker.Open() && w.canForward() {
-			w.forward(d)
-			return nil
+		if w.breaker.Open() {
+			switch {
+			case !w.alone():
+				// A pull on its way when the breaker opened: another
+				// worker's engine is healthy, so the job goes back, as
+				// any retryable failure does, without touching this one.
+				return dispatcher.HandBack(errHandedBack,
+					openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
+			case w.canForward():
+				w.forward(d)
+				return nil
+			}
 		}
+		epoch := w.breaker.Epoch()
 		err := h(ctx, d)
 		var fault *engineFault
 		switch {
 		case err == nil && d.Moved():
-			// The handler told the breaker of the failure it moved from.
+			// The failure it moved from: the engine broke mid-stream.
+			w.breaker.failed(ctx, epoch, errors.As(d.MovedFrom(), &fault) && fault.unreachable, d.MovedFrom())
 		case err == nil:
-			w.breaker.succeeded()
+			w.breaker.succeeded(epoch)
 		case errors.As(err, &fault) && ctx.Err() == nil:
-			w.breaker.failed(ctx, fault.unreachable, err)
+			w.breaker.failed(ctx, epoch, fault.unreachable, err)
 		default:
-			w.breaker.neutral()
+			w.breaker.neutral(epoch)
 		}
 		var f *dispatcher.Failure
-		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.canForward() {
+		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.alone() && w.canForward() {
 			w.forward(d)
 			return nil
 		}
@@ -209,28 +223,42 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 	}
 }
 
-// canForward reports whether this prefill worker should send jobs on
-// decode-only: fallback is on and no other prefill worker of the pool is
-// healthy. It logs each change.
-func (w *Worker) canForward() bool {
-	if w.cfg.Role != dispatcher.StagePrefill || w.cfg.PrefillFallback == "fail" || w.peers == nil {
+// alone reports whether no other worker of this stage serves the model
+// with a healthy engine. A worker whose breaker is open stops pulling only
+// when another can take the work: alone, it keeps pulling, and a prefill
+// worker forwards its jobs decode-only (PDQ_PREFILL_FALLBACK=decode) while
+// any other job runs on the sick engine and fails on its own, through the
+// retries to its client, instead of waiting for its deadline in the queue.
+// Each change is logged once.
+func (w *Worker) alone() bool {
+	if w.peers == nil {
 		return false
 	}
 	ok := true
 	for _, p := range w.peers.Workers() {
-		if p.Role == dispatcher.StagePrefill && p.ID != w.id && p.Model == w.model && p.Healthy() {
+		if p.Role == w.cfg.Role && p.ID != w.id && p.Model == w.model && p.Healthy() {
 			ok = false
 			break
 		}
 	}
-	if w.forwarding.Swap(ok) != ok {
+	if w.lonely.Swap(ok) != ok && w.breaker.Open() {
 		if ok {
-			w.log.Warn("no healthy prefill engine in the pool: forwarding prefill jobs decode-only (PDQ_PREFILL_FALLBACK=decode)")
+			w.log.Warn("engine failing and no other healthy "+string(w.cfg.Role)+" worker: pulling on", "forward_decode_only", w.canForward())
 		} else {
-			w.log.Info("another prefill engine is healthy: no longer forwarding")
+			w.log.Info("another " + string(w.cfg.Role) + " worker is healthy: this one waits for its engine")
 		}
 	}
 	return ok
+}
+
+// errHandedBack is the failure of a job pulled as the worker's breaker
+// opened: it never reached the engine.
+var errHandedBack = errors.New("engine failing (breaker open): job handed back to the queue")
+
+// canForward reports whether this worker sends its jobs on decode-only
+// while its engine is down: a prefill worker, alone, with the fallback on.
+func (w *Worker) canForward() bool {
+	return w.cfg.Role == dispatcher.StagePrefill && w.cfg.PrefillFallback != "fail" && w.lonely.Load()
 }
 
 // forward sends a job on to decode-only.

@@ -111,6 +111,26 @@ func (c *Client) Health(ctx context.Context) error {
 	return nil
 }
 
+// Generate asks the engine for one token of a tiny completion, under
+// requestID: proof that it serves requests, which /health alone is not (an
+// engine can answer /health and hang every request).
+func (c *Client) Generate(ctx context.Context, model, requestID string) error {
+	body, err := json.Marshal(map[string]any{"model": model, "prompt": "ping", "max_tokens": 1})
+	if err != nil {
+		return err
+	}
+	resp, err := c.Post(ctx, openai.Completions, requestID, body)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("post %s: status %d", openai.Completions.Path(), resp.StatusCode)
+	}
+	return nil
+}
+
 func (c *Client) get(ctx context.Context, path string) (*http.Response, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base.String()+path, nil)
 	if err != nil {
