@@ -23,14 +23,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 	var cons jetstream.Consumer
 	for ctx.Err() == nil {
 		if cons == nil {
-			c, err := l.js.CreateOrUpdateConsumer(ctx, StreamRelease, jetstream.ConsumerConfig{
-				Durable:       releaseConsumer(l.cfg.Pool),
-				Description:   "decode workers of pool " + l.cfg.Pool + " releasing KV of handoffs never stored",
-				FilterSubject: subjectRelease + "." + l.cfg.Pool + ".>",
-				AckPolicy:     jetstream.AckExplicitPolicy,
-				AckWait:       l.cfg.AckWait,
-				MaxDeliver:    l.cfg.MaxDeliver,
-			})
+			c, err := ensureReleaseConsumer(ctx, l.js, l.cfg.Pool, l.cfg.AckWait, l.cfg.MaxDeliver, WithLogger(l.log))
 			if err != nil {
 				l.log.Warn("no release queue; retrying in 5s", logging.Err(err))
 				if sleepCtx(ctx, 5*time.Second) != nil {

@@ -281,9 +281,14 @@ func (l *StageLoop) Released() int64 { return l.released.Load() }
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
 func (l *StageLoop) Run(ctx context.Context) error {
-	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait)
+	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log))
 	if err != nil {
 		return err
+	}
+	// The consumer's stored ack wait is the one in force (its first
+	// creator's): running jobs signal progress by it.
+	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
+		l.cfg.AckWait = aw
 	}
 	if l.records, err = OpenRecords(ctx, l.js); err != nil {
 		return err
@@ -338,7 +343,7 @@ pull:
 			if sleepCtx(ctx, time.Second) != nil {
 				break pull
 			}
-			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait); err == nil {
+			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log)); err == nil {
 				cons = c
 			}
 			continue
