@@ -181,6 +181,9 @@ type StageConfig struct {
 	// MaxDeliver bounds the deliveries of one job; 0 takes
 	// DefaultMaxDeliver.
 	MaxDeliver int
+	// Replicas is the replica count of the pdq_workers bucket, should
+	// this loop find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
+	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
 }

@@ -56,6 +56,9 @@ type Config struct {
 	// MaxDeliver bounds the deliveries of one job (PDQ_MAX_DELIVER); 0
 	// takes dispatcher.DefaultMaxDeliver.
 	MaxDeliver int
+	// Replicas is the replica count of the registry bucket, should the
+	// worker find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
+	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -123,6 +126,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		KVTTL:          w.cfg.KVTTL,
 		MaxGenerations: w.cfg.MaxGenerations,
 		MaxDeliver:     w.cfg.MaxDeliver,
+		Replicas:       w.cfg.Replicas,
 		Metrics:        w.cfg.Metrics,
 		Worker: dispatcher.WorkerInfo{
 			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),
