@@ -19,7 +19,7 @@ func releaseConsumer(pool string) string { return "release-" + pool }
 // store (PDQ_DECODE full): every decode worker of the pool takes them, one
 // at a time, each in one of the worker's slots, so the engine never gets
 // more calls than the slots.
-func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
+func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}, pulls *puller) {
 	var cons jetstream.Consumer
 	for ctx.Err() == nil {
 		if cons == nil {
@@ -33,7 +33,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 			}
 			cons = c
 		}
-		msg, err := cons.Next(jetstream.FetchContext(ctx))
+		msg, err := pulls.next(ctx, cons)
 		switch {
 		case ctx.Err() != nil:
 			return

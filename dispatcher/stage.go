@@ -293,6 +293,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
 		l.cfg.AckWait = aw
 	}
+	pulls := newPuller(ctx, l.nc)
 	if l.records, err = OpenRecords(ctx, l.js); err != nil {
 		return err
 	}
@@ -314,7 +315,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	slots := make(chan struct{}, l.cfg.Slots)
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
 		l.cfg.Metrics.pool(l.cfg.Pool)
-		bg.Go(func() { l.releaseLoop(ctx, slots) })
+		bg.Go(func() { l.releaseLoop(ctx, slots, pulls) })
 	}
 
 	// Jobs outlive ctx by the grace period, so a shutdown does not abort
@@ -333,7 +334,7 @@ pull:
 		if gate != nil && gate.wait(ctx) != nil {
 			break pull
 		}
-		msg, err := cons.Next(jetstream.FetchContext(ctx))
+		msg, err := pulls.next(ctx, cons)
 		if err != nil {
 			<-slots
 			if ctx.Err() != nil {
