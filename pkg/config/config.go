@@ -228,14 +228,47 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("%w: PDQ_MIGRATION_LIMIT must not be negative, got %d", ErrInvalid, c.MigrationLimit))
 	}
 	positive("PDQ_BREAKER_FAILURES", c.BreakerFailures > 0, c.BreakerFailures)
-	if c.NATS.Replicas < 1 || c.NATS.Replicas > 5 {
-		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_REPLICAS must be 1 to 5, got %d", ErrInvalid, c.NATS.Replicas))
-	}
-	if (c.NATS.Cert == "") != (c.NATS.Key == "") {
-		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_CERT and PDQ_NATS_KEY go together", ErrInvalid))
+	if err := c.NATS.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if c.HTTPAddr == "" {
 		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))
+	}
+	return errors.Join(errs...)
+}
+
+// LoadNATS reads only the NATS connection settings, for the one-shot
+// tools, which take everything else as flags.
+func LoadNATS() (NATS, error) {
+	var n NATS
+	if err := envconfig.Process(Prefix, &n); err != nil {
+		return NATS{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return n, n.Validate()
+}
+
+// Validate checks the NATS settings that need no file: one way to
+// authenticate, and a client certificate with its key. The files are
+// read, and checked, when connecting.
+func (n NATS) Validate() error {
+	var errs []error
+	if n.Replicas < 1 || n.Replicas > 5 {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_REPLICAS must be 1 to 5, got %d", ErrInvalid, n.Replicas))
+	}
+	if (n.Cert == "") != (n.Key == "") {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_CERT and PDQ_NATS_KEY go together", ErrInvalid))
+	}
+	if n.Password != "" && n.User == "" {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_PASSWORD needs PDQ_NATS_USER", ErrInvalid))
+	}
+	ways := 0
+	for _, set := range []bool{n.User != "", n.Token != "", n.Creds != ""} {
+		if set {
+			ways++
+		}
+	}
+	if ways > 1 {
+		errs = append(errs, fmt.Errorf("%w: set one of PDQ_NATS_USER (with PDQ_NATS_PASSWORD), PDQ_NATS_TOKEN and PDQ_NATS_CREDS", ErrInvalid))
 	}
 	return errors.Join(errs...)
 }
