@@ -556,6 +556,7 @@ func TestFaultSuite(t *testing.T) {
 		}
 		check(t, r)
 	})
+	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
 }
 
 // record reads a request's record through the gateway's API.

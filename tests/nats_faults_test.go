@@ -1,0 +1,198 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/sim"
+)
+
+// timed is what one client got, and how long it took.
+type timed struct {
+	outcome
+	took time.Duration
+	end  time.Time
+}
+
+// timedLoad sends n requests at once, each meaning to wait for its answer,
+// and times them.
+func (c *cluster) timedLoad(n int, idPrefix string, mk func(i int) body) []timed {
+	out := make([]timed, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			start := time.Now()
+			o := c.one(fmt.Sprintf("%s-%d", idPrefix, i), 0, mk(i))
+			if o.err != "" && !strings.HasPrefix(o.err, "lost: ") {
+				// These clients mean to wait: a stream that stops short of
+				// its end within the test's bound is lost too.
+				o.err = "lost: " + o.err
+			}
+			out[i] = timed{outcome: o, took: time.Since(start), end: time.Now()}
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+func outcomes(ts ...[]timed) []outcome {
+	var out []outcome
+	for _, l := range ts {
+		for _, t := range l {
+			out = append(out, t.outcome)
+		}
+	}
+	return out
+}
+
+// longest is the longest time a client of ts waited.
+func longest(ts []timed) time.Duration {
+	var d time.Duration
+	for _, t := range ts {
+		d = max(d, t.took)
+	}
+	return d
+}
+
+// median is the median time the clients of ts waited.
+func median(ts []timed) time.Duration {
+	ds := make([]time.Duration, 0, len(ts))
+	for _, t := range ts {
+		ds = append(ds, t.took)
+	}
+	slices.Sort(ds)
+	if len(ds) == 0 {
+		return 0
+	}
+	return ds[len(ds)/2]
+}
+
+// readyStatus is the gateway's /ready status, 0 when it does not answer.
+func readyStatus(url string) int {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/ready", nil)
+	if err != nil {
+		return 0
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// waitReady polls /ready until it answers want, and reports when it did.
+func waitReady(t *testing.T, url string, want int, within time.Duration) time.Time {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		got := readyStatus(url)
+		if got == want {
+			return time.Now()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/ready answered %d, not %d, for %v", got, want, within)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func streamed(tokens int) func(int) body {
+	return func(int) body {
+		return completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true, "stream": true})
+	}
+}
+
+func answered(tokens int) func(int) body {
+	return func(int) body {
+		return completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true})
+	}
+}
+
+// natsRestartScenario kills a standalone nats-server (file storage) with
+// -9 while streams run, and starts it again 3 s later on the same port and
+// store. Every stream must complete or end with an error (the gateway's
+// stall time-out is 5 s), /ready must say 503 while NATS is down and 200
+// after, and new requests must be served, also once every registry entry
+// from before the restart has aged past its liveness window.
+func natsRestartScenario(t *testing.T) row {
+	dir := t.TempDir()
+	node := natsNode{name: "standalone", client: freeAddr(t)}
+	ns := startNATSServer(t, node, writeNATSConf(t, dir, node, nil, ""))
+	c := startClusterOn(t, ns.url, clusterOptions{decodeSim: []string{"--itl", "50ms"},
+		env: []string{"PDQ_STALL_TIMEOUT=5s"}})
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 16)
+	c.ready()
+
+	r := row{scenario: "kill -9 and restart of a standalone nats-server"}
+	base := c.timedLoad(4, "nrb", streamed(60))
+	for _, o := range base {
+		if !o.ok {
+			t.Errorf("before the fault: %+v", o)
+		}
+	}
+
+	var during []timed
+	done := make(chan struct{})
+	go func() { during = c.timedLoad(12, "nr", streamed(60)); close(done) }()
+	c.decode.WaitStats(t, 10*time.Second, "streams running", func(s sim.Stats) bool { return s.Running >= 8 })
+	time.Sleep(500 * time.Millisecond)
+	ns.kill9()
+	killed := time.Now()
+	waitReady(t, c.url, http.StatusServiceUnavailable, 5*time.Second)
+	var whileDown []timed
+	downDone := make(chan struct{})
+	go func() { whileDown = c.timedLoad(2, "nrd", answered(4)); close(downDone) }()
+	time.Sleep(3*time.Second - time.Since(killed))
+	ns.start()
+	restarted := time.Now()
+	readyAt := waitReady(t, c.url, http.StatusOK, 20*time.Second)
+
+	// From the moment /ready says 200, requests are served: at once, and
+	// after every registry entry written before the kill has aged past the
+	// liveness window (the old registry then refused all with a 503).
+	after := c.timedLoad(8, "nra", answered(4))
+	servedAt := time.Time{}
+	for _, o := range after {
+		if !o.ok {
+			t.Errorf("a request after /ready said 200: %+v", o)
+		} else if servedAt.IsZero() || o.end.Before(servedAt) {
+			servedAt = o.end
+		}
+	}
+	time.Sleep(time.Until(killed.Add(dispatcher.LiveFor + 2*dispatcher.HeartbeatInterval)))
+	later := c.timedLoad(8, "nrl", answered(4))
+	for _, o := range later {
+		if !o.ok {
+			t.Errorf("a request %v after the kill: %+v", time.Since(killed).Round(time.Second), o)
+		}
+	}
+	<-done
+	<-downDone
+	tally(&r, outcomes(during, whileDown, after, later))
+	r.blocksHeld = c.settle(15 * time.Second)
+	stall := longest(during) - median(base)
+	t.Logf("NATS down %v; /ready 200 %v after the restart; first answer %v after it; longest stream %v (%v before the fault)",
+		restarted.Sub(killed).Round(time.Millisecond), readyAt.Sub(restarted).Round(time.Millisecond),
+		servedAt.Sub(restarted).Round(time.Millisecond), longest(during).Round(time.Millisecond), median(base).Round(time.Millisecond))
+	r.cost = fmt.Sprintf("+%d ms longest stream; ready %d ms after restart", stall.Milliseconds(), readyAt.Sub(restarted).Milliseconds())
+	for _, g := range []struct {
+		name string
+		ts   []timed
+	}{{"streams in flight", during}, {"sent while NATS was down", whileDown}, {"sent once /ready said 200", after}, {"sent later", later}} {
+		var gr row
+		tally(&gr, outcomes(g.ts))
+		t.Logf("%s: %d completed, %d errors, %d lost; longest %v", g.name, gr.completed, gr.errors, gr.lost, longest(g.ts).Round(time.Millisecond))
+	}
+	return r
+}
