@@ -108,7 +108,8 @@ type Config struct {
 	// time-outs open a worker's circuit breaker on its engine.
 	BreakerFailures int `envconfig:"BREAKER_FAILURES" default:"3"`
 
-	// NATS holds the NATS connection's credentials and stream replicas.
+	// NATS holds the NATS connection's credentials and stream replicas,
+	// PDQ_NATS_*: the field's name is the prefix of its variables.
 	NATS NATS
 }
 
@@ -117,18 +118,18 @@ type Config struct {
 type NATS struct {
 	// Replicas is the streams' and buckets' replica count: 1 on one server,
 	// 3 in a 3-node cluster.
-	Replicas int `envconfig:"NATS_REPLICAS" default:"1"`
+	Replicas int `envconfig:"REPLICAS" default:"1"`
 	// User and Password, or Token, or Creds (a .creds file) authenticate;
 	// credentials in PDQ_NATS_URL work too.
-	User     string `envconfig:"NATS_USER"`
-	Password string `envconfig:"NATS_PASSWORD"`
-	Token    string `envconfig:"NATS_TOKEN"`
-	Creds    string `envconfig:"NATS_CREDS"`
+	User     string `envconfig:"USER"`
+	Password string `envconfig:"PASSWORD"`
+	Token    string `envconfig:"TOKEN"`
+	Creds    string `envconfig:"CREDS"`
 	// CA is a PEM file of the CAs that sign the server's certificate; Cert
 	// and Key are the client's certificate for mutual TLS.
-	CA   string `envconfig:"NATS_CA"`
-	Cert string `envconfig:"NATS_CERT"`
-	Key  string `envconfig:"NATS_KEY"`
+	CA   string `envconfig:"CA"`
+	Cert string `envconfig:"CERT"`
+	Key  string `envconfig:"KEY"`
 }
 
 // The values of PDQ_PREFILL_FALLBACK.
@@ -241,7 +242,7 @@ func (c Config) Validate() error {
 // tools, which take everything else as flags.
 func LoadNATS() (NATS, error) {
 	var n NATS
-	if err := envconfig.Process(Prefix, &n); err != nil {
+	if err := envconfig.Process(Prefix+"_NATS", &n); err != nil {
 		return NATS{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return n, n.Validate()

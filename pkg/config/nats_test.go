@@ -44,3 +44,20 @@ func TestLoadNATS(t *testing.T) {
 		t.Errorf("LoadNATS() with a user and a token: %v, want ErrInvalid", err)
 	}
 }
+
+// TestLoadReadsNATS: the services read the same PDQ_NATS_* names as the
+// tools.
+func TestLoadReadsNATS(t *testing.T) {
+	for k, v := range map[string]string{"PDQ_NATS_USER": "pdq", "PDQ_NATS_PASSWORD": "secret", "PDQ_NATS_REPLICAS": "3",
+		"PDQ_NATS_CA": "ca.pem", "PDQ_NATS_CERT": "c.pem", "PDQ_NATS_KEY": "k.pem"} {
+		t.Setenv(k, v)
+	}
+	c, err := Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := NATS{Replicas: 3, User: "pdq", Password: "secret", CA: "ca.pem", Cert: "c.pem", Key: "k.pem"}
+	if c.NATS != want {
+		t.Errorf("Load().NATS = %+v, want %+v", c.NATS, want)
+	}
+}
