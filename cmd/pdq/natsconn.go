@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -69,11 +70,13 @@ func checkCreds(path string) error {
 	if err != nil {
 		return err
 	}
-	if _, err := nkeys.ParseDecoratedJWT(raw); err != nil {
-		return fmt.Errorf("%s holds no user JWT: %w", path, err)
-	}
+	// Both parsers take undecorated text as the thing itself: the seed
+	// check fails on such text, the JWT's shape is checked by hand.
 	if _, err := nkeys.ParseDecoratedUserNKey(raw); err != nil {
 		return fmt.Errorf("%s holds no user nkey seed: %w", path, err)
+	}
+	if jwt, err := nkeys.ParseDecoratedJWT(raw); err != nil || strings.Count(jwt, ".") != 2 {
+		return fmt.Errorf("%s holds no user JWT", path)
 	}
 	return nil
 }
