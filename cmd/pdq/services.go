@@ -78,6 +78,10 @@ func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logg
 		nats.PingInterval(natsPingInterval),
 		nats.MaxPingsOutstanding(natsMaxPingsOut),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err == nil { // closed by this process, at shutdown
+				log.Debug("NATS connection closed")
+				return
+			}
 			log.Warn("disconnected from NATS; reconnecting", logging.Err(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("reconnected to NATS", "url", nc.ConnectedUrl()) }),
