@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -194,5 +196,109 @@ func natsRestartScenario(t *testing.T) row {
 		tally(&gr, outcomes(g.ts))
 		t.Logf("%s: %d completed, %d errors, %d lost; longest %v", g.name, gr.completed, gr.errors, gr.lost, longest(g.ts).Round(time.Millisecond))
 	}
+	return r
+}
+
+// wave sends n requests, one every gap, each meaning to wait for its
+// answer; after the one numbered at it calls during (once, in its own
+// goroutine's stead: the wave goes on meanwhile).
+func (c *cluster) wave(n int, gap time.Duration, idPrefix string, mk func(int) body, at int, during func()) []timed {
+	out := make([]timed, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			start := time.Now()
+			o := c.one(fmt.Sprintf("%s-%d", idPrefix, i), 0, mk(i))
+			if o.err != "" && !strings.HasPrefix(o.err, "lost: ") {
+				o.err = "lost: " + o.err
+			}
+			out[i] = timed{outcome: o, took: time.Since(start), end: time.Now()}
+		})
+		if i == at && during != nil {
+			wg.Go(during)
+		}
+		time.Sleep(gap)
+	}
+	wg.Wait()
+	return out
+}
+
+// natsLeaderKillScenario runs pdq on a 3-node NATS cluster on loopback
+// (nats-server processes, file storage) with PDQ_NATS_REPLICAS=3, and
+// kills the node that leads PDQ_PREFILL with -9 while requests stream in:
+// no accepted request may be lost. The cost is the longest request's extra
+// time over the median of the same load before the kill.
+func natsLeaderKillScenario(t *testing.T) row {
+	dir := t.TempDir()
+	nodes := make([]natsNode, 3)
+	for i := range nodes {
+		nodes[i] = natsNode{name: fmt.Sprintf("n%d", i+1), client: freeAddr(t), route: freeAddr(t)}
+	}
+	servers := make(map[string]*natsServer)
+	var urls []string
+	for _, n := range nodes {
+		ndir := filepath.Join(dir, n.name)
+		if err := os.MkdirAll(ndir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		servers[n.name] = startNATSServer(t, n, writeNATSConf(t, ndir, n, nodes, ""))
+		urls = append(urls, "nats://"+n.client)
+	}
+	c := startClusterOn(t, strings.Join(urls, ","), clusterOptions{decodeSim: []string{"--itl", "20ms"},
+		env: []string{"PDQ_NATS_REPLICAS=3", "PDQ_STALL_TIMEOUT=5s"}})
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 8)
+	c.ready()
+
+	ctx := context.Background()
+	leaders := make(map[string]string)
+	for _, name := range []string{dispatcher.StreamPrefill, dispatcher.StreamDecode} {
+		st, err := c.js.Stream(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info := st.CachedInfo()
+		if info.Config.Replicas != 3 || info.Cluster == nil || len(info.Cluster.Replicas) != 2 {
+			t.Fatalf("stream %s: %d replicas, cluster %+v; want 3", name, info.Config.Replicas, info.Cluster)
+		}
+		leaders[name] = info.Cluster.Leader
+	}
+	r := row{scenario: "kill -9 of the R3 stream leader of a 3-node cluster"}
+	base := c.wave(10, 100*time.Millisecond, "lkb", streamed(20), -1, nil)
+	for _, o := range base {
+		if !o.ok {
+			t.Errorf("before the fault: %+v", o)
+		}
+	}
+	victim := servers[leaders[dispatcher.StreamPrefill]]
+	fault := c.wave(20, 100*time.Millisecond, "lk", streamed(20), 4, victim.kill9)
+	tally(&r, outcomes(fault))
+	r.blocksHeld = c.settle(15 * time.Second)
+	stall := longest(fault) - median(base)
+	t.Logf("killed %s, leader of %s (%s led by %s); longest request %v, median before %v",
+		victim.name, dispatcher.StreamPrefill, dispatcher.StreamDecode, leaders[dispatcher.StreamDecode],
+		longest(fault).Round(time.Millisecond), median(base).Round(time.Millisecond))
+	for i, o := range fault {
+		if !o.ok {
+			t.Logf("request lk-%d: %+v after %v", i, o.outcome, o.took.Round(time.Millisecond))
+			for _, l := range strings.Split(c.gateway.output(), "\n") {
+				if strings.Contains(l, fmt.Sprintf(`"lk-%d"`, i)) && !strings.Contains(l, "DEBUG") {
+					t.Log(l)
+				}
+			}
+		}
+	}
+	if os.Getenv("PDQ_TEST_LOG") != "" {
+		for i, o := range fault {
+			t.Logf("lk-%d took %v, ended %s", i, o.took.Round(time.Millisecond), o.end.Format("15:04:05.000"))
+		}
+		for _, s := range servers {
+			t.Logf("%s:\n%s", s.name, s.output())
+		}
+		for _, p := range []*process{c.gateway} {
+			t.Logf("gateway:\n%s", p.output())
+		}
+	}
+	r.cost = fmt.Sprintf("stall +%d ms (p50 %d ms before)", stall.Milliseconds(), median(base).Milliseconds())
 	return r
 }
