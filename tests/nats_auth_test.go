@@ -19,8 +19,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/jwt/v2"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 )
@@ -107,6 +109,68 @@ func newTestPKI(t *testing.T) testPKI {
 	return p
 }
 
+// testOperator is a NATS operator with a JetStream account and a system
+// account, for a server in operator (JWT) mode, and a user of the account
+// with its credentials file.
+type testOperator struct {
+	operator             string // public key
+	resolver             *server.MemAccResolver
+	system               string // the system account's public key
+	creds, strangerCreds string // a user of the account; a user of an account the server does not know
+}
+
+func newTestOperator(t *testing.T) testOperator {
+	t.Helper()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	okp, err := nkeys.CreateOperator()
+	must(err)
+	opub, err := okp.PublicKey()
+	must(err)
+	o := testOperator{operator: opub, resolver: &server.MemAccResolver{}}
+	account := func(js bool) (nkeys.KeyPair, string) {
+		akp, err := nkeys.CreateAccount()
+		must(err)
+		apub, err := akp.PublicKey()
+		must(err)
+		ac := jwt.NewAccountClaims(apub)
+		if js {
+			ac.Limits.JetStreamLimits = jwt.JetStreamLimits{MemoryStorage: -1, DiskStorage: -1, Streams: -1, Consumer: -1}
+		}
+		ajwt, err := ac.Encode(okp)
+		must(err)
+		must(o.resolver.Store(apub, ajwt))
+		return akp, apub
+	}
+	user := func(akp nkeys.KeyPair, name string) string {
+		ukp, err := nkeys.CreateUser()
+		must(err)
+		upub, err := ukp.PublicKey()
+		must(err)
+		seed, err := ukp.Seed()
+		must(err)
+		ujwt, err := jwt.NewUserClaims(upub).Encode(akp)
+		must(err)
+		creds, err := jwt.FormatUserConfig(ujwt, seed)
+		must(err)
+		path := filepath.Join(t.TempDir(), name+".creds")
+		must(os.WriteFile(path, creds, 0o600))
+		return path
+	}
+	_, o.system = account(false)
+	akp, _ := account(true)
+	o.creds = user(akp, "pdq")
+	// An account signed by the operator but never given to the server.
+	other, err := nkeys.CreateAccount()
+	must(err)
+	o.strangerCreds = user(other, "stranger")
+	return o
+}
+
 // serverTLS is the server's side of mutual TLS: its certificate, and
 // client certificates signed by the CA required.
 func (p testPKI) serverTLS(t *testing.T) *tls.Config {
@@ -145,12 +209,14 @@ func runPDQ(t *testing.T, env []string, args ...string) (int, string) {
 	return 0, ""
 }
 
-// TestNATSCredentials: against a server that wants credentials, every
+// TestNATSCredentials: against a server that wants credentials (user and
+// password, token, a creds file in operator mode, mutual TLS), every
 // pdq process (gateway, both workers, the tools) connects with the
 // PDQ_NATS_* settings and a request is served; wrong credentials and bad
 // files are clear errors at start-up, not endless retries.
 func TestNATSCredentials(t *testing.T) {
 	pki, other := newTestPKI(t), newTestPKI(t)
+	op := newTestOperator(t)
 	for _, tc := range []struct {
 		name      string
 		configure func(*server.Options)
@@ -174,6 +240,16 @@ func TestNATSCredentials(t *testing.T) {
 			opts:      []nats.Option{nats.Token("t0ken")},
 			wrong:     []string{"PDQ_NATS_TOKEN=other"},
 			wrongMsg:  "authorization violation",
+		},
+		{
+			name: "creds file",
+			configure: func(o *server.Options) {
+				o.TrustedKeys, o.AccountResolver, o.SystemAccount = []string{op.operator}, op.resolver, op.system
+			},
+			env:      []string{"PDQ_NATS_CREDS=" + op.creds},
+			opts:     []nats.Option{nats.UserCredentials(op.creds)},
+			wrong:    []string{"PDQ_NATS_CREDS=" + op.strangerCreds},
+			wrongMsg: "authorization violation",
 		},
 		{
 			name: "mutual TLS with a CA",
