@@ -102,8 +102,12 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 func (l *StageLoop) leave(ctx context.Context, id string, bucket *workersBucket) {
 	m := nats.NewMsg(WorkerSubject(id))
 	m.Header.Set(HeaderLeaving, "true")
-	if err := l.nc.PublishMsg(m); err == nil {
+	err := l.nc.PublishMsg(m)
+	if err == nil {
 		err = l.nc.FlushTimeout(time.Second)
+	}
+	if err != nil {
+		l.log.Debug("leaving message not sent; registries count this worker gone once its heartbeats stop", logging.Err(err))
 	}
 	dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()

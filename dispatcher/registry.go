@@ -128,12 +128,11 @@ func watchWorkers(ctx context.Context, js jetstream.JetStream, log *slog.Logger,
 		log.Warn("could not ask the workers for a heartbeat; waiting for their next one", logging.Err(err))
 	}
 	r.mu.Lock()
-	if lerr != nil || len(r.expected) == 0 {
-		if lerr == nil {
-			r.markSynced()
-		} else {
-			log.Debug("worker registry bucket not readable; learning workers from their heartbeats", logging.Err(lerr))
-		}
+	switch {
+	case lerr != nil:
+		log.Debug("worker registry bucket not readable; learning workers from their heartbeats", logging.Err(lerr))
+	case len(r.expected) == 0:
+		r.markSynced()
 	}
 	r.mu.Unlock()
 	go r.run(ctx, nc, sub, status)
