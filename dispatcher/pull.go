@@ -16,11 +16,16 @@ import (
 // only the missing heartbeats (two of them) tell the worker to pull again.
 const pullHeartbeat = time.Second
 
+// reconnectPoll is how often a slot looks whether a dropped connection is
+// back.
+const reconnectPoll = 50 * time.Millisecond
+
 // puller pulls one job at a time for a stage loop, and ends the pulls that
 // wait on a connection that dropped, so that a slot pulls again on the
 // server the connection comes back to instead of waiting for heartbeats
 // that cannot come.
 type puller struct {
+	nc     *nats.Conn
 	mu     sync.Mutex
 	ctx    context.Context // the current pulls' scope
 	cancel context.CancelFunc
@@ -28,7 +33,7 @@ type puller struct {
 
 // newPuller returns a puller whose pulls end with ctx, or when nc drops.
 func newPuller(ctx context.Context, nc *nats.Conn) *puller {
-	p := &puller{}
+	p := &puller{nc: nc}
 	p.ctx, p.cancel = context.WithCancel(ctx)
 	status := nc.StatusChanged(nats.DISCONNECTED, nats.RECONNECTING)
 	go func() {
@@ -52,6 +57,13 @@ func newPuller(ctx context.Context, nc *nats.Conn) *puller {
 // missing heartbeats, returns nats.ErrTimeout, as a pull that found no job:
 // the caller just pulls again.
 func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.Msg, error) {
+	// A pull sent while the connection is down would only wait in the
+	// client's reconnect buffer, to reach the server stale.
+	for !p.nc.IsConnected() {
+		if err := sleepCtx(ctx, reconnectPoll); err != nil {
+			return nil, err
+		}
+	}
 	p.mu.Lock()
 	pctx := p.ctx
 	p.mu.Unlock()
