@@ -120,6 +120,9 @@ func answered(tokens int) func(int) body {
 	}
 }
 
+// natsStallTimeout is the gateway's PDQ_STALL_TIMEOUT in the NATS runs.
+const natsStallTimeout = 5 * time.Second
+
 // natsRestartScenario kills a standalone nats-server (file storage) with
 // -9 while streams run, and starts it again 3 s later on the same port and
 // store. Every stream must complete or end with an error (the gateway's
@@ -131,7 +134,7 @@ func natsRestartScenario(t *testing.T) row {
 	node := natsNode{name: "standalone", client: freeAddr(t)}
 	ns := startNATSServer(t, node, writeNATSConf(t, dir, node, nil, ""))
 	c := startClusterOn(t, ns.url, clusterOptions{decodeSim: []string{"--itl", "50ms"},
-		env: []string{"PDQ_STALL_TIMEOUT=5s"}})
+		env: []string{fmt.Sprintf("PDQ_STALL_TIMEOUT=%v", natsStallTimeout)}})
 	c.worker(dispatcher.StagePrefill, 4)
 	c.worker(dispatcher.StageDecode, 16)
 	c.ready()
@@ -181,6 +184,16 @@ func natsRestartScenario(t *testing.T) row {
 	}
 	<-done
 	<-downDone
+	// Every stream ends, whole or with an error, within the stall
+	// time-out of NATS coming back (plus a stream's own time and a margin
+	// for a loaded machine): none hangs past it.
+	endBy := restarted.Add(natsStallTimeout + median(base) + 3*time.Second)
+	for i, o := range during {
+		if o.end.After(endBy) {
+			t.Errorf("stream nr-%d ended %v after NATS came back (%+v); want within the %v stall time-out",
+				i, o.end.Sub(restarted).Round(time.Millisecond), o.outcome, natsStallTimeout)
+		}
+	}
 	tally(&r, outcomes(during, whileDown, after, later))
 	r.blocksHeld = c.settle(15 * time.Second)
 	stall := longest(during) - median(base)
@@ -245,7 +258,7 @@ func natsLeaderKillScenario(t *testing.T) row {
 		urls = append(urls, "nats://"+n.client)
 	}
 	c := startClusterOn(t, strings.Join(urls, ","), clusterOptions{decodeSim: []string{"--itl", "20ms"},
-		env: []string{"PDQ_NATS_REPLICAS=3", "PDQ_STALL_TIMEOUT=5s"}})
+		env: []string{"PDQ_NATS_REPLICAS=3", fmt.Sprintf("PDQ_STALL_TIMEOUT=%v", natsStallTimeout)}})
 	c.worker(dispatcher.StagePrefill, 4)
 	c.worker(dispatcher.StageDecode, 8)
 	c.ready()
