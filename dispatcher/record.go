@@ -121,7 +121,7 @@ func (rs *Records) create(ctx context.Context, r *Record) (uint64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("encode record %s: %w", r.ID, err)
 	}
-	return rs.kv.Create(ctx, r.ID, data)
+	return whileNoLeader(ctx, func() (uint64, error) { return rs.kv.Create(ctx, r.ID, data) })
 }
 
 // update writes r over the revision read; it fails with
@@ -133,7 +133,25 @@ func (rs *Records) update(ctx context.Context, r *Record, rev uint64) (uint64, e
 	if err != nil {
 		return 0, fmt.Errorf("encode record %s: %w", r.ID, err)
 	}
-	return rs.kv.Update(ctx, r.ID, data, rev)
+	return whileNoLeader(ctx, func() (uint64, error) { return rs.kv.Update(ctx, r.ID, data, rev) })
+}
+
+// whileNoLeader retries a record write that found no leader for the bucket
+// (its node lost; see publishFailover): nothing was written, so the same
+// compare-and-set is tried again. A write that got no answer at all is not
+// retried: it may have been stored, and a second try would fail its
+// revision check as if another writer had come in between.
+func whileNoLeader(ctx context.Context, write func() (uint64, error)) (uint64, error) {
+	giveUp := time.Now().Add(publishFailover)
+	for {
+		rev, err := write()
+		if err == nil || !errors.Is(err, jetstream.ErrNoStreamResponse) || time.Now().After(giveUp) {
+			return rev, err
+		}
+		if sleepCtx(ctx, publishRetryWait) != nil {
+			return rev, err
+		}
+	}
 }
 
 // ErrNoChange is returned by a Transition's change to leave the record as

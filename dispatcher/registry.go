@@ -13,13 +13,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
-// Registry timing: workers put their entry every HeartbeatInterval; an
-// entry older than LiveFor is a dead worker's.
+// Registry timing: workers send a heartbeat every HeartbeatInterval; a
+// worker not heard for LiveFor is dead.
 const (
 	HeartbeatInterval = 2 * time.Second
 	LiveFor           = 3 * HeartbeatInterval
@@ -64,127 +65,214 @@ func (w WorkerInfo) Healthy() bool { return w.Breaker != BreakerOpen }
 // NewWorkerID returns a unique worker id, usable as a bucket key.
 func NewWorkerID(role Stage) string { return string(role) + "-" + randomID() }
 
-// heartbeat keeps the loop's registry entry fresh until ctx ends, then
-// deletes it so gateways stop counting the worker at once.
-func (l *StageLoop) heartbeat(ctx context.Context) {
-	info := l.cfg.Worker
-	if info.ID == "" {
-		return
-	}
-	kv, err := l.js.KeyValue(ctx, BucketWorkers)
-	if err != nil {
-		l.log.Error("no worker registry; gateways will not see this worker", logging.Err(err))
-		return
-	}
-	put := func() {
-		info.InFlight = l.InFlight()
-		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
-		info.AvgJobMs = l.avgJobMs()
-		if l.cfg.Health != nil {
-			info.Breaker = l.cfg.Health()
-		}
-		data, err := json.Marshal(info)
-		if err != nil {
-			l.log.Error("encode registry entry", logging.Err(err))
-			return
-		}
-		pctx, cancel := context.WithTimeout(ctx, HeartbeatInterval)
-		defer cancel()
-		if _, err := kv.Put(pctx, info.ID, data); err != nil && ctx.Err() == nil {
-			l.log.Warn("registry heartbeat failed", logging.Err(err))
-		}
-	}
-	put()
-	t := time.NewTicker(HeartbeatInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-t.C:
-			put()
-		case <-ctx.Done():
-			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-			defer cancel()
-			if err := kv.Delete(dctx, info.ID); err != nil {
-				l.log.Warn("could not remove this worker from the registry; it expires on its own", logging.Err(err))
-			}
-			return
-		}
-	}
-}
-
-// Registry is a gateway's view of the live workers, kept current by a
-// watch on the pdq_workers bucket.
+// Registry is a view of the live workers, kept on this process's own
+// clock: a worker is live while its heartbeats arrive here, whatever the
+// NATS server's clock says. Heartbeats travel on core NATS
+// (WorkerSubject), whose subscriptions survive reconnects and server
+// restarts; the pdq_workers bucket is only read once, at start, to learn
+// which workers to wait for.
 type Registry struct {
 	log *slog.Logger
+	now func() time.Time
 
-	mu      sync.Mutex
-	workers map[string]registryEntry
-	models  map[string]bool // every model seen, live or not
-	synced  chan struct{}
+	mu       sync.Mutex
+	workers  map[string]registryEntry
+	models   map[string]bool // every model seen, live or not
+	expected map[string]bool // workers listed in the bucket at start, not yet heard
+	synced   chan struct{}
+	isSynced bool
+	// The last time this process's connection dropped, and came back:
+	// silence while it was cut off from NATS says nothing of the workers.
+	down, up  time.Time
+	connected bool
 }
 
 type registryEntry struct {
 	info WorkerInfo
-	at   time.Time // when the server stored the entry
+	at   time.Time // when this process last heard the worker, on its clock
 }
 
-// WatchWorkers starts watching the registry; the watch ends with ctx.
+// syncWait bounds how long WaitSynced waits for workers that the bucket
+// lists but that do not answer (crashed within the bucket's TTL).
+const syncWait = HeartbeatInterval
+
+// pruneAfter is how long a silent worker stays in memory (as dead).
+const pruneAfter = 10 * time.Minute
+
+// WatchWorkers starts listening to the workers' heartbeats and asks every
+// worker to send one at once; the watch ends with ctx.
 func WatchWorkers(ctx context.Context, js jetstream.JetStream, log *slog.Logger) (*Registry, error) {
-	kv, err := js.KeyValue(ctx, BucketWorkers)
-	if err != nil {
-		return nil, fmt.Errorf("open worker registry: %w", err)
+	return watchWorkers(ctx, js, log, time.Now)
+}
+
+func watchWorkers(ctx context.Context, js jetstream.JetStream, log *slog.Logger, now func() time.Time) (*Registry, error) {
+	nc := js.Conn()
+	r := &Registry{log: log, now: now, workers: make(map[string]registryEntry), models: make(map[string]bool),
+		expected: make(map[string]bool), synced: make(chan struct{}), connected: nc.IsConnected()}
+	// The workers the bucket lists are the ones to wait for before the
+	// view counts as complete. A missing bucket (a NATS restart lost it)
+	// lists none; syncWait then covers the workers' first answers.
+	lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	listed, lerr := listWorkers(lctx, js)
+	cancel()
+	for _, id := range listed {
+		r.expected[id] = true
 	}
-	w, err := kv.WatchAll(ctx)
+	status := nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING)
+	sub, err := nc.Subscribe(WorkerSubject("*"), r.onBeat)
 	if err != nil {
-		return nil, fmt.Errorf("watch worker registry: %w", err)
+		nc.RemoveStatusListener(status)
+		return nil, fmt.Errorf("listen to worker heartbeats: %w", err)
 	}
-	r := &Registry{log: log, workers: make(map[string]registryEntry), models: make(map[string]bool), synced: make(chan struct{})}
-	go r.run(ctx, w)
+	if err := nc.Publish(WorkersAskSubject, nil); err != nil {
+		log.Warn("could not ask the workers for a heartbeat; waiting for their next one", logging.Err(err))
+	}
+	r.mu.Lock()
+	switch {
+	case lerr != nil:
+		log.Debug("worker registry bucket not readable; learning workers from their heartbeats", logging.Err(lerr))
+	case len(r.expected) == 0:
+		r.markSynced()
+	}
+	r.mu.Unlock()
+	go r.run(ctx, nc, sub, status)
 	return r, nil
 }
 
-func (r *Registry) run(ctx context.Context, w jetstream.KeyWatcher) {
-	defer w.Stop()
-	synced := false
+// listWorkers lists the ids in the pdq_workers bucket.
+func listWorkers(ctx context.Context, js jetstream.KeyValueManager) ([]string, error) {
+	kv, err := js.KeyValue(ctx, BucketWorkers)
+	if err != nil {
+		return nil, err
+	}
+	lister, err := kv.ListKeys(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer lister.Stop()
+	var ids []string
+	for id := range lister.Keys() {
+		ids = append(ids, id)
+	}
+	return ids, nil
+}
+
+func (r *Registry) run(ctx context.Context, nc *nats.Conn, sub *nats.Subscription, status chan nats.Status) {
+	defer nc.RemoveStatusListener(status)
+	defer sub.Unsubscribe()
+	syncTimer := time.NewTimer(syncWait)
+	defer syncTimer.Stop()
+	prune := time.NewTicker(time.Minute)
+	defer prune.Stop()
 	for {
-		var e jetstream.KeyValueEntry
-		var ok bool
 		select {
 		case <-ctx.Done():
 			return
-		case e, ok = <-w.Updates():
-			if !ok {
-				return
+		case <-syncTimer.C:
+			r.mu.Lock()
+			if !r.isSynced && len(r.expected) > 0 {
+				r.log.Debug("workers listed in the registry bucket did not answer; counting them gone", "workers", len(r.expected))
+			}
+			r.markSynced()
+			r.mu.Unlock()
+		case <-prune.C:
+			r.prune()
+		case s := <-status:
+			r.connectionChanged(s)
+			if s == nats.CONNECTED {
+				// Workers that reconnected before this process missed
+				// nothing, but their next beat may be 2 s away: ask now.
+				if err := nc.Publish(WorkersAskSubject, nil); err != nil {
+					r.log.Debug("could not ask the workers for a heartbeat", logging.Err(err))
+				}
 			}
 		}
-		if e == nil { // the initial values have all been delivered
-			if !synced {
-				synced = true
-				close(r.synced)
-			}
-			continue
-		}
-		r.apply(e)
 	}
 }
 
-func (r *Registry) apply(e jetstream.KeyValueEntry) {
+// markSynced ends WaitSynced; r.mu is held.
+func (r *Registry) markSynced() {
+	if !r.isSynced {
+		r.isSynced = true
+		r.expected = nil
+		close(r.synced)
+	}
+}
+
+func (r *Registry) connectionChanged(s nats.Status) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if e.Operation() != jetstream.KeyValuePut {
-		delete(r.workers, e.Key())
+	now := r.now()
+	switch {
+	case s == nats.CONNECTED && !r.connected:
+		r.connected, r.up = true, now
+	case s != nats.CONNECTED && r.connected:
+		r.connected, r.down = false, now
+	}
+}
+
+// onBeat takes a heartbeat or a leaving message, stamped with the time
+// this process received it.
+func (r *Registry) onBeat(m *nats.Msg) {
+	id := m.Subject[len(WorkerSubject("")):]
+	if id == "" || m.Subject == WorkersAskSubject {
+		return
+	}
+	at := r.now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.expected != nil {
+		delete(r.expected, id)
+		if len(r.expected) == 0 {
+			r.markSynced()
+		}
+	}
+	if m.Header.Get(HeaderLeaving) != "" {
+		delete(r.workers, id)
 		return
 	}
 	var info WorkerInfo
-	if err := json.Unmarshal(e.Value(), &info); err != nil {
-		r.log.Warn("ignoring an unreadable registry entry", "key", e.Key(), logging.Err(err))
+	if err := json.Unmarshal(m.Data, &info); err != nil || info.ID != id {
+		r.log.Warn("ignoring an unreadable worker heartbeat", "subject", m.Subject, logging.Err(err))
 		return
 	}
-	r.workers[e.Key()] = registryEntry{info: info, at: e.Created()}
+	r.workers[id] = registryEntry{info: info, at: at}
 	r.models[info.Model] = true
 }
 
-// WaitSynced waits until the registry holds the bucket's current entries.
+func (r *Registry) prune() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for id, e := range r.workers {
+		if !r.live(e.at, now) && now.Sub(e.at) > pruneAfter {
+			delete(r.workers, id)
+		}
+	}
+}
+
+// live reports whether a worker last heard at is live at now: heard within
+// LiveFor. Silence while this process was cut off from NATS is no evidence
+// that a worker died, so a worker heard before the connection last dropped
+// keeps the time it had left then, counted on from the reconnect. r.mu is
+// held.
+func (r *Registry) live(at, now time.Time) bool {
+	if now.Sub(at) <= LiveFor {
+		return true
+	}
+	if at.After(r.down) {
+		return false
+	}
+	silence := r.down.Sub(at)
+	if r.connected {
+		silence += now.Sub(r.up)
+	}
+	return silence <= LiveFor
+}
+
+// WaitSynced waits until every worker listed in the pdq_workers bucket has
+// been heard, or syncWait has passed: a gateway that serves before then
+// would refuse requests for pools whose workers it has not heard yet.
 func (r *Registry) WaitSynced(ctx context.Context) error {
 	select {
 	case <-r.synced:
@@ -209,9 +297,9 @@ func (r *Registry) Status(model string) PoolStatus {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s := PoolStatus{Known: r.models[model]}
-	now := time.Now()
+	now := r.now()
 	for _, e := range r.workers {
-		if e.info.Model != model || now.Sub(e.at) > LiveFor {
+		if e.info.Model != model || !r.live(e.at, now) {
 			continue
 		}
 		switch e.info.Role {
@@ -231,10 +319,10 @@ func (r *Registry) Status(model string) PoolStatus {
 func (r *Registry) Models() []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	now := time.Now()
+	now := r.now()
 	var out []string
 	for _, e := range r.workers {
-		if e.info.Role == StageDecode && now.Sub(e.at) <= LiveFor && !slices.Contains(out, e.info.Model) {
+		if e.info.Role == StageDecode && r.live(e.at, now) && !slices.Contains(out, e.info.Model) {
 			out = append(out, e.info.Model)
 		}
 	}
@@ -248,11 +336,11 @@ func (r *Registry) Models() []string {
 func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	now := time.Now()
+	now := r.now()
 	var weighted float64
 	timed := 0
 	for _, e := range r.workers {
-		if e.info.Role != StageDecode || e.info.Pool != pool || now.Sub(e.at) > LiveFor {
+		if e.info.Role != StageDecode || e.info.Pool != pool || !r.live(e.at, now) {
 			continue
 		}
 		slots += e.info.Slots
@@ -271,10 +359,10 @@ func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 func (r *Registry) Slots(stage Stage, pool string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	now := time.Now()
+	now := r.now()
 	n := 0
 	for _, e := range r.workers {
-		if e.info.Role == stage && e.info.Pool == pool && now.Sub(e.at) <= LiveFor {
+		if e.info.Role == stage && e.info.Pool == pool && r.live(e.at, now) {
 			n += e.info.Slots
 		}
 	}
@@ -285,10 +373,10 @@ func (r *Registry) Slots(stage Stage, pool string) int {
 func (r *Registry) Workers() []WorkerInfo {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	now := time.Now()
+	now := r.now()
 	var out []WorkerInfo
 	for _, e := range r.workers {
-		if now.Sub(e.at) <= LiveFor {
+		if r.live(e.at, now) {
 			out = append(out, e.info)
 		}
 	}

@@ -19,18 +19,11 @@ func releaseConsumer(pool string) string { return "release-" + pool }
 // store (PDQ_DECODE full): every decode worker of the pool takes them, one
 // at a time, each in one of the worker's slots, so the engine never gets
 // more calls than the slots.
-func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
+func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}, pulls *puller) {
 	var cons jetstream.Consumer
 	for ctx.Err() == nil {
 		if cons == nil {
-			c, err := l.js.CreateOrUpdateConsumer(ctx, StreamRelease, jetstream.ConsumerConfig{
-				Durable:       releaseConsumer(l.cfg.Pool),
-				Description:   "decode workers of pool " + l.cfg.Pool + " releasing KV of handoffs never stored",
-				FilterSubject: subjectRelease + "." + l.cfg.Pool + ".>",
-				AckPolicy:     jetstream.AckExplicitPolicy,
-				AckWait:       l.cfg.AckWait,
-				MaxDeliver:    l.cfg.MaxDeliver,
-			})
+			c, err := ensureReleaseConsumer(ctx, l.js, l.cfg.Pool, l.cfg.AckWait, l.cfg.MaxDeliver, WithLogger(l.log))
 			if err != nil {
 				l.log.Warn("no release queue; retrying in 5s", logging.Err(err))
 				if sleepCtx(ctx, 5*time.Second) != nil {
@@ -40,7 +33,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 			}
 			cons = c
 		}
-		msg, err := cons.Next(jetstream.FetchContext(ctx))
+		msg, err := pulls.next(ctx, cons)
 		switch {
 		case ctx.Err() != nil:
 			return

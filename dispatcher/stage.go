@@ -266,8 +266,12 @@ type StageConfig struct {
 	// worker may take a job (its engine's breaker lets it); the loop calls
 	// the unclaim it returns when the pull got no job.
 	Ready func(ctx context.Context) (unclaim func(), err error)
-	// Health, when set, is the worker's breaker state for the registry.
-	Health func() BreakerState
+	// Health, when set, is the worker's breaker state for the registry, and
+	// a channel closed at its next change, when the worker beats at once.
+	Health func() (BreakerState, <-chan struct{})
+	// Replicas is the replica count of the pdq_workers bucket, should
+	// this loop find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
+	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
 }
@@ -371,10 +375,16 @@ func (l *StageLoop) Released() int64 { return l.released.Load() }
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
 func (l *StageLoop) Run(ctx context.Context) error {
-	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait)
+	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log))
 	if err != nil {
 		return err
 	}
+	// The consumer's stored ack wait is the one in force (its first
+	// creator's): running jobs signal progress by it.
+	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
+		l.cfg.AckWait = aw
+	}
+	pulls := newPuller(ctx, l.nc)
 	if l.records, err = OpenRecords(ctx, l.js); err != nil {
 		return err
 	}
@@ -396,7 +406,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	slots := make(chan struct{}, l.cfg.Slots)
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
 		l.cfg.Metrics.pool(l.cfg.Pool)
-		bg.Go(func() { l.releaseLoop(ctx, slots) })
+		bg.Go(func() { l.releaseLoop(ctx, slots, pulls) })
 	}
 
 	// Jobs outlive ctx by the grace period, so a shutdown does not abort
@@ -422,7 +432,7 @@ pull:
 			unclaim()
 			break pull
 		}
-		msg, err := cons.Next(jetstream.FetchContext(ctx))
+		msg, err := pulls.next(ctx, cons)
 		if err != nil {
 			unclaim()
 			<-slots
@@ -436,7 +446,7 @@ pull:
 			if sleepCtx(ctx, time.Second) != nil {
 				break pull
 			}
-			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait); err == nil {
+			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log)); err == nil {
 				cons = c
 			}
 			continue

@@ -135,20 +135,50 @@ func publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
 	return err
 }
 
+// Publishing across a failover. A stream has no leader for seconds after
+// its leader's node is lost (nats-server elects a new one 4 to 9 s after
+// the last heartbeat): a publish meanwhile finds no responders, and one
+// sent to the dying leader is never answered. Either way the message was
+// not acknowledged, so it is sent again, each attempt bounded by
+// publishAttempt, for up to publishFailover in all (or until ctx ends),
+// instead of failing after the client's default half second of retries
+// or waiting out a 5 s time-out on the first attempt. A message whose
+// lost attempt was stored after all comes back as a duplicate, as it
+// would on any retry: every message published here has a Nats-Msg-Id.
+const (
+	publishAttempt    = 2 * time.Second
+	publishRetryWait  = 250 * time.Millisecond
+	publishFailover   = 15 * time.Second
+	publishNoLeaderTo = int(publishAttempt / publishRetryWait)
+)
+
 // publishSeq is publish that also returns the message's stream sequence
 // (for a duplicate, the earlier message's).
 func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
-	ack, err := js.PublishMsg(ctx, msg)
-	if err != nil {
-		if isFull(err) {
+	giveUp := time.Now().Add(publishFailover)
+	for {
+		actx, cancel := context.WithTimeout(ctx, publishAttempt)
+		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(publishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
+		cancel()
+		switch {
+		case err == nil && ack.Duplicate:
+			return ack.Sequence, fmt.Errorf("publish %s: %w", msg.Subject, ErrDuplicate)
+		case err == nil:
+			return ack.Sequence, nil
+		case isFull(err):
 			return 0, fmt.Errorf("publish %s: %w: %w", msg.Subject, ErrQueueFull, err)
+		case ctx.Err() == nil && time.Now().Before(giveUp) && unanswered(err):
+			continue
 		}
 		return 0, fmt.Errorf("publish %s: %w", msg.Subject, err)
 	}
-	if ack.Duplicate {
-		return ack.Sequence, fmt.Errorf("publish %s: %w", msg.Subject, ErrDuplicate)
-	}
-	return ack.Sequence, nil
+}
+
+// unanswered reports whether a publish failed for want of an answer (no
+// stream leader, or none in time), not because the stream refused it.
+func unanswered(err error) bool {
+	return errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout)
 }
 
 func isFull(err error) bool {

@@ -287,10 +287,14 @@ func (h *handlers) models(c echo.Context) error {
 	return c.JSON(http.StatusOK, list)
 }
 
-// ready answers 200 when NATS is connected and the streams are usable.
+// ready answers 200 while the gateway can submit: NATS connected, the
+// stage streams there, and the request records (every submit writes one
+// first). Each is looked up afresh, on the server: a stream lost with a
+// server's store, or a cluster without a leader for it, is a 503 until it
+// is back.
 func (h *handlers) ready(c echo.Context) error {
 	if !h.nc.IsConnected() {
-		return writeError(c, openai.NewError(http.StatusServiceUnavailable, "not connected to NATS"))
+		return writeError(c, openai.NewError(http.StatusServiceUnavailable, "not connected to NATS (%s)", h.nc.Status()))
 	}
 	ctx, cancel := context.WithTimeout(c.Request().Context(), 2*time.Second)
 	defer cancel()
@@ -298,6 +302,9 @@ func (h *handlers) ready(c echo.Context) error {
 		if _, err := h.js.Stream(ctx, name); err != nil {
 			return writeError(c, openai.NewError(http.StatusServiceUnavailable, "stream %s: %v", name, err))
 		}
+	}
+	if _, err := h.js.KeyValue(ctx, dispatcher.BucketRequests); err != nil {
+		return writeError(c, openai.NewError(http.StatusServiceUnavailable, "bucket %s: %v", dispatcher.BucketRequests, err))
 	}
 	return c.NoContent(http.StatusOK)
 }

@@ -18,21 +18,13 @@ import (
 // that a hung engine costs the run seconds, not minutes.
 var faultTimeouts = []string{"PDQ_STALL_TIMEOUT=2s", "PDQ_PREFILL_TIMEOUT=2s"}
 
-// timedLoad sends n requests at once and returns what each client got and
-// how long each took.
-func (c *cluster) timedLoad(n int, idPrefix string, mk func(i int) body) ([]outcome, []time.Duration) {
-	outs := make([]outcome, n)
-	took := make([]time.Duration, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Go(func() {
-			start := time.Now()
-			outs[i] = c.one(fmt.Sprintf("%s-%d", idPrefix, i), 0, mk(i))
-			took[i] = time.Since(start)
-		})
+// durations are how long each client of ts waited.
+func durations(ts []timed) []time.Duration {
+	out := make([]time.Duration, len(ts))
+	for i, t := range ts {
+		out[i] = t.took
 	}
-	wg.Wait()
-	return outs, took
+	return out
 }
 
 // latency sums up a run's latencies: mean and max.
@@ -97,10 +89,10 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 
 	const n = 12
 	load := func(prefix string) ([]outcome, latency) {
-		outs, took := c.timedLoad(n, prefix, func(int) body {
+		ts := c.timedLoad(n, prefix, func(int) body {
 			return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
 		})
-		return outs, measure(took)
+		return outcomes(ts), measure(durations(ts))
 	}
 	base, baseLat := load(string(stage) + "-base")
 	for _, o := range base {
@@ -152,7 +144,8 @@ func deadPrefillRow(t *testing.T) row {
 	_, baseTook := sequential("dp-base", short)
 	kill9(t, c.prefillP)
 	outs, took := sequential("dp-seq", long)
-	burst, burstTook := c.timedLoad(8, "dp-burst", long)
+	ts := c.timedLoad(8, "dp-burst", long)
+	burst, burstTook := outcomes(ts), durations(ts)
 	r := row{scenario: "dead prefill engine: decode-only fallback"}
 	tally(&r, append(outs, burst...))
 	r.cost = measure(append(took, burstTook...)).cost(measure(baseTook)) + " vs decode-only"
@@ -179,10 +172,10 @@ func hungDecodeRow(t *testing.T) row {
 	// On failure, the workers' lines about the request and the breaker
 	// say which engine each generation met.
 	pdLoad := func(prefix string) ([]outcome, latency) {
-		outs, took := c.timedLoad(8, prefix, func(int) body {
+		ts := c.timedLoad(8, prefix, func(int) body {
 			return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
 		})
-		return outs, measure(took)
+		return outcomes(ts), measure(durations(ts))
 	}
 	_, base := pdLoad("hd-base")
 	setFault(t, c.decode, `{"rate":1,"kind":"hang"}`)

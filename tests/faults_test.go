@@ -568,6 +568,8 @@ func TestFaultSuite(t *testing.T) {
 			}
 		})
 	}
+	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
+	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 }
 
 // record reads a request's record through the gateway's API.

@@ -61,6 +61,14 @@ func (b *breaker) State() dispatcher.BreakerState {
 	return b.state
 }
 
+// Health is the breaker's state and a channel closed at its next change,
+// for the worker's heartbeats.
+func (b *breaker) Health() (dispatcher.BreakerState, <-chan struct{}) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.state, b.changed
+}
+
 // Open reports whether the breaker is open.
 func (b *breaker) Open() bool { return b.State() == dispatcher.BreakerOpen }
 

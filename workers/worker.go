@@ -76,6 +76,9 @@ type Config struct {
 	// output moves to another engine (PDQ_MIGRATION_LIMIT); 0 ends such a
 	// stream with an error.
 	MigrationLimit int
+	// Replicas is the replica count of the registry bucket, should the
+	// worker find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
+	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -162,7 +165,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		Slots:          w.cfg.Slots,
 		Handler:        w.observed(handler),
 		Ready:          func(ctx context.Context) (func(), error) { return w.breaker.wait(ctx, w.alone) },
-		Health:         w.breaker.State,
+		Health:         w.breaker.Health,
 		Release:        release,
 		Grace:          w.cfg.Grace,
 		RetryBase:      w.cfg.RetryBase,
@@ -171,6 +174,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		MaxGenerations: w.cfg.MaxGenerations,
 		MaxDeliver:     w.cfg.MaxDeliver,
 		StallTimeout:   w.cfg.StallTimeout,
+		Replicas:       w.cfg.Replicas,
 		Metrics:        w.cfg.Metrics,
 		Worker: dispatcher.WorkerInfo{
 			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),

@@ -57,26 +57,44 @@ func service(name, summary string, args []string, stderr io.Writer) (config.Conf
 	return cfg, log, nil
 }
 
-// connect joins the NATS server at url, retrying while it starts, and
-// makes sure the streams exist.
-func connect(ctx context.Context, url, name string, log *slog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+// connect joins the NATS at cfg.NATSURL with the PDQ_NATS_* credentials,
+// retrying while it starts, and makes sure the streams and buckets exist:
+// now, and again after every reconnect (a restarted server may have lost
+// some) until ctx ends. Refused credentials or certificates end the
+// retries at once: they will not get better.
+func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+	url := cfg.NATSURL
 	if url == "" {
 		return nil, nil, fmt.Errorf("%w: PDQ_NATS_URL is required for pdq %s", config.ErrInvalid, name)
 	}
-	opts := []nats.Option{
+	auth, err := natsAuth(cfg.NATS)
+	if err != nil {
+		return nil, nil, err
+	}
+	opts := append([]nats.Option{
 		nats.Name("pdq " + name),
 		nats.MaxReconnects(-1),
+		nats.ReconnectWait(natsReconnectWait),
+		nats.PingInterval(natsPingInterval),
+		nats.MaxPingsOutstanding(natsMaxPingsOut),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err == nil { // closed by this process, at shutdown
+				log.Debug("NATS connection closed")
+				return
+			}
 			log.Warn("disconnected from NATS; reconnecting", logging.Err(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("reconnected to NATS", "url", nc.ConnectedUrl()) }),
-	}
+	}, auth...)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
 	var nc *nats.Conn
-	err := backoff.RetryNotify(func() error {
+	err = backoff.RetryNotify(func() error {
 		var err error
 		nc, err = nats.Connect(url, opts...)
+		if permanent, hint := connectError(err); permanent {
+			return backoff.Permanent(fmt.Errorf("%w (%s)", err, hint))
+		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
 		log.Warn("NATS not reachable; retrying", "url", url, logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
@@ -84,23 +102,35 @@ func connect(ctx context.Context, url, name string, log *slog.Logger) (*nats.Con
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
 	}
-	js, err := ensure(ctx, nc)
+	js, err := ensure(ctx, nc, cfg.NATS.Replicas, log)
 	if err != nil {
 		nc.Close()
 		return nil, nil, err
 	}
-	log.Info("connected to NATS", "url", nc.ConnectedUrl())
+	go func() {
+		if err := dispatcher.KeepEnsured(ctx, js, topologyOptions(cfg.NATS.Replicas, log)...); err != nil {
+			log.Error("streams and buckets will not be recreated after a NATS restart", logging.Err(err))
+		}
+	}()
+	log.Info("connected to NATS", "url", nc.ConnectedUrl(), "replicas", cfg.NATS.Replicas)
 	return nc, js, nil
 }
 
-func ensure(ctx context.Context, nc *nats.Conn) (jetstream.JetStream, error) {
+// topologyOptions are the options of dispatcher.Ensure for this process.
+func topologyOptions(replicas int, log *slog.Logger) []dispatcher.EnsureOption {
+	return []dispatcher.EnsureOption{dispatcher.WithReplicas(replicas), dispatcher.WithLogger(log)}
+}
+
+// ensure creates the streams and buckets that are missing, with replicas
+// copies; existing ones keep their settings (a difference is logged).
+func ensure(ctx context.Context, nc *nats.Conn, replicas int, log *slog.Logger) (jetstream.JetStream, error) {
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	ectx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	if err := dispatcher.Ensure(ectx, js); err != nil {
+	if err := dispatcher.Ensure(ectx, js, topologyOptions(replicas, log)...); err != nil {
 		return nil, err
 	}
 	return js, nil
@@ -132,7 +162,8 @@ func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, me
 		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
-		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit, Metrics: metrics,
+		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,
+		Replicas: cfg.NATS.Replicas, Metrics: metrics,
 	}
 }
 
@@ -141,7 +172,7 @@ func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return helpIsNoError(err)
 	}
-	nc, js, err := connect(ctx, cfg.NATSURL, "gateway", log)
+	nc, js, err := connect(ctx, cfg, "gateway", log)
 	if err != nil {
 		return err
 	}
@@ -171,7 +202,7 @@ func runWorker(ctx context.Context, role dispatcher.Stage, args []string, stderr
 	if cfg.EngineURL == "" {
 		return fmt.Errorf("%w: PDQ_ENGINE_URL is required for pdq %s", config.ErrInvalid, role)
 	}
-	nc, js, err := connect(ctx, cfg.NATSURL, string(role), log)
+	nc, js, err := connect(ctx, cfg, string(role), log)
 	if err != nil {
 		return err
 	}

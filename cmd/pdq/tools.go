@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 )
 
 // toolFlags are the flags every one-shot tool shares.
@@ -30,19 +31,30 @@ func (f *toolFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.natsURL, "nats", def, "the NATS server pdq uses (default: $PDQ_NATS_URL, else "+nats.DefaultURL+")")
 }
 
-// connectTool joins NATS once, without retrying: a tool reports a NATS it
-// cannot reach and exits.
+// connectTool joins NATS once, with the PDQ_NATS_* credentials, without
+// retrying: a tool reports a NATS it cannot reach and exits.
 func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetstream.JetStream, error) {
-	nc, err := nats.Connect(f.natsURL, nats.Name("pdq "+name), nats.Timeout(5*time.Second))
+	nc, err := config.LoadNATS()
 	if err != nil {
+		return nil, nil, err
+	}
+	auth, err := natsAuth(nc)
+	if err != nil {
+		return nil, nil, err
+	}
+	conn, err := nats.Connect(f.natsURL, append([]nats.Option{nats.Name("pdq " + name), nats.Timeout(5 * time.Second)}, auth...)...)
+	if err != nil {
+		if _, hint := connectError(err); hint != "" {
+			err = fmt.Errorf("%w (%s)", err, hint)
+		}
 		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", f.natsURL, err)
 	}
-	js, err := jetstream.New(nc)
+	js, err := jetstream.New(conn)
 	if err != nil {
-		nc.Close()
+		conn.Close()
 		return nil, nil, fmt.Errorf("jetstream: %w", err)
 	}
-	return nc, js, nil
+	return conn, js, nil
 }
 
 // parseTool parses a tool's command line; it returns flag.ErrHelp for -h

@@ -40,7 +40,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		natsNote string
 	)
 	if cfg.NATSURL != "" {
-		if nc, js, err = connect(ctx, cfg.NATSURL, "up", log); err != nil {
+		if nc, js, err = connect(ctx, cfg, "up", log); err != nil {
 			return err
 		}
 		natsNote = cfg.NATSURL
@@ -53,7 +53,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if nc, err = srv.Connect(nats.Name("pdq up")); err != nil {
 			return err
 		}
-		if js, err = ensure(ctx, nc); err != nil {
+		if js, err = ensure(ctx, nc, cfg.NATS.Replicas, log); err != nil {
 			nc.Close()
 			return err
 		}

@@ -108,7 +108,8 @@ type Config struct {
 	// time-outs open a worker's circuit breaker on its engine.
 	BreakerFailures int `envconfig:"BREAKER_FAILURES" default:"3"`
 
-	// NATS holds the NATS connection's credentials and stream replicas.
+	// NATS holds the NATS connection's credentials and stream replicas,
+	// PDQ_NATS_*: the field's name is the prefix of its variables.
 	NATS NATS
 }
 
@@ -117,18 +118,18 @@ type Config struct {
 type NATS struct {
 	// Replicas is the streams' and buckets' replica count: 1 on one server,
 	// 3 in a 3-node cluster.
-	Replicas int `envconfig:"NATS_REPLICAS" default:"1"`
+	Replicas int `envconfig:"REPLICAS" default:"1"`
 	// User and Password, or Token, or Creds (a .creds file) authenticate;
 	// credentials in PDQ_NATS_URL work too.
-	User     string `envconfig:"NATS_USER"`
-	Password string `envconfig:"NATS_PASSWORD"`
-	Token    string `envconfig:"NATS_TOKEN"`
-	Creds    string `envconfig:"NATS_CREDS"`
+	User     string `envconfig:"USER"`
+	Password string `envconfig:"PASSWORD"`
+	Token    string `envconfig:"TOKEN"`
+	Creds    string `envconfig:"CREDS"`
 	// CA is a PEM file of the CAs that sign the server's certificate; Cert
 	// and Key are the client's certificate for mutual TLS.
-	CA   string `envconfig:"NATS_CA"`
-	Cert string `envconfig:"NATS_CERT"`
-	Key  string `envconfig:"NATS_KEY"`
+	CA   string `envconfig:"CA"`
+	Cert string `envconfig:"CERT"`
+	Key  string `envconfig:"KEY"`
 }
 
 // The values of PDQ_PREFILL_FALLBACK.
@@ -228,14 +229,47 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("%w: PDQ_MIGRATION_LIMIT must not be negative, got %d", ErrInvalid, c.MigrationLimit))
 	}
 	positive("PDQ_BREAKER_FAILURES", c.BreakerFailures > 0, c.BreakerFailures)
-	if c.NATS.Replicas < 1 || c.NATS.Replicas > 5 {
-		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_REPLICAS must be 1 to 5, got %d", ErrInvalid, c.NATS.Replicas))
-	}
-	if (c.NATS.Cert == "") != (c.NATS.Key == "") {
-		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_CERT and PDQ_NATS_KEY go together", ErrInvalid))
+	if err := c.NATS.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if c.HTTPAddr == "" {
 		errs = append(errs, fmt.Errorf("%w: PDQ_HTTP_ADDR must not be empty", ErrInvalid))
+	}
+	return errors.Join(errs...)
+}
+
+// LoadNATS reads only the NATS connection settings, for the one-shot
+// tools, which take everything else as flags.
+func LoadNATS() (NATS, error) {
+	var n NATS
+	if err := envconfig.Process(Prefix+"_NATS", &n); err != nil {
+		return NATS{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return n, n.Validate()
+}
+
+// Validate checks the NATS settings that need no file: one way to
+// authenticate, and a client certificate with its key. The files are
+// read, and checked, when connecting.
+func (n NATS) Validate() error {
+	var errs []error
+	if n.Replicas < 1 || n.Replicas > 5 {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_REPLICAS must be 1 to 5, got %d", ErrInvalid, n.Replicas))
+	}
+	if (n.Cert == "") != (n.Key == "") {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_CERT and PDQ_NATS_KEY go together", ErrInvalid))
+	}
+	if n.Password != "" && n.User == "" {
+		errs = append(errs, fmt.Errorf("%w: PDQ_NATS_PASSWORD needs PDQ_NATS_USER", ErrInvalid))
+	}
+	ways := 0
+	for _, set := range []bool{n.User != "", n.Token != "", n.Creds != ""} {
+		if set {
+			ways++
+		}
+	}
+	if ways > 1 {
+		errs = append(errs, fmt.Errorf("%w: set one of PDQ_NATS_USER (with PDQ_NATS_PASSWORD), PDQ_NATS_TOKEN and PDQ_NATS_CREDS", ErrInvalid))
 	}
 	return errors.Join(errs...)
 }

@@ -1,0 +1,158 @@
+package dispatcher
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// Worker heartbeats. A worker publishes its WorkerInfo on WorkerSubject(id)
+// every HeartbeatInterval, at once when a registry asks on
+// WorkersAskSubject (a gateway that starts or reconnects), and at once
+// when its own connection comes back; a stopping worker says so with
+// HeaderLeaving. Core NATS, not the bucket, carries them to the
+// registries: a core subscription is sent again on every reconnect, while
+// a watch on a memory bucket ends with the bucket when a NATS server
+// restarts. The worker also writes its entry to the pdq_workers bucket, for
+// operators and tools, and recreates the bucket when it finds it missing.
+const (
+	subjectWorkers = "pdq.workers"
+	// WorkersAskSubject asks every worker for a heartbeat now.
+	WorkersAskSubject = subjectWorkers + ".ask"
+	// HeaderLeaving marks a worker's last message: it stops pulling.
+	HeaderLeaving = "Pdq-Leaving"
+)
+
+// WorkerSubject is where worker id sends its heartbeats; worker ids never
+// collide with "ask".
+func WorkerSubject(id string) string { return subjectWorkers + "." + id }
+
+// heartbeat keeps the loop's worker heard until ctx ends, then says it is
+// leaving so that registries stop counting it at once.
+func (l *StageLoop) heartbeat(ctx context.Context) {
+	info := l.cfg.Worker
+	if info.ID == "" {
+		return
+	}
+	now := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case now <- struct{}{}:
+		default:
+		}
+	}
+	ask, err := l.nc.Subscribe(WorkersAskSubject, func(*nats.Msg) { poke() })
+	if err != nil {
+		l.log.Warn("cannot hear registries ask for heartbeats; they hear this worker within 2s anyway", logging.Err(err))
+	} else {
+		defer ask.Unsubscribe()
+	}
+	status := l.nc.StatusChanged(nats.CONNECTED)
+	defer l.nc.RemoveStatusListener(status)
+	bucket := &workersBucket{js: l.js, replicas: l.cfg.Replicas}
+	var healthChanged <-chan struct{}
+	beat := func() {
+		info.InFlight = l.InFlight()
+		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
+		info.AvgJobMs = l.avgJobMs()
+		if l.cfg.Health != nil {
+			info.Breaker, healthChanged = l.cfg.Health()
+		}
+		data, err := json.Marshal(info)
+		if err != nil {
+			l.log.Error("encode heartbeat", logging.Err(err))
+			return
+		}
+		if err := l.nc.Publish(WorkerSubject(info.ID), data); err != nil {
+			l.log.Warn("heartbeat not sent", logging.Err(err))
+		}
+		pctx, cancel := context.WithTimeout(ctx, HeartbeatInterval)
+		defer cancel()
+		if err := bucket.put(pctx, info.ID, data); err != nil && ctx.Err() == nil {
+			// Registries do not read the bucket: this only leaves the
+			// operators' view stale.
+			level := slog.LevelDebug // NATS is down: the log says so already
+			if l.nc.IsConnected() {
+				level = slog.LevelWarn
+			}
+			l.log.Log(ctx, level, "registry bucket not written", logging.Err(err))
+		}
+	}
+	beat()
+	t := time.NewTicker(HeartbeatInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-now:
+		case <-status:
+		case <-healthChanged: // a breaker that opens or closes is news at once
+		case <-ctx.Done():
+			l.leave(context.WithoutCancel(ctx), info.ID, bucket)
+			return
+		}
+		beat()
+	}
+}
+
+// leave tells the registries that this worker stops, and removes its
+// bucket entry.
+func (l *StageLoop) leave(ctx context.Context, id string, bucket *workersBucket) {
+	m := nats.NewMsg(WorkerSubject(id))
+	m.Header.Set(HeaderLeaving, "true")
+	err := l.nc.PublishMsg(m)
+	if err == nil {
+		err = l.nc.FlushTimeout(time.Second)
+	}
+	if err != nil {
+		l.log.Debug("leaving message not sent; registries count this worker gone once its heartbeats stop", logging.Err(err))
+	}
+	dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := bucket.delete(dctx, id); err != nil {
+		l.log.Warn("could not remove this worker from the registry bucket; it expires on its own", logging.Err(err))
+	}
+}
+
+// workersBucket writes a worker's entry in pdq_workers, recreating the
+// bucket when a NATS restart lost it (it is memory storage).
+type workersBucket struct {
+	js       jetstream.JetStream
+	replicas int
+	kv       jetstream.KeyValue
+}
+
+func (b *workersBucket) put(ctx context.Context, id string, data []byte) error {
+	if b.kv == nil {
+		kv, err := b.js.KeyValue(ctx, BucketWorkers)
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			kv, err = b.js.CreateKeyValue(ctx, workersBucketConfig(b.replicas))
+			if errors.Is(err, jetstream.ErrBucketExists) { // another process was first
+				kv, err = b.js.KeyValue(ctx, BucketWorkers)
+			}
+		}
+		if err != nil {
+			return err
+		}
+		b.kv = kv
+	}
+	_, err := b.kv.Put(ctx, id, data)
+	if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrStreamNotFound) {
+		b.kv = nil // the bucket is gone: look it up, or make it, next time
+	}
+	return err
+}
+
+func (b *workersBucket) delete(ctx context.Context, id string) error {
+	if b.kv == nil {
+		return nil
+	}
+	return b.kv.Delete(ctx, id)
+}

@@ -1,0 +1,195 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// natsServerBin is the nats-server command built from the module pdq
+// depends on, once per test binary.
+var natsServerBin struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+// natsServerBinary builds nats-server next to the pdq binary (removed with
+// it when the tests end).
+func natsServerBinary(t *testing.T) string {
+	t.Helper()
+	natsServerBin.once.Do(func() {
+		path := filepath.Join(filepath.Dir(pdqBinary), "nats-server")
+		out, err := exec.Command("go", "build", "-o", path, "github.com/nats-io/nats-server/v2").CombinedOutput()
+		if err != nil {
+			natsServerBin.err = fmt.Errorf("build nats-server: %w\n%s", err, out)
+			return
+		}
+		natsServerBin.path = path
+	})
+	if natsServerBin.err != nil {
+		t.Fatal(natsServerBin.err)
+	}
+	return natsServerBin.path
+}
+
+// natsServer is a nats-server process that a test can kill -9 and start
+// again with the same configuration: the same port and the same store.
+type natsServer struct {
+	t    *testing.T
+	name string // its server_name
+	conf string // its configuration file
+	url  string // its client URL
+
+	mu     sync.Mutex
+	out    bytes.Buffer
+	cmd    *exec.Cmd
+	exited chan struct{}
+}
+
+// natsNode describes one server of a test's NATS: its name, client and
+// route (cluster) addresses.
+type natsNode struct {
+	name, client, route string
+}
+
+// writeNATSConf writes a server's configuration: JetStream with file
+// storage under dir, and routes to peers when it is part of a cluster.
+// extra is appended as is (authorization, TLS).
+func writeNATSConf(t *testing.T, dir string, n natsNode, peers []natsNode, extra string) string {
+	t.Helper()
+	var b strings.Builder
+	fmt.Fprintf(&b, "server_name: %s\nlisten: %s\nmax_payload: 8MB\n", n.name, n.client)
+	fmt.Fprintf(&b, "jetstream {\n  store_dir: %q\n  max_memory_store: 256MB\n  max_file_store: 10GB\n}\n", filepath.Join(dir, "store"))
+	if len(peers) > 0 {
+		fmt.Fprintf(&b, "cluster {\n  name: pdq-test\n  listen: %s\n  routes: [\n", n.route)
+		for _, p := range peers {
+			fmt.Fprintf(&b, "    nats-route://%s\n", p.route)
+		}
+		b.WriteString("  ]\n}\n")
+	}
+	b.WriteString(extra)
+	path := filepath.Join(dir, n.name+".conf")
+	if err := os.WriteFile(path, []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// startNATSServer runs nats-server with conf; it is killed when the test
+// ends. It does not wait for the server to be ready: see waitJetStream.
+func startNATSServer(t *testing.T, n natsNode, conf string) *natsServer {
+	t.Helper()
+	s := &natsServer{t: t, name: n.name, conf: conf, url: "nats://" + n.client}
+	s.start()
+	t.Cleanup(func() {
+		s.mu.Lock()
+		cmd, exited := s.cmd, s.exited
+		s.mu.Unlock()
+		select {
+		case <-exited:
+			return
+		default:
+		}
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-exited
+		}
+	})
+	return s
+}
+
+// start starts the process (again).
+func (s *natsServer) start() {
+	s.t.Helper()
+	cmd := exec.Command(natsServerBinary(s.t), "-c", s.conf)
+	w := &lockedWriter{mu: &s.mu, w: &s.out}
+	cmd.Stdout, cmd.Stderr = w, w
+	if err := cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(exited)
+	}()
+	s.mu.Lock()
+	s.cmd, s.exited = cmd, exited
+	s.mu.Unlock()
+}
+
+// kill9 ends the server at once, as a crash would.
+func (s *natsServer) kill9() {
+	s.t.Helper()
+	s.mu.Lock()
+	cmd, exited := s.cmd, s.exited
+	s.mu.Unlock()
+	if err := cmd.Process.Kill(); err != nil {
+		s.t.Fatal(err)
+	}
+	<-exited
+}
+
+func (s *natsServer) output() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.out.String()
+}
+
+// waitJetStream waits until JetStream answers at url (every server of a
+// cluster listed, comma-separated), and returns a connection for the test's
+// own look-ups, which reconnects for as long as the test runs.
+func waitJetStream(t *testing.T, url string, opts ...nats.Option) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	opts = append([]nats.Option{nats.Name("pdq tests"), nats.MaxReconnects(-1), nats.ReconnectWait(100 * time.Millisecond)}, opts...)
+	deadline := time.Now().Add(20 * time.Second)
+	var last error
+	for time.Now().Before(deadline) {
+		nc, err := nats.Connect(url, opts...)
+		if err == nil {
+			js, err := jetstream.New(nc)
+			if err == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				_, err = js.AccountInfo(ctx)
+				cancel()
+				if err == nil {
+					t.Cleanup(nc.Close)
+					return nc, js
+				}
+			}
+			nc.Close()
+		}
+		last = err
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Fatalf("JetStream at %s not ready within 20s: %v", url, last)
+	return nil, nil
+}
+
+// startClusterOn is startCluster on a NATS the test runs itself (a
+// nats-server process, a cluster of them, or a server that wants
+// credentials): the engines and the gateway as processes, joining natsURL.
+func startClusterOn(t *testing.T, natsURL string, o clusterOptions, natsOpts ...nats.Option) *cluster {
+	t.Helper()
+	nc, js := waitJetStream(t, natsURL, natsOpts...)
+	c := &cluster{t: t, natsURL: natsURL, nc: nc, js: js}
+	c.env = append([]string{"PDQ_NATS_URL=" + natsURL, "PDQ_ACK_WAIT=1s"}, o.env...)
+	_, c.prefill = startSimProcess(t, o.prefillSim...)
+	c.decodeP, c.decode = startSimProcess(t, o.decodeSim...)
+	c.startGateway()
+	return c
+}
