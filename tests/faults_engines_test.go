@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -87,7 +88,7 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 	c.ready()
 	c.worker(stage, 8, "PDQ_ENGINE_URL="+second.URL)
 
-	const n = 12
+	const n = 20
 	load := func(prefix string) ([]outcome, latency) {
 		ts := c.timedLoad(n, prefix, func(int) body {
 			return completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
@@ -101,7 +102,23 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 		}
 	}
 	var rows []row
-	for _, kind := range []sim.FaultKind{sim.Fault503, sim.Fault500, sim.FaultHang, sim.FaultDrop, sim.FaultNoKV, sim.FaultSlow} {
+	kinds := []sim.FaultKind{sim.Fault503, sim.Fault500, sim.FaultHang, sim.FaultDrop, sim.FaultNoKV, sim.FaultSlow}
+	if stage == dispatcher.StageDecode {
+		kinds = slices.DeleteFunc(kinds, func(k sim.FaultKind) bool { return k == sim.FaultNoKV }) // a prefill's fault
+	}
+	for _, kind := range kinds {
+		// Each kind meets a pool whose faulty engine takes jobs again: a
+		// breaker the last run opened has probed its way back, and its
+		// trial (a request sent for it) has closed it.
+		for i := 0; !c.breakerIs(faulty.URL, dispatcher.BreakerClosed); i++ {
+			if i == 100 {
+				t.Fatalf("the breaker on %s did not close", faulty.URL)
+			}
+			c.timedLoad(2, fmt.Sprintf("%s-%s-warm-%d", stage, kind, i), func(int) body {
+				return completionBody(model, longPrompt, body{"max_tokens": 1})
+			})
+			time.Sleep(100 * time.Millisecond)
+		}
 		before := faulty.Stats(t).Faults
 		setFault(t, faulty, fmt.Sprintf(`{"rate":0.3,"kind":%q,"delay":"1s"}`, kind))
 		outs, lat := load(fmt.Sprintf("%s-%s", stage, kind))
@@ -333,4 +350,26 @@ func migrationRow(t *testing.T) row {
 	}
 	second.WaitStats(t, 10*time.Second, "the second decode engine idle", func(s sim.Stats) bool { return s.Running == 0 && s.Waiting == 0 })
 	return r
+}
+
+// breakerIs reports whether the breaker of the worker on engine is in
+// state, as its registry entry says.
+func (c *cluster) breakerIs(engine string, state dispatcher.BreakerState) bool {
+	c.t.Helper()
+	kv, err := c.js.KeyValue(context.Background(), dispatcher.BucketWorkers)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	keys, _ := kv.Keys(context.Background())
+	for _, k := range keys {
+		e, err := kv.Get(context.Background(), k)
+		if err != nil {
+			continue
+		}
+		var w dispatcher.WorkerInfo
+		if json.Unmarshal(e.Value(), &w) == nil && w.Engine == engine {
+			return w.Breaker == state
+		}
+	}
+	return false
 }

@@ -180,7 +180,7 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 	b.mu.Lock()
 	deep := b.retrials > 0 && b.generate != nil
 	b.mu.Unlock()
-	_ = backoff.Retry(func() error {
+	_ = backoff.RetryNotify(func() error {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if err := b.engine.Health(pctx); err != nil || !deep {
@@ -189,7 +189,9 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 		gctx, cancel := context.WithTimeout(ctx, probeTimeout)
 		defer cancel()
 		return b.generate(gctx)
-	}, backoff.WithContext(bo, ctx))
+	}, backoff.WithContext(bo, ctx), func(err error, next time.Duration) {
+		b.log.Debug("engine probe failed", logging.Err(err), "deep", deep, "retry_in", next.Round(time.Millisecond).String())
+	})
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.state == dispatcher.BreakerOpen {
