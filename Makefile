@@ -23,10 +23,10 @@ run: build ## run pdq up: embedded NATS, gateway, workers, simulated engines unl
 
 test: fmt-check vet openai-client ## run the whole test suite with the race detector, then the fault suite
 	PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m -skip '^TestFaultSuite$$' ./...
-	$(GO) test -race -count=1 -timeout 5m -run '^TestFaultSuite$$' -v ./tests/
+	$(GO) test -race -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
 
 faults: ## run the fault suite alone and print its table (docs/reliability.md)
-	$(GO) test -count=1 -timeout 5m -run '^TestFaultSuite$$' -v ./tests/
+	$(GO) test -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
 
 openai-client: ## install the pinned official OpenAI Node client that the suite drives
 	npm ci --prefix tests/openai-client --no-audit --no-fund --loglevel=error

@@ -129,6 +129,7 @@ type outcome struct {
 	status int    // 0 when the client gave up or lost its connection
 	err    string // the client's own error
 	ok     bool   // a whole, well-formed answer
+	tail   string // the answer's last bytes, to say what went wrong
 }
 
 // load sends n requests at once and returns what each client got. Each
@@ -173,7 +174,7 @@ func (c *cluster) send(id string, giveUp time.Duration, b body) outcome {
 	if err != nil {
 		return outcome{status: resp.StatusCode, err: err.Error()}
 	}
-	o := outcome{status: resp.StatusCode}
+	o := outcome{status: resp.StatusCode, tail: string(raw[max(len(raw)-300, 0):])}
 	if resp.StatusCode == http.StatusOK {
 		if b["stream"] == true {
 			o.ok = strings.HasSuffix(string(raw), "data: [DONE]\n\n") && !strings.Contains(string(raw), `"error"`)

@@ -208,6 +208,12 @@ func natsRestartScenario(t *testing.T) row {
 		var gr row
 		tally(&gr, outcomes(g.ts))
 		t.Logf("%s: %d completed, %d errors, %d lost; longest %v", g.name, gr.completed, gr.errors, gr.lost, longest(g.ts).Round(time.Millisecond))
+		for _, o := range g.ts {
+			if !o.ok {
+				t.Logf("  not whole: status %d %s; ends %q", o.status, o.err, o.tail)
+				break
+			}
+		}
 	}
 	return r
 }
