@@ -142,28 +142,31 @@ func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func
 // lacks. A lost beat or ack is harmless: the next one repeats it.
 func (w *ReplyWriter) beat(ctx context.Context) {
 	w.mu.Lock()
-	msg := w.msg(KindBeat, w.seq, nil)
+	upto := w.seq
+	msg := w.msg(KindBeat, upto, nil)
 	w.mu.Unlock()
 	ctx, cancel := context.WithTimeout(ctx, ackTimeout)
 	defer cancel()
 	if resp, err := w.nc.RequestMsgWithContext(ctx, msg); err == nil {
 		w.mu.Lock()
-		w.acked(resp)
+		w.acked(resp, upto)
 		w.mu.Unlock()
 	}
 }
 
-// acked takes in the gateway's ack: the chunks it has are dropped, and the
-// rest sent again, in order. It returns the number the gateway has.
-func (w *ReplyWriter) acked(resp *nats.Msg) int {
+// acked takes in the gateway's ack of a message sent after upto chunks: the
+// chunks it has are dropped, and those it lacks of the first upto sent
+// again, in order (later ones may still be on their way). It returns the
+// number the gateway has.
+func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
 	n, err := strconv.Atoi(resp.Header.Get(HeaderSeq))
 	if err != nil || resp.Header.Get(HeaderKind) != KindAck || n < w.base || n > w.seq {
 		return -1 // not an ack of this reply: a stale gateway's, or none
 	}
 	w.kept = w.kept[n-w.base:]
 	w.base = n
-	for i, data := range w.kept {
-		if err := w.nc.PublishMsg(w.msg(KindChunk, n+i, data)); err != nil {
+	for i := n; i < upto; i++ {
+		if err := w.nc.PublishMsg(w.msg(KindChunk, i, w.kept[i-n])); err != nil {
 			break // the next ack asks again
 		}
 	}
@@ -223,17 +226,19 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 		if stages != nil {
 			msg.Header[HeaderStages] = []string{string(stages)}
 		}
+		upto := w.Sent()
 		resp, err := w.nc.RequestMsg(msg, min(ackTimeout, max(time.Until(deadline), time.Millisecond)))
 		if err == nil {
 			w.mu.Lock()
-			n, seq := w.acked(resp), w.seq
+			n, seq := w.acked(resp, upto), w.seq
 			w.mu.Unlock()
 			if n == seq || (kind == KindError && n >= 0) {
 				return nil
 			}
-		} else if errors.Is(err, nats.ErrNoResponders) {
-			// The gateway's subscription is missing: it is gone, or
-			// reconnecting. Ask again shortly.
+		} else if !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
+			// No answer could come: the gateway's subscription is missing
+			// (it is gone, or reconnecting), or this connection is down.
+			// Ask again shortly.
 			time.Sleep(min(250*time.Millisecond, max(time.Until(deadline), 0)))
 		}
 		if time.Now().After(deadline) {

@@ -81,6 +81,18 @@ func (s *settle) admit(ctx context.Context) bool {
 		}
 		return false
 	}
+	if s.attempt > 1 && l.runningElsewhere(ctx, job, s.attempt) {
+		// Redelivered while its first delivery still runs: that worker was
+		// cut off from NATS for longer than the ack wait, but its engine
+		// call went on. Running it twice would read a handoff's KV twice
+		// or start a second answer; the first settles it, and this copy
+		// comes back only if the first never does.
+		s.log.Info("job redelivered while an earlier delivery still runs; leaving it to that one")
+		if err := s.msg.NakWithDelay(l.cfg.AckWait); err != nil {
+			s.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(err))
+		}
+		return false
+	}
 	if s.attempt > l.cfg.MaxDeliver {
 		e := openai.NewError(http.StatusBadGateway, "%s failed: no worker finished it in %d deliveries", l.cfg.Stage, l.cfg.MaxDeliver)
 		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)

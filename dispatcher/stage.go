@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -297,9 +298,11 @@ type StageLoop struct {
 // gateway watch find it. Two deliveries of one id (two generations) may
 // run at once: each has its own entry.
 type runningJob struct {
-	id      string
-	gateway string
-	cancel  context.CancelCauseFunc
+	id         string
+	gateway    string
+	generation int
+	attempt    int
+	cancel     context.CancelCauseFunc
 }
 
 // Causes of a job stopped while it runs.
@@ -399,6 +402,11 @@ func (l *StageLoop) Run(ctx context.Context) error {
 		return fmt.Errorf("subscribe to cancels: %w", err)
 	}
 	defer cancelSub.Unsubscribe()
+	runningSub, err := l.nc.Subscribe(RunningSubject("*"), l.onRunning)
+	if err != nil {
+		return fmt.Errorf("subscribe to running queries: %w", err)
+	}
+	defer runningSub.Unsubscribe()
 
 	var bg sync.WaitGroup
 	bg.Go(func() { l.heartbeat(ctx) })
@@ -457,7 +465,7 @@ pull:
 				l.inFlight.Add(-1)
 				<-slots
 			}()
-			l.process(ctx, jobCtx, msg)
+			l.process(ctx, jobCtx, msg, unclaim)
 		})
 	}
 
@@ -483,7 +491,15 @@ pull:
 
 // process runs one delivery: check it may run at all, run it, and settle
 // it. pullCtx ends at shutdown, jobCtx at the end of the grace period.
-func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) {
+// unclaim gives back what Ready granted the pull, when the handler never
+// gets the job (it was dropped, or stopped, before it ran).
+func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, unclaim func()) {
+	handled := false
+	defer func() {
+		if !handled {
+			unclaim()
+		}
+	}()
 	attempt := 1
 	if meta, err := msg.Metadata(); err == nil {
 		attempt = int(meta.NumDelivered)
@@ -505,7 +521,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) 
 	// while they run is not missed.
 	jctx, cancel := context.WithCancelCause(jobCtx)
 	defer cancel(nil)
-	r := &runningJob{id: job.ID, gateway: job.GatewayID(), cancel: cancel}
+	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, attempt: attempt, cancel: cancel}
 	l.mu.Lock()
 	l.running[r] = struct{}{}
 	l.mu.Unlock()
@@ -534,6 +550,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg) 
 	start := time.Now()
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}}
 	d.ctx = jctx
+	handled = true
 	err = l.cfg.Handler(jctx, d)
 	d.stopBeats()
 	s.ran = true
@@ -625,6 +642,46 @@ func (l *StageLoop) onCancel(msg *nats.Msg) {
 		}
 	}
 }
+
+// onRunning answers whether this loop runs another delivery of the job a
+// query names (its id, generation and the asker's delivery): a job
+// redelivered while its first delivery still runs.
+func (l *StageLoop) onRunning(msg *nats.Msg) {
+	id := msg.Subject[len(RunningSubject("")):]
+	gen, _ := strconv.Atoi(msg.Header.Get(HeaderGeneration))
+	asker, _ := strconv.Atoi(msg.Header.Get(HeaderAttempt))
+	stage := Stage(msg.Header.Get(HeaderStage))
+	if stage != l.cfg.Stage {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for r := range l.running {
+		if r.id == id && r.generation == gen && r.attempt != asker {
+			_ = msg.Respond(nil) // a lost answer only costs a duplicate run
+			return
+		}
+	}
+}
+
+// runningElsewhere asks the stage loops whether another delivery of this
+// job still runs. NATS redelivers a job whose worker could not signal
+// progress for the ack wait, as when the worker was cut off from NATS
+// while its engine call went on.
+func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int) bool {
+	m := nats.NewMsg(RunningSubject(job.ID))
+	m.Header[HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
+	m.Header[HeaderAttempt] = []string{strconv.Itoa(attempt)}
+	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
+	ctx, cancel := context.WithTimeout(ctx, runningQueryTimeout)
+	defer cancel()
+	_, err := l.nc.RequestMsgWithContext(ctx, m)
+	return err == nil
+}
+
+// runningQueryTimeout bounds the wait for an answer to a running query: a
+// loop that runs the job answers within a round trip.
+const runningQueryTimeout = 300 * time.Millisecond
 
 // watchGateways stops the running jobs whose gateway is gone: nobody would
 // read their output.

@@ -33,6 +33,7 @@ const (
 	subjectDLQ     = "pdq.dlq"
 	subjectRelease = "pdq.release"
 	subjectReply   = "pdq.reply"
+	subjectRunning = "pdq.running"
 	subjectCancel  = "pdq.cancel"
 	subjectGateway = "pdq.gateway"
 )
@@ -67,6 +68,11 @@ func ReplySubject(gatewayID, id string) string { return subjectReply + "." + gat
 // CancelSubject carries the cancel broadcast of a request whose client went
 // away.
 func CancelSubject(id string) string { return subjectCancel + "." + id }
+
+// RunningSubject is where the stage loops say whether they run a delivery
+// of request id: asked about a job redelivered while its first delivery
+// may still run (a worker cut off from NATS for longer than the ack wait).
+func RunningSubject(id string) string { return subjectRunning + "." + id }
 
 // GatewaySubject is where a gateway answers the pings of workers that ask
 // whether it still holds its clients.

@@ -83,9 +83,9 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		switch {
 		case fallback:
 			h.cfg.Counters.Fallback(job.Pool, "gateway")
-			log.Info("decode-only: no healthy prefill worker", "prompt_tokens_estimate", in.promptTokens)
+			log.Debug("decode-only: no healthy prefill worker", "prompt_tokens_estimate", in.promptTokens)
 		case stage == dispatcher.StageDecode:
-			log.Info("decode-only: short prompt skips prefill", "prompt_tokens_estimate", in.promptTokens,
+			log.Debug("decode-only: short prompt skips prefill", "prompt_tokens_estimate", in.promptTokens,
 				"threshold", h.cfg.MinPromptTokens)
 		}
 		return h.relay(c, replies, job, log)
@@ -199,8 +199,8 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 // next reads the next reply. A decode that goes silent for the stall
 // time-out fails the request, unless the request went back to prefill as a
 // new generation (silent until its decode starts). Each silence, heard
-// decode or not, looks at the request's record, so that an error whose
-// message was lost still reaches the client.
+// decode or not, looks at the request's record, so that an end whose
+// message was lost (failed, cancelled, expired) still reaches the client.
 func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job) (dispatcher.Reply, error) {
 	for {
 		r, err := replies.Next(ctx, h.cfg.StallTimeout)
@@ -211,9 +211,15 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 		rec, _, gerr := h.records.Get(rctx, job.ID)
 		cancel()
 		switch {
-		case gerr == nil && rec.State == dispatcher.StateFailed && rec.Error != nil && rec.Gateway == h.id:
-			data, _ := json.Marshal(openai.ErrorResponse{Error: openai.NewError(rec.Error.Status, "%s", rec.Error.Message)})
-			return dispatcher.Reply{Kind: dispatcher.KindError, Data: data, Status: rec.Error.Status}, nil
+		case gerr == nil && rec.Gateway == h.id && rec.State.Ended() && rec.State != dispatcher.StateDone:
+			// Failed, cancelled or expired by a worker (one that took this
+			// gateway for gone, say), whose error message was lost.
+			e := openai.NewError(http.StatusBadGateway, "the request ended: %s", rec.State)
+			if rec.Error != nil && rec.Error.Status >= 400 && rec.Error.Status <= 599 {
+				e = openai.NewError(rec.Error.Status, "%s", rec.Error.Message)
+			}
+			data, _ := json.Marshal(openai.ErrorResponse{Error: e})
+			return dispatcher.Reply{Kind: dispatcher.KindError, Data: data, Status: e.Status()}, nil
 		case !replies.Heard():
 			continue // queued or prefilling: only the deadline bounds that
 		case gerr != nil || rec.Gateway != h.id || rec.State.Ended() || rec.Generation <= replies.Generation():

@@ -213,6 +213,10 @@ func hungDecodeRow(t *testing.T) row {
 	}
 	r := row{scenario: "hung decode engine (every request), 2nd healthy", cost: lat.cost(base)}
 	tally(&r, outs)
+	if r.completed != len(outs) {
+		// A healthy engine stands by: a hung one must cost time, not answers.
+		t.Errorf("%d of %d completed; want all, from the healthy engine", r.completed, len(outs))
+	}
 	r.blocksHeld = idleAndFreed(t, 20*time.Second, []*simtest.Engine{c.prefill}, []*simtest.Engine{c.decode, second})
 	return r
 }

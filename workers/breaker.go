@@ -33,6 +33,8 @@ type breaker struct {
 	// generate, when set, asks the engine for one token: after failed
 	// trials, a probe must get an answer, not only /health.
 	generate func(ctx context.Context) error
+	// life bounds the probes: they end with the worker.
+	life context.Context
 
 	mu    sync.Mutex
 	state dispatcher.BreakerState
@@ -51,7 +53,7 @@ type breaker struct {
 
 func newBreaker(threshold int, engine *vllm.Client, stage dispatcher.Stage, metrics *dispatcher.Metrics, log *slog.Logger) *breaker {
 	return &breaker{threshold: threshold, engine: engine, stage: stage, metrics: metrics, log: log,
-		state: dispatcher.BreakerClosed, changed: make(chan struct{})}
+		state: dispatcher.BreakerClosed, changed: make(chan struct{}), life: context.Background()}
 }
 
 // State is the breaker's state, for the registry.
@@ -144,6 +146,9 @@ func (b *breaker) failed(ctx context.Context, epoch uint64, unreachable bool, ca
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.stale(epoch) { // the state moved on during the /health probe
+		return
+	}
 	if b.state == dispatcher.BreakerHalfOpen && b.trial {
 		b.retrials++
 	}
@@ -155,7 +160,7 @@ func (b *breaker) failed(ctx context.Context, epoch uint64, unreachable bool, ca
 	b.metrics.BreakerOpened(b.stage)
 	b.log.Warn("engine failing: breaker open, pulling nothing until /health answers",
 		"failures", b.fails, logging.Err(cause))
-	go b.probe(context.WithoutCancel(ctx), trialWait(b.retrials))
+	go b.probe(b.life, trialWait(b.retrials))
 }
 
 // probeTimeout bounds a one-token probe of an engine that hung before.
@@ -174,7 +179,13 @@ func trialWait(failedTrials int) time.Duration {
 // then lets one trial job through. After a failed trial it also asks for
 // one token, since a trial failed with /health answering.
 func (b *breaker) probe(ctx context.Context, wait time.Duration) {
-	time.Sleep(wait)
+	t := time.NewTimer(wait)
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+		t.Stop()
+		return
+	}
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
 	b.mu.Lock()

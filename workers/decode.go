@@ -55,17 +55,23 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	if job.Resume != nil {
 		cont = &continuation{resume: *job.Resume, chat: job.Endpoint == openai.Chat}
 	}
-	each := func(data []byte) []byte {
-		watchdog.Reset(limit)
-		if tr != nil {
-			tr.add(data)
-		}
-		if cont != nil {
-			return cont.rewrite(data)
-		}
-		return data
+	events := eventHooks{
+		each: func(data []byte) []byte {
+			watchdog.Reset(limit)
+			if cont != nil {
+				return cont.rewrite(data)
+			}
+			return data
+		},
+		// Only what reached NATS is in the transcript: a continuation
+		// must not skip text the client never got.
+		sent: func(data []byte) {
+			if tr != nil {
+				tr.add(data)
+			}
+		},
 	}
-	err = w.relay(cctx, job, body, out, streamed, func() { watchdog.Reset(limit) }, each)
+	err = w.relay(cctx, job, body, out, streamed, func() { watchdog.Reset(limit) }, events)
 	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut) {
 		err = timedOut(dispatcher.StageDecode, "silent", limit)
 	}
@@ -92,7 +98,7 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 // relay posts the decode leg and sends its output to the gateway, calling
 // alive at each sign of progress from the engine.
 func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, out *dispatcher.ReplyWriter, streamed bool,
-	alive func(), each func([]byte) []byte) error {
+	alive func(), events eventHooks) error {
 	resp, err := w.call(ctx, job, body)
 	if err != nil {
 		return err
@@ -100,7 +106,7 @@ func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, ou
 	defer resp.Body.Close()
 	alive()
 	if streamed {
-		return relayStream(ctx, resp.Body, out, each)
+		return relayStream(ctx, resp.Body, out, events)
 	}
 	return relayBody(ctx, resp.Body, out)
 }
@@ -155,6 +161,8 @@ func (w *Worker) migration(job *dispatcher.Job, resume dispatcher.Resume, tr *tr
 	switch {
 	case tr == nil:
 		return fmt.Errorf("%w: migration is off (PDQ_MIGRATION_LIMIT=0) or the reply is not streamed", errNotContinuable)
+	case tr.opaque:
+		return fmt.Errorf("%w: the output held tool calls or reasoning, not only text", errNotContinuable)
 	case resume.Migrations >= w.cfg.MigrationLimit:
 		return fmt.Errorf("%w: it moved %d times (PDQ_MIGRATION_LIMIT)", errNotContinuable, resume.Migrations)
 	}
@@ -204,10 +212,18 @@ func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 	return nil
 }
 
-// relayStream forwards each SSE event as a chunk, as each makes it (nil:
-// dropped), and ends on [DONE]. A stream that breaks before any event is
-// retried; one that breaks later is the caller's to end.
-func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, each func([]byte) []byte) error {
+// eventHooks see a streamed decode's events: each returns the chunk to
+// send for an event (nil: none), and sent is told of each event whose
+// chunk went out.
+type eventHooks struct {
+	each func(data []byte) []byte
+	sent func(data []byte)
+}
+
+// relayStream forwards each SSE event as a chunk, as the hooks make it, and
+// ends on [DONE]. A stream that breaks before any event is retried; one
+// that breaks later is the caller's to end.
+func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, hooks eventHooks) error {
 	events := openai.NewSSEReader(body)
 	for {
 		ev, err := events.Next()
@@ -224,13 +240,14 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 		if ev.IsDone() {
 			return nil
 		}
-		data := each(ev.Data)
+		data := hooks.each(ev.Data)
 		if data == nil {
 			continue
 		}
 		if err := out.Chunk(data); err != nil {
 			return dispatcher.Retryable(err, nil)
 		}
+		hooks.sent(ev.Data)
 	}
 }
 

@@ -23,12 +23,17 @@ import (
 
 // transcript is what a streamed decode has relayed: its text, tokens and
 // created time. It counts a token per chunk that carries text, which is
-// how vLLM streams; usage chunks, when the engine sends them, correct it.
+// how vLLM streams (an estimate: speculative decoding or text held back at
+// a stop string puts several tokens in a chunk); with continuous usage
+// stats the engine's own count replaces it.
 type transcript struct {
 	text     strings.Builder
 	tokens   int
 	created  int64
 	finished bool // a chunk carried a finish_reason: nothing is left to generate
+	// opaque means a chunk carried output that is not text (tool calls,
+	// reasoning), which a continuation could not be built from.
+	opaque bool
 }
 
 // chunk is the part of a streamed chunk that migration reads.
@@ -37,7 +42,11 @@ type chunk struct {
 	Choices []struct {
 		Text  *string `json:"text"`
 		Delta *struct {
-			Content *string `json:"content"`
+			Content          *string         `json:"content"`
+			ToolCalls        json.RawMessage `json:"tool_calls"`
+			FunctionCall     json.RawMessage `json:"function_call"`
+			Reasoning        *string         `json:"reasoning"`
+			ReasoningContent *string         `json:"reasoning_content"`
 		} `json:"delta"`
 		FinishReason *string `json:"finish_reason"`
 	} `json:"choices"`
@@ -62,6 +71,11 @@ func (t *transcript) add(data []byte) {
 			s = ch.Text
 		case ch.Delta != nil:
 			s = ch.Delta.Content
+			d := ch.Delta
+			if !empty(d.ToolCalls) || !empty(d.FunctionCall) || (d.Reasoning != nil && *d.Reasoning != "") ||
+				(d.ReasoningContent != nil && *d.ReasoningContent != "") {
+				t.opaque = true
+			}
 		}
 		if s != nil && *s != "" {
 			t.text.WriteString(*s)
@@ -71,6 +85,10 @@ func (t *transcript) add(data []byte) {
 			t.finished = true
 		}
 	}
+	if c.Usage != nil && c.Usage.CompletionTokens > 0 {
+		// continuous_usage_stats: the engine's own count beats ours.
+		t.tokens = c.Usage.CompletionTokens
+	}
 }
 
 // errNotContinuable is why a request cannot be migrated.
@@ -78,18 +96,40 @@ var errNotContinuable = errors.New("the request cannot be continued on another e
 
 // continuable reports why a request cannot be continued from partial
 // output, or nil: several choices (n, best_of) or beam search cannot be
-// rebuilt from one text, echo would repeat the prompt, and a completions
-// prompt must be one string to append to.
+// rebuilt from one text, echo would repeat the prompt, constrained output
+// (guided_*, structured_outputs, a JSON response_format, a required tool
+// call) would restart its grammar mid-answer, and a completions prompt must
+// be one string to append to.
 func continuable(endpoint openai.Endpoint, body []byte) error {
 	var r struct {
-		N             *int            `json:"n"`
-		BestOf        *int            `json:"best_of"`
-		UseBeamSearch bool            `json:"use_beam_search"`
-		Echo          bool            `json:"echo"`
-		Prompt        json.RawMessage `json:"prompt"`
+		N              *int            `json:"n"`
+		BestOf         *int            `json:"best_of"`
+		UseBeamSearch  bool            `json:"use_beam_search"`
+		Echo           bool            `json:"echo"`
+		Prompt         json.RawMessage `json:"prompt"`
+		ResponseFormat *struct {
+			Type string `json:"type"`
+		} `json:"response_format"`
+		ToolChoice json.RawMessage `json:"tool_choice"`
 	}
 	if err := json.Unmarshal(body, &r); err != nil {
 		return fmt.Errorf("%w: %w", errNotContinuable, err)
+	}
+	m, err := fields(body)
+	if err != nil {
+		return fmt.Errorf("%w: %w", errNotContinuable, err)
+	}
+	// Constrained output: the grammar would start again mid-answer.
+	for _, key := range []string{"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"} {
+		if !empty(m[key]) {
+			return fmt.Errorf("%w: %s", errNotContinuable, key)
+		}
+	}
+	if r.ResponseFormat != nil && r.ResponseFormat.Type != "" && r.ResponseFormat.Type != "text" {
+		return fmt.Errorf("%w: response_format %s", errNotContinuable, r.ResponseFormat.Type)
+	}
+	if tc := string(bytes.TrimSpace(r.ToolChoice)); tc != "" && tc != "null" && tc != `"none"` && tc != `"auto"` {
+		return fmt.Errorf("%w: tool_choice %s", errNotContinuable, truncate(tc, 40))
 	}
 	switch {
 	case r.N != nil && *r.N > 1:

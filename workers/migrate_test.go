@@ -65,6 +65,13 @@ func TestContinuable(t *testing.T) {
 		{openai.Chat, `{"messages":[],"n":2}`, false},
 		{openai.Completions, `{"prompt":"a","best_of":3}`, false},
 		{openai.Completions, `{"prompt":"a","use_beam_search":true}`, false},
+		{openai.Chat, `{"messages":[],"response_format":{"type":"json_object"}}`, false},
+		{openai.Chat, `{"messages":[],"response_format":{"type":"text"}}`, true},
+		{openai.Chat, `{"messages":[],"guided_json":{"type":"object"}}`, false},
+		{openai.Completions, `{"prompt":"a","guided_regex":"[a-z]+"}`, false},
+		{openai.Chat, `{"messages":[],"structured_outputs":{"choice":["a","b"]}}`, false},
+		{openai.Chat, `{"messages":[],"tools":[],"tool_choice":"required"}`, false},
+		{openai.Chat, `{"messages":[],"tools":[],"tool_choice":"auto"}`, true},
 	} {
 		err := continuable(tc.endpoint, []byte(tc.body))
 		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, errNotContinuable)) {
@@ -88,6 +95,15 @@ func TestTranscript(t *testing.T) {
 	tr.add([]byte(`{"created":111,"choices":[{"text":"!","finish_reason":"length"}]}`))
 	if !tr.finished || tr.text.String() != "Hello!" {
 		t.Errorf("after the finish chunk: %q, finished %v", tr.text.String(), tr.finished)
+	}
+	// The engine's own count, when it sends one, wins.
+	tr.add([]byte(`{"created":111,"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}`))
+	if tr.tokens != 4 || tr.opaque {
+		t.Errorf("after a usage chunk: %d tokens, opaque %v; want 4, false", tr.tokens, tr.opaque)
+	}
+	tr.add([]byte(`{"created":111,"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}`))
+	if !tr.opaque {
+		t.Error("a tool call delta must make the transcript opaque")
 	}
 }
 

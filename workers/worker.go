@@ -148,6 +148,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	w.model = model
+	w.breaker.life = ctx
 	w.breaker.generate = func(ctx context.Context) error {
 		return w.engine.Generate(ctx, model, "pdq-probe-"+w.id)
 	}
@@ -209,8 +210,11 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 		var fault *engineFault
 		switch {
 		case err == nil && d.Moved():
-			// The failure it moved from: the engine broke mid-stream.
-			w.breaker.failed(ctx, epoch, errors.As(d.MovedFrom(), &fault) && fault.unreachable, d.MovedFrom())
+			// The failure it moved from, if it was the engine's (not, say,
+			// NATS refusing a chunk).
+			if errors.As(d.MovedFrom(), &fault) {
+				w.breaker.failed(ctx, epoch, fault.unreachable, d.MovedFrom())
+			}
 		case err == nil:
 			w.breaker.succeeded(epoch)
 		case errors.As(err, &fault) && ctx.Err() == nil:

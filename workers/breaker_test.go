@@ -1,0 +1,165 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/pkg/vllm"
+)
+
+// waitState waits until the breaker is in want.
+func waitState(t *testing.T, b *breaker, want dispatcher.BreakerState) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for b.State() != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("breaker %s, want %s", b.State(), want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestBreaker walks the breaker through its states against a `pdq sim`
+// engine: failures in a row open it, /health half-opens it, one trial at a
+// time goes through, an outcome from before the opening counts for
+// nothing, and the trial's outcome closes or reopens it.
+func TestBreaker(t *testing.T) {
+	engine := simtest.Start(t, simtest.FastConfig())
+	client, err := vllm.New(engine.URL, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	b := newBreaker(3, client, dispatcher.StageDecode, nil, logging.Discard())
+	failure := errors.New("engine answered 500")
+
+	old := b.Epoch() // a job started while closed
+	for range 2 {
+		b.failed(ctx, b.Epoch(), false, failure)
+	}
+	if b.State() != dispatcher.BreakerClosed {
+		t.Fatalf("after 2 failures: %s, want closed", b.State())
+	}
+	b.failed(ctx, b.Epoch(), false, failure)
+	waitState(t, b, dispatcher.BreakerHalfOpen) // /health answers at once
+
+	unclaim, err := b.wait(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := make(chan struct{})
+	go func() {
+		if _, err := b.wait(ctx, nil); err == nil {
+			close(second)
+		}
+	}()
+	select {
+	case <-second:
+		t.Fatal("a second pull went through while the trial was claimed")
+	case <-time.After(100 * time.Millisecond):
+	}
+	unclaim() // the pull got no job: the trial is free again
+	select {
+	case <-second:
+	case <-time.After(2 * time.Second):
+		t.Fatal("the trial given back was not taken")
+	}
+
+	trial := b.Epoch()
+	b.succeeded(old) // a job from before the opening says nothing
+	if b.State() != dispatcher.BreakerHalfOpen {
+		t.Fatalf("after a stale success: %s, want half-open", b.State())
+	}
+	b.failed(ctx, trial, false, failure)
+	if b.State() != dispatcher.BreakerOpen {
+		t.Fatalf("after the trial failed: %s, want open", b.State())
+	}
+	waitState(t, b, dispatcher.BreakerHalfOpen) // a one-token probe, after 1 s
+	if _, err := b.wait(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	b.succeeded(b.Epoch())
+	if b.State() != dispatcher.BreakerClosed {
+		t.Fatalf("after the trial succeeded: %s, want closed", b.State())
+	}
+}
+
+// TestBreakerTrialDroppedUnrun: a half-open breaker's trial pull brings a
+// job that is dropped before it runs (its deadline is too near). The trial
+// must be given back, or the worker would never pull again.
+func TestBreakerTrialDroppedUnrun(t *testing.T) {
+	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := srv.Connect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := dispatcher.Ensure(ctx, js); err != nil {
+		t.Fatal(err)
+	}
+	engine := simtest.Start(t, simtest.FastConfig())
+	client, err := vllm.New(engine.URL, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := newBreaker(1, client, dispatcher.StagePrefill, nil, logging.Discard())
+	b.failed(ctx, b.Epoch(), false, errors.New("engine answered 500"))
+	waitState(t, b, dispatcher.BreakerHalfOpen)
+
+	const pool = "trial"
+	var runs atomic.Int64
+	loop, err := dispatcher.NewStageLoop(nc, js, dispatcher.StageConfig{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
+		Ready: func(ctx context.Context) (func(), error) { return b.wait(ctx, nil) },
+		Handler: func(context.Context, *dispatcher.Delivery) error {
+			runs.Add(1)
+			return nil
+		}}, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { loop.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	records, err := dispatcher.OpenRecords(ctx, js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	submitter := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc))
+	submit := func(id string, life time.Duration) {
+		job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
+			Submitted: time.Now(), Deadline: time.Now().Add(life)}
+		if err := submitter.Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+			t.Fatal(err)
+		}
+	}
+	submit("nearly-expired", 50*time.Millisecond) // dropped at pull: under 100 ms left
+	time.Sleep(500 * time.Millisecond)
+	submit("fresh", time.Minute)
+	deadline := time.Now().Add(10 * time.Second)
+	for runs.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the fresh job never ran: breaker %s, trial claimed %v", b.State(), b.trial)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
