@@ -679,9 +679,11 @@ func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int)
 	return err == nil
 }
 
-// runningQueryTimeout bounds the wait for an answer to a running query: a
-// loop that runs the job answers within a round trip.
-const runningQueryTimeout = 300 * time.Millisecond
+// runningQueryTimeout bounds the wait for an answer to a running query. A
+// loop that runs the job answers within a round trip once its connection is
+// back; after a NATS restart, processes reconnect up to a few hundred
+// milliseconds apart (they retry every 250 ms), so the wait covers that.
+const runningQueryTimeout = time.Second
 
 // watchGateways stops the running jobs whose gateway is gone: nobody would
 // read their output.
