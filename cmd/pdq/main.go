@@ -52,6 +52,7 @@ func commands() []command {
 		{"sim", "run a simulated vLLM engine with the NIXL handshake (prefill, decode, or both)", runSim},
 		{"replay", "run failed requests again from the dead-letter stream (--id ID, --failed [--since DUR])", runReplay},
 		{"requests", "show a request's record (ID), or list the failed ones (--failed)", runRequests},
+		{"status", "show the live workers and their engines' health, each pool's queues, the dead letters", runStatus},
 		{"version", "print the version", runVersion},
 	}
 }

@@ -1,0 +1,53 @@
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// QueueStatus is one stage queue of a pool, as its consumer sees it.
+type QueueStatus struct {
+	Pool  string `json:"pool"`
+	Stage Stage  `json:"stage"`
+	// Waiting jobs have not been delivered yet; Running ones are delivered
+	// and not yet acked (a crashed worker's count until the ack wait ends).
+	Waiting uint64 `json:"waiting"`
+	Running int    `json:"running"`
+	// IdlePulls are the workers' pulls waiting for a job: about one per
+	// worker with a free slot.
+	IdlePulls int `json:"idle_pulls"`
+	// Redelivered counts the jobs delivered more than once that are not
+	// yet acked.
+	Redelivered int `json:"redelivered"`
+}
+
+// Queues reports pool's prefill and decode queues; a stage whose consumer
+// does not exist yet (no worker has pulled) is left out.
+func Queues(ctx context.Context, js jetstream.JetStream, pool string) ([]QueueStatus, error) {
+	var out []QueueStatus
+	for _, stage := range []Stage{StagePrefill, StageDecode} {
+		cons, err := js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool))
+		if errors.Is(err, jetstream.ErrConsumerNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s queue of pool %s: %w", stage, pool, err)
+		}
+		info := cons.CachedInfo()
+		out = append(out, QueueStatus{Pool: pool, Stage: stage, Waiting: info.NumPending, Running: info.NumAckPending,
+			IdlePulls: info.NumWaiting, Redelivered: info.NumRedelivered})
+	}
+	return out, nil
+}
+
+// DeadLetters counts the requests kept in PDQ_DLQ for replay.
+func DeadLetters(ctx context.Context, js jetstream.JetStream) (uint64, error) {
+	st, err := js.Stream(ctx, StreamDLQ)
+	if err != nil {
+		return 0, fmt.Errorf("dead-letter stream: %w", err)
+	}
+	return st.CachedInfo().State.Msgs, nil
+}
