@@ -137,7 +137,12 @@ type Delivery struct {
 	// Replies to the handler's return.
 	ctx       context.Context
 	stopBeats func()
+	permit    uint64
 }
+
+// Permit is the token of the permit StageConfig.Ready granted this
+// delivery's pull (0 without Ready).
+func (d *Delivery) Permit() uint64 { return d.permit }
 
 // Migrate is how a decode handler that failed after output hands the rest
 // of the answer on: body continues the request from the text sent so far,
@@ -264,9 +269,11 @@ type StageConfig struct {
 	// gateway to acknowledge the end of a reply.
 	StallTimeout time.Duration
 	// Ready, when set, is called before each pull and returns when the
-	// worker may take a job (its engine's breaker lets it); the loop calls
-	// the unclaim it returns when the pull got no job.
-	Ready func(ctx context.Context) (unclaim func(), err error)
+	// worker may take a job (its engine's breaker lets it). The handler
+	// reads the permit's token back (Delivery.Permit); the loop releases
+	// the permit when the pull got no job or the job never reached the
+	// handler.
+	Ready func(ctx context.Context) (Permit, error)
 	// Health, when set, is the worker's breaker state for the registry, and
 	// a channel closed at its next change, when the worker beats at once.
 	Health func() (BreakerState, <-chan struct{})
@@ -275,6 +282,20 @@ type StageConfig struct {
 	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
+}
+
+// Permit is what StageConfig.Ready grants a pull.
+type Permit struct {
+	// Token is the handler's to read back, through Delivery.Permit.
+	Token uint64
+	// Release, if set, gives the permit back unused.
+	Release func()
+}
+
+func (p Permit) release() {
+	if p.Release != nil {
+		p.Release()
+	}
 }
 
 // StageLoop pulls jobs of one stage and pool and runs them.
@@ -292,6 +313,10 @@ type StageLoop struct {
 	avgMs      atomic.Uint64 // math.Float64bits of the jobs' average duration
 	mu         sync.Mutex
 	running    map[*runningJob]struct{}
+	// reconnects and reconnectedAt track the connection's outages, for
+	// the running query's wait.
+	reconnects    uint64
+	reconnectedAt time.Time
 }
 
 // runningJob is a job a slot is running, as the cancel broadcast and the
@@ -430,19 +455,19 @@ pull:
 		case <-ctx.Done():
 			break pull
 		}
-		unclaim := func() {}
+		var permit Permit
 		if l.cfg.Ready != nil {
-			if unclaim, err = l.cfg.Ready(ctx); err != nil {
+			if permit, err = l.cfg.Ready(ctx); err != nil {
 				break pull
 			}
 		}
 		if gate != nil && gate.wait(ctx) != nil {
-			unclaim()
+			permit.release()
 			break pull
 		}
 		msg, err := pulls.next(ctx, cons)
 		if err != nil {
-			unclaim()
+			permit.release()
 			<-slots
 			if ctx.Err() != nil {
 				break pull
@@ -465,7 +490,7 @@ pull:
 				l.inFlight.Add(-1)
 				<-slots
 			}()
-			l.process(ctx, jobCtx, msg, unclaim)
+			l.process(ctx, jobCtx, msg, permit)
 		})
 	}
 
@@ -491,13 +516,13 @@ pull:
 
 // process runs one delivery: check it may run at all, run it, and settle
 // it. pullCtx ends at shutdown, jobCtx at the end of the grace period.
-// unclaim gives back what Ready granted the pull, when the handler never
+// The permit Ready granted the pull is given back when the handler never
 // gets the job (it was dropped, or stopped, before it ran).
-func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, unclaim func()) {
+func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permit Permit) {
 	handled := false
 	defer func() {
 		if !handled {
-			unclaim()
+			permit.release()
 		}
 	}()
 	attempt := 1
@@ -548,7 +573,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		return
 	}
 	start := time.Now()
-	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}}
+	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token}
 	d.ctx = jctx
 	handled = true
 	err = l.cfg.Handler(jctx, d)
@@ -673,17 +698,37 @@ func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int)
 	m.Header[HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
 	m.Header[HeaderAttempt] = []string{strconv.Itoa(attempt)}
 	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
-	ctx, cancel := context.WithTimeout(ctx, runningQueryTimeout)
+	wait := runningQueryWait
+	if l.reconnectedWithin(10 * time.Second) {
+		wait = runningQueryWaitReconnected
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	_, err := l.nc.RequestMsgWithContext(ctx, m)
 	return err == nil
 }
 
-// runningQueryTimeout bounds the wait for an answer to a running query. A
-// loop that runs the job answers within a round trip once its connection is
-// back; after a NATS restart, processes reconnect up to a few hundred
-// milliseconds apart (they retry every 250 ms), so the wait covers that.
-const runningQueryTimeout = time.Second
+// The waits for an answer to a running query. A loop that runs the job
+// answers within a round trip; only loops that run it answer, so every
+// query nobody answers costs the whole wait. Just after a NATS restart,
+// processes reconnect up to a few hundred milliseconds apart (they retry
+// every 250 ms), so a loop that reconnected lately waits longer.
+const (
+	runningQueryWait            = 100 * time.Millisecond
+	runningQueryWaitReconnected = time.Second
+)
+
+// reconnectedWithin reports whether this loop's connection came back from
+// an outage within d, as far as its queries have seen.
+func (l *StageLoop) reconnectedWithin(d time.Duration) bool {
+	n := l.nc.Stats().Reconnects
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if n != l.reconnects {
+		l.reconnects, l.reconnectedAt = n, time.Now()
+	}
+	return !l.reconnectedAt.IsZero() && time.Since(l.reconnectedAt) < d
+}
 
 // watchGateways stops the running jobs whose gateway is gone: nobody would
 // read their output.

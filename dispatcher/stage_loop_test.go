@@ -828,3 +828,42 @@ func TestHandBack(t *testing.T) {
 		}
 	}
 }
+
+// TestRunningElsewhere: a loop says whether it runs a delivery of a job
+// (same id and generation, another delivery), so that a redelivery made
+// while the first still runs is left to it.
+func TestRunningElsewhere(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	release := make(chan struct{})
+	started := make(chan *Job, 1)
+	lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		started <- d.Job
+		<-release
+		return nil
+	}})
+	lt.submit("re-1")
+	var job *Job
+	select {
+	case job = <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the job did not start")
+	}
+	other := startLoopOn(t, nc, js, "other-pool", StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
+	if !other.loop.runningElsewhere(ctx, job, 2) {
+		t.Error("a second delivery was not told that the first still runs")
+	}
+	if lt.loop.runningElsewhere(ctx, job, 1) {
+		t.Error("a delivery was told that it runs elsewhere: itself")
+	}
+	next := *job
+	next.Generation++
+	if other.loop.runningElsewhere(ctx, &next, 1) {
+		t.Error("another generation was taken for the one running")
+	}
+	close(release)
+	waitFor(t, "the job done", func() bool { return lt.pending(StagePrefill) == 0 })
+	if other.loop.runningElsewhere(ctx, job, 2) {
+		t.Error("a finished delivery still said it runs")
+	}
+}

@@ -215,7 +215,12 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 			// Failed, cancelled or expired by a worker (one that took this
 			// gateway for gone, say), whose error message was lost.
 			e := openai.NewError(http.StatusBadGateway, "the request ended: %s", rec.State)
-			if rec.Error != nil && rec.Error.Status >= 400 && rec.Error.Status <= 599 {
+			switch {
+			case rec.Error != nil && rec.Error.Status == 499:
+				// A worker took this gateway for gone (it was cut off from
+				// NATS): the request may be retried, as the worker said.
+				e = openai.NewError(http.StatusServiceUnavailable, "pdq lost touch with this request and stopped it; retry it")
+			case rec.Error != nil && rec.Error.Status >= 400 && rec.Error.Status <= 599:
 				e = openai.NewError(rec.Error.Status, "%s", rec.Error.Message)
 			}
 			data, _ := json.Marshal(openai.ErrorResponse{Error: e})

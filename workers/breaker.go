@@ -93,15 +93,27 @@ func (b *breaker) Epoch() uint64 {
 	return b.epoch
 }
 
-// stale reports whether an outcome from a job started in epoch is to be
-// ignored: the breaker has opened since, and the job was not its trial.
-// b.mu is held.
+// A permit's token says in which epoch its pull was granted, and whether
+// it holds the half-open breaker's trial: a job's outcome counts only in
+// the state its pull was granted in, and only the trial's frees the trial.
+func permitToken(epoch uint64, trial bool) uint64 {
+	if trial {
+		return epoch<<1 | 1
+	}
+	return epoch << 1
+}
+
+func fromToken(tok uint64) (epoch uint64, trial bool) { return tok >> 1, tok&1 == 1 }
+
+// stale reports whether an outcome from a job pulled in epoch is to be
+// ignored: the breaker has opened since. b.mu is held.
 func (b *breaker) stale(epoch uint64) bool {
 	return epoch != b.epoch && b.state != dispatcher.BreakerClosed
 }
 
 // succeeded records a job the engine served: the breaker closes.
-func (b *breaker) succeeded(epoch uint64) {
+func (b *breaker) succeeded(tok uint64) {
+	epoch, _ := fromToken(tok)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.stale(epoch) {
@@ -115,11 +127,12 @@ func (b *breaker) succeeded(epoch uint64) {
 }
 
 // neutral records a job that says nothing of the engine's health (a client
-// that left, a request the engine refused): a trial slot is given back.
-func (b *breaker) neutral(epoch uint64) {
+// that left, a request the engine refused): a trial is given back.
+func (b *breaker) neutral(tok uint64) {
+	epoch, trial := fromToken(tok)
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !b.stale(epoch) {
+	if trial && !b.stale(epoch) {
 		b.trial = false
 	}
 }
@@ -127,7 +140,8 @@ func (b *breaker) neutral(epoch uint64) {
 // failed records an engine failure. unreachable means no answer at all:
 // then one failed /health probe is enough to open at once, so that a dead
 // engine costs its first request nothing more than a probe.
-func (b *breaker) failed(ctx context.Context, epoch uint64, unreachable bool, cause error) {
+func (b *breaker) failed(ctx context.Context, tok uint64, unreachable bool, cause error) {
+	epoch, trial := fromToken(tok)
 	b.mu.Lock()
 	if b.stale(epoch) {
 		b.mu.Unlock()
@@ -149,10 +163,10 @@ func (b *breaker) failed(ctx context.Context, epoch uint64, unreachable bool, ca
 	if b.stale(epoch) { // the state moved on during the /health probe
 		return
 	}
-	if b.state == dispatcher.BreakerHalfOpen && b.trial {
+	if trial {
 		b.retrials++
+		b.trial = false
 	}
-	b.trial = false
 	if b.state == dispatcher.BreakerOpen {
 		return
 	}
@@ -203,6 +217,9 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 	}, backoff.WithContext(bo, ctx), func(err error, next time.Duration) {
 		b.log.Debug("engine probe failed", logging.Err(err), "deep", deep, "retry_in", next.Round(time.Millisecond).String())
 	})
+	if ctx.Err() != nil {
+		return // the worker stopped
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.state == dispatcher.BreakerOpen {
@@ -213,25 +230,28 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 
 // wait returns when a job may be pulled: the breaker is closed, or it is
 // half-open and this pull takes the trial. bypass, when it returns true,
-// lets an open breaker's worker pull anyway (see Worker.alone). The pull
-// calls unclaim if it got no job, so that the trial is not spent on
-// nothing.
-func (b *breaker) wait(ctx context.Context, bypass func() bool) (unclaim func(), err error) {
+// lets an open breaker's worker pull anyway (see Worker.alone). The
+// permit's Release gives a trial back when the pull got no job, or the job
+// never reached the handler.
+func (b *breaker) wait(ctx context.Context, bypass func() bool) (dispatcher.Permit, error) {
 	for {
 		b.mu.Lock()
-		state, changed := b.state, b.changed
+		state, changed, epoch := b.state, b.changed, b.epoch
 		switch {
 		case state == dispatcher.BreakerClosed:
 			b.mu.Unlock()
-			return func() {}, nil
+			return dispatcher.Permit{Token: permitToken(epoch, false)}, nil
 		case state == dispatcher.BreakerHalfOpen && !b.trial:
 			b.trial = true
 			b.mu.Unlock()
-			return b.unclaim, nil
+			var once sync.Once
+			return dispatcher.Permit{Token: permitToken(epoch, true), Release: func() {
+				once.Do(func() { b.unclaim(epoch) })
+			}}, nil
 		}
 		b.mu.Unlock()
 		if state == dispatcher.BreakerOpen && bypass != nil && bypass() {
-			return func() {}, nil
+			return dispatcher.Permit{Token: permitToken(epoch, false)}, nil
 		}
 		// Woken by a change of state; the bypass is looked at again now
 		// and then, as peers come and go.
@@ -241,17 +261,17 @@ func (b *breaker) wait(ctx context.Context, bypass func() bool) (unclaim func(),
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return nil, ctx.Err()
+			return dispatcher.Permit{}, ctx.Err()
 		}
 		t.Stop()
 	}
 }
 
-// unclaim gives back a trial whose pull got no job.
-func (b *breaker) unclaim() {
+// unclaim gives back the trial claimed in epoch, if it is still that one.
+func (b *breaker) unclaim(epoch uint64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.state == dispatcher.BreakerHalfOpen {
+	if b.epoch == epoch && b.state == dispatcher.BreakerHalfOpen {
 		b.trial = false
 	}
 }

@@ -43,24 +43,25 @@ func TestBreaker(t *testing.T) {
 	b := newBreaker(3, client, dispatcher.StageDecode, nil, logging.Discard())
 	failure := errors.New("engine answered 500")
 
-	old := b.Epoch() // a job started while closed
+	closed := func() uint64 { return permitToken(b.Epoch(), false) }
+	old := closed() // a job pulled while closed
 	for range 2 {
-		b.failed(ctx, b.Epoch(), false, failure)
+		b.failed(ctx, closed(), false, failure)
 	}
 	if b.State() != dispatcher.BreakerClosed {
 		t.Fatalf("after 2 failures: %s, want closed", b.State())
 	}
-	b.failed(ctx, b.Epoch(), false, failure)
+	b.failed(ctx, closed(), false, failure)
 	waitState(t, b, dispatcher.BreakerHalfOpen) // /health answers at once
 
-	unclaim, err := b.wait(ctx, nil)
+	first, err := b.wait(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	second := make(chan struct{})
+	second := make(chan dispatcher.Permit)
 	go func() {
-		if _, err := b.wait(ctx, nil); err == nil {
-			close(second)
+		if p, err := b.wait(ctx, nil); err == nil {
+			second <- p
 		}
 	}()
 	select {
@@ -68,27 +69,31 @@ func TestBreaker(t *testing.T) {
 		t.Fatal("a second pull went through while the trial was claimed")
 	case <-time.After(100 * time.Millisecond):
 	}
-	unclaim() // the pull got no job: the trial is free again
+	first.Release() // the pull got no job: the trial is free again
+	first.Release() // twice is once
+	var p dispatcher.Permit
 	select {
-	case <-second:
+	case p = <-second:
 	case <-time.After(2 * time.Second):
 		t.Fatal("the trial given back was not taken")
 	}
 
-	trial := b.Epoch()
-	b.succeeded(old) // a job from before the opening says nothing
-	if b.State() != dispatcher.BreakerHalfOpen {
-		t.Fatalf("after a stale success: %s, want half-open", b.State())
+	trial := p.Token
+	b.neutral(old)   // a job from before the opening frees no trial
+	b.succeeded(old) // nor says anything of the engine
+	if b.State() != dispatcher.BreakerHalfOpen || !b.trial {
+		t.Fatalf("after stale outcomes: %s, trial claimed %v; want half-open with the trial claimed", b.State(), b.trial)
 	}
 	b.failed(ctx, trial, false, failure)
 	if b.State() != dispatcher.BreakerOpen {
 		t.Fatalf("after the trial failed: %s, want open", b.State())
 	}
 	waitState(t, b, dispatcher.BreakerHalfOpen) // a one-token probe, after 1 s
-	if _, err := b.wait(ctx, nil); err != nil {
+	p, err = b.wait(ctx, nil)
+	if err != nil {
 		t.Fatal(err)
 	}
-	b.succeeded(b.Epoch())
+	b.succeeded(p.Token)
 	if b.State() != dispatcher.BreakerClosed {
 		t.Fatalf("after the trial succeeded: %s, want closed", b.State())
 	}
@@ -123,13 +128,13 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := newBreaker(1, client, dispatcher.StagePrefill, nil, logging.Discard())
-	b.failed(ctx, b.Epoch(), false, errors.New("engine answered 500"))
+	b.failed(ctx, permitToken(b.Epoch(), false), false, errors.New("engine answered 500"))
 	waitState(t, b, dispatcher.BreakerHalfOpen)
 
 	const pool = "trial"
 	var runs atomic.Int64
 	loop, err := dispatcher.NewStageLoop(nc, js, dispatcher.StageConfig{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
-		Ready: func(ctx context.Context) (func(), error) { return b.wait(ctx, nil) },
+		Ready: func(ctx context.Context) (dispatcher.Permit, error) { return b.wait(ctx, nil) },
 		Handler: func(context.Context, *dispatcher.Delivery) error {
 			runs.Add(1)
 			return nil

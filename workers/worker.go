@@ -165,7 +165,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		Pool:           pool,
 		Slots:          w.cfg.Slots,
 		Handler:        w.observed(handler),
-		Ready:          func(ctx context.Context) (func(), error) { return w.breaker.wait(ctx, w.alone) },
+		Ready:          func(ctx context.Context) (dispatcher.Permit, error) { return w.breaker.wait(ctx, w.alone) },
 		Health:         w.breaker.Health,
 		Release:        release,
 		Grace:          w.cfg.Grace,
@@ -205,22 +205,22 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 				return nil
 			}
 		}
-		epoch := w.breaker.Epoch()
+		tok := d.Permit()
 		err := h(ctx, d)
 		var fault *engineFault
 		switch {
+		case err == nil && d.Moved() && errors.As(d.MovedFrom(), &fault):
+			// The engine failed mid-stream (not, say, NATS refusing a
+			// chunk): the handler moved the rest elsewhere.
+			w.breaker.failed(ctx, tok, fault.unreachable, d.MovedFrom())
 		case err == nil && d.Moved():
-			// The failure it moved from, if it was the engine's (not, say,
-			// NATS refusing a chunk).
-			if errors.As(d.MovedFrom(), &fault) {
-				w.breaker.failed(ctx, epoch, fault.unreachable, d.MovedFrom())
-			}
+			w.breaker.neutral(tok)
 		case err == nil:
-			w.breaker.succeeded(epoch)
+			w.breaker.succeeded(tok)
 		case errors.As(err, &fault) && ctx.Err() == nil:
-			w.breaker.failed(ctx, epoch, fault.unreachable, err)
+			w.breaker.failed(ctx, tok, fault.unreachable, err)
 		default:
-			w.breaker.neutral(epoch)
+			w.breaker.neutral(tok)
 		}
 		var f *dispatcher.Failure
 		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.alone() && w.canForward() {
