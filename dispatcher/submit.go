@@ -59,7 +59,7 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) error {
 		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == StageDecode,
 		Gateway: job.GatewayID(), Created: now, Updated: now, Deadline: job.Deadline,
 	}
-	_, err := s.records.create(ctx, rec)
+	err := s.claim(ctx, rec)
 	if isWrongRevision(err) {
 		err = s.claimRetry(ctx, rec)
 	}
@@ -79,6 +79,37 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) error {
 		}
 	}
 	return err
+}
+
+// claim creates rec. A create that got no answer (its bucket's leader died
+// with it, say) may have been stored: the record is read, and if it is this
+// very claim the claim stands; if there is none, the create is tried again.
+func (s *Submitter) claim(ctx context.Context, rec *Record) error {
+	_, err := s.records.create(ctx, rec)
+	for range 3 {
+		if !noAnswer(err) || ctx.Err() != nil {
+			return err
+		}
+		old, _, gerr := s.records.Get(ctx, rec.ID)
+		switch {
+		case errors.Is(gerr, ErrNoRecord):
+			_, err = s.records.create(ctx, rec)
+		case gerr == nil && old.Gateway == rec.Gateway && old.Created.Equal(rec.Created):
+			return nil // stored before its answer was lost
+		case gerr == nil:
+			return jetstream.ErrKeyExists // another request's: see claimRetry
+		default:
+			err = gerr
+		}
+	}
+	return err
+}
+
+// noAnswer reports whether a NATS call failed for want of an answer, not
+// because it was refused: it may have been carried out.
+func noAnswer(err error) bool {
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) ||
+		errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders)
 }
 
 // claimRetry takes over the record of an earlier request with rec's id,
