@@ -71,6 +71,23 @@ func (b *breaker) Health() (dispatcher.BreakerState, <-chan struct{}) {
 	return b.state, b.changed
 }
 
+// admits reports whether a job pulled under the permit token may run on
+// the engine: the breaker is closed, or half-open and this is its trial.
+// A job whose pull was granted before the breaker opened is not: it came
+// in late, with the engine already judged sick.
+func (b *breaker) admits(tok uint64) bool {
+	epoch, trial := fromToken(tok)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch b.state {
+	case dispatcher.BreakerClosed:
+		return true
+	case dispatcher.BreakerHalfOpen:
+		return trial && epoch == b.epoch
+	}
+	return false
+}
+
 // Open reports whether the breaker is open.
 func (b *breaker) Open() bool { return b.State() == dispatcher.BreakerOpen }
 

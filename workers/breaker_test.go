@@ -79,6 +79,10 @@ func TestBreaker(t *testing.T) {
 	}
 
 	trial := p.Token
+	if b.admits(old) || !b.admits(trial) {
+		t.Errorf("half-open: a job pulled before the opening admitted %v, the trial admitted %v; want false, true",
+			b.admits(old), b.admits(trial))
+	}
 	b.neutral(old)   // a job from before the opening frees no trial
 	b.succeeded(old) // nor says anything of the engine
 	if b.State() != dispatcher.BreakerHalfOpen || !b.trial {

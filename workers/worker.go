@@ -192,12 +192,14 @@ func (w *Worker) Run(ctx context.Context) error {
 // other prefill worker of its pool is healthy, instead of failing them.
 func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 	return func(ctx context.Context, d *dispatcher.Delivery) error {
-		if w.breaker.Open() {
+		tok := d.Permit()
+		if !w.breaker.admits(tok) {
 			switch {
 			case !w.alone():
-				// A pull on its way when the breaker opened: another
-				// worker's engine is healthy, so the job goes back, as
-				// any retryable failure does, without touching this one.
+				// A pull on its way when the breaker opened (or a pull
+				// other than a half-open breaker's trial): another worker's
+				// engine is healthy, so the job goes back without touching
+				// this one.
 				return dispatcher.HandBack(errHandedBack,
 					openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
 			case w.canForward():
@@ -205,7 +207,6 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 				return nil
 			}
 		}
-		tok := d.Permit()
 		err := h(ctx, d)
 		var fault *engineFault
 		switch {
