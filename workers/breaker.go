@@ -30,8 +30,8 @@ type breaker struct {
 	stage     dispatcher.Stage
 	metrics   *dispatcher.Metrics
 	log       *slog.Logger
-	// generate, when set, asks the engine for one token: after failed
-	// trials, a probe must get an answer, not only /health.
+	// generate, when set, asks the engine for one token: a probe must get
+	// an answer, not only /health.
 	generate func(ctx context.Context) error
 	// life bounds the probes: they end with the worker.
 	life context.Context
@@ -206,9 +206,8 @@ func trialWait(failedTrials int) time.Duration {
 	return min(time.Second<<min(failedTrials-1, 5), 30*time.Second)
 }
 
-// probe waits, then asks /health with back-off until the engine answers,
-// then lets one trial job through. After a failed trial it also asks for
-// one token, since a trial failed with /health answering.
+// probe waits, then asks /health and for one token, with back-off, until
+// the engine answers both; then it lets one trial job through.
 func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 	t := time.NewTimer(wait)
 	select {
@@ -219,9 +218,10 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 	}
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
-	b.mu.Lock()
-	deep := b.retrials > 0 && b.generate != nil
-	b.mu.Unlock()
+	// A probe asks for one token too: an engine can answer /health and
+	// hang every request, and the trial that follows the probe is some
+	// client's request.
+	deep := b.generate != nil
 	_ = backoff.RetryNotify(func() error {
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()

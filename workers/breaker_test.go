@@ -41,6 +41,7 @@ func TestBreaker(t *testing.T) {
 	}
 	ctx := context.Background()
 	b := newBreaker(3, client, dispatcher.StageDecode, nil, logging.Discard())
+	b.generate = func(ctx context.Context) error { return client.Generate(ctx, "pdq-sim", "probe-1") }
 	failure := errors.New("engine answered 500")
 
 	closed := func() uint64 { return permitToken(b.Epoch(), false) }
@@ -52,7 +53,7 @@ func TestBreaker(t *testing.T) {
 		t.Fatalf("after 2 failures: %s, want closed", b.State())
 	}
 	b.failed(ctx, closed(), false, failure)
-	waitState(t, b, dispatcher.BreakerHalfOpen) // /health answers at once
+	waitState(t, b, dispatcher.BreakerHalfOpen) // /health and a one-token request answer at once
 
 	first, err := b.wait(ctx, nil)
 	if err != nil {
@@ -92,7 +93,7 @@ func TestBreaker(t *testing.T) {
 	if b.State() != dispatcher.BreakerOpen {
 		t.Fatalf("after the trial failed: %s, want open", b.State())
 	}
-	waitState(t, b, dispatcher.BreakerHalfOpen) // a one-token probe, after 1 s
+	waitState(t, b, dispatcher.BreakerHalfOpen) // probed again after 1 s
 	p, err = b.wait(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
