@@ -2,6 +2,7 @@ package dispatcher
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -16,7 +17,30 @@ type Metrics struct {
 	breakerOpens       *prometheus.CounterVec
 	fallbacks          *prometheus.CounterVec
 	migrations         *prometheus.CounterVec
+
+	// The gateway's, per request.
+	requests   *prometheus.CounterVec
+	ttft       *prometheus.HistogramVec
+	itl        *prometheus.HistogramVec
+	e2e        *prometheus.HistogramVec
+	decodeOnly *prometheus.CounterVec
+	// The workers', per job.
+	queueWait  *prometheus.HistogramVec
+	engineTime *prometheus.HistogramVec
+	retries    *prometheus.CounterVec
+	inflight   *prometheus.GaugeVec
+	queueDepth *prometheus.GaugeVec
+	engineUp   *prometheus.GaugeVec
 }
+
+// Bucket boundaries fit LLM serving: a first token from 10 ms to 60 s, a
+// token after it from 1 ms to 5 s, a whole request or a queue wait up to
+// 10 minutes.
+var (
+	ttftBuckets = prometheus.ExponentialBucketsRange(0.01, 60, 16)
+	itlBuckets  = prometheus.ExponentialBucketsRange(0.001, 5, 14)
+	longBuckets = prometheus.ExponentialBucketsRange(0.001, 600, 20)
+)
 
 // NewMetrics registers the counters with reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
@@ -34,7 +58,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Handoffs whose prefill KV blocks a decode worker released because they will not be decoded.",
 		}, []string{"pool"}),
 		handoffsWithoutKV: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "pdq_handoffs_without_kv_total",
+			Name: "pdq_kv_params_missing_total",
 			Help: "Prefill answers (200) whose kv_transfer_params were missing or could not point a decode engine at the blocks; each was retried, never decoded as a recompute.",
 		}, []string{"pool"}),
 		breakerOpens: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -50,8 +74,51 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Decodes that failed after output and continued on another decode engine.",
 		}, []string{"pool"}),
 	}
+	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_requests_total",
+		Help: "Requests the gateway answered, by model and outcome: ok, client_error (a 4xx), rejected (429, 503: overload or no workers), error (a 5xx or an in-stream error), cancelled (the client left).",
+	}, []string{"model", "outcome"})
+	m.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_ttft_seconds", Help: "Time from a request's arrival to its first byte of answer to the client.",
+		Buckets: ttftBuckets,
+	}, []string{"model"})
+	m.itl = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_itl_seconds", Help: "Time between two streamed chunks written to a client.",
+		Buckets: itlBuckets,
+	}, []string{"model"})
+	m.e2e = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_e2e_seconds", Help: "Time from a request's arrival to the end of its answer, for answers delivered whole.",
+		Buckets: longBuckets,
+	}, []string{"model"})
+	m.decodeOnly = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_decode_only_total",
+		Help: "Requests sent decode-only (the decode engine prefills them), by reason: short_prompt, or no_healthy_prefill (the fallback).",
+	}, []string{"reason"})
+	m.queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_queue_wait_seconds", Help: "Time a job waited in its stage's queue before a worker pulled it.",
+		Buckets: longBuckets,
+	}, []string{"stage"})
+	m.engineTime = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_engine_seconds", Help: "Time a stage's engine call took, relay included.",
+		Buckets: longBuckets,
+	}, []string{"stage"})
+	m.retries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_retries_total",
+		Help: "Jobs run again, by stage and reason: retry (a failure, after back-off), regenerate (sent back to prefill), hand_back (its worker's engine was failing), running_elsewhere (redelivered while a delivery ran).",
+	}, []string{"stage", "reason"})
+	m.inflight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_inflight", Help: "Jobs this process's workers run now, by stage.",
+	}, []string{"stage"})
+	m.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_queue_depth", Help: "Jobs waiting in a pool's stage queue, not yet delivered (as its workers last saw it).",
+	}, []string{"stage", "pool"})
+	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0.5 on trial (half-open), 0 while its breaker is open.",
+	}, []string{"stage", "engine"})
 	for _, c := range []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
-		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations} {
+		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
+		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
+		m.inflight, m.queueDepth, m.engineUp} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -62,15 +129,30 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.deadLetters.WithLabelValues(string(stage))
 		m.deadLettersRefused.WithLabelValues(string(stage))
 		m.breakerOpens.WithLabelValues(string(stage))
+		m.inflight.WithLabelValues(string(stage))
+		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere"} {
+			m.retries.WithLabelValues(string(stage), reason)
+		}
+	}
+	for _, reason := range []string{"short_prompt", "no_healthy_prefill"} {
+		m.decodeOnly.WithLabelValues(reason)
 	}
 	return m, nil
 }
 
-// pool shows pool's series from the start.
-func (m *Metrics) pool(pool string) {
-	if m != nil {
-		m.kvReleased.WithLabelValues(pool)
+// pool shows the series of a pool's stage from the start.
+func (m *Metrics) pool(stage Stage, pool string) {
+	if m == nil {
+		return
 	}
+	m.queueDepth.WithLabelValues(string(stage), pool)
+	if stage == StagePrefill {
+		m.handoffsWithoutKV.WithLabelValues(pool)
+		m.fallbacks.WithLabelValues(pool, "prefill")
+		return
+	}
+	m.kvReleased.WithLabelValues(pool)
+	m.migrations.WithLabelValues(pool)
 }
 
 func (m *Metrics) deadLetter(stage Stage) {
@@ -88,6 +170,82 @@ func (m *Metrics) deadLetterRefused(stage Stage) {
 func (m *Metrics) released(pool string) {
 	if m != nil {
 		m.kvReleased.WithLabelValues(pool).Inc()
+	}
+}
+
+// Request counts a request the gateway answered, and its latencies: ttft
+// and e2e are zero when there was no first byte or no whole answer.
+func (m *Metrics) Request(model, outcome string, ttft, e2e time.Duration) {
+	if m == nil {
+		return
+	}
+	m.requests.WithLabelValues(model, outcome).Inc()
+	if ttft > 0 {
+		m.ttft.WithLabelValues(model).Observe(ttft.Seconds())
+	}
+	if e2e > 0 {
+		m.e2e.WithLabelValues(model).Observe(e2e.Seconds())
+	}
+}
+
+// ITL records the gap between two chunks written to a client.
+func (m *Metrics) ITL(model string, gap time.Duration) {
+	if m != nil {
+		m.itl.WithLabelValues(model).Observe(gap.Seconds())
+	}
+}
+
+// DecodeOnly counts a request sent decode-only.
+func (m *Metrics) DecodeOnly(reason string) {
+	if m != nil {
+		m.decodeOnly.WithLabelValues(reason).Inc()
+	}
+}
+
+// EngineUp records a worker's engine health: its breaker state.
+func (m *Metrics) EngineUp(stage Stage, engine string, state BreakerState) {
+	if m == nil {
+		return
+	}
+	v := 1.0
+	switch state {
+	case BreakerOpen:
+		v = 0
+	case BreakerHalfOpen:
+		v = 0.5
+	}
+	m.engineUp.WithLabelValues(string(stage), engine).Set(v)
+}
+
+func (m *Metrics) jobStarted(stage Stage, wait time.Duration) {
+	if m == nil {
+		return
+	}
+	m.inflight.WithLabelValues(string(stage)).Inc()
+	if wait > 0 {
+		m.queueWait.WithLabelValues(string(stage)).Observe(wait.Seconds())
+	}
+}
+
+func (m *Metrics) jobEnded(stage Stage, engine time.Duration) {
+	if m == nil {
+		return
+	}
+	m.inflight.WithLabelValues(string(stage)).Dec()
+	if engine > 0 {
+		m.engineTime.WithLabelValues(string(stage)).Observe(engine.Seconds())
+	}
+}
+
+func (m *Metrics) retry(stage Stage, reason string) {
+	if m != nil {
+		m.retries.WithLabelValues(string(stage), reason).Inc()
+	}
+}
+
+func (m *Metrics) depth(stage Stage, pool string, n uint64) {
+	if m != nil {
+		m.queueDepth.WithLabelValues(string(stage), pool).Set(float64(n))
 	}
 }
 

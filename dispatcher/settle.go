@@ -87,6 +87,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// call went on. Running it twice would read a handoff's KV twice
 		// or start a second answer; the first settles it, and this copy
 		// comes back only if the first never does.
+		l.cfg.Metrics.retry(l.cfg.Stage, "running_elsewhere")
 		s.log.Info("job redelivered while an earlier delivery still runs; leaving it to that one")
 		if err := s.msg.NakWithDelay(l.cfg.AckWait); err != nil {
 			s.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(err))
@@ -318,6 +319,7 @@ func (s *settle) failed(ctx context.Context, err error) {
 		s.log.Warn("decode failed before output", logging.Err(err))
 		s.regenerate(ctx, "decode failed before output: "+err.Error(), false)
 	case s.attempt < s.l.cfg.MaxDeliver:
+		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "retry")
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
 		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := s.msg.NakWithDelay(delay); err != nil {
@@ -342,6 +344,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 		}
 		return
 	}
+	s.l.cfg.Metrics.retry(s.l.cfg.Stage, "hand_back")
 	s.log.Debug("job handed back", "reason", why.Error(), "hand_backs", next.HandBacks)
 	if err := s.msg.DoubleAck(ctx); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
@@ -395,6 +398,7 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 		s.term("the request moved on while it was sent back to prefill")
 		return
 	}
+	l.cfg.Metrics.retry(l.cfg.Stage, "regenerate")
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)
 }

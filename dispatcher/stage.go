@@ -437,8 +437,8 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
 	slots := make(chan struct{}, l.cfg.Slots)
+	l.cfg.Metrics.pool(l.cfg.Stage, l.cfg.Pool)
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
-		l.cfg.Metrics.pool(l.cfg.Pool)
 		bg.Go(func() { l.releaseLoop(ctx, slots, pulls) })
 	}
 
@@ -576,7 +576,13 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token}
 	d.ctx = jctx
 	handled = true
+	waited := time.Since(job.Submitted)
+	if job.Prefill != nil {
+		waited = time.Since(job.Prefill.Ended())
+	}
+	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
 	err = l.cfg.Handler(jctx, d)
+	l.cfg.Metrics.jobEnded(l.cfg.Stage, time.Since(start))
 	d.stopBeats()
 	s.ran = true
 	s.sent = d.sent()
@@ -666,6 +672,18 @@ func (l *StageLoop) onCancel(msg *nats.Msg) {
 			r.cancel(errCancelled)
 		}
 	}
+}
+
+// observeDepth publishes how many jobs wait in this loop's queue.
+func (l *StageLoop) observeDepth(ctx context.Context) {
+	if l.cfg.Metrics == nil {
+		return
+	}
+	cons, err := l.js.Consumer(ctx, stageStream(l.cfg.Stage), ConsumerName(l.cfg.Stage, l.cfg.Pool))
+	if err != nil {
+		return // no consumer yet, or NATS away: the last value stands
+	}
+	l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
 }
 
 // onRunning answers whether this loop runs another delivery of the job a

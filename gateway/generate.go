@@ -22,6 +22,9 @@ import (
 // relay the reply.
 func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 	return func(c echo.Context) error {
+		t := &tracked{arrived: time.Now(), model: "unknown"}
+		c.Set(trackedKey, t)
+		defer h.account(c, t)
 		id, apiErr := requestID(c.Request().Header.Get("X-Request-Id"))
 		if apiErr != nil {
 			return writeError(c, apiErr)
@@ -43,6 +46,9 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		}
 		model := in.req.Model
 		pool := h.registry.Status(model)
+		if pool.Known {
+			t.model = model // a client's made-up name must not become a series
+		}
 		switch {
 		case pool.Decode == 0 && !pool.Known:
 			return writeError(c, openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", model).WithParam("model"))
@@ -83,8 +89,10 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		switch {
 		case fallback:
 			h.cfg.Counters.Fallback(job.Pool, "gateway")
+			h.cfg.Counters.DecodeOnly("no_healthy_prefill")
 			log.Debug("decode-only: no healthy prefill worker", "prompt_tokens_estimate", in.promptTokens)
 		case stage == dispatcher.StageDecode:
+			h.cfg.Counters.DecodeOnly("short_prompt")
 			log.Debug("decode-only: short prompt skips prefill", "prompt_tokens_estimate", in.promptTokens,
 				"threshold", h.cfg.MinPromptTokens)
 		}
@@ -161,11 +169,13 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			h.cancel(job, log, dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
 			return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
 		}
+		trackOf(c).wrote(h.cfg.Counters)
 		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, first.Data); err != nil {
 			h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 			return nil
 		}
 		h.delivered(job, end, log)
+		trackOf(c).whole = true
 		return nil
 	}
 
@@ -174,6 +184,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 	for {
 		switch msg.Kind {
 		case dispatcher.KindChunk:
+			trackOf(c).wrote(h.cfg.Counters)
 			if err := sse.Data(msg.Data); err != nil {
 				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 				return nil
@@ -183,8 +194,10 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 				log.Debug("client went away before [DONE]", logging.Err(err))
 			}
 			h.delivered(job, msg, log)
+			trackOf(c).whole = true
 			return nil
 		case dispatcher.KindError:
+			trackOf(c).failed = true
 			if err := sse.Data(msg.Data); err == nil {
 				sse.Done()
 			}
@@ -269,6 +282,7 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 	log.Warn("reply failed", logging.Err(err), "status", status)
 	h.cancel(job, log, state, status, err.Error())
 	apiErr := openai.NewError(status, "%v", err)
+	trackOf(c).failed = true
 	if sse != nil && sse.Started() {
 		if err := sse.Error(apiErr); err != nil {
 			log.Debug("could not write the in-stream error", logging.Err(err))
@@ -319,4 +333,60 @@ func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatche
 		}
 	}
 	log.Info("request stopped: "+why, "state", string(state))
+}
+
+// tracked is what the gateway measures of one request, for /metrics.
+type tracked struct {
+	arrived, first, last time.Time
+	model                string
+	whole                bool // the answer went out whole
+	failed               bool // the request failed after its status was sent
+}
+
+const trackedKey = "pdq.tracked"
+
+// trackOf is the request's tracked, or a throwaway one.
+func trackOf(c echo.Context) *tracked {
+	if t, ok := c.Get(trackedKey).(*tracked); ok {
+		return t
+	}
+	return &tracked{}
+}
+
+// wrote notes a write of answer to the client: the first is the time to
+// first token, the others the gaps between tokens.
+func (t *tracked) wrote(m *dispatcher.Metrics) {
+	now := time.Now()
+	if t.first.IsZero() {
+		t.first = now
+	} else {
+		m.ITL(t.model, now.Sub(t.last))
+	}
+	t.last = now
+}
+
+// account counts a request once it is answered, by its outcome.
+func (h *handlers) account(c echo.Context, t *tracked) {
+	status := c.Response().Status
+	outcome := "error"
+	switch {
+	case t.whole:
+		outcome = "ok"
+	case c.Request().Context().Err() != nil:
+		outcome = "cancelled"
+	case t.failed || status >= 500 && status != http.StatusServiceUnavailable:
+		outcome = "error"
+	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
+		outcome = "rejected"
+	case status >= 400:
+		outcome = "client_error"
+	}
+	var ttft, e2e time.Duration
+	if !t.first.IsZero() {
+		ttft = t.first.Sub(t.arrived)
+	}
+	if t.whole {
+		e2e = time.Since(t.arrived)
+	}
+	h.cfg.Counters.Request(t.model, outcome, ttft, e2e)
 }

@@ -52,6 +52,7 @@ type breaker struct {
 }
 
 func newBreaker(threshold int, engine *vllm.Client, stage dispatcher.Stage, metrics *dispatcher.Metrics, log *slog.Logger) *breaker {
+	metrics.EngineUp(stage, engine.URL(), dispatcher.BreakerClosed)
 	return &breaker{threshold: threshold, engine: engine, stage: stage, metrics: metrics, log: log,
 		state: dispatcher.BreakerClosed, changed: make(chan struct{}), life: context.Background()}
 }
@@ -98,6 +99,7 @@ func (b *breaker) set(s dispatcher.BreakerState) {
 	}
 	b.state = s
 	b.epoch++
+	b.metrics.EngineUp(b.stage, b.engine.URL(), s)
 	close(b.changed)
 	b.changed = make(chan struct{})
 }

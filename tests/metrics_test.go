@@ -1,0 +1,106 @@
+package tests
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+)
+
+// metricValue sums the samples of name whose labels include every one of
+// labels (`key="value"`), in a Prometheus text exposition.
+func metricValue(exposition, name string, labels ...string) (float64, bool) {
+	var sum float64
+	found := false
+	for _, line := range strings.Split(exposition, "\n") {
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		series := line[:strings.LastIndexByte(line, ' ')]
+		ok := true
+		for _, l := range labels {
+			ok = ok && strings.Contains(series, l)
+		}
+		if !ok {
+			continue
+		}
+		var v float64
+		if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v); err == nil {
+			sum += v
+			found = true
+		}
+	}
+	return sum, found
+}
+
+// TestMetricsCountTraffic sends known traffic through a live `pdq up` and
+// checks that /metrics counts it: requests by outcome, latencies, queue
+// waits and engine times per stage, decode-only requests, and the gauges.
+func TestMetricsCountTraffic(t *testing.T) {
+	_, url := startUp(t)
+	scrape := func() string { return string(get(t, url+"/metrics").body) }
+	before := scrape()
+	delta := func(after, name string, labels ...string) float64 {
+		a, _ := metricValue(after, name, labels...)
+		b, _ := metricValue(before, name, labels...)
+		return a - b
+	}
+
+	for i := range 3 { // P/D, streamed
+		s := postStream(t, url+"/v1/completions", fmt.Sprintf("m-stream-%d", i),
+			completionBody(model, longPrompt, body{"max_tokens": 8, "ignore_eos": true, "stream": true}))
+		if s.status != 200 || !s.done {
+			t.Fatalf("stream %d: %+v", i, s)
+		}
+	}
+	for i := range 2 { // decode-only: a short prompt
+		parseResponse(t, post(t, url+"/v1/chat/completions", fmt.Sprintf("m-short-%d", i), chatBody(model, "Hi", body{"max_tokens": 4})))
+	}
+	post(t, url+"/v1/completions", "", "{not json").wantStatus(t, 400)
+	post(t, url+"/v1/completions", "", completionBody("no-such-model", "Hi", body{"max_tokens": 1})).wantStatus(t, 404)
+	after := scrape()
+
+	sim := `model="` + model + `"`
+	for _, c := range []struct {
+		name   string
+		labels []string
+		want   float64
+	}{
+		{"pdq_requests_total", []string{sim, `outcome="ok"`}, 5},
+		{"pdq_requests_total", []string{`model="unknown"`, `outcome="client_error"`}, 2},
+		{"pdq_ttft_seconds_count", []string{sim}, 5},
+		{"pdq_e2e_seconds_count", []string{sim}, 5},
+		{"pdq_decode_only_total", []string{`reason="short_prompt"`}, 2},
+		{"pdq_queue_wait_seconds_count", []string{`stage="prefill"`}, 3},
+		{"pdq_queue_wait_seconds_count", []string{`stage="decode"`}, 5},
+		{"pdq_engine_seconds_count", []string{`stage="prefill"`}, 3},
+		{"pdq_engine_seconds_count", []string{`stage="decode"`}, 5},
+		{"pdq_retries_total", nil, 0},
+		{"pdq_dead_letters_total", nil, 0},
+		{"pdq_kv_params_missing_total", nil, 0},
+	} {
+		if got := delta(after, c.name, c.labels...); got != c.want {
+			t.Errorf("%s%v went up by %v, want %v", c.name, c.labels, got, c.want)
+		}
+	}
+	// Each stream wrote 8 tokens: 7 gaps between its chunks, and more for
+	// the final usage-less chunk it may send.
+	if got := delta(after, "pdq_itl_seconds_count", sim); got < 3*7 {
+		t.Errorf("pdq_itl_seconds_count went up by %v, want at least 21", got)
+	}
+	for _, g := range []struct {
+		name   string
+		labels []string
+		want   float64
+	}{
+		{"pdq_inflight", []string{`stage="decode"`}, 0},
+		{"pdq_engine_up", []string{`stage="prefill"`}, 1},
+		{"pdq_engine_up", []string{`stage="decode"`}, 1},
+	} {
+		if got, ok := metricValue(after, g.name, g.labels...); !ok || got != g.want {
+			t.Errorf("%s%v = %v (present %v), want %v", g.name, g.labels, got, ok, g.want)
+		}
+	}
+	if _, ok := metricValue(after, "pdq_queue_depth", `stage="prefill"`, `pool="`); !ok {
+		t.Errorf("no pdq_queue_depth for the prefill queue:\n%s", after)
+	}
+}
