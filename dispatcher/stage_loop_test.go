@@ -867,3 +867,31 @@ func TestRunningElsewhere(t *testing.T) {
 		t.Error("a finished delivery still said it runs")
 	}
 }
+
+// TestQueues: the status of a pool's queues, with the age of its oldest
+// waiting job.
+func TestQueues(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	const pool = "queues"
+	if _, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	records, err := OpenRecords(ctx, js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	job := &Job{ID: "q-1", Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
+		Submitted: time.Now(), Deadline: time.Now().Add(time.Minute)}
+	if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	qs, err := Queues(ctx, js, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(qs) != 1 || qs[0].Stage != StagePrefill || qs[0].Waiting != 1 || qs[0].OldestSeconds < 0.3 || qs[0].OldestSeconds > 60 {
+		t.Errorf("queues %+v, want the prefill queue with 1 job waiting for about 0.3 s", qs)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -22,6 +23,9 @@ type QueueStatus struct {
 	// Redelivered counts the jobs delivered more than once that are not
 	// yet acked.
 	Redelivered int `json:"redelivered"`
+	// OldestSeconds is how long the oldest waiting job has waited; 0 when
+	// none waits.
+	OldestSeconds float64 `json:"oldest_s"`
 }
 
 // Queues reports pool's prefill and decode queues; a stage whose consumer
@@ -37,8 +41,12 @@ func Queues(ctx context.Context, js jetstream.JetStream, pool string) ([]QueueSt
 			return nil, fmt.Errorf("%s queue of pool %s: %w", stage, pool, err)
 		}
 		info := cons.CachedInfo()
-		out = append(out, QueueStatus{Pool: pool, Stage: stage, Waiting: info.NumPending, Running: info.NumAckPending,
-			IdlePulls: info.NumWaiting, Redelivered: info.NumRedelivered})
+		q := QueueStatus{Pool: pool, Stage: stage, Waiting: info.NumPending, Running: info.NumAckPending,
+			IdlePulls: info.NumWaiting, Redelivered: info.NumRedelivered}
+		if info.NumPending > 0 {
+			q.OldestSeconds = oldestWaiting(ctx, js, stage, pool, info.Delivered.Stream+1)
+		}
+		out = append(out, q)
 	}
 	return out, nil
 }
@@ -50,4 +58,19 @@ func DeadLetters(ctx context.Context, js jetstream.JetStream) (uint64, error) {
 		return 0, fmt.Errorf("dead-letter stream: %w", err)
 	}
 	return st.CachedInfo().State.Msgs, nil
+}
+
+// oldestWaiting is the age in seconds of the first job of pool's stage
+// queue at or after stream sequence from (the first not yet delivered);
+// 0 when it cannot be read.
+func oldestWaiting(ctx context.Context, js jetstream.JetStream, stage Stage, pool string, from uint64) float64 {
+	st, err := js.Stream(ctx, stageStream(stage))
+	if err != nil {
+		return 0
+	}
+	m, err := st.GetMsg(ctx, from, jetstream.WithGetMsgSubject(stageSubject(stage)+"."+pool+".>"))
+	if err != nil {
+		return 0
+	}
+	return time.Since(m.Time).Seconds()
 }

@@ -3,6 +3,7 @@ package tests
 import (
 	"encoding/json"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -62,5 +63,30 @@ func TestStatusShowsEngineHealth(t *testing.T) {
 			t.Fatalf("prefill worker %+v, want an open breaker", workers[dispatcher.StagePrefill])
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// TestStatusOnUp: pdq status against a live `pdq up` lists its prefill and
+// decode workers and both of the pool's queues.
+func TestStatusOnUp(t *testing.T) {
+	up, _ := startUp(t, "PDQ_NATS_LISTEN=127.0.0.1:0")
+	natsURL, _ := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)
+	c := &cluster{t: t, natsURL: natsURL}
+	workers, queues := c.pdqStatus()
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		if w, ok := workers[stage]; !ok || w.Breaker != dispatcher.BreakerClosed || w.Engine == "" {
+			t.Errorf("%s worker %+v, want one with its engine and a closed breaker", stage, w)
+		}
+	}
+	stages := map[dispatcher.Stage]bool{}
+	for _, q := range queues {
+		stages[q.Stage] = true
+	}
+	if !stages[dispatcher.StagePrefill] || !stages[dispatcher.StageDecode] {
+		t.Errorf("queues %+v, want the prefill and the decode queue", queues)
+	}
+	out, err := exec.Command(pdqBinary, "status", "--nats", natsURL).Output()
+	if err != nil || !strings.Contains(string(out), "WORKER") || !strings.Contains(string(out), "DEAD LETTERS") {
+		t.Errorf("pdq status: %v\n%s", err, out)
 	}
 }

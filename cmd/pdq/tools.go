@@ -242,8 +242,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	var tf toolFlags
 	tf.register(fs)
 	asJSON := fs.Bool("json", false, "print JSON")
+	watch := fs.Duration("watch", 0, "show it again every this long (e.g. 2s), until interrupted")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: pdq status [--json]\n\n"+
+		fmt.Fprintf(stderr, "Usage: pdq status [--json] [--watch 2s]\n\n"+
 			"Shows the live workers (role, pool, engine, slots, jobs running, the engine's breaker), each\n"+
 			"pool's prefill and decode queues, and the dead letters kept for replay.\n\n")
 		fs.PrintDefaults()
@@ -251,7 +252,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := parseTool(fs, args, stderr); err != nil {
 		return helpIsNoError(err)
 	}
-	if fs.NArg() > 0 {
+	if fs.NArg() > 0 || *watch < 0 {
 		fs.Usage()
 		return errUsage
 	}
@@ -271,6 +272,27 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	sctx, scancel := context.WithTimeout(ctx, 2*time.Second)
 	defer scancel()
 	_ = registry.WaitSynced(sctx) // a worker that never answers is not live
+	for {
+		if *watch > 0 && !*asJSON {
+			fmt.Fprintf(stdout, "\x1b[H\x1b[2J%s\n\n", time.Now().Format(time.DateTime))
+		}
+		if err := printStatus(ctx, js, registry, stdout, *asJSON); err != nil {
+			return err
+		}
+		if *watch == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(*watch):
+		}
+	}
+}
+
+// printStatus prints the status once, as a table or as JSON.
+func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatcher.Registry, stdout io.Writer, asJSON bool) error {
+	var err error
 	s := status{Workers: registry.Workers()}
 	pools := map[string]bool{}
 	for _, w := range s.Workers {
@@ -286,7 +308,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if s.DeadLetters, err = dispatcher.DeadLetters(ctx, js); err != nil {
 		return err
 	}
-	if *asJSON {
+	if asJSON {
 		return json.NewEncoder(stdout).Encode(s)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
@@ -298,9 +320,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%s\t%.0f\n", w.ID, w.Role, w.Pool, w.Engine, w.Slots, w.InFlight, breaker, w.AvgJobMs)
 	}
-	fmt.Fprintln(tw, "\nPOOL\tSTAGE\tWAITING\tRUNNING\tIDLE PULLS\tREDELIVERED")
+	fmt.Fprintln(tw, "\nPOOL\tSTAGE\tWAITING\tOLDEST\tRUNNING\tIDLE PULLS\tREDELIVERED")
 	for _, q := range s.Queues {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\n", q.Pool, q.Stage, q.Waiting, q.Running, q.IdlePulls, q.Redelivered)
+		oldest := "-"
+		if q.Waiting > 0 {
+			oldest = (time.Duration(q.OldestSeconds * float64(time.Second))).Round(100 * time.Millisecond).String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%d\t%d\t%d\n", q.Pool, q.Stage, q.Waiting, oldest, q.Running, q.IdlePulls, q.Redelivered)
 	}
 	fmt.Fprintf(tw, "\nDEAD LETTERS\t%d\n", s.DeadLetters)
 	return tw.Flush()
