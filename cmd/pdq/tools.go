@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"text/tabwriter"
 	"time"
@@ -330,4 +331,40 @@ func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatch
 	}
 	fmt.Fprintf(tw, "\nDEAD LETTERS\t%d\n", s.DeadLetters)
 	return tw.Flush()
+}
+
+// runProbe is a health check for images without a shell: it asks a URL
+// (a gateway's /ready, an engine's /health) and fails unless it answers
+// 2xx.
+func runProbe(ctx context.Context, args []string, _, stderr io.Writer) error {
+	fs := flag.NewFlagSet("pdq probe", flag.ContinueOnError)
+	timeout := fs.Duration("timeout", 2*time.Second, "how long to wait for the answer")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: pdq probe [--timeout 2s] URL\n\n"+
+			"Exits 0 when URL answers 2xx: a container health check for an image without a shell, e.g.\n"+
+			"pdq probe http://127.0.0.1:8000/ready.\n\n")
+		fs.PrintDefaults()
+	}
+	if err := parseTool(fs, args, stderr); err != nil {
+		return helpIsNoError(err)
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
+		return errUsage
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fs.Arg(0), nil)
+	if err != nil {
+		return fmt.Errorf("probe: %w", err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("probe: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("probe: %s answered %d", fs.Arg(0), resp.StatusCode)
+	}
+	return nil
 }

@@ -299,3 +299,14 @@ func trimAll(in []string) []string {
 	}
 	return out
 }
+
+// Names lists every environment variable the services read, PDQ_NATS_*
+// included: for docs and for tests that check a deployment sets only
+// variables pdq knows.
+func Names() ([]string, error) {
+	var b strings.Builder
+	if err := envconfig.Usagef(Prefix, &Config{}, &b, "{{range .}}{{usage_key .}}\n{{end}}"); err != nil {
+		return nil, err
+	}
+	return strings.Fields(b.String()), nil
+}

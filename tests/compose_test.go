@@ -1,0 +1,153 @@
+package tests
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/pdq-dev/pdq/pkg/config"
+)
+
+// composeFile is the part of docker-compose.yml that this test reads,
+// strictly: a key it does not know fails the test, so that a typo in the
+// file does not pass silently.
+type composeFile struct {
+	Name     string                    `yaml:"name"`
+	Base     composeService            `yaml:"x-pdq"`
+	Services map[string]composeService `yaml:"services"`
+	Volumes  map[string]struct{}       `yaml:"volumes"`
+}
+
+type composeService struct {
+	Image string `yaml:"image"`
+	Build *struct {
+		Context    string `yaml:"context"`
+		Dockerfile string `yaml:"dockerfile"`
+	} `yaml:"build"`
+	Command     []string          `yaml:"command"`
+	Environment map[string]string `yaml:"environment"`
+	Ports       []string          `yaml:"ports"`
+	Volumes     []string          `yaml:"volumes"`
+	Profiles    []string          `yaml:"profiles"`
+	DependsOn   yaml.Node         `yaml:"depends_on"`
+	Restart     string            `yaml:"restart"`
+	StopGrace   string            `yaml:"stop_grace_period"`
+	IPC         string            `yaml:"ipc"`
+	Deploy      yaml.Node         `yaml:"deploy"`
+	Healthcheck *struct {
+		Test     []string `yaml:"test"`
+		Interval string   `yaml:"interval"`
+		Timeout  string   `yaml:"timeout"`
+		Retries  int      `yaml:"retries"`
+	} `yaml:"healthcheck"`
+}
+
+// TestComposeFile checks docker-compose.yml and deploy/Dockerfile without
+// a Docker engine (this machine has none): every PDQ_ variable they set is
+// one pdq reads, every pdq command and its flags are real, the workers
+// scale, and the image is built from the binary's package, not as root.
+func TestComposeFile(t *testing.T) {
+	raw, err := os.ReadFile("../docker-compose.yml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(raw))
+	dec.KnownFields(true)
+	var f composeFile
+	if err := dec.Decode(&f); err != nil {
+		t.Fatalf("docker-compose.yml: %v", err)
+	}
+	known, err := config.Names()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"nats", "gateway", "prefill", "decode", "prefill-engine", "decode-engine", "vllm-prefill", "vllm-decode"} {
+		if _, ok := f.Services[want]; !ok {
+			t.Errorf("no service %s", want)
+		}
+	}
+	for name, s := range f.Services {
+		for key := range s.Environment {
+			if strings.HasPrefix(key, "PDQ_") && !slices.Contains(known, key) {
+				t.Errorf("service %s sets %s, which pdq does not read", name, key)
+			}
+		}
+		if s.Image == "pdq:local" {
+			pdqCommand(t, name, s.Command)
+			if s.Build == nil || s.Build.Dockerfile != "deploy/Dockerfile" {
+				t.Errorf("service %s runs pdq:local without building deploy/Dockerfile", name)
+			}
+		}
+		if h := s.Healthcheck; h != nil && len(h.Test) > 2 && h.Test[1] == "/pdq" {
+			pdqCommand(t, name+" health check", h.Test[2:])
+		}
+		if s.Healthcheck == nil && (name == "gateway" || name == "nats") {
+			t.Errorf("service %s has no health check", name)
+		}
+		if s.Restart == "" {
+			t.Errorf("service %s has no restart policy", name)
+		}
+		for _, v := range s.Volumes {
+			if src, _, _ := strings.Cut(v, ":"); strings.HasPrefix(src, "./") {
+				if _, err := os.Stat("../" + src); err != nil {
+					t.Errorf("service %s mounts %s: %v", name, src, err)
+				}
+			}
+		}
+	}
+	for _, scaled := range []string{"prefill", "decode"} {
+		if s := f.Services[scaled]; len(s.Ports) > 0 {
+			t.Errorf("service %s publishes ports, so docker compose up --scale %s=3 fails", scaled, scaled)
+		}
+	}
+	for _, gpu := range []string{"vllm-prefill", "vllm-decode"} {
+		s := f.Services[gpu]
+		if !slices.Contains(s.Profiles, "gpu") || !strings.Contains(strings.Join(s.Command, " "), `"kv_connector":"NixlConnector","kv_role":"kv_both"`) ||
+			s.Environment["VLLM_NIXL_SIDE_CHANNEL_HOST"] != gpu {
+			t.Errorf("service %s: want profile gpu, NixlConnector with kv_both, and its own name as the side-channel host", gpu)
+		}
+	}
+
+	docker, err := os.ReadFile("../deploy/Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"./cmd/pdq", "CGO_ENABLED=0", "USER nonroot", `ENTRYPOINT ["/pdq"]`} {
+		if !strings.Contains(string(docker), want) {
+			t.Errorf("deploy/Dockerfile lacks %q", want)
+		}
+	}
+}
+
+// pdqCommand checks that args (without the binary) are a pdq command line
+// that pdq accepts: with -h appended, pdq parses the flags, prints the
+// command's usage and exits 0; an unknown command or flag exits 2.
+func pdqCommand(t *testing.T, where string, args []string) {
+	t.Helper()
+	if len(args) == 0 {
+		t.Errorf("%s: no command", where)
+		return
+	}
+	if args[0] == "probe" {
+		// Its URL is an argument, which ends the flags: -h after it is
+		// not read. Asked of a port nobody listens on, a good command line
+		// fails as a probe (exit 1), a bad one as a usage error (exit 2).
+		line := append(slices.Clone(args[:len(args)-1]), "--timeout", "500ms", "http://127.0.0.1:1/ready")
+		out, err := exec.Command(pdqBinary, line...).CombinedOutput()
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(string(out), "probe:") {
+			t.Errorf("%s: pdq %s is not a pdq command line: %v\n%s", where, strings.Join(args, " "), err, out)
+		}
+		return
+	}
+	out, err := exec.Command(pdqBinary, append(slices.Clone(args), "-h")...).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "pdq "+args[0]) {
+		t.Errorf("%s: pdq %s is not a pdq command line: %v\n%s", where, strings.Join(args, " "), err, out)
+	}
+}
