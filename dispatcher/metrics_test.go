@@ -1,0 +1,100 @@
+package dispatcher
+
+import (
+	"encoding/json"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metricNames are the names NewMetrics registers, histograms as their
+// base name.
+func metricNames(t *testing.T) (names map[string]bool) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fq := regexp.MustCompile(`fqName: "([a-z0-9_]+)"`)
+	names = map[string]bool{}
+	ch := make(chan *prometheus.Desc, 64)
+	go func() {
+		for _, c := range []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased, m.handoffsWithoutKV,
+			m.breakerOpens, m.fallbacks, m.migrations, m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait,
+			m.engineTime, m.retries, m.inflight, m.queueDepth, m.engineUp} {
+			c.Describe(ch)
+		}
+		close(ch)
+	}()
+	for d := range ch {
+		if s := fq.FindStringSubmatch(d.String()); s != nil {
+			names[s[1]] = true
+		}
+	}
+	return names
+}
+
+// TestDashboardQueriesExist: every metric the Grafana dashboard queries is
+// one pdq exports, and the dashboard shows what issue 8 asks of it.
+func TestDashboardQueriesExist(t *testing.T) {
+	raw, err := os.ReadFile("../deploy/grafana/pdq-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+		Templating struct {
+			List []struct {
+				Query any `json:"query"`
+			} `json:"list"`
+		} `json:"templating"`
+	}
+	if err := json.Unmarshal(raw, &dash); err != nil {
+		t.Fatalf("the dashboard is not JSON: %v", err)
+	}
+	names := metricNames(t)
+	used := map[string]bool{}
+	metric := regexp.MustCompile(`\bpdq_[a-z0-9_]+`)
+	check := func(where, expr string) {
+		for _, name := range metric.FindAllString(expr, -1) {
+			base := name
+			for _, suffix := range []string{"_bucket", "_count", "_sum"} {
+				if b, ok := strings.CutSuffix(name, suffix); ok && names[b] {
+					base = b
+				}
+			}
+			if !names[base] {
+				t.Errorf("%s queries %s, which pdq does not export", where, name)
+			}
+			used[base] = true
+		}
+	}
+	for _, p := range dash.Panels {
+		if len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, target := range p.Targets {
+			check("panel "+p.Title, target.Expr)
+		}
+	}
+	for _, v := range dash.Templating.List {
+		if q, ok := v.Query.(string); ok {
+			check("a variable", q)
+		}
+	}
+	for _, want := range []string{"pdq_requests_total", "pdq_ttft_seconds", "pdq_itl_seconds", "pdq_queue_depth",
+		"pdq_queue_wait_seconds", "pdq_retries_total", "pdq_dead_letters_total", "pdq_decode_only_total", "pdq_engine_up"} {
+		if !used[want] {
+			t.Errorf("the dashboard does not show %s", want)
+		}
+	}
+}
