@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -36,7 +37,7 @@ func metricValue(exposition, name string, labels ...string) (float64, bool) {
 // checks that /metrics counts it: requests by outcome, latencies, queue
 // waits and engine times per stage, decode-only requests, and the gauges.
 func TestMetricsCountTraffic(t *testing.T) {
-	_, url := startUp(t)
+	up, url := startUp(t)
 	scrape := func() string { return string(get(t, url+"/metrics").body) }
 	before := scrape()
 	delta := func(after, name string, labels ...string) float64 {
@@ -102,5 +103,30 @@ func TestMetricsCountTraffic(t *testing.T) {
 	}
 	if _, ok := metricValue(after, "pdq_queue_depth", `stage="prefill"`, `pool="`); !ok {
 		t.Errorf("no pdq_queue_depth for the prefill queue:\n%s", after)
+	}
+
+	// The logs are for operators: at most one INFO line per request, and a
+	// client's mistake is never an ERROR.
+	info := map[string]int{}
+	for _, line := range strings.Split(up.output(), "\n") {
+		var rec struct {
+			Level string `json:"level"`
+			ID    string `json:"request_id"`
+			Msg   string `json:"msg"`
+		}
+		if json.Unmarshal([]byte(line), &rec) != nil {
+			continue
+		}
+		if rec.Level == "ERROR" {
+			t.Errorf("an ERROR line: %s", line)
+		}
+		if rec.Level == "INFO" && strings.HasPrefix(rec.ID, "m-") {
+			info[rec.ID]++
+		}
+	}
+	for id, n := range info {
+		if n > 1 {
+			t.Errorf("request %s has %d INFO lines, want at most 1", id, n)
+		}
 	}
 }
