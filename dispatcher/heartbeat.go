@@ -73,7 +73,6 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		if err := l.nc.Publish(WorkerSubject(info.ID), data); err != nil {
 			l.log.Warn("heartbeat not sent", logging.Err(err))
 		}
-		l.observeDepth(ctx)
 		pctx, cancel := context.WithTimeout(ctx, HeartbeatInterval)
 		defer cancel()
 		if err := bucket.put(pctx, info.ID, data); err != nil && ctx.Err() == nil {

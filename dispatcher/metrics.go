@@ -115,10 +115,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0.5 on trial (half-open), 0 while its breaker is open.",
 	}, []string{"stage", "engine"})
-	for _, c := range []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
-		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
-		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp} {
+	for _, c := range m.collectors() {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -138,6 +135,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.decodeOnly.WithLabelValues(reason)
 	}
 	return m, nil
+}
+
+// collectors are every metric of the set.
+func (m *Metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
+		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
+		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
+		m.inflight, m.queueDepth, m.engineUp}
 }
 
 // pool shows the series of a pool's stage from the start.

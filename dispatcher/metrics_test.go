@@ -23,9 +23,7 @@ func metricNames(t *testing.T) (names map[string]bool) {
 	names = map[string]bool{}
 	ch := make(chan *prometheus.Desc, 64)
 	go func() {
-		for _, c := range []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased, m.handoffsWithoutKV,
-			m.breakerOpens, m.fallbacks, m.migrations, m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait,
-			m.engineTime, m.retries, m.inflight, m.queueDepth, m.engineUp} {
+		for _, c := range m.collectors() {
 			c.Describe(ch)
 		}
 		close(ch)

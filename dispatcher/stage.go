@@ -436,6 +436,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	var bg sync.WaitGroup
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
+	bg.Go(func() { l.sampleDepth(ctx) })
 	slots := make(chan struct{}, l.cfg.Slots)
 	l.cfg.Metrics.pool(l.cfg.Stage, l.cfg.Pool)
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
@@ -526,8 +527,9 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		}
 	}()
 	attempt := 1
+	var stored time.Time // when the job's message was stored
 	if meta, err := msg.Metadata(); err == nil {
-		attempt = int(meta.NumDelivered)
+		attempt, stored = int(meta.NumDelivered), meta.Timestamp
 	}
 	// Settling must finish even when the grace period is over; each NATS
 	// call in it has the client's own default timeout.
@@ -576,13 +578,19 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token}
 	d.ctx = jctx
 	handled = true
-	waited := time.Since(job.Submitted)
-	if job.Prefill != nil {
-		waited = time.Since(job.Prefill.Ended())
+	// A first delivery's wait is its queue time; a redelivery's would
+	// count the back-off and the earlier attempt.
+	var waited time.Duration
+	if attempt == 1 && !stored.IsZero() {
+		waited = time.Since(stored)
 	}
 	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
 	err = l.cfg.Handler(jctx, d)
-	l.cfg.Metrics.jobEnded(l.cfg.Stage, time.Since(start))
+	var took time.Duration
+	if f := (*Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {
+		took = time.Since(start) // it reached the engine
+	}
+	l.cfg.Metrics.jobEnded(l.cfg.Stage, took)
 	d.stopBeats()
 	s.ran = true
 	s.sent = d.sent()
@@ -674,16 +682,28 @@ func (l *StageLoop) onCancel(msg *nats.Msg) {
 	}
 }
 
-// observeDepth publishes how many jobs wait in this loop's queue.
-func (l *StageLoop) observeDepth(ctx context.Context) {
+// sampleDepth publishes how many jobs wait in this loop's queue, every
+// heartbeat interval, until ctx ends. It runs on its own, with a short
+// time-out, so that a slow JetStream delays no heartbeat.
+func (l *StageLoop) sampleDepth(ctx context.Context) {
 	if l.cfg.Metrics == nil {
 		return
 	}
-	cons, err := l.js.Consumer(ctx, stageStream(l.cfg.Stage), ConsumerName(l.cfg.Stage, l.cfg.Pool))
-	if err != nil {
-		return // no consumer yet, or NATS away: the last value stands
+	t := time.NewTicker(HeartbeatInterval)
+	defer t.Stop()
+	for {
+		qctx, cancel := context.WithTimeout(ctx, time.Second)
+		cons, err := l.js.Consumer(qctx, stageStream(l.cfg.Stage), ConsumerName(l.cfg.Stage, l.cfg.Pool))
+		cancel()
+		if err == nil { // else no consumer yet, or NATS away: the last value stands
+			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
 	}
-	l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
 }
 
 // onRunning answers whether this loop runs another delivery of the job a

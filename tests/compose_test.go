@@ -22,6 +22,13 @@ type composeFile struct {
 	Base     composeService            `yaml:"x-pdq"`
 	Services map[string]composeService `yaml:"services"`
 	Volumes  map[string]struct{}       `yaml:"volumes"`
+	Networks map[string]struct {
+		IPAM struct {
+			Config []struct {
+				Subnet string `yaml:"subnet"`
+			} `yaml:"config"`
+		} `yaml:"ipam"`
+	} `yaml:"networks"`
 }
 
 type composeService struct {
@@ -40,6 +47,9 @@ type composeService struct {
 	StopGrace   string            `yaml:"stop_grace_period"`
 	IPC         string            `yaml:"ipc"`
 	Deploy      yaml.Node         `yaml:"deploy"`
+	Networks    map[string]struct {
+		IPv4Address string `yaml:"ipv4_address"`
+	} `yaml:"networks"`
 	Healthcheck *struct {
 		Test     []string `yaml:"test"`
 		Interval string   `yaml:"interval"`
@@ -108,9 +118,10 @@ func TestComposeFile(t *testing.T) {
 	}
 	for _, gpu := range []string{"vllm-prefill", "vllm-decode"} {
 		s := f.Services[gpu]
+		ip := s.Networks["default"].IPv4Address
 		if !slices.Contains(s.Profiles, "gpu") || !strings.Contains(strings.Join(s.Command, " "), `"kv_connector":"NixlConnector","kv_role":"kv_both"`) ||
-			s.Environment["VLLM_NIXL_SIDE_CHANNEL_HOST"] != gpu {
-			t.Errorf("service %s: want profile gpu, NixlConnector with kv_both, and its own name as the side-channel host", gpu)
+			ip == "" || s.Environment["VLLM_NIXL_SIDE_CHANNEL_HOST"] != ip {
+			t.Errorf("service %s: want profile gpu, NixlConnector with kv_both, and its own fixed address as the side-channel host", gpu)
 		}
 	}
 
@@ -118,7 +129,7 @@ func TestComposeFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"./cmd/pdq", "CGO_ENABLED=0", "USER nonroot", `ENTRYPOINT ["/pdq"]`} {
+	for _, want := range []string{"./cmd/pdq", "CGO_ENABLED=0", "USER 65532:65532", `ENTRYPOINT ["/pdq"]`} {
 		if !strings.Contains(string(docker), want) {
 			t.Errorf("deploy/Dockerfile lacks %q", want)
 		}

@@ -1,7 +1,6 @@
 package tests
 
 import (
-	"bytes"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -128,10 +127,41 @@ func TestKubernetesManifests(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"jetstream:", "enabled: true", "replicas: 3", "max_payload: 8388608"} {
-		if !bytes.Contains(values, []byte(want)) {
-			t.Errorf("nats-values.yaml lacks %q", want)
-		}
+	var v struct {
+		Config struct {
+			Cluster struct {
+				Enabled  bool `json:"enabled"`
+				Replicas int  `json:"replicas"`
+			} `json:"cluster"`
+			JetStream struct {
+				Enabled   bool `json:"enabled"`
+				FileStore struct {
+					PVC struct {
+						Size string `json:"size"`
+					} `json:"pvc"`
+				} `json:"fileStore"`
+			} `json:"jetstream"`
+			Merge struct {
+				MaxPayload int `json:"max_payload"`
+			} `json:"merge"`
+			Monitor struct {
+				Enabled bool `json:"enabled"`
+			} `json:"monitor"`
+		} `json:"config"`
+		Service struct {
+			Ports struct {
+				Monitor struct {
+					Enabled bool `json:"enabled"`
+				} `json:"monitor"`
+			} `json:"ports"`
+		} `json:"service"`
+	}
+	if err := yaml.UnmarshalStrict(values, &v); err != nil {
+		t.Errorf("nats-values.yaml: %v", err)
+	}
+	if c := v.Config; !c.Cluster.Enabled || c.Cluster.Replicas != 3 || !c.JetStream.Enabled || c.JetStream.FileStore.PVC.Size == "" ||
+		c.Merge.MaxPayload != 8<<20 || !c.Monitor.Enabled || !v.Service.Ports.Monitor.Enabled {
+		t.Errorf("nats-values.yaml: %+v; want a 3-node cluster, JetStream on volumes, 8 MiB payloads, monitoring on the Service", v)
 	}
 
 	var model string
@@ -139,6 +169,9 @@ func TestKubernetesManifests(t *testing.T) {
 		for _, c := range d.Spec.Template.Spec.Containers {
 			if i := slices.Index(c.Args, "--model"); strings.HasPrefix(c.Image, "vllm/") && i >= 0 && i+1 < len(c.Args) {
 				model = c.Args[i+1]
+				if c.StartupProbe == nil || c.LivenessProbe == nil || c.ReadinessProbe == nil {
+					t.Errorf("%s: vLLM wants startup, liveness and readiness probes", d.Name)
+				}
 				if !strings.Contains(strings.Join(c.Args, " "), `"kv_connector":"NixlConnector","kv_role":"kv_both"`) {
 					t.Errorf("%s: vLLM without NixlConnector and kv_both", d.Name)
 				}
@@ -172,14 +205,15 @@ func TestKubernetesManifests(t *testing.T) {
 			if g := spec.TerminationGracePeriodSeconds; g == nil || *g < 40 {
 				t.Errorf("%s: terminationGracePeriodSeconds %v, want at least 40 (pdq lets requests finish for 30 s)", d.Name, g)
 			}
-			switch stage := dispatcher.Stage(c.Args[0]); stage {
-			case "gateway":
-				if c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet == nil || c.ReadinessProbe.HTTPGet.Path != "/ready" ||
-					c.LivenessProbe == nil || c.LivenessProbe.HTTPGet == nil || c.LivenessProbe.HTTPGet.Path != "/health" {
-					t.Errorf("%s: want readiness on /ready and liveness on /health", d.Name)
-				}
-			case dispatcher.StagePrefill, dispatcher.StageDecode:
+			if c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet == nil || c.ReadinessProbe.HTTPGet.Path != "/ready" ||
+				c.LivenessProbe == nil || c.LivenessProbe.HTTPGet == nil || c.LivenessProbe.HTTPGet.Path != "/health" {
+				t.Errorf("%s/%s: want readiness on /ready and liveness on /health", d.Name, c.Name)
+			}
+			if stage := dispatcher.Stage(c.Args[0]); stage == dispatcher.StagePrefill || stage == dispatcher.StageDecode {
 				workers[stage] = d.Name
+				if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == "PDQ_METRICS_ADDR" }) {
+					t.Errorf("%s/%s: a worker serves its probes on PDQ_METRICS_ADDR, which is not set", d.Name, c.Name)
+				}
 			}
 		}
 		if !slices.ContainsFunc(m.pdbs, func(p policyv1.PodDisruptionBudget) bool {

@@ -79,7 +79,9 @@ func TestMetricsCountTraffic(t *testing.T) {
 		{"pdq_dead_letters_total", nil, 0},
 		{"pdq_kv_params_missing_total", nil, 0},
 	} {
-		if got := delta(after, c.name, c.labels...); got != c.want {
+		if _, ok := metricValue(after, c.name, c.labels...); !ok {
+			t.Errorf("%s%v is not exported", c.name, c.labels)
+		} else if got := delta(after, c.name, c.labels...); got != c.want {
 			t.Errorf("%s%v went up by %v, want %v", c.name, c.labels, got, c.want)
 		}
 	}

@@ -274,6 +274,7 @@ func (w *Worker) canForward() bool {
 func (w *Worker) forward(d *dispatcher.Delivery) {
 	d.Forward()
 	w.cfg.Metrics.Fallback(d.Job.Pool, "prefill")
+	w.cfg.Metrics.DecodeOnly("no_healthy_prefill")
 	w.log.Debug("prefill engine down: forwarded decode-only", logging.KeyRequestID, d.Job.ID)
 }
 

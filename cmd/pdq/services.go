@@ -220,19 +220,29 @@ func runWorker(ctx context.Context, role dispatcher.Stage, args []string, stderr
 		return w.Run(ctx)
 	}
 	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg, log) })
+	g.Go(func() error { return serveMetrics(gctx, cfg.MetricsAddr, reg, nc, log) })
 	g.Go(func() error { return w.Run(gctx) })
 	return g.Wait()
 }
 
-// serveMetrics serves GET /metrics from reg on addr until ctx ends.
-func serveMetrics(ctx context.Context, addr string, reg prometheus.Gatherer, log *slog.Logger) error {
+// serveMetrics serves a lone worker's GET /metrics from reg on addr until
+// ctx ends, with /health (the process runs) and /ready (its NATS
+// connection is up) for an orchestrator's probes.
+func serveMetrics(ctx context.Context, addr string, reg prometheus.Gatherer, nc *nats.Conn, log *slog.Logger) error {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("metrics: listen on %s: %w", addr, err)
 	}
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	mux.HandleFunc("GET /ready", func(w http.ResponseWriter, _ *http.Request) {
+		if !nc.IsConnected() {
+			http.Error(w, "not connected to NATS", http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
