@@ -5,8 +5,10 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -202,8 +204,30 @@ func TestKubernetesManifests(t *testing.T) {
 					t.Errorf("%s/%s sets %s, which pdq does not read", d.Name, c.Name, e.Name)
 				}
 			}
-			if g := spec.TerminationGracePeriodSeconds; g == nil || *g < 40 {
-				t.Errorf("%s: terminationGracePeriodSeconds %v, want at least 40 (pdq lets requests finish for 30 s)", d.Name, g)
+			grace := 30 * time.Second // PDQ_SHUTDOWN_GRACE's default
+			for _, e := range c.Env {
+				if e.Name == "PDQ_SHUTDOWN_GRACE" {
+					if grace, err = time.ParseDuration(e.Value); err != nil {
+						t.Errorf("%s/%s: PDQ_SHUTDOWN_GRACE: %v", d.Name, c.Name, err)
+					}
+				}
+			}
+			if g := spec.TerminationGracePeriodSeconds; g == nil || time.Duration(*g)*time.Second < grace+10*time.Second {
+				t.Errorf("%s: terminationGracePeriodSeconds %v, want at least pdq's shutdown grace (%v) and 10 s", d.Name, g, grace)
+			}
+			for _, other := range spec.Containers {
+				// An engine beside its worker must outlive the worker's grace.
+				if !strings.HasPrefix(other.Image, "vllm/") {
+					continue
+				}
+				sleep := 0
+				if l := other.Lifecycle; l != nil && l.PreStop != nil && l.PreStop.Exec != nil && len(l.PreStop.Exec.Command) == 2 &&
+					l.PreStop.Exec.Command[0] == "sleep" {
+					sleep, _ = strconv.Atoi(l.PreStop.Exec.Command[1])
+				}
+				if time.Duration(sleep)*time.Second < grace {
+					t.Errorf("%s: the vLLM container beside %s sleeps %d s before it stops, want at least its %v grace", d.Name, c.Name, sleep, grace)
+				}
 			}
 			if c.ReadinessProbe == nil || c.ReadinessProbe.HTTPGet == nil || c.ReadinessProbe.HTTPGet.Path != "/ready" ||
 				c.LivenessProbe == nil || c.LivenessProbe.HTTPGet == nil || c.LivenessProbe.HTTPGet.Path != "/health" {

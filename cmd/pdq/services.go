@@ -25,8 +25,6 @@ import (
 	"github.com/pdq-dev/pdq/workers"
 )
 
-// shutdownGrace is how long running requests may finish after SIGTERM.
-const shutdownGrace = 30 * time.Second
 
 // service parses a service command line (services take no flags, only
 // PDQ_* variables) and loads the configuration and logger.
@@ -150,7 +148,7 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 
 func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatcher.Metrics) gateway.Config {
 	return gateway.Config{
-		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: shutdownGrace,
+		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: cfg.ShutdownGrace,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
 		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, Metrics: reg, Counters: metrics,
 	}
@@ -159,7 +157,7 @@ func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatch
 // workerConfig is the configuration of a worker for one engine.
 func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *dispatcher.Metrics) workers.Config {
 	return workers.Config{
-		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: shutdownGrace,
+		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
 		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,

@@ -104,6 +104,10 @@ type Config struct {
 	// another engine after output was sent; 0 ends such a stream with an
 	// error.
 	MigrationLimit int `envconfig:"MIGRATION_LIMIT" default:"1"`
+	// ShutdownGrace is how long running requests may finish after SIGTERM
+	// (streams longer than that are cut); keep the orchestrator's own
+	// grace, Kubernetes' terminationGracePeriodSeconds, above it.
+	ShutdownGrace time.Duration `envconfig:"SHUTDOWN_GRACE" default:"30s"`
 	// BreakerFailures is how many consecutive transport errors, 5xx or
 	// time-outs open a worker's circuit breaker on its engine.
 	BreakerFailures int `envconfig:"BREAKER_FAILURES" default:"3"`
@@ -229,6 +233,7 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("%w: PDQ_MIGRATION_LIMIT must not be negative, got %d", ErrInvalid, c.MigrationLimit))
 	}
 	positive("PDQ_BREAKER_FAILURES", c.BreakerFailures > 0, c.BreakerFailures)
+	positive("PDQ_SHUTDOWN_GRACE", c.ShutdownGrace > 0, c.ShutdownGrace)
 	if err := c.NATS.Validate(); err != nil {
 		errs = append(errs, err)
 	}
