@@ -25,7 +25,6 @@ import (
 	"github.com/pdq-dev/pdq/workers"
 )
 
-
 // service parses a service command line (services take no flags, only
 // PDQ_* variables) and loads the configuration and logger.
 func service(name, summary string, args []string, stderr io.Writer) (config.Config, *slog.Logger, error) {
