@@ -46,6 +46,7 @@ type composeService struct {
 	Restart     string            `yaml:"restart"`
 	StopGrace   string            `yaml:"stop_grace_period"`
 	IPC         string            `yaml:"ipc"`
+	WorkingDir  string            `yaml:"working_dir"`
 	Deploy      yaml.Node         `yaml:"deploy"`
 	Networks    map[string]struct {
 		IPv4Address string `yaml:"ipv4_address"`
