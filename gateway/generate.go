@@ -22,9 +22,7 @@ import (
 // relay the reply.
 func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		t := &tracked{arrived: time.Now(), model: "unknown"}
-		c.Set(trackedKey, t)
-		defer h.account(c, t)
+		t := trackOf(c)
 		id, apiErr := requestID(c.Request().Header.Get("X-Request-Id"))
 		if apiErr != nil {
 			return writeError(c, apiErr)
@@ -363,6 +361,17 @@ func (t *tracked) wrote(m *dispatcher.Metrics) {
 		m.ITL(t.model, now.Sub(t.last))
 	}
 	t.last = now
+}
+
+// track measures a generation request for /metrics, from its arrival
+// (before the key check, so that a 401 counts too) to its answer.
+func (h *handlers) track(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		t := &tracked{arrived: time.Now(), model: "unknown"}
+		c.Set(trackedKey, t)
+		defer h.account(c, t)
+		return next(c)
+	}
 }
 
 // account counts a request once it is answered, by its outcome.

@@ -205,8 +205,8 @@ func (h *handlers) routes() http.Handler {
 	e.Use(h.recoverPanics)
 	// The key check is per route, not group middleware: a group with
 	// middleware answers 404 where a wrong method deserves a 405.
-	e.POST("/v1/chat/completions", h.generate(openai.Chat), h.requireKey)
-	e.POST("/v1/completions", h.generate(openai.Completions), h.requireKey)
+	e.POST("/v1/chat/completions", h.generate(openai.Chat), h.track, h.requireKey)
+	e.POST("/v1/completions", h.generate(openai.Completions), h.track, h.requireKey)
 	e.GET("/v1/models", h.models, h.requireKey)
 	e.GET("/v1/requests/:id", h.request, h.requireKey)
 	e.GET("/health", func(c echo.Context) error { return c.NoContent(http.StatusOK) })
