@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
 
 // metricValue sums the samples of name whose labels include every one of
@@ -38,7 +39,20 @@ func metricValue(exposition, name string, labels ...string) (float64, bool) {
 // waits and engine times per stage, decode-only requests, and the gauges.
 func TestMetricsCountTraffic(t *testing.T) {
 	up, url := startUp(t)
-	scrape := func() string { return string(get(t, url+"/metrics").body) }
+	// A worker settles a job after its client has the answer: the counts
+	// are read once no job runs.
+	scrape := func() string {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			body := string(get(t, url+"/metrics").body)
+			p, _ := metricValue(body, "pdq_inflight", `stage="prefill"`)
+			d, _ := metricValue(body, "pdq_inflight", `stage="decode"`)
+			if p == 0 && d == 0 || time.Now().After(deadline) {
+				return body
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
 	before := scrape()
 	delta := func(after, name string, labels ...string) float64 {
 		a, _ := metricValue(after, name, labels...)
