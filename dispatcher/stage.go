@@ -578,10 +578,10 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token}
 	d.ctx = jctx
 	handled = true
-	// A first delivery's wait is its queue time; a redelivery's would
-	// count the back-off and the earlier attempt.
+	// A first delivery's wait is its queue time; a redelivery's, or a
+	// handed-back copy's, would count an earlier attempt too.
 	var waited time.Duration
-	if attempt == 1 && !stored.IsZero() {
+	if attempt == 1 && job.HandBacks == 0 && !stored.IsZero() {
 		waited = time.Since(stored)
 	}
 	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
