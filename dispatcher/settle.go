@@ -367,14 +367,33 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 	}
 	next := *job
 	next.Generation, next.KV, next.Prefill = job.Generation+1, nil, nil
-	// The next generation is stored first, then recorded: a job always
-	// exists for the generation a live record names. A stored job whose
-	// request has ended meanwhile is dropped at its pull.
-	seq, err := s.publishRetry(ctx, next.Msg(StagePrefill), "new generation")
+	moved, err := s.storeGeneration(ctx, &next, StagePrefill, "new generation")
 	if err != nil {
 		e := openai.NewError(http.StatusServiceUnavailable, "could not queue the request for a new prefill: %v", err)
 		s.failForGood(ctx, e, err, true)
 		return
+	}
+	if !moved {
+		s.term("the request moved on while it was sent back to prefill")
+		return
+	}
+	l.cfg.Metrics.retry(l.cfg.Stage, "regenerate")
+	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
+	s.term("regenerated: " + why)
+}
+
+// storeGeneration stores next, the request's next generation, on stage's
+// queue, then records it: a job always exists for the generation a live
+// record names, and a stored job whose request has ended meanwhile is
+// dropped at its pull. It reports whether the request moved on to next.
+// When the request ended, or was taken over, meanwhile, the job just stored
+// is deleted again, so that it cannot linger to meet a later retry under
+// its message ids.
+func (s *settle) storeGeneration(ctx context.Context, next *Job, stage Stage, what string) (bool, error) {
+	l, job := s.l, s.job
+	seq, err := s.publishRetry(ctx, next.Msg(stage), what)
+	if err != nil {
+		return false, err
 	}
 	moved := false
 	if _, err := l.records.Transition(ctx, job.ID, func(r *Record) error {
@@ -385,22 +404,16 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 		return nil
 	}); err != nil && !errors.Is(err, ErrNoRecord) {
 		moved = true // not knowing, keep the job: its pull checks the record again
-		s.log.Warn("could not record the new generation; its job runs all the same", logging.Err(err))
+		s.log.Warn("could not record the "+what+"; its job runs all the same", logging.Err(err))
 	}
-	if !moved {
-		// The request ended, or was taken over, meanwhile: the job just
-		// stored must not linger to meet a later retry under its ids.
-		if st, err := l.js.Stream(ctx, StreamPrefill); err == nil && seq > 0 {
+	if !moved && seq > 0 {
+		if st, err := l.js.Stream(ctx, stageStream(stage)); err == nil {
 			if err := st.DeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
-				s.log.Warn("could not delete a new generation's job; its pull will drop it", logging.Err(err))
+				s.log.Warn("could not delete the "+what+"'s job; its pull will drop it", logging.Err(err))
 			}
 		}
-		s.term("the request moved on while it was sent back to prefill")
-		return
 	}
-	l.cfg.Metrics.retry(l.cfg.Stage, "regenerate")
-	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
-	s.term("regenerated: " + why)
+	return moved, nil
 }
 
 // migrate queues the continuation of a decode that failed after output, as
@@ -409,24 +422,11 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 // chunks as the same stream.
 func (s *settle) migrate(ctx context.Context, next *Job) {
 	l := s.l
-	fail := func(err error) {
+	moved, err := s.storeGeneration(ctx, next, StageDecode, "migration")
+	if err != nil {
 		e := openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off, and could not be moved: %v", err)
 		s.failForGood(ctx, e, err, true)
-	}
-	if _, err := s.publishRetry(ctx, next.Msg(StageDecode), "migration"); err != nil {
-		fail(err)
 		return
-	}
-	moved := false
-	if _, err := l.records.Transition(ctx, s.job.ID, func(r *Record) error {
-		if r.Generation > s.job.Generation || r.State.Ended() || r.Gateway != s.job.GatewayID() {
-			return ErrNoChange
-		}
-		r.Generation, moved = next.Generation, true
-		return nil
-	}); err != nil && !errors.Is(err, ErrNoRecord) {
-		moved = true // not knowing, keep the job: its pull checks the record again
-		s.log.Warn("could not record the migration; its job runs all the same", logging.Err(err))
 	}
 	if !moved {
 		s.log.Info("the request ended while its decode was being moved")
