@@ -193,11 +193,14 @@ func (m *Metrics) Request(model, outcome string, ttft, e2e time.Duration) {
 	}
 }
 
-// ITL records the gap between two chunks written to a client.
-func (m *Metrics) ITL(model string, gap time.Duration) {
-	if m != nil {
-		m.itl.WithLabelValues(model).Observe(gap.Seconds())
+// ITL is the observer of the gaps between two chunks written to a client
+// of model, to look up once per request rather than once per token; nil
+// counts nothing.
+func (m *Metrics) ITL(model string) prometheus.Observer {
+	if m == nil {
+		return nil
 	}
+	return m.itl.WithLabelValues(model)
 }
 
 // DecodeOnly counts a request sent decode-only.

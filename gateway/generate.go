@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/config"
@@ -142,6 +143,7 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) err
 // its HTTP status; after that it can only be an in-stream error. Whatever
 // ends the relay early, the workers are told to stop.
 func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, log *slog.Logger) error {
+	t := trackOf(c)
 	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), job.Deadline, errDeadline)
 	defer cancel()
 	first, err := h.next(ctx, replies, job)
@@ -167,13 +169,13 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			h.cancel(job, log, dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
 			return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
 		}
-		trackOf(c).wrote(h.cfg.Counters)
+		t.wrote(h.cfg.Counters)
 		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, first.Data); err != nil {
 			h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 			return nil
 		}
 		h.delivered(job, end, log)
-		trackOf(c).whole = true
+		t.whole = true
 		return nil
 	}
 
@@ -182,7 +184,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 	for {
 		switch msg.Kind {
 		case dispatcher.KindChunk:
-			trackOf(c).wrote(h.cfg.Counters)
+			t.wrote(h.cfg.Counters)
 			if err := sse.Data(msg.Data); err != nil {
 				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 				return nil
@@ -192,10 +194,10 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 				log.Debug("client went away before [DONE]", logging.Err(err))
 			}
 			h.delivered(job, msg, log)
-			trackOf(c).whole = true
+			t.whole = true
 			return nil
 		case dispatcher.KindError:
-			trackOf(c).failed = true
+			t.failed = true
 			if err := sse.Data(msg.Data); err == nil {
 				sse.Done()
 			}
@@ -337,8 +339,9 @@ func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatche
 type tracked struct {
 	arrived, first, last time.Time
 	model                string
-	whole                bool // the answer went out whole
-	failed               bool // the request failed after its status was sent
+	itl                  prometheus.Observer // looked up at the first write
+	whole                bool                // the answer went out whole
+	failed               bool                // the request failed after its status was sent
 }
 
 const trackedKey = "pdq.tracked"
@@ -356,9 +359,9 @@ func trackOf(c echo.Context) *tracked {
 func (t *tracked) wrote(m *dispatcher.Metrics) {
 	now := time.Now()
 	if t.first.IsZero() {
-		t.first = now
-	} else {
-		m.ITL(t.model, now.Sub(t.last))
+		t.first, t.itl = now, m.ITL(t.model)
+	} else if t.itl != nil {
+		t.itl.Observe(now.Sub(t.last).Seconds())
 	}
 	t.last = now
 }

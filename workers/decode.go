@@ -122,6 +122,9 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, o
 	if job.Resume != nil {
 		resume = *job.Resume
 	}
+	if tr != nil {
+		tr.read()
+	}
 	why := w.migration(job, resume, tr)
 	if why == nil && tr.finished {
 		// The answer is whole; only its end was lost.

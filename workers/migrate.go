@@ -25,8 +25,12 @@ import (
 // created time. It counts a token per chunk that carries text, which is
 // how vLLM streams (an estimate: speculative decoding or text held back at
 // a stop string puts several tokens in a chunk); with continuous usage
-// stats the engine's own count replaces it.
+// stats the engine's own count replaces it. The chunks are kept as they
+// came and read only if a migration needs them: the streaming path, which
+// runs once per token, parses nothing.
 type transcript struct {
+	raw [][]byte // relayed, not read yet
+
 	text     strings.Builder
 	tokens   int
 	created  int64
@@ -55,8 +59,18 @@ type chunk struct {
 	} `json:"usage"`
 }
 
-// add takes in one relayed chunk.
-func (t *transcript) add(data []byte) {
+// add keeps one relayed chunk, for read.
+func (t *transcript) add(data []byte) { t.raw = append(t.raw, data) }
+
+// read takes in the chunks kept since the last read.
+func (t *transcript) read() {
+	for _, data := range t.raw {
+		t.readChunk(data)
+	}
+	t.raw = nil
+}
+
+func (t *transcript) readChunk(data []byte) {
 	var c chunk
 	if json.Unmarshal(data, &c) != nil {
 		return

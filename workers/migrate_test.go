@@ -89,19 +89,23 @@ func TestTranscript(t *testing.T) {
 	} {
 		tr.add([]byte(c))
 	}
+	tr.read()
 	if tr.text.String() != "Hello" || tr.tokens != 2 || tr.created != 111 || tr.finished {
 		t.Errorf("transcript %q, %d tokens, created %d, finished %v", tr.text.String(), tr.tokens, tr.created, tr.finished)
 	}
 	tr.add([]byte(`{"created":111,"choices":[{"text":"!","finish_reason":"length"}]}`))
+	tr.read()
 	if !tr.finished || tr.text.String() != "Hello!" {
 		t.Errorf("after the finish chunk: %q, finished %v", tr.text.String(), tr.finished)
 	}
 	// The engine's own count, when it sends one, wins.
 	tr.add([]byte(`{"created":111,"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}`))
+	tr.read()
 	if tr.tokens != 4 || tr.opaque {
 		t.Errorf("after a usage chunk: %d tokens, opaque %v; want 4, false", tr.tokens, tr.opaque)
 	}
 	tr.add([]byte(`{"created":111,"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}`))
+	tr.read()
 	if !tr.opaque {
 		t.Error("a tool call delta must make the transcript opaque")
 	}
