@@ -265,9 +265,10 @@ func (w *Worker) alone() bool {
 var errHandedBack = errors.New("engine failing (breaker open): job handed back to the queue")
 
 // canForward reports whether this worker sends its jobs on decode-only
-// while its engine is down: a prefill worker, alone, with the fallback on.
+// when its engine is down and it is alone: a prefill worker with the
+// fallback on.
 func (w *Worker) canForward() bool {
-	return w.cfg.Role == dispatcher.StagePrefill && w.cfg.PrefillFallback != "fail" && w.lonely.Load()
+	return w.cfg.Role == dispatcher.StagePrefill && w.cfg.PrefillFallback != "fail"
 }
 
 // forward sends a job on to decode-only.
