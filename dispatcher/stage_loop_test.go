@@ -470,15 +470,7 @@ func TestLifecycle(t *testing.T) {
 
 	t.Run("a handoff the decode stream refuses is retried as a publish, not a prefill", func(t *testing.T) {
 		nc, js := startJetStream(t) // its own server: the decode stream is made full
-		st, err := js.Stream(ctx, StreamDecode)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg := st.CachedInfo().Config
-		cfg.MaxMsgs = 1
-		if _, err := js.UpdateStream(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
+		st := limitStream(t, js, StreamDecode, 1)
 		filler, err := js.Publish(ctx, JobSubject(StageDecode, "other", "filler"), []byte(`{}`))
 		if err != nil {
 			t.Fatal(err)
@@ -683,15 +675,7 @@ func TestDecodeRoom(t *testing.T) {
 func TestFullDLQ(t *testing.T) {
 	nc, js := startJetStream(t)
 	ctx := context.Background()
-	st, err := js.Stream(ctx, StreamDLQ)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := st.CachedInfo().Config
-	cfg.MaxMsgs = 1
-	if _, err := js.UpdateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
+	st := limitStream(t, js, StreamDLQ, 1)
 	if _, err := js.Publish(ctx, DLQSubject("other", "older-failure"), []byte(`{}`)); err != nil {
 		t.Fatal(err)
 	}
@@ -893,4 +877,20 @@ func TestQueues(t *testing.T) {
 	if len(qs) != 1 || qs[0].Stage != StagePrefill || qs[0].Waiting != 1 || qs[0].OldestSeconds < 0.3 || qs[0].OldestSeconds > 60 {
 		t.Errorf("queues %+v, want the prefill queue with 1 job waiting for about 0.3 s", qs)
 	}
+}
+
+// limitStream lowers a stream's message limit, to make it full.
+func limitStream(t *testing.T, js jetstream.JetStream, name string, maxMsgs int64) jetstream.Stream {
+	t.Helper()
+	ctx := context.Background()
+	st, err := js.Stream(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := st.CachedInfo().Config
+	cfg.MaxMsgs = maxMsgs
+	if _, err := js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	return st
 }

@@ -26,22 +26,7 @@ type timed struct {
 // timedLoad sends n requests at once, each meaning to wait for its answer,
 // and times them.
 func (c *cluster) timedLoad(n int, idPrefix string, mk func(i int) body) []timed {
-	out := make([]timed, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Go(func() {
-			start := time.Now()
-			o := c.one(fmt.Sprintf("%s-%d", idPrefix, i), 0, mk(i))
-			if o.err != "" && !strings.HasPrefix(o.err, "lost: ") {
-				// These clients mean to wait: a stream that stops short of
-				// its end within the test's bound is lost too.
-				o.err = "lost: " + o.err
-			}
-			out[i] = timed{outcome: o, took: time.Since(start), end: time.Now()}
-		})
-	}
-	wg.Wait()
-	return out
+	return c.wave(n, 0, idPrefix, mk, -1, nil)
 }
 
 func outcomes(ts ...[]timed) []outcome {
@@ -229,6 +214,8 @@ func (c *cluster) wave(n int, gap time.Duration, idPrefix string, mk func(int) b
 			start := time.Now()
 			o := c.one(fmt.Sprintf("%s-%d", idPrefix, i), 0, mk(i))
 			if o.err != "" && !strings.HasPrefix(o.err, "lost: ") {
+				// These clients mean to wait: a stream that stops short of
+				// its end within the test's bound is lost too.
 				o.err = "lost: " + o.err
 			}
 			out[i] = timed{outcome: o, took: time.Since(start), end: time.Now()}
