@@ -112,7 +112,7 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 			}
 		}
 	case Completions:
-		if _, err := ParsePrompt(req.Prompt); err != nil {
+		if _, err := ParsePrompts(req.Prompt); err != nil {
 			return nil, NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
 		}
 	}
@@ -153,30 +153,70 @@ func (r *Request) IncludeUsage() bool {
 	return r.StreamOptions != nil && r.StreamOptions.IncludeUsage
 }
 
-// Text returns the text of a message: the string, or its text parts joined
-// by newlines. Other part types (images, audio) are refused.
-func (m Message) Text() (string, error) {
+// Part is one content part of a chat message. Only text parts are read;
+// the others (image_url, input_audio, video_url, ...) pass through to the
+// engines untouched, and Raw holds the part as the client sent it.
+type Part struct {
+	Type string
+	// Text is the text of a "text" part.
+	Text string
+	Raw  json.RawMessage
+}
+
+// Parts returns the content of a message as parts: a string is one text
+// part, null is none.
+func (m Message) Parts() ([]Part, error) {
 	c := bytes.TrimSpace(m.Content)
 	if len(c) == 0 || bytes.Equal(c, []byte("null")) {
-		return "", nil
+		return nil, nil
 	}
 	var s string
 	if err := json.Unmarshal(c, &s); err == nil {
-		return s, nil
+		return []Part{{Type: "text", Text: s, Raw: c}}, nil
 	}
-	var parts []struct {
-		Type string  `json:"type"`
-		Text *string `json:"text"`
+	var raws []json.RawMessage
+	if err := json.Unmarshal(c, &raws); err != nil {
+		return nil, errors.New("must be a string or a list of content parts")
 	}
-	if err := json.Unmarshal(c, &parts); err != nil {
-		return "", errors.New("must be a string or a list of content parts")
+	parts := make([]Part, 0, len(raws))
+	for i, raw := range raws {
+		var p struct {
+			Type string  `json:"type"`
+			Text *string `json:"text"`
+		}
+		if err := json.Unmarshal(raw, &p); err != nil {
+			return nil, fmt.Errorf("part %d must be an object", i)
+		}
+		switch {
+		case p.Type == "":
+			return nil, fmt.Errorf("part %d has no type", i)
+		case p.Type == "text" && p.Text == nil:
+			return nil, fmt.Errorf("part %d: a text part needs 'text'", i)
+		case p.Type == "text":
+			parts = append(parts, Part{Type: p.Type, Text: *p.Text, Raw: raw})
+		default:
+			parts = append(parts, Part{Type: p.Type, Raw: raw})
+		}
+	}
+	return parts, nil
+}
+
+// Text returns the text of a message: the string, or its text parts joined
+// by newlines. Other parts (images, audio, video) are left out: the engine
+// reads them, pdq only estimates the prompt's length from its text.
+func (m Message) Text() (string, error) {
+	parts, err := m.Parts()
+	if err != nil {
+		return "", err
+	}
+	if len(parts) == 1 && parts[0].Type == "text" {
+		return parts[0].Text, nil
 	}
 	texts := make([]string, 0, len(parts))
-	for i, p := range parts {
-		if p.Type != "text" || p.Text == nil {
-			return "", fmt.Errorf("part %d: only text parts are supported, got type %q", i, p.Type)
+	for _, p := range parts {
+		if p.Type == "text" {
+			texts = append(texts, p.Text)
 		}
-		texts = append(texts, *p.Text)
 	}
 	return strings.Join(texts, "\n"), nil
 }
@@ -187,45 +227,62 @@ type Prompt struct {
 	Tokens []int
 }
 
-// ParsePrompt reads a completions prompt: a string, a list of token ids, or
-// a list holding exactly one of those. Batches of several prompts are
-// refused: a P/D handoff carries the KV of one prompt (vLLM returns
-// kv_transfer_params for the first prompt only).
+// ParsePrompt reads a completions prompt that holds one prompt: a string,
+// a list of token ids, or a list holding exactly one of those. A batch is
+// refused; ParsePrompts reads one.
 func ParsePrompt(raw json.RawMessage) (Prompt, error) {
+	ps, err := ParsePrompts(raw)
+	if err != nil {
+		return Prompt{}, err
+	}
+	if len(ps) != 1 {
+		return Prompt{}, fmt.Errorf("'prompt' holds %d prompts, where one is expected", len(ps))
+	}
+	return ps[0], nil
+}
+
+// ParsePrompts reads a completions prompt as vLLM does: a string, a list
+// of token ids, or a list of strings or of token-id lists (a batch, one
+// answer choice per prompt).
+func ParsePrompts(raw json.RawMessage) ([]Prompt, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
-		return Prompt{}, errors.New("'prompt' is required")
+		return nil, errors.New("'prompt' is required")
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
-		return Prompt{Text: s}, nil
+		return []Prompt{{Text: s}}, nil
 	}
 	var ids []int
 	if json.Unmarshal(raw, &ids) == nil {
 		if len(ids) == 0 {
-			return Prompt{}, errors.New("'prompt' must not be empty")
+			return nil, errors.New("'prompt' must not be empty")
 		}
-		return Prompt{Tokens: ids}, nil
+		return []Prompt{{Tokens: ids}}, nil
 	}
 	var list []json.RawMessage
-	if err := json.Unmarshal(raw, &list); err != nil {
-		return Prompt{}, errors.New("'prompt' must be a string, a list of token ids, or a list of one of those")
+	if err := json.Unmarshal(raw, &list); err != nil || len(list) == 0 {
+		return nil, errors.New("'prompt' must be a string, a list of token ids, or a list of strings or of token-id lists")
 	}
-	if len(list) != 1 {
-		return Prompt{}, fmt.Errorf("'prompt' holds %d prompts; send one prompt per request", len(list))
-	}
-	var inner any
-	if json.Unmarshal(list[0], &inner) == nil {
-		if _, nested := inner.([]any); nested || isString(inner) {
-			return ParsePrompt(list[0])
+	prompts := make([]Prompt, 0, len(list))
+	for i, item := range list {
+		if i > 0 && (prompts[0].Tokens == nil) != (bytes.TrimSpace(item)[0] == '"') {
+			// vLLM's schema: a list of strings or a list of token lists.
+			return nil, errors.New("'prompt' must not mix strings and token-id lists")
 		}
+		item = bytes.TrimSpace(item)
+		if json.Unmarshal(item, &s) == nil {
+			prompts = append(prompts, Prompt{Text: s})
+			continue
+		}
+		ids = nil
+		if len(item) > 0 && item[0] == '[' && json.Unmarshal(item, &ids) == nil && len(ids) > 0 {
+			prompts = append(prompts, Prompt{Tokens: ids})
+			continue
+		}
+		return nil, fmt.Errorf("'prompt'[%d] must be a string or a non-empty list of token ids", i)
 	}
-	return Prompt{}, errors.New("'prompt' must be a string, a list of token ids, or a list of one of those")
-}
-
-func isString(v any) bool {
-	_, ok := v.(string)
-	return ok
+	return prompts, nil
 }
 
 func isJSONObjectOrNull(raw json.RawMessage) bool {

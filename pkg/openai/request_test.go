@@ -40,6 +40,19 @@ func TestDecodeRequest(t *testing.T) {
 					t.Errorf("text = %q", s)
 				}
 			}},
+		{name: "image part", endpoint: Chat, ok: true,
+			body: `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},{"type":"input_audio","input_audio":{"data":"AA","format":"wav"}}]}]}`,
+			check: func(t *testing.T, r *Request) {
+				if s, _ := r.Messages[0].Text(); s != "what is this?" {
+					t.Errorf("text = %q", s)
+				}
+				parts, _ := r.Messages[0].Parts()
+				if len(parts) != 3 || parts[1].Type != "image_url" || !strings.Contains(string(parts[1].Raw), "base64,AAAA") {
+					t.Errorf("parts = %+v", parts)
+				}
+			}},
+		{name: "untyped part", endpoint: Chat, param: "messages", body: `{"model":"m","messages":[{"role":"user","content":[{"text":"a"}]}]}`},
+		{name: "text part without text", endpoint: Chat, param: "messages", body: `{"model":"m","messages":[{"role":"user","content":[{"type":"text"}]}]}`},
 		{name: "null content", endpoint: Chat, ok: true, body: `{"model":"m","messages":[{"role":"assistant","content":null}]}`},
 		{name: "unknown fields pass", endpoint: Chat, ok: true, body: `{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0.2,"tools":[]}`},
 		{name: "completion token ids", endpoint: Completions, ok: true, body: `{"model":"m","prompt":[1,2,3]}`},
@@ -51,7 +64,11 @@ func TestDecodeRequest(t *testing.T) {
 		{name: "content wrong type", endpoint: Chat, param: "messages", body: `{"model":"m","messages":[{"role":"user","content":5}]}`},
 		{name: "prompt missing", endpoint: Completions, param: "prompt", body: `{"model":"m"}`},
 		{name: "prompt object", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":{"a":1}}`},
-		{name: "prompt batch", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":["a","b"]}`},
+		{name: "prompt batch", endpoint: Completions, ok: true, body: `{"model":"m","prompt":["a","b"]}`},
+		{name: "token batch", endpoint: Completions, ok: true, body: `{"model":"m","prompt":[[1,2],[3]]}`},
+		{name: "mixed batch", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":["a",[3]]}`},
+		{name: "batch with an empty list", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":["a",[]]}`},
+		{name: "batch with a number", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":[["a"],1]}`},
 		{name: "prompt empty list", endpoint: Completions, param: "prompt", body: `{"model":"m","prompt":[]}`},
 		{name: "negative max_tokens", endpoint: Completions, param: "max_tokens", body: `{"model":"m","prompt":"x","max_tokens":-1}`},
 		{name: "float max_tokens", endpoint: Completions, param: "max_tokens", body: `{"model":"m","prompt":"x","max_tokens":1.5}`},
