@@ -35,7 +35,7 @@ func waitState(t *testing.T, b *breaker, want dispatcher.BreakerState) {
 // nothing, and the trial's outcome closes or reopens it.
 func TestBreaker(t *testing.T) {
 	engine := simtest.Start(t, simtest.FastConfig())
-	client, err := vllm.New(engine.URL, 1)
+	client, err := vllm.New(engine.URL, 1, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +128,7 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 		t.Fatal(err)
 	}
 	engine := simtest.Start(t, simtest.FastConfig())
-	client, err := vllm.New(engine.URL, 1)
+	client, err := vllm.New(engine.URL, 1, "")
 	if err != nil {
 		t.Fatal(err)
 	}

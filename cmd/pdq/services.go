@@ -156,7 +156,7 @@ func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatch
 // workerConfig is the configuration of a worker for one engine.
 func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *dispatcher.Metrics) workers.Config {
 	return workers.Config{
-		Role: role, EngineURL: engineURL, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace,
+		Role: role, EngineURL: engineURL, EngineAPIKey: cfg.EngineAPIKey, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
 		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,

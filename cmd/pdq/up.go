@@ -80,12 +80,12 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	prefill, decode := cfg.PrefillEngines, cfg.DecodeEngines
 	simulated := len(prefill) == 0
 	if simulated {
-		p, err := startSim(gctx, g, log)
+		p, err := startSim(gctx, g, cfg.EngineAPIKey, log)
 		if err != nil {
 			gwLn.Close()
 			return err
 		}
-		d, err := startSim(gctx, g, log)
+		d, err := startSim(gctx, g, cfg.EngineAPIKey, log)
 		if err != nil {
 			gwLn.Close()
 			return err
@@ -126,10 +126,12 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 }
 
 // startSim runs a simulated engine on free loopback ports and returns its
-// URL.
-func startSim(ctx context.Context, g *errgroup.Group, log *slog.Logger) (string, error) {
+// URL. It requires apiKey, when set, as an engine started with --api-key
+// does.
+func startSim(ctx context.Context, g *errgroup.Group, apiKey string, log *slog.Logger) (string, error) {
 	cfg := sim.DefaultConfig()
 	cfg.KVHost = "127.0.0.1"
+	cfg.APIKey = apiKey
 	engine, err := sim.New(cfg, log)
 	if err != nil {
 		return "", err

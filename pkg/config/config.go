@@ -48,6 +48,9 @@ type Config struct {
 	DecodeEngines  []string `envconfig:"DECODE_ENGINES"`
 	// EngineURL is the engine of a single `pdq prefill` or `pdq decode`.
 	EngineURL string `envconfig:"ENGINE_URL"`
+	// EngineAPIKey is sent as a bearer token on every engine call, for
+	// engines started with vLLM's --api-key.
+	EngineAPIKey string `envconfig:"ENGINE_API_KEY"`
 	// EngineSlots is the number of requests a worker runs on its engine at
 	// once; 0 picks the role's default.
 	EngineSlots int `envconfig:"ENGINE_SLOTS"`

@@ -27,11 +27,15 @@ const idleConnTimeout = 4 * time.Second
 type Client struct {
 	base *url.URL
 	http *http.Client
+	// auth is the Authorization header of every call, empty for none.
+	auth string
 }
 
 // New returns a client for the engine at baseURL (http://host:port) that
-// keeps up to conns connections open to it.
-func New(baseURL string, conns int) (*Client, error) {
+// keeps up to conns connections open to it, and sends apiKey, when set, as
+// a bearer token on every call: an engine started with --api-key refuses
+// /v1 calls without it.
+func New(baseURL string, conns int, apiKey string) (*Client, error) {
 	u, err := url.Parse(strings.TrimRight(baseURL, "/"))
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("engine url %q: want http(s)://host:port", baseURL)
@@ -46,7 +50,11 @@ func New(baseURL string, conns int) (*Client, error) {
 	}
 	// No overall timeout: a generation streams for as long as it streams;
 	// callers bound requests with their context.
-	return &Client{base: u, http: &http.Client{Transport: transport}}, nil
+	c := &Client{base: u, http: &http.Client{Transport: transport}}
+	if apiKey != "" {
+		c.auth = "Bearer " + apiKey
+	}
+	return c, nil
 }
 
 // URL is the engine's base URL.
@@ -64,6 +72,7 @@ func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID s
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", requestID)
+	c.authorize(req)
 	resp, err := c.http.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("post %s: %w", endpoint.Path(), err)
@@ -71,8 +80,21 @@ func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID s
 	return resp, nil
 }
 
-// Models lists the model ids the engine serves.
-func (c *Client) Models(ctx context.Context) ([]string, error) {
+// Model is one model an engine serves: a base model under one of its
+// served names, or a LoRA adapter.
+type Model struct {
+	ID string
+	// MaxModelLen is the engine's context length for the model; 0 when
+	// the engine does not say.
+	MaxModelLen int
+	// Card is the engine's own entry in /v1/models, as it sent it: pdq's
+	// /v1/models lists it unchanged.
+	Card json.RawMessage
+}
+
+// Models lists the models the engine serves, base models and adapters, in
+// the engine's order.
+func (c *Client) Models(ctx context.Context) ([]Model, error) {
 	resp, err := c.get(ctx, "/v1/models")
 	if err != nil {
 		return nil, err
@@ -81,20 +103,49 @@ func (c *Client) Models(ctx context.Context) ([]string, error) {
 	if resp.StatusCode != http.StatusOK {
 		return nil, fmt.Errorf("get /v1/models: status %d", resp.StatusCode)
 	}
-	var list openai.ModelList
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&list); err != nil {
 		return nil, fmt.Errorf("get /v1/models: %w", err)
 	}
-	ids := make([]string, 0, len(list.Data))
-	for _, m := range list.Data {
-		if m.ID != "" {
-			ids = append(ids, m.ID)
+	models := make([]Model, 0, len(list.Data))
+	for _, card := range list.Data {
+		var m struct {
+			ID          string `json:"id"`
+			MaxModelLen int    `json:"max_model_len"`
 		}
+		if json.Unmarshal(card, &m) != nil || m.ID == "" {
+			continue
+		}
+		models = append(models, Model{ID: m.ID, MaxModelLen: m.MaxModelLen, Card: card})
 	}
-	if len(ids) == 0 {
+	if len(models) == 0 {
 		return nil, fmt.Errorf("get /v1/models: the engine serves no model")
 	}
-	return ids, nil
+	return models, nil
+}
+
+// Do sends any other request to the engine (/tokenize, /version, ...),
+// with the engine's key. The caller reads and closes the response body.
+func (c *Client) Do(ctx context.Context, method, path string, body []byte) (*http.Response, error) {
+	var r io.Reader
+	if body != nil {
+		r = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base.String()+path, r)
+	if err != nil {
+		return nil, err
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	c.authorize(req)
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", method, path, err)
+	}
+	return resp, nil
 }
 
 // Health returns nil when GET /health answers 200.
@@ -136,9 +187,17 @@ func (c *Client) get(ctx context.Context, path string) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
+	c.authorize(req)
 	resp, err := c.http.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("get %s: %w", path, err)
 	}
 	return resp, nil
+}
+
+// authorize sets the engine's API key on req.
+func (c *Client) authorize(req *http.Request) {
+	if c.auth != "" {
+		req.Header.Set("Authorization", c.auth)
+	}
 }
