@@ -28,7 +28,10 @@ const (
 
 // WorkerInfo is a worker's entry in the pdq_workers bucket.
 type WorkerInfo struct {
+	// ID is the registry key: one per stage loop. Worker is the worker
+	// process's id, shared by the loops of the models its engine serves.
 	ID       string `json:"id"`
+	Worker   string `json:"worker,omitempty"`
 	Role     Stage  `json:"role"`
 	Pool     string `json:"pool"`
 	Model    string `json:"model"`
@@ -47,6 +50,18 @@ type WorkerInfo struct {
 	// it and pulls nothing) or half-open (one trial job).
 	Breaker BreakerState `json:"breaker,omitempty"`
 	Started time.Time    `json:"started"`
+	// MaxModelLen is the engine's context length for the model, 0 when
+	// unknown; Card is the engine's /v1/models entry for it, verbatim.
+	MaxModelLen int             `json:"max_model_len,omitempty"`
+	Card        json.RawMessage `json:"card,omitempty"`
+}
+
+// WorkerID is the id of the worker process this entry belongs to.
+func (w WorkerInfo) WorkerID() string {
+	if w.Worker != "" {
+		return w.Worker
+	}
+	return w.ID
 }
 
 // BreakerState is the state of a worker's circuit breaker.
@@ -327,6 +342,53 @@ func (r *Registry) Models() []string {
 		}
 	}
 	slices.Sort(out)
+	return out
+}
+
+// Cards returns, for each model with a live decode worker, the engine's
+// /v1/models entry (nil when the worker sent none), sorted by model.
+func (r *Registry) Cards() map[string]json.RawMessage {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	out := make(map[string]json.RawMessage)
+	for _, e := range r.workers {
+		if e.info.Role == StageDecode && r.live(e.at, now) && out[e.info.Model] == nil {
+			out[e.info.Model] = e.info.Card
+		}
+	}
+	return out
+}
+
+// MaxModelLen is the smallest context length the live decode workers of
+// model report, 0 when none does: the longest request every decode engine
+// of the model accepts.
+func (r *Registry) MaxModelLen(model string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	n := 0
+	for _, e := range r.workers {
+		if e.info.Role == StageDecode && e.info.Model == model && e.info.MaxModelLen > 0 && r.live(e.at, now) &&
+			(n == 0 || e.info.MaxModelLen < n) {
+			n = e.info.MaxModelLen
+		}
+	}
+	return n
+}
+
+// Decoders lists the live decode workers of model whose engines take
+// jobs (breaker not open).
+func (r *Registry) Decoders(model string) []WorkerInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	var out []WorkerInfo
+	for _, e := range r.workers {
+		if e.info.Role == StageDecode && e.info.Model == model && e.info.Healthy() && r.live(e.at, now) {
+			out = append(out, e.info)
+		}
+	}
 	return out
 }
 

@@ -7,7 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -34,6 +34,9 @@ const maxResponseBytes = 64 << 20
 type Config struct {
 	Role      dispatcher.Stage
 	EngineURL string
+	// EngineAPIKey is the engine's --api-key (PDQ_ENGINE_API_KEY), sent
+	// on every call; empty sends none.
+	EngineAPIKey string
 	// Slots is the engine's concurrency for this worker; 0 picks the role's
 	// default.
 	Slots int
@@ -79,6 +82,9 @@ type Config struct {
 	// Replicas is the replica count of the registry bucket, should the
 	// worker find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
 	Replicas int
+	// ModelsRefresh is how often the worker re-reads the engine's
+	// /v1/models; 0 takes DefaultModelsRefresh.
+	ModelsRefresh time.Duration
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 }
@@ -97,9 +103,13 @@ type Worker struct {
 	// peers are the live workers, to know whether another worker of the
 	// stage has a healthy engine.
 	peers *dispatcher.Registry
-	model string // the engine's, known once Run has asked it
-	// lonely is the last answer of alone, to log its changes.
-	lonely atomic.Bool
+	// slots bounds the engine calls of all the worker's models together.
+	slots chan struct{}
+	// mu guards the served models and the last answers of alone, kept to
+	// log their changes.
+	mu     sync.Mutex
+	served []vllm.Model
+	lonely map[string]bool
 }
 
 // New checks cfg and builds a worker; Run starts it.
@@ -119,18 +129,22 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	if cfg.StallTimeout <= 0 {
 		cfg.StallTimeout = dispatcher.DefaultStallTimeout
 	}
+	if cfg.ModelsRefresh <= 0 {
+		cfg.ModelsRefresh = DefaultModelsRefresh
+	}
 	if cfg.BreakerFailures <= 0 {
 		cfg.BreakerFailures = DefaultBreakerFailures
 	}
 	if cfg.Slots < 0 {
 		return nil, fmt.Errorf("worker: slots must not be negative, got %d", cfg.Slots)
 	}
-	engine, err := vllm.New(cfg.EngineURL, cfg.Slots)
+	engine, err := vllm.New(cfg.EngineURL, cfg.Slots, cfg.EngineAPIKey)
 	if err != nil {
 		return nil, fmt.Errorf("worker: %w", err)
 	}
-	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine,
-		log: log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
+	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: make(chan struct{}, cfg.Slots),
+		lonely: make(map[string]bool),
+		log:    log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
 	w.id = dispatcher.NewWorkerID(cfg.Role)
 	w.breaker = newBreaker(cfg.BreakerFailures, engine, cfg.Role, cfg.Metrics, w.log)
 	w.kvHost = cfg.KVHost
@@ -140,32 +154,47 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	return w, nil
 }
 
-// Run learns the engine's model, then pulls jobs of that model's pool
-// until ctx ends.
+// Run learns the engine's models, then pulls the jobs of each model's pool
+// until ctx ends. It re-reads the engine's models every ModelsRefresh, so
+// that an adapter loaded at run time joins its pool, and one unloaded
+// leaves it.
 func (w *Worker) Run(ctx context.Context) error {
-	model, err := w.discover(ctx)
+	models, err := w.discover(ctx)
 	if err != nil {
 		return err
 	}
-	w.model = model
 	w.breaker.life = ctx
 	w.breaker.generate = func(ctx context.Context) error {
-		return w.engine.Generate(ctx, model, "pdq-probe-"+w.id)
-	}
-	pool := dispatcher.PoolName(model)
-	handler, release := w.decode, w.release
-	if w.cfg.Role == dispatcher.StagePrefill {
-		handler, release = w.prefill, nil
+		return w.engine.Generate(ctx, w.probeModel(), "pdq-probe-"+w.id)
 	}
 	if w.peers, err = dispatcher.WatchWorkers(ctx, w.js, w.log); err != nil {
 		return err
 	}
-	loop, err := dispatcher.NewStageLoop(w.nc, w.js, dispatcher.StageConfig{
+	if w.cfg.Role == dispatcher.StageDecode {
+		sub, err := dispatcher.ServeEngineCalls(w.nc, w.id, engineCallLimit, func(call dispatcher.EngineCall) dispatcher.EngineAnswer {
+			return w.engineCall(ctx, call)
+		})
+		if err != nil {
+			return fmt.Errorf("decode worker: take engine calls: %w", err)
+		}
+		defer sub.Unsubscribe()
+	}
+	return w.serveModels(ctx, models)
+}
+
+// loopConfig is the stage loop of one model the engine serves.
+func (w *Worker) loopConfig(m vllm.Model, entry string) dispatcher.StageConfig {
+	handler, release := w.decode, w.release
+	if w.cfg.Role == dispatcher.StagePrefill {
+		handler, release = w.prefill, nil
+	}
+	alone := func() bool { return w.alone(m.ID) }
+	return dispatcher.StageConfig{
 		Stage:          w.cfg.Role,
-		Pool:           pool,
+		Pool:           dispatcher.PoolName(m.ID),
 		Slots:          w.cfg.Slots,
-		Handler:        w.observed(handler),
-		Ready:          func(ctx context.Context) (dispatcher.Permit, error) { return w.breaker.wait(ctx, w.alone) },
+		Handler:        w.observed(w.engineSlot(handler)),
+		Ready:          func(ctx context.Context) (dispatcher.Permit, error) { return w.breaker.wait(ctx, alone) },
 		Health:         w.breaker.Health,
 		Release:        release,
 		Grace:          w.cfg.Grace,
@@ -178,13 +207,10 @@ func (w *Worker) Run(ctx context.Context) error {
 		Replicas:       w.cfg.Replicas,
 		Metrics:        w.cfg.Metrics,
 		Worker: dispatcher.WorkerInfo{
-			ID: w.id, Model: model, Engine: w.engine.URL(), Started: time.Now(),
+			ID: entry, Worker: w.id, Model: m.ID, Engine: w.engine.URL(), Started: time.Now(),
+			MaxModelLen: m.MaxModelLen, Card: m.Card,
 		},
-	}, w.log.With("model", model))
-	if err != nil {
-		return err
 	}
-	return loop.Run(ctx)
 }
 
 // observed runs a handler and tells the breaker how the engine did. A
@@ -195,7 +221,7 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 		tok := d.Permit()
 		if !w.breaker.admits(tok) {
 			switch {
-			case !w.alone():
+			case !w.alone(d.Job.Model):
 				// A pull on its way when the breaker opened (or a pull
 				// other than a half-open breaker's trial): another worker's
 				// engine is healthy, so the job goes back without touching
@@ -224,7 +250,7 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 			w.breaker.neutral(tok)
 		}
 		var f *dispatcher.Failure
-		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.alone() && w.canForward() {
+		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.alone(d.Job.Model) && w.canForward() {
 			w.forward(d)
 			return nil
 		}
@@ -239,22 +265,26 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 // any other job runs on the sick engine and fails on its own, through the
 // retries to its client, instead of waiting for its deadline in the queue.
 // Each change is logged once.
-func (w *Worker) alone() bool {
+func (w *Worker) alone(model string) bool {
 	if w.peers == nil {
 		return false
 	}
 	ok := true
 	for _, p := range w.peers.Workers() {
-		if p.Role == w.cfg.Role && p.ID != w.id && p.Model == w.model && p.Healthy() {
+		if p.Role == w.cfg.Role && p.WorkerID() != w.id && p.Model == model && p.Healthy() {
 			ok = false
 			break
 		}
 	}
-	if w.lonely.Swap(ok) != ok && w.breaker.Open() {
+	w.mu.Lock()
+	was, seen := w.lonely[model]
+	w.lonely[model] = ok
+	w.mu.Unlock()
+	if (!seen || was != ok) && w.breaker.Open() {
 		if ok {
-			w.log.Warn("engine failing and no other healthy "+string(w.cfg.Role)+" worker: pulling on", "forward_decode_only", w.canForward())
+			w.log.Warn("engine failing and no other healthy "+string(w.cfg.Role)+" worker: pulling on", "model", model, "forward_decode_only", w.canForward())
 		} else {
-			w.log.Info("another " + string(w.cfg.Role) + " worker is healthy: this one waits for its engine")
+			w.log.Info("another "+string(w.cfg.Role)+" worker is healthy: this one waits for its engine", "model", model)
 		}
 	}
 	return ok
@@ -279,27 +309,23 @@ func (w *Worker) forward(d *dispatcher.Delivery) {
 	w.log.Debug("prefill engine down: forwarded decode-only", logging.KeyRequestID, d.Job.ID)
 }
 
-// discover asks the engine which model it serves, retrying with back-off
+// discover asks the engine which models it serves, retrying with back-off
 // while the engine starts.
-func (w *Worker) discover(ctx context.Context) (string, error) {
+func (w *Worker) discover(ctx context.Context) ([]vllm.Model, error) {
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
-	var model string
+	var models []vllm.Model
 	err := backoff.RetryNotify(func() error {
-		models, err := w.engine.Models(ctx)
-		if err != nil {
-			return err
-		}
-		model = models[0]
-		return nil
+		var err error
+		models, err = w.engine.Models(ctx)
+		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
 		w.log.Warn("engine not ready; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
 	})
 	if err != nil {
-		return "", fmt.Errorf("%s worker: discover the engine's model: %w", w.cfg.Role, err)
+		return nil, fmt.Errorf("%s worker: discover the engine's models: %w", w.cfg.Role, err)
 	}
-	w.log.Info("engine serves model", "model", model, "pool", dispatcher.PoolName(model), "slots", w.cfg.Slots)
-	return model, nil
+	return models, nil
 }
 
 // call sends one leg of a job to the engine. Both legs go through here, so

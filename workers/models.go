@@ -1,0 +1,133 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/vllm"
+)
+
+// DefaultModelsRefresh is how often a worker re-reads its engine's models:
+// an adapter loaded with vLLM's /v1/load_lora_adapter is served by pdq
+// within this long.
+const DefaultModelsRefresh = 10 * time.Second
+
+// modelLoop is the stage loop of one model the engine serves.
+type modelLoop struct {
+	model vllm.Model
+	stop  context.CancelFunc
+	done  chan struct{}
+}
+
+// serveModels runs a stage loop for each model the engine serves, one pool
+// per model, until ctx ends: the engine's base model under each of its
+// served names, and each LoRA adapter. The loops share the engine's slots.
+// Every ModelsRefresh it asks the engine again; a model that appears gets
+// a loop, one that is gone has its loop stopped (its running jobs finish
+// within the grace period). A loop that fails stops them all, and the
+// worker with them.
+func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	loops := make(map[string]*modelLoop)
+	var wg sync.WaitGroup
+	next := 0 // numbers the registry entries of the worker's loops
+	reconcile := func(models []vllm.Model) error {
+		want := make(map[string]vllm.Model, len(models))
+		for _, m := range models {
+			want[m.ID] = m
+		}
+		for id, l := range loops {
+			if _, ok := want[id]; !ok {
+				w.log.Info("engine no longer serves the model: leaving its pool", "model", id)
+				l.stop()
+				delete(loops, id)
+			}
+		}
+		for _, m := range models {
+			if _, ok := loops[m.ID]; ok {
+				continue
+			}
+			next++
+			loop, err := dispatcher.NewStageLoop(w.nc, w.js, w.loopConfig(m, w.id+"-"+strconv.Itoa(next)), w.log.With("model", m.ID))
+			if err != nil {
+				return err
+			}
+			lctx, stop := context.WithCancel(ctx)
+			l := &modelLoop{model: m, stop: stop, done: make(chan struct{})}
+			loops[m.ID] = l
+			wg.Go(func() {
+				defer close(l.done)
+				if err := loop.Run(lctx); err != nil {
+					cancel(fmt.Errorf("model %s: %w", m.ID, err))
+				}
+			})
+			w.log.Info("engine serves model", "model", m.ID, "pool", dispatcher.PoolName(m.ID), "slots", w.cfg.Slots,
+				"max_model_len", m.MaxModelLen)
+		}
+		w.mu.Lock()
+		w.served = models
+		w.mu.Unlock()
+		return nil
+	}
+	err := reconcile(models)
+	t := time.NewTicker(w.cfg.ModelsRefresh)
+	defer t.Stop()
+	for err == nil && ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+			qctx, qcancel := context.WithTimeout(ctx, 5*time.Second)
+			models, qerr := w.engine.Models(qctx)
+			qcancel()
+			if qerr != nil {
+				// A sick engine is the breaker's business: its models stay.
+				w.log.Debug("could not re-read the engine's models", logging.Err(qerr))
+				continue
+			}
+			err = reconcile(models)
+		}
+	}
+	cancel(err)
+	wg.Wait()
+	if err == nil {
+		// A loop's failure, or nil when the worker was stopped.
+		if err = context.Cause(ctx); errors.Is(err, context.Canceled) {
+			err = nil
+		}
+	}
+	return err
+}
+
+// probeModel is the model the breaker's deep probe asks for one token: the
+// engine's first.
+func (w *Worker) probeModel() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.served) == 0 {
+		return ""
+	}
+	return w.served[0].ID
+}
+
+// engineSlot holds one of the engine's slots while h runs: the loops of
+// the engine's models pull on their own, but never run more jobs together
+// than the engine has slots. A job pulled while the others fill the engine
+// waits here, in progress.
+func (w *Worker) engineSlot(h dispatcher.Handler) dispatcher.Handler {
+	return func(ctx context.Context, d *dispatcher.Delivery) error {
+		select {
+		case w.slots <- struct{}{}:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		defer func() { <-w.slots }()
+		return h(ctx, d)
+	}
+}
