@@ -3,12 +3,14 @@ package gateway
 import (
 	"context"
 	"crypto/subtle"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -209,6 +211,10 @@ func (h *handlers) routes() http.Handler {
 	e.POST("/v1/completions", h.generate(openai.Completions), h.track, h.requireKey)
 	e.GET("/v1/models", h.models, h.requireKey)
 	e.GET("/v1/requests/:id", h.request, h.requireKey)
+	e.POST("/v1/embeddings", h.engineCall, h.requireKey)
+	e.POST("/tokenize", h.engineCall, h.requireKey)
+	e.POST("/detokenize", h.engineCall, h.requireKey)
+	e.GET("/version", h.engineCall, h.requireKey)
 	e.GET("/health", func(c echo.Context) error { return c.NoContent(http.StatusOK) })
 	metrics := h.cfg.Metrics
 	if metrics == nil {
@@ -277,12 +283,28 @@ func (h *handlers) requireKey(next echo.HandlerFunc) echo.HandlerFunc {
 	}
 }
 
+// models lists the models of the live pools, each as its engine describes
+// it in its own /v1/models (max_model_len, owned_by, root and parent of an
+// adapter), so that a client sees what it would see at the engine.
 func (h *handlers) models(c echo.Context) error {
-	list := openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{}}
-	for _, m := range h.registry.Models() {
-		list.Data = append(list.Data, openai.Model{
-			ID: m, Object: openai.ObjectModel, Created: h.started.Unix(), OwnedBy: "pdq", Root: m, Permission: []any{},
-		})
+	cards := h.registry.Cards()
+	ids := make([]string, 0, len(cards))
+	for id := range cards {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	list := struct {
+		Object string            `json:"object"`
+		Data   []json.RawMessage `json:"data"`
+	}{Object: openai.ObjectList, Data: make([]json.RawMessage, 0, len(ids))}
+	for _, id := range ids {
+		card := cards[id]
+		if len(card) == 0 {
+			// A worker that sent no card: what pdq knows of the model.
+			card, _ = json.Marshal(openai.Model{ID: id, Object: openai.ObjectModel, Created: h.started.Unix(),
+				OwnedBy: "pdq", Root: id, Permission: []any{}})
+		}
+		list.Data = append(list.Data, card)
 	}
 	return c.JSON(http.StatusOK, list)
 }

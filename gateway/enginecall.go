@@ -1,0 +1,89 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"math/rand/v2"
+	"net/http"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// engineCallTimeout bounds an engine call at the gateway: the worker's own
+// limit, and a little for NATS.
+const engineCallTimeout = 65 * time.Second
+
+// engineCall serves one of vLLM's other endpoints (/tokenize, /detokenize,
+// /version, /v1/embeddings) by the engine of a healthy decode worker of
+// the request's model, over NATS (dispatcher.CallEngine). The engine's
+// status and body come back as it sent them. A request without a model
+// goes to the only model served, as vLLM's own default would.
+func (h *handlers) engineCall(c echo.Context) error {
+	var body []byte
+	model := ""
+	if c.Request().Method == http.MethodPost {
+		b, release, apiErr := h.readBody(c)
+		defer release()
+		if apiErr != nil {
+			return writeError(c, apiErr)
+		}
+		var req struct {
+			Model string `json:"model"`
+		}
+		if err := json.Unmarshal(b, &req); err != nil {
+			return writeError(c, openai.NewError(http.StatusBadRequest, "request body must be a JSON object: %v", err))
+		}
+		body, model = b, req.Model
+	}
+	if model == "" {
+		cards := h.registry.Cards()
+		if len(cards) != 1 && c.Request().Method == http.MethodPost {
+			return writeError(c, openai.NewError(http.StatusBadRequest, "'model' is required: pdq serves %d models", len(cards)).WithParam("model"))
+		}
+		for m := range cards { // any model's engine knows its version
+			if model == "" || m < model {
+				model = m
+			}
+		}
+	}
+	workers := h.registry.Decoders(model)
+	if len(workers) == 0 {
+		if !h.registry.Status(model).Known {
+			return writeError(c, openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", model).WithParam("model"))
+		}
+		return h.unavailable(c, "no healthy decode workers for model %s", model)
+	}
+	ctx, cancel := context.WithTimeout(c.Request().Context(), engineCallTimeout)
+	defer cancel()
+	call := dispatcher.EngineCall{Method: c.Request().Method, Path: c.Request().URL.RequestURI(), Body: body}
+	// A worker that does not answer (gone since its last heartbeat) is
+	// skipped for another, up to three.
+	var err error
+	for try := 0; try < 3; try++ {
+		w := workers[rand.IntN(len(workers))]
+		var a dispatcher.EngineAnswer
+		a, err = dispatcher.CallEngine(ctx, h.nc, w.WorkerID(), call)
+		if err == nil {
+			ct := a.ContentType
+			if ct == "" {
+				ct = echo.MIMEApplicationJSON
+			}
+			return c.Blob(a.Status, ct, a.Body)
+		}
+		if !errors.Is(err, dispatcher.ErrNoAnswer) || ctx.Err() != nil {
+			break
+		}
+	}
+	h.log.Warn("engine call failed", logging.Err(err), "path", c.Path(), "model", model)
+	status := http.StatusBadGateway
+	if errors.Is(err, dispatcher.ErrNoAnswer) {
+		status = http.StatusGatewayTimeout
+	}
+	return writeError(c, openai.NewError(status, "no decode worker answered: %v", err))
+}

@@ -1,0 +1,65 @@
+package workers
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// Engine calls: see dispatcher.CallEngine. A decode worker answers them
+// for its engine.
+
+// engineCallLimit bounds the engine calls a worker runs at once.
+const engineCallLimit = 16
+
+// engineCallTimeout bounds one engine call.
+const engineCallTimeout = 60 * time.Second
+
+// maxEngineAnswer keeps an answer within a NATS message.
+const maxEngineAnswer = 7 << 20
+
+// engineCallPaths are the calls a worker forwards: nothing else reaches
+// its engine this way.
+var engineCallPaths = map[string]string{
+	"/tokenize":      http.MethodPost,
+	"/detokenize":    http.MethodPost,
+	"/version":       http.MethodGet,
+	"/v1/embeddings": http.MethodPost,
+}
+
+// engineCall forwards one call to the engine and returns its answer as it
+// came; a call that gets none is a 502 in vLLM's error envelope.
+func (w *Worker) engineCall(ctx context.Context, call dispatcher.EngineCall) dispatcher.EngineAnswer {
+	path, _, _ := strings.Cut(call.Path, "?")
+	if method, ok := engineCallPaths[path]; !ok || method != call.Method {
+		return errorAnswer(openai.NewError(http.StatusNotFound, "no engine call %s %s", call.Method, call.Path))
+	}
+	ctx, cancel := context.WithTimeout(ctx, engineCallTimeout)
+	defer cancel()
+	resp, err := w.engine.Do(ctx, call.Method, call.Path, call.Body)
+	if err != nil {
+		w.log.Warn("engine call failed", logging.Err(err), "path", path)
+		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine unreachable"))
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxEngineAnswer+1))
+	switch {
+	case err != nil:
+		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine: reading its answer: %v", err))
+	case len(body) > maxEngineAnswer:
+		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine answered more than %d bytes", maxEngineAnswer))
+	}
+	return dispatcher.EngineAnswer{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
+}
+
+func errorAnswer(e *openai.Error) dispatcher.EngineAnswer {
+	body, _ := json.Marshal(openai.ErrorResponse{Error: e})
+	return dispatcher.EngineAnswer{Status: e.Status(), ContentType: "application/json", Body: body}
+}
