@@ -54,49 +54,66 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		case pool.Decode == 0:
 			return h.unavailable(c, "no live decode workers for model %s", model)
 		}
-		stage := dispatcher.StagePrefill
-		fallback := false
-		if in.promptTokens < h.cfg.MinPromptTokens {
-			stage = dispatcher.StageDecode
-		} else if fallback = h.prefillDown(model, pool); fallback {
-			if h.cfg.PrefillFallback == config.FallbackFail {
-				return h.unavailable(c, "no healthy prefill workers for model %s", model)
-			}
-			stage = dispatcher.StageDecode
+		if apiErr := checkLength(endpoint, in.req, h.registry.MaxModelLen(model)); apiErr != nil {
+			return writeError(c, apiErr)
 		}
-
-		replies, err := h.replies.Open(id)
-		if err != nil {
-			return writeError(c, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id))
+		if in.batch != nil {
+			return h.generateBatch(c, endpoint, id, in, pool, log)
+		}
+		replies, job, apiErr := h.submit(c, endpoint, id, in.req, in.body, in.promptTokens, pool, log)
+		if apiErr != nil {
+			return writeError(c, apiErr)
 		}
 		defer replies.Close()
-		now := time.Now()
-		job := &dispatcher.Job{
-			ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: in.req.Stream,
-			Body: in.body, ReplyTo: h.replies.Subject(id), PromptTokens: in.promptTokens,
-			Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
-		}
-		if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {
-			return h.submitFailed(c, err, log)
-		}
-		if err := h.submitter.Submit(c.Request().Context(), stage, job); err != nil {
-			return h.submitFailed(c, err, log)
-		}
-		log = log.With("generation", job.Generation)
-		log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
-			"prompt_tokens_estimate", in.promptTokens)
-		switch {
-		case fallback:
-			h.cfg.Counters.Fallback(job.Pool, "gateway")
-			h.cfg.Counters.DecodeOnly("no_healthy_prefill")
-			log.Debug("decode-only: no healthy prefill worker", "prompt_tokens_estimate", in.promptTokens)
-		case stage == dispatcher.StageDecode:
-			h.cfg.Counters.DecodeOnly("short_prompt")
-			log.Debug("decode-only: short prompt skips prefill", "prompt_tokens_estimate", in.promptTokens,
-				"threshold", h.cfg.MinPromptTokens)
-		}
-		return h.relay(c, replies, job, log)
+		return h.relay(c, replies, job, log.With("generation", job.Generation))
 	}
+}
+
+// submit queues one job for body, through prefill or decode-only as the
+// prompt's length and the pool's health decide, with its reply stream
+// open before it is queued. The caller closes the stream.
+func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, req *openai.Request, body []byte,
+	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*dispatcher.ReplyStream, *dispatcher.Job, *openai.Error) {
+	model := req.Model
+	stage := dispatcher.StagePrefill
+	fallback := false
+	if promptTokens < h.cfg.MinPromptTokens {
+		stage = dispatcher.StageDecode
+	} else if fallback = h.prefillDown(model, pool); fallback {
+		if h.cfg.PrefillFallback == config.FallbackFail {
+			c.Response().Header().Set("Retry-After", "5")
+			return nil, nil, openai.NewError(http.StatusServiceUnavailable, "no healthy prefill workers for model %s", model)
+		}
+		stage = dispatcher.StageDecode
+	}
+	replies, err := h.replies.Open(id)
+	if err != nil {
+		return nil, nil, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id)
+	}
+	now := time.Now()
+	job := &dispatcher.Job{
+		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,
+		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens,
+		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
+	}
+	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {
+		replies.Close()
+		return nil, nil, h.submitFailed(c, err, log)
+	}
+	if err := h.submitter.Submit(c.Request().Context(), stage, job); err != nil {
+		replies.Close()
+		return nil, nil, h.submitFailed(c, err, log)
+	}
+	log.Debug("request queued", logging.KeyRequestID, id, "model", model, "stage", string(stage), "stream", job.Stream,
+		"prompt_tokens_estimate", promptTokens, "generation", job.Generation)
+	switch {
+	case fallback:
+		h.cfg.Counters.Fallback(job.Pool, "gateway")
+		h.cfg.Counters.DecodeOnly("no_healthy_prefill")
+	case stage == dispatcher.StageDecode:
+		h.cfg.Counters.DecodeOnly("short_prompt")
+	}
+	return replies, job, nil
 }
 
 // prefillDown reports whether model's pool has no healthy prefill worker
@@ -119,11 +136,11 @@ func (h *handlers) unavailable(c echo.Context, format string, args ...any) error
 	return writeError(c, openai.NewError(http.StatusServiceUnavailable, format, args...))
 }
 
-func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) error {
+func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) *openai.Error {
 	switch {
 	case errors.Is(err, dispatcher.ErrDuplicate):
-		return writeError(c, openai.NewError(http.StatusConflict,
-			"a request with this X-Request-Id is in flight or has been answered; use a new id"))
+		return openai.NewError(http.StatusConflict,
+			"a request with this X-Request-Id is in flight or has been answered; use a new id")
 	case errors.Is(err, dispatcher.ErrQueueFull):
 		wait := 5 * time.Second
 		var full *dispatcher.QueueFullError
@@ -132,10 +149,11 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) err
 		}
 		log.Warn("queue full: refusing the request", logging.Err(err), "retry_after_s", int(wait.Seconds()))
 		c.Response().Header().Set("Retry-After", strconv.Itoa(int(wait.Seconds())))
-		return writeError(c, openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", int(wait.Seconds())))
+		return openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", int(wait.Seconds()))
 	}
 	log.Error("could not queue the request", logging.Err(err))
-	return h.unavailable(c, "could not queue the request")
+	c.Response().Header().Set("Retry-After", "5")
+	return openai.NewError(http.StatusServiceUnavailable, "could not queue the request")
 }
 
 // relay writes the workers' reply to the client: the JSON body, or the SSE

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -22,6 +23,10 @@ type incoming struct {
 	promptTokens int
 	// droppedKV is set when the client sent kv_transfer_params.
 	droppedKV bool
+	// batch holds the prompts of a completions request that sent several,
+	// as the client wrote each, with their estimated lengths; nil for one.
+	batch       []json.RawMessage
+	batchTokens []int
 }
 
 // parseRequest checks a request body for endpoint. Every refusal is a 400
@@ -32,6 +37,16 @@ func parseRequest(endpoint openai.Endpoint, body []byte) (*incoming, *openai.Err
 		return nil, apiErr
 	}
 	in := &incoming{req: req, body: body, promptTokens: estimateTokens(endpoint, req)}
+	if endpoint == openai.Completions {
+		if prompts, _ := openai.ParsePrompts(req.Prompt); len(prompts) > 1 {
+			if err := json.Unmarshal(req.Prompt, &in.batch); err != nil {
+				return nil, openai.NewError(http.StatusBadRequest, "'prompt': %v", err).WithParam("prompt")
+			}
+			for _, p := range prompts {
+				in.batchTokens = append(in.batchTokens, promptTokens(p))
+			}
+		}
+	}
 	if req.KVTransferParams != nil {
 		// They name hosts a decode engine would connect to: a client must
 		// never choose them.
@@ -94,12 +109,9 @@ func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 	if endpoint == openai.Completions {
 		p, err := openai.ParsePrompt(req.Prompt)
 		if err != nil {
-			return 0
+			return 0 // a batch: each prompt is estimated on its own
 		}
-		if p.Tokens != nil {
-			return len(p.Tokens)
-		}
-		return (len(p.Text) + 3) / 4
+		return promptTokens(p)
 	}
 	chars := 0
 	for _, m := range req.Messages {
@@ -107,6 +119,52 @@ func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 		chars += len(text)
 	}
 	return (chars + 3) / 4
+}
+
+// checkLength refuses, before any prefill runs, a request that every
+// decode engine of the model would refuse for length (maxLen is the
+// smallest context length they report, 0 when unknown), with vLLM's own
+// messages. A prefill would otherwise run, hold its KV, and only then meet
+// the decode engine's 400. Text prompts are counted by the engine only, so
+// for them this catches an output limit that leaves no room for even one
+// prompt token; token-id prompts are checked exactly.
+func checkLength(endpoint openai.Endpoint, req *openai.Request, maxLen int) *openai.Error {
+	if maxLen <= 0 {
+		return nil
+	}
+	input, exact := 1, false // every prompt has at least one token
+	if endpoint == openai.Completions {
+		prompts, _ := openai.ParsePrompts(req.Prompt)
+		exact = len(prompts) > 0
+		for _, p := range prompts {
+			input = max(input, len(p.Tokens))
+			exact = exact && p.Tokens != nil
+		}
+	}
+	if input >= maxLen {
+		return openai.NewError(http.StatusBadRequest,
+			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
+			maxLen, input).WithParam("prompt")
+	}
+	out, limited := req.MaxOutputTokens()
+	if !limited || out <= maxLen-input {
+		return nil
+	}
+	has := strconv.Itoa(input)
+	if !exact {
+		has = "at least " + has
+	}
+	return openai.NewError(http.StatusBadRequest,
+		"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %s input tokens (%d > %d - %d).",
+		out, maxLen, has, out, maxLen, input).WithParam("max_tokens")
+}
+
+// promptTokens estimates one completions prompt's length.
+func promptTokens(p openai.Prompt) int {
+	if p.Tokens != nil {
+		return len(p.Tokens)
+	}
+	return (len(p.Text) + 3) / 4
 }
 
 // requestID returns the client's X-Request-Id when it is a valid subject

@@ -28,10 +28,22 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	cctx, cancel := context.WithTimeoutCause(ctx, w.cfg.PrefillTimeout, errTimedOut)
 	defer cancel()
 	raw, err := w.prefillCall(cctx, job, body)
-	if err != nil {
-		if ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut) {
-			return timedOut(dispatcher.StagePrefill, "prefill", w.cfg.PrefillTimeout)
-		}
+	var f *dispatcher.Failure
+	switch {
+	case err == nil:
+	case ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut):
+		return timedOut(dispatcher.StagePrefill, "prefill", w.cfg.PrefillTimeout)
+	case errors.As(err, &f) && f.Rejected:
+		// The engine refused the prefill leg's body, whose numbers are not
+		// the client's (one output token, say): the decode engine judges
+		// the client's own body, so its refusal names the client's
+		// max_tokens, and a request only the prefill engine refuses is
+		// still served.
+		log.Debug("prefill engine refused the request: sent decode-only for the decode engine to judge", logging.Err(err))
+		w.cfg.Metrics.DecodeOnly("prefill_refused")
+		d.Forward()
+		return nil
+	default:
 		return err
 	}
 	params, err := ExtractKVParams(raw)

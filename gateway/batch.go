@@ -1,0 +1,412 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"sync"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// A completions request may carry a batch of prompts. vLLM's NIXL handoff
+// carries the KV of one prompt only (its completion serving returns the
+// kv_transfer_params of the batch's first prompt), so a batch cannot go
+// through prefill whole: the gateway splits it into one job per prompt,
+// each with the client's body and that one prompt, under the ids
+// <id>-0, <id>-1, ..., and merges the answers into the shape vLLM gives a
+// batch: one response id (cmpl-<id>), choice i*n+j for choice j of prompt
+// i, and usage summed.
+
+// maxBatch bounds the prompts of one request: each becomes a job.
+const maxBatch = 256
+
+// batchJob is one prompt's job of a batch.
+type batchJob struct {
+	job     *dispatcher.Job
+	replies *dispatcher.ReplyStream
+	ended   bool // its done or error has arrived
+}
+
+// generateBatch serves a completions request with several prompts.
+func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id string, in *incoming, pool dispatcher.PoolStatus, log *slog.Logger) error {
+	if len(in.batch) > maxBatch {
+		return writeError(c, openai.NewError(http.StatusBadRequest, "'prompt' holds %d prompts; at most %d are served in one request", len(in.batch), maxBatch).WithParam("prompt"))
+	}
+	if last := id + "-" + strconv.Itoa(len(in.batch)-1); !dispatcher.ValidRequestID(last) {
+		return writeError(c, openai.NewError(http.StatusBadRequest,
+			"X-Request-Id is too long for a batch of %d prompts: each prompt runs as <id>-<i>, at most 128 characters", len(in.batch)))
+	}
+	jobs := make([]*batchJob, 0, len(in.batch))
+	defer func() {
+		for _, b := range jobs {
+			b.replies.Close()
+		}
+	}()
+	for i, prompt := range in.batch {
+		body, err := setMember(in.body, "prompt", prompt)
+		if err != nil {
+			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
+		}
+		sub := id + "-" + strconv.Itoa(i)
+		replies, job, apiErr := h.submit(c, endpoint, sub, in.req, body, in.batchTokens[i], pool, log)
+		if apiErr != nil {
+			// The prompts queued so far must not run for nobody.
+			for _, b := range jobs {
+				h.cancel(b.job, log.With(logging.KeyRequestID, b.job.ID), dispatcher.StateCancelled, apiErr.Status(), "another prompt of its batch was refused")
+			}
+			return writeError(c, apiErr)
+		}
+		jobs = append(jobs, &batchJob{job: job, replies: replies})
+	}
+	return h.relayBatch(c, id, in.req, jobs, log)
+}
+
+// batchReply is a reply of one prompt's job.
+type batchReply struct {
+	i   int
+	r   dispatcher.Reply
+	err error
+}
+
+// relayBatch merges the replies of a batch's jobs into one answer, as
+// relay does for one job.
+func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, log *slog.Logger) error {
+	t := trackOf(c)
+	deadline := jobs[0].job.Deadline
+	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), deadline, errDeadline)
+	defer cancel()
+	in := make(chan batchReply)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	for i, b := range jobs {
+		wg.Go(func() {
+			for {
+				r, err := h.next(ctx, b.replies, b.job)
+				select {
+				case in <- batchReply{i: i, r: r, err: err}:
+				case <-ctx.Done():
+					return
+				}
+				if err != nil || r.Kind != dispatcher.KindChunk {
+					return
+				}
+			}
+		})
+	}
+	n := 1
+	if req.N != nil {
+		n = *req.N
+	}
+	m := &batchMerge{id: openai.Completions.IDPrefix() + id, n: n}
+	// stop ends the jobs still running, with the reason of the one that
+	// ended the batch.
+	stop := func(state dispatcher.State, status int, why string) {
+		for _, b := range jobs {
+			if !b.ended {
+				h.cancel(b.job, log.With(logging.KeyRequestID, b.job.ID), state, status, why)
+				b.ended = true
+			}
+		}
+	}
+	var sse *openai.SSEWriter
+	if req.Stream {
+		sse = openai.NewSSEWriter(c.Response())
+	}
+	whole := make([][]byte, len(jobs)) // the non-streamed responses
+	left := len(jobs)
+	for left > 0 {
+		var br batchReply
+		select {
+		case br = <-in:
+		case <-ctx.Done():
+			br = batchReply{i: -1, err: ctx.Err()}
+		}
+		if br.err != nil {
+			failed := br.i
+			for k := 0; failed < 0; k++ {
+				if !jobs[k].ended {
+					failed = k
+				}
+			}
+			jobs[failed].ended = true
+			err := h.replyFailed(c, ctx, sse, jobs[failed].job, br.err, log)
+			switch {
+			case c.Request().Context().Err() != nil:
+				stop(dispatcher.StateCancelled, 499, "client went away")
+			case errors.Is(context.Cause(ctx), errDeadline):
+				stop(dispatcher.StateExpired, http.StatusGatewayTimeout, errDeadline.Error())
+			default:
+				stop(dispatcher.StateCancelled, http.StatusBadGateway, "another prompt of its batch failed")
+			}
+			return err
+		}
+		b := jobs[br.i]
+		switch br.r.Kind {
+		case dispatcher.KindError:
+			b.ended = true
+			stop(dispatcher.StateCancelled, br.r.Status, "another prompt of its batch failed")
+			if sse != nil && sse.Started() {
+				t.failed = true
+				if err := sse.Data(br.r.Data); err == nil {
+					sse.Done()
+				}
+				return nil
+			}
+			return h.writeWorkerError(c, br.r)
+		case dispatcher.KindDone:
+			b.ended = true
+			left--
+			if !req.Stream && whole[br.i] == nil {
+				stop(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent an empty reply")
+				return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
+			}
+			h.delivered(b.job, br.r, log.With(logging.KeyRequestID, b.job.ID))
+		case dispatcher.KindChunk:
+			if !req.Stream {
+				if whole[br.i] != nil {
+					b.ended = true
+					stop(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
+					return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
+				}
+				whole[br.i] = br.r.Data
+				continue
+			}
+			out, held, err := m.chunk(br.i, br.r.Data)
+			if err != nil {
+				stop(dispatcher.StateFailed, http.StatusBadGateway, err.Error())
+				return h.replyFailed(c, ctx, sse, b.job, err, log)
+			}
+			if held {
+				continue
+			}
+			t.wrote(h.cfg.Counters)
+			if err := sse.Data(out); err != nil {
+				stop(dispatcher.StateCancelled, 499, "client went away")
+				return nil
+			}
+		}
+	}
+	if !req.Stream {
+		out, err := m.responses(whole)
+		if err != nil {
+			log.Warn("could not merge the answers of a batch", logging.Err(err))
+			return writeError(c, openai.NewError(http.StatusBadGateway, "could not merge the answers of the batch: %v", err))
+		}
+		t.wrote(h.cfg.Counters)
+		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, out); err != nil {
+			log.Debug("client went away before the answer", logging.Err(err))
+			return nil
+		}
+		t.whole = true
+		return nil
+	}
+	if usage := m.usageChunk(); usage != nil {
+		if err := sse.Data(usage); err != nil {
+			return nil
+		}
+	}
+	if err := sse.Done(); err != nil {
+		log.Debug("client went away before [DONE]", logging.Err(err))
+	}
+	t.whole = true
+	return nil
+}
+
+// batchMerge rewrites the answers of a batch's jobs into one.
+type batchMerge struct {
+	id string // the batch's response id
+	n  int    // choices per prompt
+	// usage is the last usage-only chunk of the streams, held back to be
+	// summed into one; usages counts them.
+	usage  []byte
+	sum    usage
+	usages int
+}
+
+// usage is the part of vLLM's usage object that a batch sums.
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+func (u *usage) add(raw json.RawMessage) error {
+	var v usage
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return fmt.Errorf("usage: %w", err)
+	}
+	u.PromptTokens += v.PromptTokens
+	u.TotalTokens += v.TotalTokens
+	u.CompletionTokens += v.CompletionTokens
+	return nil
+}
+
+// chunk rewrites a stream chunk of prompt i: the batch's id, and the
+// choices' indexes. A usage-only chunk (the end of a stream asked with
+// include_usage) is held back (held), to be summed into one.
+func (m *batchMerge) chunk(i int, data []byte) (out []byte, held bool, err error) {
+	var c struct {
+		Choices []json.RawMessage `json:"choices"`
+		Usage   json.RawMessage   `json:"usage"`
+	}
+	if err := json.Unmarshal(data, &c); err != nil {
+		return nil, false, fmt.Errorf("a chunk of prompt %d is not JSON: %w", i, err)
+	}
+	if len(c.Choices) == 0 && len(c.Usage) > 0 && string(c.Usage) != "null" {
+		if err := m.sum.add(c.Usage); err != nil {
+			return nil, false, err
+		}
+		m.usage, m.usages = data, m.usages+1
+		return nil, true, nil
+	}
+	return m.rewrite(i, data, c.Choices)
+}
+
+// rewrite sets a response's or chunk's id to the batch's, and its choices'
+// indexes to their place in the batch.
+func (m *batchMerge) rewrite(i int, data []byte, choices []json.RawMessage) ([]byte, bool, error) {
+	out, err := setMember(data, "id", mustJSON(m.id))
+	if err != nil {
+		return nil, false, err
+	}
+	if len(choices) == 0 {
+		return out, false, nil
+	}
+	list, err := m.reindex(nil, i, choices)
+	if err != nil {
+		return nil, false, err
+	}
+	out, err = setMember(out, "choices", array(list))
+	return out, false, err
+}
+
+// reindex renumbers prompt i's choices, choice j becoming i*n+j, and
+// appends them to list, a JSON array's members.
+func (m *batchMerge) reindex(list []byte, i int, choices []json.RawMessage) ([]byte, error) {
+	for _, ch := range choices {
+		var c struct {
+			Index int `json:"index"`
+		}
+		if err := json.Unmarshal(ch, &c); err != nil {
+			return nil, fmt.Errorf("a choice of prompt %d: %w", i, err)
+		}
+		ch, err := setMember(ch, "index", mustJSON(i*m.n+c.Index))
+		if err != nil {
+			return nil, err
+		}
+		if len(list) > 0 {
+			list = append(list, ',')
+		}
+		list = append(list, ch...)
+	}
+	return list, nil
+}
+
+// usageChunk is the one usage chunk of a merged stream, or nil when the
+// streams sent none.
+func (m *batchMerge) usageChunk() []byte {
+	if m.usage == nil {
+		return nil
+	}
+	out, err := setMember(m.usage, "id", mustJSON(m.id))
+	if err == nil {
+		out, err = m.withUsage(out)
+	}
+	if err != nil {
+		return m.usage
+	}
+	return out
+}
+
+// withUsage puts the summed usage into obj's usage object, keeping the
+// object's other fields (prompt_tokens_details, ...).
+func (m *batchMerge) withUsage(obj []byte) ([]byte, error) {
+	var c struct {
+		Usage json.RawMessage `json:"usage"`
+	}
+	if err := json.Unmarshal(obj, &c); err != nil {
+		return nil, err
+	}
+	if len(c.Usage) == 0 || string(c.Usage) == "null" {
+		return obj, nil
+	}
+	u := []byte(c.Usage)
+	var err error
+	for _, f := range []struct {
+		key string
+		v   int
+	}{{"prompt_tokens", m.sum.PromptTokens}, {"total_tokens", m.sum.TotalTokens}, {"completion_tokens", m.sum.CompletionTokens}} {
+		if u, err = setMember(u, f.key, mustJSON(f.v)); err != nil {
+			return nil, err
+		}
+	}
+	return setMember(obj, "usage", u)
+}
+
+// responses merges the non-streamed responses of a batch: the first
+// prompt's response, with the batch's id, every prompt's choices, and the
+// usage summed.
+func (m *batchMerge) responses(whole [][]byte) ([]byte, error) {
+	var list []byte
+	for i, data := range whole {
+		var r struct {
+			Choices []json.RawMessage `json:"choices"`
+			Usage   json.RawMessage   `json:"usage"`
+		}
+		if err := json.Unmarshal(data, &r); err != nil {
+			return nil, fmt.Errorf("the response of prompt %d: %w", i, err)
+		}
+		if len(r.Usage) > 0 && string(r.Usage) != "null" {
+			if err := m.sum.add(r.Usage); err != nil {
+				return nil, err
+			}
+		}
+		var err error
+		if list, err = m.reindex(list, i, r.Choices); err != nil {
+			return nil, err
+		}
+	}
+	out, err := setMember(whole[0], "id", mustJSON(m.id))
+	if err == nil {
+		out, err = setMember(out, "choices", array(list))
+	}
+	if err == nil {
+		out, err = m.withUsage(out)
+	}
+	return out, err
+}
+
+// array wraps a list's members in brackets.
+func array(members []byte) []byte {
+	out := make([]byte, 0, len(members)+2)
+	out = append(out, '[')
+	out = append(out, members...)
+	return append(out, ']')
+}
+
+// mustJSON encodes a string or an int, which cannot fail.
+func mustJSON(v any) []byte {
+	b, _ := json.Marshal(v)
+	return b
+}
+
+// setMember sets key to value in a JSON object.
+// TODO: byte-preserving splice.
+func setMember(obj []byte, key string, value []byte) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(obj, &m); err != nil {
+		return nil, err
+	}
+	m[key] = value
+	return json.Marshal(m)
+}
