@@ -33,6 +33,7 @@ type pipeline struct {
 	ctx     context.Context
 	wg      *sync.WaitGroup
 	t       *testing.T
+	worker  workers.Config // what every worker's configuration starts from
 }
 
 type pipelineOptions struct {
@@ -40,7 +41,8 @@ type pipelineOptions struct {
 	sim             sim.Config // engine configuration, default simtest.FastConfig
 	prefillSim      *sim.Config
 	gateway         gateway.Config
-	slots           int // per worker; 0 takes the role's default
+	slots           int            // per worker; 0 takes the role's default
+	worker          workers.Config // settings of every worker beyond the defaults
 }
 
 // testLogger writes logs to stderr when PDQ_TEST_LOG is set; tests are
@@ -85,7 +87,7 @@ func startPipeline(t *testing.T, o pipelineOptions) *pipeline {
 	if err := dispatcher.Ensure(ctx, js); err != nil {
 		t.Fatal(err)
 	}
-	p := &pipeline{nc: nc, js: js, log: log, ctx: ctx, wg: &sync.WaitGroup{}, t: t}
+	p := &pipeline{nc: nc, js: js, log: log, ctx: ctx, wg: &sync.WaitGroup{}, t: t, worker: o.worker}
 	t.Cleanup(func() {
 		cancel()
 		p.wg.Wait()
@@ -125,9 +127,9 @@ func startPipeline(t *testing.T, o pipelineOptions) *pipeline {
 // startWorker runs one more worker for the engine at url.
 func (p *pipeline) startWorker(role dispatcher.Stage, url string, slots int) {
 	p.t.Helper()
-	w, err := workers.New(p.nc, p.js, workers.Config{
-		Role: role, EngineURL: url, Slots: slots, Grace: 2 * time.Second, RetryBase: 20 * time.Millisecond,
-	}, p.log)
+	cfg := p.worker
+	cfg.Role, cfg.EngineURL, cfg.Slots, cfg.Grace, cfg.RetryBase = role, url, slots, 2*time.Second, 20*time.Millisecond
+	w, err := workers.New(p.nc, p.js, cfg, p.log)
 	if err != nil {
 		p.t.Fatal(err)
 	}
