@@ -74,6 +74,9 @@ func FuzzEdit(f *testing.F) {
 		if err != nil {
 			t.Fatalf("Edit(%q): %v", in, err)
 		}
+		if &out[0] != &in[0] && cap(out) != len(out) {
+			t.Fatalf("Edit(%q) = %q with capacity %d: not sized exactly", in, out, cap(out))
+		}
 		if !json.Valid(out) {
 			t.Fatalf("Edit(%q) = %q: not valid JSON", in, out)
 		}

@@ -74,44 +74,38 @@ func DeleteFold(key string) Op { return Op{kind: opDeleteFold, key: key} }
 //
 // Bytes that no op touches come out as they were. When the ops change
 // nothing (no member matches, or a Set's value is already there) Edit
-// returns obj itself, allocating nothing; otherwise one new slice,
-// allocated once with room for len(obj) plus the ops' keys and values. A
-// removed member takes the comma before it (after it, for the first one)
-// with it; an appended one is written compactly.
+// returns obj itself, allocating nothing; otherwise one new slice of
+// exactly the result's length. A removed member takes the comma before it
+// (after it, for the first one) with it; an appended one is written
+// compactly.
 //
 // obj must be one JSON object, with nothing but whitespace around it:
 // anything else is an error wrapping [ErrInvalid]. A Set or Replace whose
 // value is not one JSON value is an error wrapping [ErrInvalidValue]. The
 // result is valid JSON.
 func Edit(obj []byte, ops ...Op) ([]byte, error) {
-	grow := 0
 	for _, op := range ops {
-		switch op.kind {
-		case opSet:
-			grow += len(op.value) + 6*len(op.key) + 4 // ,"key":value
-		case opReplace:
-			grow += len(op.value)
-		default:
-			continue
-		}
-		if !validValue(op.value) {
+		if (op.kind == opSet || op.kind == opReplace) && !validValue(op.value) {
 			// Copies: the ops' values and keys must not escape, or callers
 			// would allocate them.
 			return nil, fmt.Errorf("%w: %s: %q", ErrInvalidValue, strings.Clone(op.key), string(op.value[:min(len(op.value), 40)]))
 		}
 	}
-	var small [16]bool
-	done := small[:] // done[j]: the Set or Replace ops[j] has its member
-	if len(ops) > len(small) {
+	var smallDone [16]bool
+	done := smallDone[:] // done[j]: the Set or Replace ops[j] has its member
+	if len(ops) > len(smallDone) {
 		done = make([]bool, len(ops))
 	}
+	// The scan notes the changes, in order; the output is then sized and
+	// written in one go.
+	var smallChanges [16]change
+	changes := smallChanges[:0]
 	m := members{s: obj}
 	if err := m.begin(); err != nil {
 		return nil, err
 	}
-	w := writer{src: obj, grow: grow}
 	var lead []byte // whitespace before the first member
-	kept := 0       // members written so far
+	kept := 0       // members kept
 	for {
 		more, err := m.next()
 		if err != nil {
@@ -132,82 +126,100 @@ func Edit(obj []byte, ops ...Op) ([]byte, error) {
 				break
 			}
 		}
-		var value []byte // to put in place of the member's own; nil: keep it
+		set := -1 // the op whose value replaces the member's own
 		if k >= 0 {
 			switch ops[k].kind {
 			case opSet, opReplace:
 				if !done[k] {
 					done[k] = true
-					value = ops[k].value
+					set = k
 					break
 				}
 				fallthrough // a later member of the name: its value would win
 			default:
-				w.copyTo(m.sep)
-				w.skipTo(m.end)
+				changes = append(changes, change{m.sep, m.end, dropped})
 				continue
 			}
 		}
 		if kept == 0 && m.n > 1 {
 			// Those before it are gone: it is the first, and takes the
 			// first one's place after the brace.
-			w.copyTo(m.sep)
-			w.put(lead)
-			w.skipTo(m.key)
+			changes = append(changes, change{m.sep, m.key, toLead})
 		}
-		if value != nil && !bytes.Equal(obj[m.val:m.end], value) {
-			w.copyTo(m.val)
-			w.put(value)
-			w.skipTo(m.end)
+		if set >= 0 && !bytes.Equal(obj[m.val:m.end], ops[set].value) {
+			changes = append(changes, change{m.val, m.end, set})
 		}
 		kept++
 	}
 	if err := m.finish(); err != nil {
 		return nil, err
 	}
+	size := len(obj)
+	for _, c := range changes {
+		size += len(c.value(ops, lead)) - (c.to - c.from)
+	}
+	appends := 0
 	for j, op := range ops {
 		if op.kind != opSet || done[j] {
 			continue
 		}
-		w.copyTo(m.end)
-		if kept == 0 {
-			w.put(lead)
+		if kept+appends == 0 {
+			size += len(lead)
 		} else {
-			w.put([]byte{','})
+			size++ // ,
 		}
-		w.out = AppendString(w.out, op.key)
-		w.out = append(w.out, ':')
-		w.put(op.value)
-		kept++
+		size += quotedLen(op.key) + 1 + len(op.value)
+		appends++
 	}
-	if w.out == nil {
+	if len(changes) == 0 && appends == 0 {
 		return obj, nil
 	}
-	w.copyTo(len(obj))
-	return w.out, nil
-}
-
-// writer builds an edited copy of src: bytes from src are copied in runs,
-// and nothing is allocated until the first change.
-type writer struct {
-	src, out []byte
-	from     int // src[:from] is written or skipped
-	grow     int // how much longer than src the result may be
-}
-
-// copyTo writes src[from:i].
-func (w *writer) copyTo(i int) {
-	if w.out == nil {
-		w.out = make([]byte, 0, len(w.src)+w.grow)
+	out := make([]byte, 0, size)
+	from := 0
+	for _, c := range changes {
+		out = append(out, obj[from:c.from]...)
+		out = append(out, c.value(ops, lead)...)
+		from = c.to
 	}
-	w.out = append(w.out, w.src[w.from:i]...)
-	w.from = i
+	// Appended members go after the last member, or the brace.
+	out = append(out, obj[from:m.end]...)
+	for j, op := range ops {
+		if op.kind != opSet || done[j] {
+			continue
+		}
+		if kept == 0 {
+			out = append(out, lead...)
+		} else {
+			out = append(out, ',')
+		}
+		out = AppendString(out, op.key)
+		out = append(out, ':')
+		out = append(out, op.value...)
+		kept++
+	}
+	return append(out, obj[m.end:]...), nil
 }
 
-// skipTo leaves src[from:i] out; copyTo must have been called.
-func (w *writer) skipTo(i int) { w.from = i }
+// A change puts a value in place of obj[from:to]: ops[with].value, or
+// nothing (dropped), or the whitespace before the first member (toLead).
+// It holds an index, not the value: an op's value must not be reachable
+// from the heap, or every caller's value would escape to it.
+type change struct{ from, to, with int }
 
-func (w *writer) put(b []byte) { w.out = append(w.out, b...) }
+const (
+	dropped = -1 - iota
+	toLead
+)
+
+func (c change) value(ops []Op, lead []byte) []byte {
+	switch c.with {
+	case dropped:
+		return nil
+	case toLead:
+		return lead
+	}
+	return ops[c.with].value
+}
 
 // members reads the top-level members of an object, one at a time.
 type members struct {
@@ -415,4 +427,32 @@ func AppendString(dst []byte, s string) []byte {
 	}
 	dst = append(dst, s[start:]...)
 	return append(dst, '"')
+}
+
+// quotedLen is len(AppendString(nil, s)).
+func quotedLen(s string) int {
+	n := 2
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			switch {
+			case c >= 0x20 && c != '"' && c != '\\':
+				n++
+			case c == '"' || c == '\\' || c == '\n' || c == '\r' || c == '\t':
+				n += 2
+			default:
+				n += 6
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 {
+			n += 6
+		} else {
+			n += size
+		}
+		i += size
+	}
+	return n
 }
