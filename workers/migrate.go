@@ -313,8 +313,7 @@ func (c *continuation) rewrite(data []byte) []byte {
 		c.roleFound = true
 		return nil // the client had its role chunk from the first engine
 	}
-	out := setCreated(data, c.resume.Created)
-	return shiftUsage(out, c.resume.Tokens)
+	return fixChunk(data, c.resume.Created, c.resume.Tokens)
 }
 
 // isRoleChunk reports whether a chat chunk only opens the assistant's
@@ -336,63 +335,50 @@ func isRoleChunk(data []byte) bool {
 	return !ok || string(content) == `""` || string(content) == "null"
 }
 
-// setCreated replaces the top-level "created" value. In JSON a key's
-// quote cannot appear unescaped inside a string, so the first `"created":`
-// is the key.
-func setCreated(data []byte, created int64) []byte {
-	if created == 0 {
-		return data
+// fixChunk gives a chunk the stream's first created time (unless 0), and
+// moves tokens from prompt_tokens to completion_tokens in its usage, if it
+// has any: the continuation's prompt held the text generated before it.
+// Only those values change, at the top level of the chunk; a chunk that is
+// not a JSON object goes out as it came.
+func fixChunk(data []byte, created int64, tokens int) []byte {
+	var ops [2]jsonobj.Op
+	n := 0
+	var num [20]byte
+	if created != 0 {
+		ops[n] = jsonobj.Replace("created", strconv.AppendInt(num[:0], created, 10))
+		n++
 	}
-	key := []byte(`"created":`)
-	i := bytes.Index(data, key)
-	if i < 0 {
-		return data
+	if tokens != 0 {
+		if usage := shiftUsage(data, tokens); usage != nil {
+			ops[n] = jsonobj.Replace("usage", usage)
+			n++
+		}
 	}
-	start := i + len(key)
-	for start < len(data) && data[start] == ' ' {
-		start++
-	}
-	end := start
-	for end < len(data) && (data[end] >= '0' && data[end] <= '9') {
-		end++
-	}
-	if end == start {
-		return data
-	}
-	out := make([]byte, 0, len(data)+4)
-	out = append(out, data[:start]...)
-	out = fmt.Appendf(out, "%d", created)
-	return append(out, data[end:]...)
-}
-
-// shiftUsage moves tokens from prompt_tokens to completion_tokens in a
-// chunk's usage: the continuation's prompt held the text generated before
-// it.
-func shiftUsage(data []byte, tokens int) []byte {
-	key := []byte(`"usage":`)
-	i := bytes.Index(data, key)
-	if i < 0 || tokens == 0 {
-		return data
-	}
-	start := i + len(key)
-	dec := json.NewDecoder(bytes.NewReader(data[start:]))
-	var usage map[string]json.RawMessage
-	if dec.Decode(&usage) != nil || usage == nil {
-		return data // null, or not an object
-	}
-	end := start + int(dec.InputOffset())
-	var prompt, completion int
-	if json.Unmarshal(usage["prompt_tokens"], &prompt) != nil || json.Unmarshal(usage["completion_tokens"], &completion) != nil {
-		return data
-	}
-	usage["prompt_tokens"], _ = json.Marshal(max(prompt-tokens, 0))
-	usage["completion_tokens"], _ = json.Marshal(completion + tokens)
-	raw, err := json.Marshal(usage)
+	out, err := jsonobj.Edit(data, ops[:n]...)
 	if err != nil {
 		return data
 	}
-	out := make([]byte, 0, len(data)+8)
-	out = append(out, data[:start]...)
-	out = append(out, raw...)
-	return append(out, data[end:]...)
+	return out
+}
+
+// shiftUsage returns the chunk's usage with tokens moved from prompt_tokens
+// to completion_tokens, or nil when it has no usage that counts both.
+func shiftUsage(data []byte, tokens int) []byte {
+	usage, _, err := jsonobj.Get(data, "usage")
+	if err != nil || len(usage) == 0 || usage[0] != '{' {
+		return nil // none, null, or not an object
+	}
+	vals, err := jsonobj.Lookup(usage, "prompt_tokens", "completion_tokens")
+	var prompt, completion int
+	if err != nil || json.Unmarshal(vals[0], &prompt) != nil || json.Unmarshal(vals[1], &completion) != nil {
+		return nil
+	}
+	var p, c [20]byte
+	out, err := jsonobj.Edit(usage,
+		jsonobj.Replace("prompt_tokens", strconv.AppendInt(p[:0], int64(max(prompt-tokens, 0)), 10)),
+		jsonobj.Replace("completion_tokens", strconv.AppendInt(c[:0], int64(completion+tokens), 10)))
+	if err != nil {
+		return nil
+	}
+	return out
 }

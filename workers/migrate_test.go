@@ -165,7 +165,11 @@ func TestContinuationRewrite(t *testing.T) {
 		{`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":999,"model":"m","choices":[{"index":0,"delta":{"content":"\"created\":5"}}]}`,
 			`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":111,"model":"m","choices":[{"index":0,"delta":{"content":"\"created\":5"}}]}`},
 		{`{"id":"chatcmpl-x","created":999,"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":5,"total_tokens":18}}`,
-			`{"id":"chatcmpl-x","created":111,"choices":[],"usage":{"completion_tokens":8,"prompt_tokens":10,"total_tokens":18}}`},
+			`{"id":"chatcmpl-x","created":111,"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":8,"total_tokens":18}}`},
+		// only the top-level created and usage change
+		{`{"id":"x","choices":[{"index":0,"delta":{"content":"<b>"},"created":5,"usage":null}],"created":999, "usage" : {"prompt_tokens":13, "completion_tokens":5}}`,
+			`{"id":"x","choices":[{"index":0,"delta":{"content":"<b>"},"created":5,"usage":null}],"created":111, "usage" : {"prompt_tokens":10, "completion_tokens":8}}`},
+		{`{"created":999,"choices":[],"usage":null}`, `{"created":111,"choices":[],"usage":null}`},
 		// a second role chunk is content, not the continuation's opening
 		{`{"created":999,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`,
 			`{"created":111,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`},
@@ -173,6 +177,11 @@ func TestContinuationRewrite(t *testing.T) {
 		if got := string(c.rewrite([]byte(tc.in))); got != tc.want {
 			t.Errorf("rewrite(%s)\n got  %s\n want %s", tc.in, got, tc.want)
 		}
+	}
+	// The per-token path: one copy of the chunk.
+	chunk := []byte(`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":999,"model":"m","choices":[{"index":0,"delta":{"content":"lo"}}]}`)
+	if n := testing.AllocsPerRun(100, func() { c.rewrite(chunk) }); n > 1 {
+		t.Errorf("rewriting a chunk allocates %v times", n)
 	}
 }
 
