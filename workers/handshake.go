@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"net"
 	"strings"
+
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 )
 
 // Keys of the request body that the handshake sets or removes.
@@ -28,6 +30,13 @@ const (
 // reference proxy sends it.
 var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
+// Values the handshake sets.
+var (
+	jsonFalse = []byte("false")
+	jsonOne   = []byte("1")
+	jsonNull  = []byte("null")
+)
+
 // ErrNoKVParams means a prefill engine answered 200 without
 // kv_transfer_params: the decode engine would silently recompute the
 // prompt, so this is an error, never a fall-back.
@@ -37,18 +46,17 @@ var ErrNoKVParams = errors.New("prefill engine answered 200 without kv_transfer_
 // point a decode engine at the prompt's blocks.
 var ErrIncompleteKVParams = errors.New("prefill engine answered 200 with incomplete kv_transfer_params")
 
+// The bodies for the engines are the client's bytes with the P/D fields
+// spliced in (see [jsonobj.Edit]): its other members keep their order and
+// spelling, and a large prompt is copied once, not decoded and encoded.
+
 // PrefillBody builds the prefill leg's body from the client's: the
 // kv_transfer_params skeleton, stream false, one output token, and none of
 // the fields a prefill does not support (stream_options, min_tokens). The
 // rest of the body is passed on as it came.
 func PrefillBody(client json.RawMessage) ([]byte, error) {
-	m, err := fields(client)
-	if err != nil {
-		return nil, err
-	}
-	m[keyKVTransferParams] = prefillParams
-	oneToken(m)
-	return json.Marshal(m)
+	ops := oneToken(prefillParams)
+	return edit(client, ops[:]...)
 }
 
 // DecodeBody builds the decode leg's body: the client's body, with the
@@ -58,80 +66,78 @@ func DecodeBody(client, params json.RawMessage) ([]byte, error) {
 	if len(params) == 0 {
 		return client, nil
 	}
-	m, err := fields(client)
-	if err != nil {
-		return nil, err
-	}
-	m[keyKVTransferParams] = params
-	return json.Marshal(m)
+	return edit(client, jsonobj.Set(keyKVTransferParams, params))
 }
 
 // ReleaseBody builds a decode call whose only purpose is to read, and so
 // free, a prefill's KV blocks: the decode body, cut to one output token
 // and not streamed.
 func ReleaseBody(client, params json.RawMessage) ([]byte, error) {
-	m, err := fields(client)
-	if err != nil {
-		return nil, err
+	if len(params) == 0 {
+		params = jsonNull
 	}
-	m[keyKVTransferParams] = params
-	oneToken(m)
-	return json.Marshal(m)
+	ops := oneToken(params)
+	return edit(client, ops[:]...)
+}
+
+// oneToken are the edits that make a body a non-streamed request for one
+// output token with params, as vLLM's reference proxy makes its prefill
+// request: max_completion_tokens only if the client sent it, and no
+// stream_options, min_tokens or min_completion_tokens.
+func oneToken(params json.RawMessage) [7]jsonobj.Op {
+	return [...]jsonobj.Op{
+		jsonobj.Set(keyKVTransferParams, params),
+		jsonobj.Set(keyStream, jsonFalse),
+		jsonobj.Set(keyMaxTokens, jsonOne),
+		jsonobj.Replace(keyMaxCompletionTokens, jsonOne),
+		jsonobj.Delete(keyStreamOptions),
+		jsonobj.Delete(keyMinTokens),
+		jsonobj.Delete(keyMinCompletionTokens),
+	}
 }
 
 // OneResponse turns a request body into one that asks for the whole answer
 // in one JSON response, not a stream.
 func OneResponse(body []byte) ([]byte, error) {
-	m, err := fields(body)
-	if err != nil {
-		return nil, err
-	}
-	m[keyStream] = json.RawMessage(`false`)
-	delete(m, keyStreamOptions)
-	return json.Marshal(m)
+	return edit(body, jsonobj.Set(keyStream, jsonFalse), jsonobj.Delete(keyStreamOptions))
 }
 
-// oneToken makes m a non-streamed request for one output token.
-func oneToken(m map[string]json.RawMessage) {
-	m[keyStream] = json.RawMessage(`false`)
-	m[keyMaxTokens] = json.RawMessage(`1`)
-	if _, ok := m[keyMaxCompletionTokens]; ok {
-		m[keyMaxCompletionTokens] = json.RawMessage(`1`)
+// edit is [jsonobj.Edit] with the error a bad request body gets.
+func edit(body []byte, ops ...jsonobj.Op) ([]byte, error) {
+	out, err := jsonobj.Edit(body, ops...)
+	if err != nil {
+		return nil, fmt.Errorf("not a JSON object: %w", err)
 	}
-	delete(m, keyStreamOptions)
-	delete(m, keyMinTokens)
-	delete(m, keyMinCompletionTokens)
+	return out, nil
 }
 
 // ExtractKVParams returns the top-level kv_transfer_params of a prefill
-// response. It fails with ErrNoKVParams when they are missing, null, or not
-// an object, and with ErrIncompleteKVParams when they cannot point a decode
-// engine at the blocks: remote_engine_id or remote_block_ids missing or
-// empty, or do_remote_prefill not true. vLLM's decode engine would
-// recompute the prompt, or worse, from such params. The values themselves
-// stay opaque: their types differ between vLLM versions.
+// response, as a slice of it. It fails with ErrNoKVParams when they are
+// missing, null, or not an object, and with ErrIncompleteKVParams when
+// they cannot point a decode engine at the blocks: remote_engine_id or
+// remote_block_ids missing or empty, or do_remote_prefill not true. vLLM's
+// decode engine would recompute the prompt, or worse, from such params.
+// The values themselves stay opaque: their types differ between vLLM
+// versions.
 func ExtractKVParams(response []byte) (json.RawMessage, error) {
-	var r struct {
-		KV json.RawMessage `json:"kv_transfer_params"`
+	kv, _, err := jsonobj.Get(response, keyKVTransferParams)
+	if err != nil {
+		return nil, fmt.Errorf("prefill response is not a JSON object: %w", err)
 	}
-	if err := json.Unmarshal(response, &r); err != nil {
-		return nil, fmt.Errorf("prefill response is not JSON: %w", err)
-	}
-	kv := bytes.TrimSpace(r.KV)
 	if len(kv) == 0 || kv[0] != '{' {
 		return nil, ErrNoKVParams
 	}
-	m, err := fields(kv)
+	vals, err := jsonobj.Lookup(kv, keyRemoteEngineID, keyRemoteBlockIDs, keyDoRemotePrefill)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrIncompleteKVParams, err)
 	}
-	for _, key := range []string{keyRemoteEngineID, keyRemoteBlockIDs} {
-		if empty(m[key]) {
+	for i, key := range []string{keyRemoteEngineID, keyRemoteBlockIDs} {
+		if empty(vals[i]) {
 			return nil, fmt.Errorf("%w: no %s", ErrIncompleteKVParams, key)
 		}
 	}
-	if string(bytes.TrimSpace(m[keyDoRemotePrefill])) != "true" {
-		return nil, fmt.Errorf("%w: do_remote_prefill is %s, not true", ErrIncompleteKVParams, orMissing(m[keyDoRemotePrefill]))
+	if doRemotePrefill := vals[2]; string(doRemotePrefill) != "true" {
+		return nil, fmt.Errorf("%w: do_remote_prefill is %s, not true", ErrIncompleteKVParams, orMissing(doRemotePrefill))
 	}
 	return kv, nil
 }
@@ -155,18 +161,18 @@ func orMissing(raw json.RawMessage) string {
 
 // FixRemoteHost replaces remote_host when the engine advertised a host no
 // decode engine elsewhere can reach (loopback, unspecified or empty) and
-// host is a routable one. Everything else in params stays as it was; a
+// host is a routable one. Everything else in params keeps its bytes; a
 // params object it cannot read is returned unchanged.
 func FixRemoteHost(params json.RawMessage, host string) (json.RawMessage, bool) {
 	if IsLocalHost(host) {
 		return params, false // nothing better to offer
 	}
-	m, err := fields(params)
+	raw, _, err := jsonobj.Get(params, keyRemoteHost)
 	if err != nil {
 		return params, false
 	}
 	var current string
-	if raw, ok := m[keyRemoteHost]; ok && len(raw) > 0 && string(raw) != "null" {
+	if len(raw) > 0 && string(raw) != "null" {
 		if err := json.Unmarshal(raw, &current); err != nil {
 			return params, false // not a string: not ours to judge
 		}
@@ -174,8 +180,7 @@ func FixRemoteHost(params json.RawMessage, host string) (json.RawMessage, bool) 
 	if !IsLocalHost(current) {
 		return params, false
 	}
-	m[keyRemoteHost], _ = json.Marshal(host) // a string always encodes
-	out, err := json.Marshal(m)
+	out, err := jsonobj.Edit(params, jsonobj.Set(keyRemoteHost, jsonobj.AppendString(nil, host)))
 	if err != nil {
 		return params, false
 	}

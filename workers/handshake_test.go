@@ -3,7 +3,9 @@ package workers
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"reflect"
+	"strings"
 	"testing"
 )
 
@@ -165,6 +167,116 @@ func TestFixRemoteHost(t *testing.T) {
 			for k, v := range in {
 				if k != "remote_host" && !reflect.DeepEqual(m[k], v) {
 					t.Errorf("%s changed from %v to %v", k, v, m[k])
+				}
+			}
+		})
+	}
+}
+
+// The engines get the client's bytes: only the P/D fields change, in
+// place or appended, and nothing is re-encoded, sorted or HTML-escaped.
+func TestBodiesKeepClientBytes(t *testing.T) {
+	const client = `{ "model": "m",
+  "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
+  "temperature": 0.70, "stream": true, "stream_options": {"include_usage":true}, "max_tokens": 1e2, "zzz": null }`
+	const params = `{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[1,2],"remote_host":"10.0.0.1"}`
+	skeleton := string(prefillParams)
+	for _, tc := range []struct {
+		name string
+		fn   func([]byte) ([]byte, error)
+		want string
+	}{
+		{"prefill", func(b []byte) ([]byte, error) { return PrefillBody(b) },
+			`{ "model": "m",
+  "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
+  "temperature": 0.70, "stream": false, "max_tokens": 1, "zzz": null,"kv_transfer_params":` + skeleton + ` }`},
+		{"decode", func(b []byte) ([]byte, error) { return DecodeBody(b, json.RawMessage(params)) },
+			`{ "model": "m",
+  "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
+  "temperature": 0.70, "stream": true, "stream_options": {"include_usage":true}, "max_tokens": 1e2, "zzz": null,"kv_transfer_params":` + params + ` }`},
+		{"release", func(b []byte) ([]byte, error) { return ReleaseBody(b, json.RawMessage(params)) },
+			`{ "model": "m",
+  "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
+  "temperature": 0.70, "stream": false, "max_tokens": 1, "zzz": null,"kv_transfer_params":` + params + ` }`},
+		{"one response", OneResponse,
+			`{ "model": "m",
+  "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
+  "temperature": 0.70, "stream": false, "max_tokens": 1e2, "zzz": null }`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := tc.fn([]byte(client))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(out) != tc.want {
+				t.Errorf("got\n%s\nwant\n%s", out, tc.want)
+			}
+		})
+	}
+}
+
+func TestPrefillBodyInPlace(t *testing.T) {
+	// Fields the client sent keep their places; a client's params are
+	// replaced where they were, duplicates and all.
+	client := `{"kv_transfer_params":{"remote_host":"evil"},"max_completion_tokens":9,"prompt":"<x>","stream":true,"max_tokens":5,"kv_transfer_params":{"x":1}}`
+	want := `{"kv_transfer_params":` + string(prefillParams) + `,"max_completion_tokens":1,"prompt":"<x>","stream":false,"max_tokens":1}`
+	out, err := PrefillBody(json.RawMessage(client))
+	if err != nil || string(out) != want {
+		t.Errorf("PrefillBody = %s, %v\nwant %s", out, err, want)
+	}
+	// Escaped keys are the same keys to vLLM.
+	out, err = PrefillBody(json.RawMessage(`{"prompt":"x","str\u0065am":true,"stream\u005foptions":{}}`))
+	if err != nil || string(out) != `{"prompt":"x","str\u0065am":false,"kv_transfer_params":`+string(prefillParams)+`,"max_tokens":1}` {
+		t.Errorf("PrefillBody with escaped keys = %s, %v", out, err)
+	}
+}
+
+func TestFixRemoteHostKeepsBytes(t *testing.T) {
+	out, ok := FixRemoteHost(json.RawMessage(`{"remote_port":5600, "remote_host": "localhost" ,"x":"<y>","remote_block_ids":[[1]]}`), "p-1.svc")
+	if want := `{"remote_port":5600, "remote_host": "p-1.svc" ,"x":"<y>","remote_block_ids":[[1]]}`; !ok || string(out) != want {
+		t.Errorf("FixRemoteHost = %s, %v; want %s", out, ok, want)
+	}
+}
+
+// A large prompt is copied once: the body's edit allocates its output and
+// nothing else.
+func TestPrefillBodyAllocs(t *testing.T) {
+	body := chatBody(400 << 10)
+	var out []byte
+	allocs := testing.AllocsPerRun(10, func() {
+		var err error
+		if out, err = PrefillBody(body); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if allocs > 1 || cap(out) > len(body)+1024 {
+		t.Errorf("PrefillBody of %d bytes: %v allocations, output capacity %d", len(body), allocs, cap(out))
+	}
+}
+
+// chatBody is a chat request of about size bytes, most of it one user
+// message with markup, quotes, newlines and non-ASCII text.
+func chatBody(size int) []byte {
+	const line = "The <b>quick</b> brown fox & \"friends\" jump over the lazy dog: ünïcödé, 漢字.\n"
+	head := `{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":`
+	tail := `}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":256,"temperature":0.7}`
+	text := strings.Repeat(line, size/len(line)+1)
+	content, _ := json.Marshal(text)
+	for n := len(text); len(head)+len(content)+len(tail) > size && n > 0; n -= max(1, (len(head)+len(content)+len(tail)-size)/2) {
+		content, _ = json.Marshal(strings.ToValidUTF8(text[:n], ""))
+	}
+	return []byte(head + string(content) + tail)
+}
+
+func BenchmarkPrefillBody(b *testing.B) {
+	for _, size := range []int{1 << 10, 400 << 10} {
+		body := chatBody(size)
+		b.Run(fmt.Sprintf("%dKB", size>>10), func(b *testing.B) {
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := PrefillBody(body); err != nil {
+					b.Fatal(err)
 				}
 			}
 		})

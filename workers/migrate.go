@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -171,51 +173,46 @@ func continuable(endpoint openai.Endpoint, body []byte) error {
 // prompt with text appended; for chat the messages with text as the final
 // assistant message (appended to it, if the request already continues
 // one), continue_final_message set and add_generation_prompt unset. The
-// token limits are reduced by tokens. Other fields keep their bytes.
+// token limits are reduced by tokens. The body is spliced (see
+// [jsonobj.Edit]): the other fields, and the other messages, keep their
+// bytes.
 func ContinueBody(endpoint openai.Endpoint, body []byte, text string, tokens int) ([]byte, error) {
-	m, err := fields(body)
+	limits := [...]string{keyMaxTokens, keyMaxCompletionTokens, keyMinTokens, keyMinCompletionTokens}
+	vals, err := jsonobj.Lookup(body, "prompt", "messages", "continue_final_message",
+		limits[0], limits[1], limits[2], limits[3])
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("not a JSON object: %w", err)
 	}
+	var buf [len(limits) + 4]jsonobj.Op
+	ops := buf[:0]
 	switch endpoint {
 	case openai.Completions:
-		var prompt string
-		if err := json.Unmarshal(m["prompt"], &prompt); err != nil {
-			var list []string
-			if err := json.Unmarshal(m["prompt"], &list); err != nil || len(list) != 1 {
+		prompt := vals[0]
+		if len(prompt) > 0 && prompt[0] == '[' {
+			// A list of one prompt becomes that prompt.
+			spans, err := jsonobj.Elements(prompt)
+			if err != nil || len(spans) != 1 {
 				return nil, fmt.Errorf("%w: the prompt is not one string", errNotContinuable)
 			}
-			prompt = list[0]
+			prompt = prompt[spans[0].Start:spans[0].End]
 		}
-		m["prompt"], _ = json.Marshal(prompt + text) // a string always encodes
+		joined, ok := appendText(prompt, text)
+		if !ok {
+			return nil, fmt.Errorf("%w: the prompt is not one string", errNotContinuable)
+		}
+		ops = append(ops, jsonobj.Set("prompt", joined))
 	case openai.Chat:
-		var msgs []map[string]json.RawMessage
-		if err := json.Unmarshal(m["messages"], &msgs); err != nil {
-			return nil, fmt.Errorf("messages: %w", err)
-		}
-		cont := false
-		if raw, ok := m["continue_final_message"]; ok {
-			_ = json.Unmarshal(raw, &cont)
-		}
-		if n := len(msgs); cont && n > 0 && string(bytes.TrimSpace(msgs[n-1]["role"])) == `"assistant"` {
-			var prev string
-			if err := json.Unmarshal(msgs[n-1]["content"], &prev); err != nil {
-				return nil, fmt.Errorf("%w: the final message's content is not a string", errNotContinuable)
-			}
-			msgs[n-1]["content"], _ = json.Marshal(prev + text)
-		} else {
-			content, _ := json.Marshal(text)
-			msgs = append(msgs, map[string]json.RawMessage{"role": json.RawMessage(`"assistant"`), "content": content})
-		}
-		if m["messages"], err = json.Marshal(msgs); err != nil {
+		msgs, err := continueMessages(vals[1], vals[2], text)
+		if err != nil {
 			return nil, err
 		}
-		m["continue_final_message"] = json.RawMessage("true")
-		m["add_generation_prompt"] = json.RawMessage("false")
+		ops = append(ops, jsonobj.Set("messages", msgs),
+			jsonobj.Set("continue_final_message", []byte("true")),
+			jsonobj.Set("add_generation_prompt", jsonFalse))
 	}
-	for _, key := range []string{keyMaxTokens, keyMaxCompletionTokens, keyMinTokens, keyMinCompletionTokens} {
-		raw, ok := m[key]
-		if !ok || string(raw) == "null" {
+	for i, key := range limits {
+		raw := vals[3+i]
+		if raw == nil || string(raw) == "null" {
 			continue
 		}
 		var n int
@@ -227,13 +224,79 @@ func ContinueBody(endpoint openai.Endpoint, body []byte, text string, tokens int
 			n = max(n, 1)
 		}
 		if n <= 0 {
-			delete(m, key)
+			ops = append(ops, jsonobj.Delete(key))
 			continue
 		}
-		m[key], _ = json.Marshal(n)
+		ops = append(ops, jsonobj.Set(key, strconv.AppendInt(nil, int64(n), 10)))
 	}
-	delete(m, keyKVTransferParams)
-	return json.Marshal(m)
+	ops = append(ops, jsonobj.Delete(keyKVTransferParams))
+	return jsonobj.Edit(body, ops...)
+}
+
+// continueMessages returns the chat messages with text as the final
+// assistant message: appended to the last message if it is the
+// assistant's and cont (continue_final_message) is true, else a message of
+// its own. Only the message that grows is rewritten.
+func continueMessages(messages, cont json.RawMessage, text string) ([]byte, error) {
+	spans, err := jsonobj.Elements(messages)
+	if err != nil {
+		return nil, fmt.Errorf("messages: %w", err)
+	}
+	continues := false
+	if cont != nil {
+		_ = json.Unmarshal(cont, &continues)
+	}
+	if n := len(spans); continues && n > 0 {
+		last := spans[n-1]
+		msg := messages[last.Start:last.End]
+		vals, err := jsonobj.Lookup(msg, "role", "content")
+		if err != nil {
+			return nil, fmt.Errorf("messages: %w", err)
+		}
+		if string(vals[0]) == `"assistant"` {
+			content, ok := appendText(vals[1], text)
+			if !ok {
+				return nil, fmt.Errorf("%w: the final message's content is not a string", errNotContinuable)
+			}
+			if msg, err = jsonobj.Edit(msg, jsonobj.Set("content", content)); err != nil {
+				return nil, err
+			}
+			out := make([]byte, 0, len(messages)-(last.End-last.Start)+len(msg))
+			out = append(out, messages[:last.Start]...)
+			out = append(out, msg...)
+			return append(out, messages[last.End:]...), nil
+		}
+	}
+	// After the last message, or before the ']' that ends messages (Lookup
+	// trims values).
+	end := len(messages) - 1
+	if n := len(spans); n > 0 {
+		end = spans[n-1].End
+	}
+	out := make([]byte, 0, len(messages)+len(text)+48)
+	out = append(out, messages[:end]...)
+	if len(spans) > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, `{"role":"assistant","content":`...)
+	out = jsonobj.AppendString(out, text)
+	out = append(out, '}')
+	return append(out, messages[end:]...), nil
+}
+
+// appendText returns the JSON string raw with text appended, without
+// decoding it. null reads as "", as it does into a Go string; anything
+// else is not a string (false).
+func appendText(raw []byte, text string) ([]byte, bool) {
+	switch {
+	case string(raw) == "null":
+		return jsonobj.AppendString(nil, text), true
+	case len(raw) < 2 || raw[0] != '"':
+		return nil, false
+	}
+	out := append(make([]byte, 0, len(raw)+len(text)+8), raw[:len(raw)-1]...)
+	out = jsonobj.AppendString(out, text) // ..."text": one quote too many
+	return append(out[:len(raw)-1], out[len(raw):]...), true
 }
 
 // continuation rewrites the chunks of a migrated decode so that they
@@ -250,8 +313,7 @@ func (c *continuation) rewrite(data []byte) []byte {
 		c.roleFound = true
 		return nil // the client had its role chunk from the first engine
 	}
-	out := setCreated(data, c.resume.Created)
-	return shiftUsage(out, c.resume.Tokens)
+	return fixChunk(data, c.resume.Created, c.resume.Tokens)
 }
 
 // isRoleChunk reports whether a chat chunk only opens the assistant's
@@ -273,63 +335,50 @@ func isRoleChunk(data []byte) bool {
 	return !ok || string(content) == `""` || string(content) == "null"
 }
 
-// setCreated replaces the top-level "created" value. In JSON a key's
-// quote cannot appear unescaped inside a string, so the first `"created":`
-// is the key.
-func setCreated(data []byte, created int64) []byte {
-	if created == 0 {
-		return data
+// fixChunk gives a chunk the stream's first created time (unless 0), and
+// moves tokens from prompt_tokens to completion_tokens in its usage, if it
+// has any: the continuation's prompt held the text generated before it.
+// Only those values change, at the top level of the chunk; a chunk that is
+// not a JSON object goes out as it came.
+func fixChunk(data []byte, created int64, tokens int) []byte {
+	var ops [2]jsonobj.Op
+	n := 0
+	var num [20]byte
+	if created != 0 {
+		ops[n] = jsonobj.Replace("created", strconv.AppendInt(num[:0], created, 10))
+		n++
 	}
-	key := []byte(`"created":`)
-	i := bytes.Index(data, key)
-	if i < 0 {
-		return data
+	if tokens != 0 {
+		if usage := shiftUsage(data, tokens); usage != nil {
+			ops[n] = jsonobj.Replace("usage", usage)
+			n++
+		}
 	}
-	start := i + len(key)
-	for start < len(data) && data[start] == ' ' {
-		start++
-	}
-	end := start
-	for end < len(data) && (data[end] >= '0' && data[end] <= '9') {
-		end++
-	}
-	if end == start {
-		return data
-	}
-	out := make([]byte, 0, len(data)+4)
-	out = append(out, data[:start]...)
-	out = fmt.Appendf(out, "%d", created)
-	return append(out, data[end:]...)
-}
-
-// shiftUsage moves tokens from prompt_tokens to completion_tokens in a
-// chunk's usage: the continuation's prompt held the text generated before
-// it.
-func shiftUsage(data []byte, tokens int) []byte {
-	key := []byte(`"usage":`)
-	i := bytes.Index(data, key)
-	if i < 0 || tokens == 0 {
-		return data
-	}
-	start := i + len(key)
-	dec := json.NewDecoder(bytes.NewReader(data[start:]))
-	var usage map[string]json.RawMessage
-	if dec.Decode(&usage) != nil || usage == nil {
-		return data // null, or not an object
-	}
-	end := start + int(dec.InputOffset())
-	var prompt, completion int
-	if json.Unmarshal(usage["prompt_tokens"], &prompt) != nil || json.Unmarshal(usage["completion_tokens"], &completion) != nil {
-		return data
-	}
-	usage["prompt_tokens"], _ = json.Marshal(max(prompt-tokens, 0))
-	usage["completion_tokens"], _ = json.Marshal(completion + tokens)
-	raw, err := json.Marshal(usage)
+	out, err := jsonobj.Edit(data, ops[:n]...)
 	if err != nil {
 		return data
 	}
-	out := make([]byte, 0, len(data)+8)
-	out = append(out, data[:start]...)
-	out = append(out, raw...)
-	return append(out, data[end:]...)
+	return out
+}
+
+// shiftUsage returns the chunk's usage with tokens moved from prompt_tokens
+// to completion_tokens, or nil when it has no usage that counts both.
+func shiftUsage(data []byte, tokens int) []byte {
+	usage, _, err := jsonobj.Get(data, "usage")
+	if err != nil || len(usage) == 0 || usage[0] != '{' {
+		return nil // none, null, or not an object
+	}
+	vals, err := jsonobj.Lookup(usage, "prompt_tokens", "completion_tokens")
+	var prompt, completion int
+	if err != nil || json.Unmarshal(vals[0], &prompt) != nil || json.Unmarshal(vals[1], &completion) != nil {
+		return nil
+	}
+	var p, c [20]byte
+	out, err := jsonobj.Edit(usage,
+		jsonobj.Replace("prompt_tokens", strconv.AppendInt(p[:0], int64(max(prompt-tokens, 0)), 10)),
+		jsonobj.Replace("completion_tokens", strconv.AppendInt(c[:0], int64(completion+tokens), 10)))
+	if err != nil {
+		return nil
+	}
+	return out
 }

@@ -50,6 +50,53 @@ func TestContinueBody(t *testing.T) {
 	}
 }
 
+// A continuation is the client's body with the continued fields spliced
+// in: the other fields and messages keep their bytes and order.
+func TestContinueBodyKeepsBytes(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		endpoint openai.Endpoint
+		body     string
+		text     string
+		tokens   int
+		want     string
+	}{
+		{"completions", openai.Completions,
+			`{"prompt": "<s>Once", "model":"m", "max_tokens": 10, "stop":["</s>"], "min_tokens":1}`, " upon \"a\" <time>", 2,
+			`{"prompt": "<s>Once upon \"a\" <time>", "model":"m", "max_tokens": 8, "stop":["</s>"]}`},
+		{"completions: an escaped prompt stays escaped", openai.Completions,
+			`{"prompt":["\u00e9\n"],"max_tokens":3}`, "é\n", 1,
+			`{"prompt":"\u00e9\né\n","max_tokens":2}`},
+		{"chat: a new assistant message", openai.Chat,
+			`{"model":"m","messages":[ {"role":"system","content":"<sys>"}, {"content":"Hi & bye","role":"user"} ],"max_completion_tokens":5}`, "Hello <b>", 2,
+			`{"model":"m","messages":[ {"role":"system","content":"<sys>"}, {"content":"Hi & bye","role":"user"},{"role":"assistant","content":"Hello <b>"} ],"max_completion_tokens":3,"continue_final_message":true,"add_generation_prompt":false}`},
+		{"chat: the continued message grows", openai.Chat,
+			`{"messages":[{"role":"user","content":"Hi"},{"content":"Hel","role":"assistant","name":"x"}],"continue_final_message":true,"add_generation_prompt":false,"kv_transfer_params":{"x":1}}`, "lo", 1,
+			`{"messages":[{"role":"user","content":"Hi"},{"content":"Hello","role":"assistant","name":"x"}],"continue_final_message":true,"add_generation_prompt":false}`},
+		{"chat: no messages yet", openai.Chat,
+			`{"messages":[]}`, "A", 1,
+			`{"messages":[{"role":"assistant","content":"A"}],"continue_final_message":true,"add_generation_prompt":false}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ContinueBody(tc.endpoint, []byte(tc.body), tc.text, tc.tokens)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(got) != tc.want {
+				t.Errorf("got  %s\nwant %s", got, tc.want)
+			}
+		})
+	}
+	for _, body := range []string{`{"prompt":[1]}`, `{"prompt":["a","b"]}`, `{"prompt":{}}`, `{}`} {
+		if _, err := ContinueBody(openai.Completions, []byte(body), "x", 1); !errors.Is(err, errNotContinuable) {
+			t.Errorf("ContinueBody(%s): err = %v, want errNotContinuable", body, err)
+		}
+	}
+	if _, err := ContinueBody(openai.Chat, []byte(`{"messages":[{"role":"assistant","content":[{"type":"text","text":"a"}]}],"continue_final_message":true}`), "x", 1); !errors.Is(err, errNotContinuable) {
+		t.Errorf("a final message with content parts: err = %v, want errNotContinuable", err)
+	}
+}
+
 func TestContinuable(t *testing.T) {
 	for _, tc := range []struct {
 		endpoint openai.Endpoint
@@ -118,13 +165,33 @@ func TestContinuationRewrite(t *testing.T) {
 		{`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":999,"model":"m","choices":[{"index":0,"delta":{"content":"\"created\":5"}}]}`,
 			`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":111,"model":"m","choices":[{"index":0,"delta":{"content":"\"created\":5"}}]}`},
 		{`{"id":"chatcmpl-x","created":999,"choices":[],"usage":{"prompt_tokens":13,"completion_tokens":5,"total_tokens":18}}`,
-			`{"id":"chatcmpl-x","created":111,"choices":[],"usage":{"completion_tokens":8,"prompt_tokens":10,"total_tokens":18}}`},
+			`{"id":"chatcmpl-x","created":111,"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":8,"total_tokens":18}}`},
+		// only the top-level created and usage change
+		{`{"id":"x","choices":[{"index":0,"delta":{"content":"<b>"},"created":5,"usage":null}],"created":999, "usage" : {"prompt_tokens":13, "completion_tokens":5}}`,
+			`{"id":"x","choices":[{"index":0,"delta":{"content":"<b>"},"created":5,"usage":null}],"created":111, "usage" : {"prompt_tokens":10, "completion_tokens":8}}`},
+		{`{"created":999,"choices":[],"usage":null}`, `{"created":111,"choices":[],"usage":null}`},
 		// a second role chunk is content, not the continuation's opening
 		{`{"created":999,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`,
 			`{"created":111,"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}`},
 	} {
 		if got := string(c.rewrite([]byte(tc.in))); got != tc.want {
 			t.Errorf("rewrite(%s)\n got  %s\n want %s", tc.in, got, tc.want)
+		}
+	}
+	// The per-token path: one copy of the chunk.
+	chunk := []byte(`{"id":"chatcmpl-x","object":"chat.completion.chunk","created":999,"model":"m","choices":[{"index":0,"delta":{"content":"lo"}}]}`)
+	if n := testing.AllocsPerRun(100, func() { c.rewrite(chunk) }); n > 1 {
+		t.Errorf("rewriting a chunk allocates %v times", n)
+	}
+}
+
+func BenchmarkContinueBody(b *testing.B) {
+	body := chatBody(400 << 10)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := ContinueBody(openai.Chat, body, "Hello there, <friend>", 20); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

@@ -1,0 +1,458 @@
+// Package jsonobj edits and reads the top-level members of a JSON object
+// without decoding it. An edit copies the object's bytes and splices in
+// the values it sets: every member it does not touch keeps its bytes,
+// its place and the whitespace around it, and nothing is re-encoded (no
+// key sorting, no escaping of '<', '>' or '&', numbers as they were
+// written). The object is scanned once, by a scanner that allocates
+// nothing, and the result is allocated once, sized up front.
+//
+// Keys are compared as encoding/json decodes them: "a\u0062" is the key
+// "ab", and invalid UTF-8 or a lone surrogate reads as U+FFFD. Matching is
+// exact, as vLLM's pydantic models match field names, but for
+// [DeleteFold]. Where a key is in an object twice, the last one is what
+// Python's json module, pydantic and encoding/json read: [Get] returns
+// it, and [Set] leaves one member with its value.
+//
+// Input is what [encoding/json.Valid] accepts, including its nesting limit
+// of 10000; anything else is an error wrapping [ErrInvalid].
+package jsonobj
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"unicode/utf8"
+)
+
+// ErrInvalidValue means an [Op] was given a value that is not one JSON
+// value.
+var ErrInvalidValue = errors.New("jsonobj: a value to set is not one JSON value")
+
+// An Op is one edit of an object's top-level members, made by [Set],
+// [Replace], [Delete] or [DeleteFold].
+type Op struct {
+	kind  opKind
+	key   string
+	value []byte
+}
+
+type opKind uint8
+
+const (
+	opSet opKind = iota
+	opReplace
+	opDelete
+	opDeleteFold
+)
+
+// Set gives key the JSON value value. The first member named key keeps its
+// place and the bytes of its key, with value in place of its old value;
+// later members of that name are removed, so that every reader sees value.
+// An object without key gets "key":value appended after its last member.
+func Set(key string, value []byte) Op { return Op{opSet, key, value} }
+
+// Replace is [Set] for an object that has key: one without it is left as
+// it is.
+func Replace(key string, value []byte) Op { return Op{opReplace, key, value} }
+
+// Delete removes every member named key.
+func Delete(key string) Op { return Op{kind: opDelete, key: key} }
+
+// DeleteFold removes every member whose name is key in any letter case, as
+// [strings.EqualFold] compares them. encoding/json matches struct fields
+// that way, so a reader in Go sees "KV_Transfer_Params" as
+// kv_transfer_params where Python does not.
+func DeleteFold(key string) Op { return Op{kind: opDeleteFold, key: key} }
+
+// Edit applies ops to the top-level members of the JSON object obj. Each
+// member is decided by the first op whose key matches its own; an op that
+// matches no member does nothing, but for a Set, which appends its member
+// (in the order of ops). So Edit(obj, DeleteFold(k), Set(k, v)) removes k
+// in every letter case and appends "k":v.
+//
+// Bytes that no op touches come out as they were. When the ops change
+// nothing (no member matches, or a Set's value is already there) Edit
+// returns obj itself, allocating nothing; otherwise one new slice of
+// exactly the result's length. A removed member takes the comma before it
+// (after it, for the first one) with it; an appended one is written
+// compactly.
+//
+// obj must be one JSON object, with nothing but whitespace around it:
+// anything else is an error wrapping [ErrInvalid]. A Set or Replace whose
+// value is not one JSON value is an error wrapping [ErrInvalidValue]. The
+// result is valid JSON.
+func Edit(obj []byte, ops ...Op) ([]byte, error) {
+	for _, op := range ops {
+		if (op.kind == opSet || op.kind == opReplace) && !validValue(op.value) {
+			// Copies: the ops' values and keys must not escape, or callers
+			// would allocate them.
+			return nil, fmt.Errorf("%w: %s: %q", ErrInvalidValue, strings.Clone(op.key), string(op.value[:min(len(op.value), 40)]))
+		}
+	}
+	var smallDone [16]bool
+	done := smallDone[:] // done[j]: the Set or Replace ops[j] has its member
+	if len(ops) > len(smallDone) {
+		done = make([]bool, len(ops))
+	}
+	// The scan notes the changes, in order; the output is then sized and
+	// written in one go.
+	var smallChanges [16]change
+	changes := smallChanges[:0]
+	m := members{s: obj}
+	if err := m.begin(); err != nil {
+		return nil, err
+	}
+	var lead []byte // whitespace before the first member
+	kept := 0       // members kept
+	for {
+		more, err := m.next()
+		if err != nil {
+			return nil, err
+		}
+		if !more {
+			break
+		}
+		if m.n == 1 {
+			lead = obj[m.sep:m.key]
+		}
+		raw := obj[m.key+1 : m.keyEnd-1]
+		isPlain := plain(raw)
+		k := -1
+		for j := range ops {
+			if keyIs(raw, isPlain, ops[j].key, ops[j].kind == opDeleteFold) {
+				k = j
+				break
+			}
+		}
+		set := -1 // the op whose value replaces the member's own
+		if k >= 0 {
+			switch ops[k].kind {
+			case opSet, opReplace:
+				if !done[k] {
+					done[k] = true
+					set = k
+					break
+				}
+				fallthrough // a later member of the name: its value would win
+			default:
+				changes = append(changes, change{m.sep, m.end, dropped})
+				continue
+			}
+		}
+		if kept == 0 && m.n > 1 {
+			// Those before it are gone: it is the first, and takes the
+			// first one's place after the brace.
+			changes = append(changes, change{m.sep, m.key, toLead})
+		}
+		if set >= 0 && !bytes.Equal(obj[m.val:m.end], ops[set].value) {
+			changes = append(changes, change{m.val, m.end, set})
+		}
+		kept++
+	}
+	if err := m.finish(); err != nil {
+		return nil, err
+	}
+	size := len(obj)
+	for _, c := range changes {
+		size += len(c.value(ops, lead)) - (c.to - c.from)
+	}
+	appends := 0
+	for j, op := range ops {
+		if op.kind != opSet || done[j] {
+			continue
+		}
+		if kept+appends == 0 {
+			size += len(lead)
+		} else {
+			size++ // ,
+		}
+		size += quotedLen(op.key) + 1 + len(op.value)
+		appends++
+	}
+	if len(changes) == 0 && appends == 0 {
+		return obj, nil
+	}
+	out := make([]byte, 0, size)
+	from := 0
+	for _, c := range changes {
+		out = append(out, obj[from:c.from]...)
+		out = append(out, c.value(ops, lead)...)
+		from = c.to
+	}
+	// Appended members go after the last member, or the brace.
+	out = append(out, obj[from:m.end]...)
+	for j, op := range ops {
+		if op.kind != opSet || done[j] {
+			continue
+		}
+		if kept == 0 {
+			out = append(out, lead...)
+		} else {
+			out = append(out, ',')
+		}
+		out = AppendString(out, op.key)
+		out = append(out, ':')
+		out = append(out, op.value...)
+		kept++
+	}
+	return append(out, obj[m.end:]...), nil
+}
+
+// A change puts a value in place of obj[from:to]: ops[with].value, or
+// nothing (dropped), or the whitespace before the first member (toLead).
+// It holds an index, not the value: an op's value must not be reachable
+// from the heap, or every caller's value would escape to it.
+type change struct{ from, to, with int }
+
+const (
+	dropped = -1 - iota
+	toLead
+)
+
+func (c change) value(ops []Op, lead []byte) []byte {
+	switch c.with {
+	case dropped:
+		return nil
+	case toLead:
+		return lead
+	}
+	return ops[c.with].value
+}
+
+// members reads the top-level members of an object, one at a time.
+type members struct {
+	s []byte
+	i int // where the scan is
+	n int // members read
+	// The member read last: the separator from the one before (or from
+	// the brace) at s[sep:key], its key with quotes at s[key:keyEnd], its
+	// value at s[val:end]. Before the first member, end is just past the
+	// brace.
+	sep, key, keyEnd, val, end int
+}
+
+func (m *members) begin() error {
+	i := skipSpace(m.s, 0)
+	if at(m.s, i) != '{' {
+		return syntaxError(m.s, i, "object expected")
+	}
+	m.i, m.end = i+1, i+1
+	return nil
+}
+
+// next reads the next member, or finds the closing brace and returns
+// false.
+func (m *members) next() (bool, error) {
+	s := m.s
+	i := skipSpace(s, m.i)
+	switch c := at(s, i); {
+	case c == '}':
+		m.i = i
+		return false, nil
+	case m.n > 0 && c == ',':
+		i = skipSpace(s, i+1)
+	case m.n > 0:
+		return false, syntaxError(s, i, "',' or '}' expected")
+	}
+	if at(s, i) != '"' {
+		return false, syntaxError(s, i, "object key expected")
+	}
+	m.sep, m.key = m.end, i
+	i, err := skipString(s, i)
+	if err != nil {
+		return false, err
+	}
+	m.keyEnd = i
+	i = skipSpace(s, i)
+	if at(s, i) != ':' {
+		return false, syntaxError(s, i, "':' expected")
+	}
+	m.val = skipSpace(s, i+1)
+	if m.end, err = skipValue(s, m.val, 1); err != nil {
+		return false, err
+	}
+	m.i = m.end
+	m.n++
+	return true, nil
+}
+
+// finish checks that nothing but whitespace follows the closing brace,
+// where next left the scan.
+func (m *members) finish() error {
+	if i := skipSpace(m.s, m.i+1); i != len(m.s) {
+		return syntaxError(m.s, i, "end of input expected after the object")
+	}
+	return nil
+}
+
+// Get returns the value of the top-level member key of the JSON object
+// obj, the last one if the key is there twice, as a slice of obj (no
+// copy, capacity cut to its length), without the whitespace around it.
+// The whole of obj is read, and must be one JSON object (else the error
+// wraps [ErrInvalid]).
+func Get(obj []byte, key string) (value json.RawMessage, ok bool, err error) {
+	m := members{s: obj}
+	if err := m.begin(); err != nil {
+		return nil, false, err
+	}
+	for {
+		more, err := m.next()
+		if err != nil {
+			return nil, false, err
+		}
+		if !more {
+			break
+		}
+		if raw := obj[m.key+1 : m.keyEnd-1]; keyIs(raw, plain(raw), key, false) {
+			value, ok = obj[m.val:m.end:m.end], true
+		}
+	}
+	if err := m.finish(); err != nil {
+		return nil, false, err
+	}
+	return value, ok, nil
+}
+
+// Lookup is [Get] for several keys in one scan: values[i] is the value of
+// keys[i], nil when obj has no such member.
+func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
+	m := members{s: obj}
+	if err := m.begin(); err != nil {
+		return nil, err
+	}
+	values = make([]json.RawMessage, len(keys))
+	for {
+		more, err := m.next()
+		if err != nil {
+			return nil, err
+		}
+		if !more {
+			break
+		}
+		raw := obj[m.key+1 : m.keyEnd-1]
+		isPlain := plain(raw)
+		for i, key := range keys {
+			if keyIs(raw, isPlain, key, false) {
+				values[i] = obj[m.val:m.end:m.end]
+			}
+		}
+	}
+	if err := m.finish(); err != nil {
+		return nil, err
+	}
+	return values, nil
+}
+
+// Span is where a value lies in a document: doc[Start:End].
+type Span struct{ Start, End int }
+
+// Elements returns where the elements of the JSON array arr lie in it, in
+// order. arr must be one JSON array, with nothing but whitespace around it
+// (else the error wraps [ErrInvalid]).
+func Elements(arr []byte) ([]Span, error) {
+	i := skipSpace(arr, 0)
+	if at(arr, i) != '[' {
+		return nil, syntaxError(arr, i, "array expected")
+	}
+	i = skipSpace(arr, i+1)
+	var spans []Span
+	if at(arr, i) == ']' {
+		i++
+	} else {
+		for {
+			start := i
+			end, err := skipValue(arr, i, 1)
+			if err != nil {
+				return nil, err
+			}
+			spans = append(spans, Span{start, end})
+			i = skipSpace(arr, end)
+			if c := at(arr, i); c == ']' {
+				i++
+				break
+			} else if c != ',' {
+				return nil, syntaxError(arr, i, "',' or ']' expected")
+			}
+			i = skipSpace(arr, i+1)
+		}
+	}
+	if i = skipSpace(arr, i); i != len(arr) {
+		return nil, syntaxError(arr, i, "end of input expected after the array")
+	}
+	return spans, nil
+}
+
+// AppendString appends s to dst as a JSON string. Unlike encoding/json it
+// escapes only what JSON requires ('"', '\\' and control characters), so
+// '<', '>' and '&' stay as they are; invalid UTF-8 becomes \ufffd.
+func AppendString(dst []byte, s string) []byte {
+	const hex = "0123456789abcdef"
+	dst = append(dst, '"')
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			if c >= 0x20 && c != '"' && c != '\\' {
+				i++
+				continue
+			}
+			dst = append(dst, s[start:i]...)
+			switch c {
+			case '"', '\\':
+				dst = append(dst, '\\', c)
+			case '\n':
+				dst = append(dst, '\\', 'n')
+			case '\r':
+				dst = append(dst, '\\', 'r')
+			case '\t':
+				dst = append(dst, '\\', 't')
+			default:
+				dst = append(dst, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+			}
+			i++
+			start = i
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 {
+			dst = append(dst, s[start:i]...)
+			dst = append(dst, `\ufffd`...)
+			i++
+			start = i
+			continue
+		}
+		i += size
+	}
+	dst = append(dst, s[start:]...)
+	return append(dst, '"')
+}
+
+// quotedLen is len(AppendString(nil, s)).
+func quotedLen(s string) int {
+	n := 2
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			switch {
+			case c >= 0x20 && c != '"' && c != '\\':
+				n++
+			case c == '"' || c == '\\' || c == '\n' || c == '\r' || c == '\t':
+				n += 2
+			default:
+				n += 6
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 {
+			n += 6
+		} else {
+			n += size
+		}
+		i += size
+	}
+	return n
+}
