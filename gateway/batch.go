@@ -13,6 +13,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -400,13 +401,8 @@ func mustJSON(v any) []byte {
 	return b
 }
 
-// setMember sets key to value in a JSON object.
-// TODO: byte-preserving splice.
+// setMember sets key to value in a JSON object, keeping the object's other
+// bytes as they are.
 func setMember(obj []byte, key string, value []byte) ([]byte, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(obj, &m); err != nil {
-		return nil, err
-	}
-	m[key] = value
-	return json.Marshal(m)
+	return jsonobj.Edit(obj, jsonobj.Set(key, value))
 }

@@ -1,15 +1,14 @@
 package gateway
 
 import (
-	"bytes"
 	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -50,7 +49,9 @@ func parseRequest(endpoint openai.Endpoint, body []byte) (*incoming, *openai.Err
 	if req.KVTransferParams != nil {
 		// They name hosts a decode engine would connect to: a client must
 		// never choose them.
-		clean, err := dropKey(body, "kv_transfer_params")
+		// In any letter case: Go's decoder matches fields so, and a
+		// "KV_Transfer_Params" must not slip through.
+		clean, err := jsonobj.Edit(body, jsonobj.DeleteFold("kv_transfer_params"))
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "request body: %v", err)
 		}
@@ -58,49 +59,6 @@ func parseRequest(endpoint openai.Endpoint, body []byte) (*incoming, *openai.Err
 	}
 	return in, nil
 }
-
-// dropKey removes key from a JSON object, in any letter case (Go's decoder
-// matches fields case-insensitively, so a "KV_Transfer_Params" would
-// otherwise slip through). The other members keep their bytes exactly: no
-// re-encoding, no escaping of <, > or &, no reordering; only the
-// whitespace between members is not kept.
-func dropKey(body []byte, key string) ([]byte, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
-		return nil, fmt.Errorf("not a JSON object")
-	}
-	var kept [][]byte
-	dropped := false
-	end := dec.InputOffset()
-	for dec.More() {
-		start := end
-		for start < int64(len(body)) && (body[start] == ',' || isSpace(body[start])) {
-			start++
-		}
-		tok, err := dec.Token()
-		if err != nil {
-			return nil, err
-		}
-		k, _ := tok.(string)
-		var value json.RawMessage
-		if err := dec.Decode(&value); err != nil {
-			return nil, err
-		}
-		end = dec.InputOffset()
-		if strings.EqualFold(k, key) {
-			dropped = true
-			continue
-		}
-		kept = append(kept, body[start:end])
-	}
-	if !dropped {
-		return body, nil
-	}
-	out := append([]byte{'{'}, bytes.Join(kept, []byte{','})...)
-	return append(out, '}'), nil
-}
-
-func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
 
 // estimateTokens guesses the prompt's token count at four characters a
 // token, as llm-d's P/D decider does. It only has to tell a short prompt

@@ -53,7 +53,7 @@ func TestParseRequest(t *testing.T) {
 	t.Run("dropping the params keeps the other members' bytes", func(t *testing.T) {
 		for _, tc := range []struct{ in, want string }{
 			{`{"kv_transfer_params":{"a":1},"prompt":"<a>&amp;\u2028","model":"m","z":[1, 2]}`, `{"prompt":"<a>&amp;\u2028","model":"m","z":[1, 2]}`},
-			{`{"prompt":"<b>" , "kv_transfer_params":null , "model":"m"}`, `{"prompt":"<b>","model":"m"}`},
+			{`{"prompt":"<b>" , "kv_transfer_params":null , "model":"m"}`, `{"prompt":"<b>" , "model":"m"}`},
 			{`{"model":"m","prompt":"x","KV_TRANSFER_PARAMS":{}}`, `{"model":"m","prompt":"x"}`},
 		} {
 			in, err := parseRequest(openai.Completions, []byte(tc.in))
