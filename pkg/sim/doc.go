@@ -15,4 +15,8 @@
 // The generated text is a deterministic function of the seed and the KV
 // cache the tokens are decoded from, so a correct P/D run says exactly
 // what a plain run of the same prompt says.
+//
+// GET /sim/requests?id=X returns what reached the engine under
+// X-Request-Id X, bodies byte for byte, in arrival order; without id, the
+// last 64 requests without bodies. See [RecordedRequests].
 package sim

@@ -43,6 +43,7 @@ type Engine struct {
 	slots    chan struct{}
 	kvPort   atomic.Int64
 	registry *prometheus.Registry
+	recorder *recorder
 	handler  http.Handler
 }
 
@@ -70,6 +71,7 @@ func New(cfg Config, log *slog.Logger) (*Engine, error) {
 	e.faults = faultInjector{fault: cfg.Fault, rng: mrand.New(mrand.NewPCG(cfg.Seed, 0x5eed))}
 	e.kvPort.Store(int64(cfg.KVPort))
 	e.registry = e.newRegistry()
+	e.recorder = newRecorder()
 	e.handler = e.routes()
 	return e, nil
 }

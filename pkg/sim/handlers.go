@@ -39,10 +39,11 @@ func (e *Engine) routes() http.Handler {
 	mux.HandleFunc("GET /sim/stats", e.getStats)
 	mux.HandleFunc("GET /sim/faults", e.getFaults)
 	mux.HandleFunc("POST /sim/faults", e.setFaults)
+	mux.HandleFunc("GET /sim/requests", e.getRequests)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, openai.NewError(http.StatusNotFound, "no route for %s %s", r.Method, r.URL.Path))
 	})
-	return e.requireKey(mux)
+	return e.record(e.requireKey(mux))
 }
 
 // requireKey checks the bearer token on /v1 routes, as vLLM's --api-key
