@@ -97,6 +97,11 @@ type Config struct {
 	Addr string
 	// Model is the one model the engine serves.
 	Model string
+	// MMTokens is the number of prompt tokens each image, audio or video
+	// part of a chat message counts for.
+	MMTokens int
+	// Version is what GET /version reports.
+	Version string
 	// Seed varies the generated text.
 	Seed uint64
 	// MaxModelLen bounds prompt plus output tokens, as vLLM's --max-model-len.
@@ -144,6 +149,8 @@ func DefaultConfig() Config {
 	return Config{
 		Addr:               "127.0.0.1:8100",
 		Model:              "pdq-sim",
+		MMTokens:           16,
+		Version:            "0.14.0",
 		Seed:               1,
 		MaxModelLen:        8192,
 		KVHost:             "localhost",
@@ -167,6 +174,8 @@ func DefaultConfig() Config {
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Addr, "addr", c.Addr, "HTTP listen address")
 	fs.StringVar(&c.Model, "model", c.Model, "model name served")
+	fs.IntVar(&c.MMTokens, "mm-tokens", c.MMTokens, "prompt tokens per image, audio or video part of a chat message")
+	fs.StringVar(&c.Version, "vllm-version", c.Version, "version GET /version reports")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed of the generated text")
 	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "maximum prompt plus output tokens")
 	fs.StringVar(&c.APIKey, "api-key", c.APIKey, "bearer token required on /v1 (empty: none)")
@@ -205,6 +214,9 @@ func (c Config) Validate() error {
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
 	if c.Model == "" {
 		bad("model must not be empty")
+	}
+	if c.MMTokens < 1 {
+		bad("mm-tokens must be at least 1, got %d", c.MMTokens)
 	}
 	if c.MaxModelLen < 2 {
 		bad("max-model-len must be at least 2, got %d", c.MaxModelLen)

@@ -14,7 +14,28 @@
 //
 // The generated text is a deterministic function of the seed and the KV
 // cache the tokens are decoded from, so a correct P/D run says exactly
-// what a plain run of the same prompt says.
+// what a plain run of the same prompt says. The KV cache stands for the
+// prompt's token ids, images included, so a decode given the blocks of
+// another prompt or image is caught.
+//
+// # Prompts
+//
+// Chat messages may hold image_url, input_image, image_embeds, audio_url,
+// input_audio, audio_embeds, video_url and video_embeds parts: each counts
+// --mm-tokens prompt tokens (default 16: one KV block of the default block
+// size, small enough to leave max-model-len checks about the text) and is
+// rendered as "<image>", "<audio>" or "<video>" on a line before the
+// message's text. Its content (URL, data, or uuid) feeds the prompt's
+// token ids. Another part type is vLLM's 400 "Unknown part type: ...".
+//
+// # Other routes
+//
+// POST /tokenize {"model","prompt"} or {"model","messages",...} answers
+// {"count","max_model_len","tokens","token_strs"} with the ids of the
+// tokens the engine counts (see [CountTokens]); POST /detokenize
+// {"model","tokens"} answers {"prompt"}. GET /version answers
+// {"version"} (--vllm-version). --api-key guards /v1 only, as vLLM's
+// middleware did.
 //
 // GET /sim/requests?id=X returns what reached the engine under
 // X-Request-Id X, bodies byte for byte, in arrival order; without id, the

@@ -75,7 +75,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		return nil, apiErr
 	}
 	if req.Model != e.cfg.Model {
-		return nil, openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", req.Model).WithParam("model")
+		return nil, unknownModel(req.Model)
 	}
 	if req.N != nil && *req.N > 1 {
 		return nil, openai.NewError(http.StatusBadRequest, "pdq sim supports n=1 only, got n=%d", *req.N).WithParam("n")
@@ -98,7 +98,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}
-		j.prompt = textPrompt(text)
+		j.prompt = promptOf(text.ids(e.cfg.MMTokens), text.midWord())
 	case openai.Completions:
 		p, err := openai.ParsePrompt(req.Prompt)
 		if err != nil {
