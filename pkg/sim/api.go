@@ -10,11 +10,6 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// unknownModel is vLLM's answer to a model it does not serve.
-func unknownModel(name string) *openai.Error {
-	return openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", name).WithParam("model")
-}
-
 // readJSON reads a request body into v, answering 400 for what is not JSON.
 func readJSON(w http.ResponseWriter, r *http.Request, v any) *openai.Error {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
@@ -63,9 +58,11 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, apiErr)
 		return
 	}
-	if in.Model != nil && *in.Model != e.cfg.Model {
-		openai.WriteError(w, unknownModel(*in.Model))
-		return
+	if in.Model != nil {
+		if _, ok := e.names.resolve(*in.Model); !ok {
+			openai.WriteError(w, unknownModel(*in.Model))
+			return
+		}
 	}
 	var ids []int
 	switch {
@@ -112,9 +109,11 @@ func (e *Engine) detokenize(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, apiErr)
 		return
 	}
-	if in.Model != nil && *in.Model != e.cfg.Model {
-		openai.WriteError(w, unknownModel(*in.Model))
-		return
+	if in.Model != nil {
+		if _, ok := e.names.resolve(*in.Model); !ok {
+			openai.WriteError(w, unknownModel(*in.Model))
+			return
+		}
 	}
 	if in.Tokens == nil {
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "'tokens' is required").WithParam("tokens"))

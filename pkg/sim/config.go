@@ -90,13 +90,46 @@ func faultKindList() string {
 	return strings.Join(s, ", ")
 }
 
+// LoRAModule is one --lora-modules entry: an adapter name, the path it is
+// loaded from, and optionally the served base model it applies to.
+type LoRAModule struct {
+	Name          string `json:"name"`
+	Path          string `json:"path"`
+	BaseModelName string `json:"base_model_name,omitempty"`
+}
+
+// ParseLoRAModule reads a --lora-modules value as vLLM does: "name=path",
+// or a JSON object {"name":..,"path":..,"base_model_name":..}.
+func ParseLoRAModule(s string) (LoRAModule, error) {
+	if name, path, ok := strings.Cut(s, "="); ok && !strings.Contains(s, ",") {
+		return LoRAModule{Name: name, Path: path}, nil
+	}
+	var m LoRAModule
+	dec := json.NewDecoder(strings.NewReader(s))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&m); err != nil {
+		return LoRAModule{}, fmt.Errorf("invalid --lora-modules %q: want name=path or a JSON object with name, path and optionally base_model_name: %v", s, err)
+	}
+	return m, nil
+}
+
 // Config configures a simulated engine. The zero value is not usable; start
 // from [DefaultConfig].
 type Config struct {
 	// Addr is the HTTP listen address.
 	Addr string
-	// Model is the one model the engine serves.
+	// Model is the model the engine runs, vLLM's --model: the root of its
+	// /v1/models cards, and its served name unless ServedModelNames is set.
 	Model string
+	// ServedModelNames are the names the base model answers to (vLLM's
+	// --served-model-name); responses carry the first. Empty: Model.
+	ServedModelNames []string
+	// LoRAModules are the adapters loaded at start (vLLM's --lora-modules).
+	LoRAModules []LoRAModule
+	// RuntimeLoRA serves POST /v1/load_lora_adapter and
+	// /v1/unload_lora_adapter, as vLLM does with
+	// VLLM_ALLOW_RUNTIME_LORA_UPDATING=true.
+	RuntimeLoRA bool
 	// MMTokens is the number of prompt tokens each image, audio or video
 	// part of a chat message counts for.
 	MMTokens int
@@ -149,6 +182,7 @@ func DefaultConfig() Config {
 	return Config{
 		Addr:               "127.0.0.1:8100",
 		Model:              "pdq-sim",
+		RuntimeLoRA:        true,
 		MMTokens:           16,
 		Version:            "0.14.0",
 		Seed:               1,
@@ -173,7 +207,24 @@ func DefaultConfig() Config {
 // current values as defaults.
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Addr, "addr", c.Addr, "HTTP listen address")
-	fs.StringVar(&c.Model, "model", c.Model, "model name served")
+	fs.StringVar(&c.Model, "model", c.Model, "model the engine runs: the root of its /v1/models cards, and its name unless --served-model-name is set")
+	fs.Func("served-model-name", "name the model answers to; comma-separated or repeated for several, responses carry the first (default: --model)", func(s string) error {
+		for _, name := range strings.Split(s, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				c.ServedModelNames = append(c.ServedModelNames, name)
+			}
+		}
+		return nil
+	})
+	fs.Func("lora-modules", "LoRA adapter loaded at start, name=path or JSON {\"name\":..,\"path\":..,\"base_model_name\":..}; repeat for several", func(s string) error {
+		m, err := ParseLoRAModule(s)
+		if err != nil {
+			return err
+		}
+		c.LoRAModules = append(c.LoRAModules, m)
+		return nil
+	})
+	fs.BoolVar(&c.RuntimeLoRA, "allow-runtime-lora-updating", c.RuntimeLoRA, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
 	fs.IntVar(&c.MMTokens, "mm-tokens", c.MMTokens, "prompt tokens per image, audio or video part of a chat message")
 	fs.StringVar(&c.Version, "vllm-version", c.Version, "version GET /version reports")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed of the generated text")
@@ -208,12 +259,36 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 }
 
+// servedNames are the names the base model answers to.
+func (c Config) servedNames() []string {
+	if len(c.ServedModelNames) > 0 {
+		return c.ServedModelNames
+	}
+	return []string{c.Model}
+}
+
 // Validate reports every bad value at once.
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
 	if c.Model == "" {
 		bad("model must not be empty")
+	}
+	for _, name := range c.ServedModelNames {
+		if strings.TrimSpace(name) == "" {
+			bad("served-model-name must not be empty")
+		}
+	}
+	loras := map[string]bool{}
+	for _, m := range c.LoRAModules {
+		switch {
+		case m.Name == "" || m.Path == "":
+			bad("lora-modules %q: both a name and a path are required", m.Name+"="+m.Path)
+		case loras[m.Name]:
+			// vLLM fails at start the same way.
+			bad("lora-modules: The lora adapter '%s' has already been loaded.", m.Name)
+		}
+		loras[m.Name] = true
 	}
 	if c.MMTokens < 1 {
 		bad("mm-tokens must be at least 1, got %d", c.MMTokens)

@@ -15,8 +15,24 @@
 // The generated text is a deterministic function of the seed and the KV
 // cache the tokens are decoded from, so a correct P/D run says exactly
 // what a plain run of the same prompt says. The KV cache stands for the
-// prompt's token ids, images included, so a decode given the blocks of
-// another prompt or image is caught.
+// prompt's token ids, images included, and the LoRA adapter, so a decode
+// given the blocks of another prompt, image or adapter is caught.
+//
+// # Models
+//
+// --model is the model the engine runs; --served-model-name (comma-
+// separated or repeated) gives the names it answers to, and responses
+// carry the first. --lora-modules name=path (or vLLM's JSON form, with
+// base_model_name) loads adapters; a request naming one is answered under
+// its name, in other words than the base model's. With
+// --allow-runtime-lora-updating (the default here; vLLM needs
+// VLLM_ALLOW_RUNTIME_LORA_UPDATING) POST /v1/load_lora_adapter
+// {"lora_name","lora_path","load_inplace"} and /v1/unload_lora_adapter
+// {"lora_name"} change them at run time, answering vLLM's plain-text
+// "Success: ..." or its errors. GET /v1/models lists the served names
+// (root --model, parent null, max_model_len), then the adapters (root
+// their path, parent their base model, max_model_len null), each with
+// one model_permission object.
 //
 // # Prompts
 //

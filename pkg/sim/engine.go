@@ -31,10 +31,9 @@ const shutdownGrace = 5 * time.Second
 type Engine struct {
 	cfg      Config
 	log      *slog.Logger
-	model    model
+	names    *modelNames
 	engineID string
 	compat   string
-	created  int64
 
 	stats    counters
 	dead     atomic.Bool
@@ -55,9 +54,8 @@ func New(cfg Config, log *slog.Logger) (*Engine, error) {
 	e := &Engine{
 		cfg:      cfg,
 		log:      log.With(logging.KeyComponent, "sim", "model", cfg.Model),
-		model:    model{seed: cfg.Seed},
+		names:    newModelNames(cfg),
 		engineID: cfg.EngineID,
-		created:  time.Now().Unix(),
 		slots:    make(chan struct{}, cfg.MaxNumSeqs),
 	}
 	if e.engineID == "" {
@@ -118,6 +116,7 @@ func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
 	go func() { errc <- e.serveKV(kvCtx, kvLn) }()
 	e.log.Info("simulated engine ready",
 		"addr", httpLn.Addr().String(), "kv", net.JoinHostPort(e.cfg.KVHost, strconv.Itoa(e.KVPort())),
+		"served_model_name", e.names.served,
 		"engine_id", e.engineID, "nixl_protocol", e.cfg.Protocol, "kv_load_failure", e.cfg.KVLoadFailure,
 		"max_num_seqs", e.cfg.MaxNumSeqs, "kv_lease", e.cfg.KVLease.String())
 

@@ -96,7 +96,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 		if e.dead.Load() {
 			return outcome{}, errEngineDead
 		}
-		t := token{i: i, n: n, text: e.model.token(digest, i)}
+		t := token{i: i, n: n, text: j.gen.token(digest, i)}
 		if i == 0 && j.prompt.midWord {
 			t.text = " " + t.text // going on from a partial answer: a new word
 		}
@@ -145,7 +145,7 @@ func (e *Engine) outputLength(j *job, digest string) (int, string) {
 	if j.req.IgnoreEOS {
 		return j.maxTokens, openai.FinishLength
 	}
-	n := max(e.model.naturalLength(digest), j.minTokens)
+	n := max(j.gen.naturalLength(digest), j.minTokens)
 	if n >= j.maxTokens {
 		return j.maxTokens, openai.FinishLength
 	}

@@ -34,6 +34,10 @@ func (e *Engine) routes() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", e.generate(openai.Chat))
 	mux.HandleFunc("POST /v1/completions", e.generate(openai.Completions))
 	mux.HandleFunc("GET /v1/models", e.models)
+	if e.cfg.RuntimeLoRA {
+		mux.HandleFunc("POST /v1/load_lora_adapter", e.loadLoRA)
+		mux.HandleFunc("POST /v1/unload_lora_adapter", e.unloadLoRA)
+	}
 	mux.HandleFunc("POST /tokenize", e.tokenize)
 	mux.HandleFunc("POST /detokenize", e.detokenize)
 	mux.HandleFunc("GET /version", e.version)
@@ -143,7 +147,7 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, j *job, kin
 	switch j.endpoint {
 	case openai.Chat:
 		resp = openai.ChatCompletion{
-			ID: j.respID, Object: openai.ObjectChatCompletion, Created: j.created, Model: e.cfg.Model,
+			ID: j.respID, Object: openai.ObjectChatCompletion, Created: j.created, Model: j.target.name,
 			Choices: []openai.ChatChoice{{
 				Message:      openai.ChatMessage{Role: "assistant", Content: text.String(), ToolCalls: []any{}},
 				FinishReason: out.finish,
@@ -153,7 +157,7 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, j *job, kin
 	default:
 		finish := out.finish
 		resp = openai.Completion{
-			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model,
+			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: j.target.name,
 			Choices: []openai.CompletionChoice{{Text: text.String(), FinishReason: &finish}},
 			Usage:   usage, KVTransferParams: out.kvParams,
 		}
@@ -204,7 +208,7 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop
 			return send(c)
 		}
 		return send(openai.CompletionChunk{
-			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model,
+			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: j.target.name,
 			Choices: []openai.CompletionChoice{{Text: t.text, FinishReason: finish}},
 			Usage:   usageAt(t.i + 1),
 		})
@@ -215,9 +219,9 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop
 	}
 	if withUsage {
 		usage := openai.NewUsage(j.prompt.tokens, out.tokens)
-		var chunk any = openai.ChatChunk{ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model, Choices: []openai.ChatChunkChoice{}, Usage: usage}
+		var chunk any = openai.ChatChunk{ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: j.target.name, Choices: []openai.ChatChunkChoice{}, Usage: usage}
 		if j.endpoint == openai.Completions {
-			chunk = openai.CompletionChunk{ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model, Choices: []openai.CompletionChoice{}, Usage: usage}
+			chunk = openai.CompletionChunk{ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: j.target.name, Choices: []openai.CompletionChoice{}, Usage: usage}
 		}
 		if send(chunk) != nil {
 			e.stats.aborts.Add(1)
@@ -231,7 +235,7 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop
 
 func (e *Engine) chatChunk(j *job, delta openai.ChatDelta, finish *string, usage *openai.Usage) openai.ChatChunk {
 	return openai.ChatChunk{
-		ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model,
+		ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: j.target.name,
 		Choices: []openai.ChatChunkChoice{{Delta: delta, FinishReason: finish}},
 		Usage:   usage,
 	}
@@ -289,13 +293,6 @@ func (e *Engine) dropConnection(w http.ResponseWriter, j *job) {
 func (e *Engine) fail(w http.ResponseWriter, apiErr *openai.Error) {
 	e.stats.errors.Add(1)
 	openai.WriteError(w, apiErr)
-}
-
-func (e *Engine) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{{
-		ID: e.cfg.Model, Object: openai.ObjectModel, Created: e.created, OwnedBy: "vllm",
-		Root: e.cfg.Model, MaxModelLen: e.cfg.MaxModelLen, Permission: []any{},
-	}}})
 }
 
 // health answers 200 with an empty body, 503 once the engine is dead.

@@ -57,14 +57,17 @@ type job struct {
 	// internalID is the engine's id: respID (plus -0 for completions), plus
 	// a random suffix in v2, as vLLM 0.14+ adds one.
 	internalID string
-	prompt     prompt
-	maxTokens  int
-	minTokens  int
-	mode       mode
-	remote     remote
-	created    int64
-	start      time.Time
-	log        *slog.Logger
+	// target is the model or adapter that answers; gen says its words.
+	target    target
+	gen       model
+	prompt    prompt
+	maxTokens int
+	minTokens int
+	mode      mode
+	remote    remote
+	created   int64
+	start     time.Time
+	log       *slog.Logger
 }
 
 // parse reads and checks a request, answering as vLLM would: 404 for
@@ -74,13 +77,14 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 	if apiErr != nil {
 		return nil, apiErr
 	}
-	if req.Model != e.cfg.Model {
+	tgt, ok := e.names.resolve(req.Model)
+	if !ok {
 		return nil, unknownModel(req.Model)
 	}
 	if req.N != nil && *req.N > 1 {
 		return nil, openai.NewError(http.StatusBadRequest, "pdq sim supports n=1 only, got n=%d", *req.N).WithParam("n")
 	}
-	j := &job{endpoint: endpoint, req: req, created: time.Now().Unix(), start: time.Now()}
+	j := &job{endpoint: endpoint, req: req, target: tgt, gen: e.modelFor(tgt), created: time.Now().Unix(), start: time.Now()}
 	switch endpoint {
 	case openai.Chat:
 		tmpl := ChatTemplate{AddGenerationPrompt: req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
@@ -98,16 +102,16 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}
-		j.prompt = promptOf(text.ids(e.cfg.MMTokens), text.midWord())
+		j.prompt = promptOf(text.ids(e.cfg.MMTokens), tgt.adapter, text.midWord())
 	case openai.Completions:
 		p, err := openai.ParsePrompt(req.Prompt)
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
 		}
 		if p.Tokens != nil {
-			j.prompt = tokenPrompt(p.Tokens)
+			j.prompt = promptOf(p.Tokens, tgt.adapter, false)
 		} else {
-			j.prompt = textPrompt(p.Text)
+			j.prompt = promptOf(textIDs(p.Text), tgt.adapter, endsMidWord(p.Text))
 		}
 	}
 	if j.prompt.tokens == 0 {
@@ -161,6 +165,9 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		j.internalID += "-" + randomHex(4)
 	}
 	j.log = e.log.With(logging.KeyRequestID, j.internalID, "mode", j.mode.String())
+	if tgt.adapter != "" {
+		j.log = j.log.With("lora", tgt.adapter)
+	}
 	return j, nil
 }
 

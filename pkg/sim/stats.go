@@ -87,7 +87,8 @@ func (e *Engine) snapshot() Stats {
 // time, so there is one source of truth.
 func (e *Engine) newRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	labels := prometheus.Labels{"model_name": e.cfg.Model}
+	// vLLM labels its metrics with the first served name.
+	labels := prometheus.Labels{"model_name": e.names.served[0]}
 	gauge := func(name, help string, v *atomic.Int64) prometheus.Collector {
 		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels},
 			func() float64 { return float64(v.Load()) })

@@ -241,10 +241,13 @@ type prompt struct {
 	midWord bool
 }
 
-// promptOf is the prompt of token ids: the digest is theirs, so a text and
-// its token ids are one prompt to the model.
-func promptOf(ids []int, midWord bool) prompt {
+// promptOf is the prompt of token ids run under a LoRA adapter ("" for the
+// base model). The digest covers both, since KV caches differ per adapter.
+func promptOf(ids []int, adapter string, midWord bool) prompt {
 	h := sha256.New()
+	if adapter != "" {
+		h.Write([]byte("lora\x00" + adapter + "\x00"))
+	}
 	var buf [8]byte
 	for _, id := range ids {
 		binary.LittleEndian.PutUint64(buf[:], uint64(id))
@@ -253,9 +256,9 @@ func promptOf(ids []int, midWord bool) prompt {
 	return prompt{tokens: len(ids), digest: hex.EncodeToString(h.Sum(nil)[:12]), midWord: midWord}
 }
 
-func textPrompt(s string) prompt { return promptOf(textIDs(s), endsMidWord(s)) }
+func textPrompt(s string) prompt { return promptOf(textIDs(s), "", endsMidWord(s)) }
 
-func tokenPrompt(ids []int) prompt { return promptOf(ids, false) }
+func tokenPrompt(ids []int) prompt { return promptOf(ids, "", false) }
 
 func endsMidWord(s string) bool {
 	last, _ := utf8.DecodeLastRuneInString(s)
