@@ -44,6 +44,14 @@
 // message's text. Its content (URL, data, or uuid) feeds the prompt's
 // token ids. Another part type is vLLM's 400 "Unknown part type: ...".
 //
+// A completions prompt may be a batch (a list of strings or of token-id
+// lists): one engine request per prompt (cmpl-<id>-<i>), one choice per
+// prompt with index i, usage summed, streamed chunks interleaved under one
+// id. As in vLLM, a prefill returns the kv_transfer_params of prompt 0
+// only (the others' blocks wait for their lease), and a decode given them
+// runs every prompt with them: prompt 0 reads its blocks, the others find
+// none and fail or recompute under --kv-load-failure.
+//
 // # Other routes
 //
 // POST /tokenize {"model","prompt"} or {"model","messages",...} answers

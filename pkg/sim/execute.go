@@ -44,6 +44,14 @@ type outcome struct {
 // tokens at the ITL, handing each to emit. It returns ctx's error when the
 // client went away.
 func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token) error) (outcome, error) {
+	defer j.markLoaded()
+	if j.loadAfter != nil {
+		select {
+		case <-j.loadAfter:
+		case <-ctx.Done():
+			return outcome{}, ctx.Err()
+		}
+	}
 	release, err := e.admit(ctx, j)
 	if err != nil {
 		return outcome{}, err
@@ -54,6 +62,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	switch j.mode {
 	case modeDecode:
 		loaded, err := e.loadKV(ctx, j)
+		j.markLoaded()
 		switch {
 		case err == nil:
 			if loaded != digest {

@@ -8,7 +8,9 @@ import (
 
 // Stats are the engine's counters, served at GET /sim/stats for tests to
 // assert on. Request counters count requests that finished; a request that
-// fails or is aborted is counted where it failed instead.
+// fails or is aborted is counted where it failed instead. Prefills,
+// Decodes and Local count engine requests: a completions request with a
+// batch of prompts is one per prompt.
 type Stats struct {
 	// Requests is every generation request received, good or bad.
 	Requests int64 `json:"requests"`
