@@ -2,10 +2,14 @@ package sim
 
 import (
 	"bytes"
+	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"io"
+	"math"
 	"net/http"
+	"time"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -134,4 +138,147 @@ func (e *Engine) version(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, struct {
 		Version string `json:"version"`
 	}{e.cfg.Version})
+}
+
+// embeddingUsage is vLLM's UsageInfo as an embedding response has it.
+type embeddingUsage struct {
+	PromptTokens        int  `json:"prompt_tokens"`
+	TotalTokens         int  `json:"total_tokens"`
+	CompletionTokens    int  `json:"completion_tokens"`
+	PromptTokensDetails *any `json:"prompt_tokens_details"`
+}
+
+// embeddingData is one vector: a list of floats, or with encoding_format
+// base64 their little-endian float32 bytes in base64.
+type embeddingData struct {
+	Index     int    `json:"index"`
+	Object    string `json:"object"`
+	Embedding any    `json:"embedding"`
+}
+
+// embeddingResponse is vLLM's EmbeddingResponse.
+type embeddingResponse struct {
+	ID      string          `json:"id"`
+	Object  string          `json:"object"`
+	Created int64           `json:"created"`
+	Model   string          `json:"model"`
+	Data    []embeddingData `json:"data"`
+	Usage   embeddingUsage  `json:"usage"`
+}
+
+// embeddings serves POST /v1/embeddings on a pooling engine: {"model",
+// "input" (a string, a list of strings, a list of token ids or of lists of
+// them) or "messages", "encoding_format", "dimensions"}. Each input gets a
+// deterministic unit vector made from its tokens (and the adapter).
+func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
+	e.stats.requests.Add(1)
+	if e.dead.Load() {
+		e.fail(w, openai.NewError(http.StatusInternalServerError, engineDeadMessage))
+		return
+	}
+	var in struct {
+		Model          string           `json:"model"`
+		Input          json.RawMessage  `json:"input"`
+		Messages       []openai.Message `json:"messages"`
+		EncodingFormat string           `json:"encoding_format"`
+		Dimensions     *int             `json:"dimensions"`
+		RequestID      string           `json:"request_id"`
+	}
+	if apiErr := readJSON(w, r, &in); apiErr != nil {
+		e.fail(w, apiErr)
+		return
+	}
+	tgt, ok := e.names.resolve(in.Model)
+	if !ok {
+		e.fail(w, unknownModel(in.Model))
+		return
+	}
+	dim := e.cfg.EmbeddingDim
+	if in.Dimensions != nil {
+		if *in.Dimensions < 1 || *in.Dimensions > dim {
+			e.fail(w, openai.NewError(http.StatusBadRequest, "'dimensions' must be between 1 and %d, got %d", dim, *in.Dimensions).WithParam("dimensions"))
+			return
+		}
+		dim = *in.Dimensions
+	}
+	if in.EncodingFormat != "" && in.EncodingFormat != "float" && in.EncodingFormat != "base64" {
+		e.fail(w, openai.NewError(http.StatusBadRequest, "'encoding_format' must be float or base64, got %q", in.EncodingFormat).WithParam("encoding_format"))
+		return
+	}
+	var inputs [][]int
+	if in.Messages != nil {
+		text, err := renderChat(in.Messages, ChatTemplate{AddGenerationPrompt: true})
+		if err != nil {
+			e.fail(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages"))
+			return
+		}
+		inputs = append(inputs, text.ids(e.cfg.MMTokens))
+	} else {
+		ps, err := openai.ParsePrompts(in.Input)
+		if err != nil {
+			e.fail(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("input"))
+			return
+		}
+		for _, p := range ps {
+			if p.Tokens != nil {
+				inputs = append(inputs, p.Tokens)
+			} else {
+				inputs = append(inputs, textIDs(p.Text))
+			}
+		}
+	}
+	resp := embeddingResponse{Object: openai.ObjectList, Created: time.Now().Unix(), Model: tgt.name}
+	for i, ids := range inputs {
+		if len(ids) > e.cfg.MaxModelLen {
+			e.fail(w, openai.NewError(http.StatusBadRequest,
+				"This model's maximum context length is %d tokens. However, you requested %d tokens in the input for embedding generation. Please reduce the length of the input.",
+				e.cfg.MaxModelLen, len(ids)).WithParam("input_tokens"))
+			return
+		}
+		vec := e.embed(promptOf(ids, tgt.adapter, false).digest, dim)
+		// Floats as vLLM writes them: float32 values printed as doubles.
+		floats := make([]float64, len(vec))
+		for k, x := range vec {
+			floats[k] = float64(x)
+		}
+		var emb any = floats
+		if in.EncodingFormat == "base64" {
+			buf := make([]byte, 4*len(vec))
+			for k, x := range vec {
+				binary.LittleEndian.PutUint32(buf[4*k:], math.Float32bits(x))
+			}
+			emb = base64.StdEncoding.EncodeToString(buf)
+		}
+		resp.Data = append(resp.Data, embeddingData{Index: i, Object: "embedding", Embedding: emb})
+		resp.Usage.PromptTokens += len(ids)
+	}
+	resp.Usage.TotalTokens = resp.Usage.PromptTokens
+	baseID := r.Header.Get("X-Request-Id")
+	if baseID == "" {
+		baseID = in.RequestID
+	}
+	if baseID == "" {
+		baseID = randomHex(16)
+	}
+	resp.ID = "embd-" + baseID
+	e.stats.promptTokens.Add(int64(resp.Usage.PromptTokens))
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// embed is the unit vector of a prompt digest: dim hashed values in
+// [-1, 1), normalized.
+func (e *Engine) embed(digest string, dim int) []float32 {
+	m := model{seed: e.cfg.Seed}
+	raw := make([]float64, dim)
+	var norm float64
+	for k := range raw {
+		raw[k] = float64(m.hash(digest, uint64(k)+1<<62)>>11)/(1<<52) - 1
+		norm += raw[k] * raw[k]
+	}
+	norm = math.Sqrt(norm)
+	vec := make([]float32, dim)
+	for k, x := range raw {
+		vec[k] = float32(x / norm)
+	}
+	return vec
 }

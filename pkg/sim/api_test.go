@@ -2,6 +2,10 @@ package sim_test
 
 import (
 	"bytes"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"math"
 	"net/http"
 	"strings"
 	"testing"
@@ -104,4 +108,87 @@ func TestVersionAndAPIKey(t *testing.T) {
 		}
 	}
 	call(t, http.MethodGet, e.URL+"/v1/models", nil, "Authorization", "Bearer k").want(t, http.StatusOK)
+}
+
+type embedResponse struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	Model   string `json:"model"`
+	Data    []struct {
+		Index     int             `json:"index"`
+		Object    string          `json:"object"`
+		Embedding json.RawMessage `json:"embedding"`
+	} `json:"data"`
+	Usage map[string]any `json:"usage"`
+}
+
+func TestEmbeddings(t *testing.T) {
+	e := simtest.Start(t, fast(func(c *sim.Config) { c.Runner = sim.RunnerPooling; c.EmbeddingDim = 32 }))
+	embed := func(b any, headers ...string) embedResponse {
+		var out embedResponse
+		call(t, http.MethodPost, e.URL+"/v1/embeddings", b, headers...).want(t, http.StatusOK).decode(t, &out)
+		return out
+	}
+	vec := func(raw json.RawMessage) []float64 {
+		var v []float64
+		if err := json.Unmarshal(raw, &v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	r := embed(map[string]any{"model": "pdq-sim", "input": []string{"first text", "second text", "first text"}}, "X-Request-Id", "emb-1")
+	if r.ID != "embd-emb-1" || r.Object != "list" || r.Model != "pdq-sim" || len(r.Data) != 3 || r.Created == 0 {
+		t.Fatalf("response = %+v", r)
+	}
+	want := map[string]any{"prompt_tokens": float64(6), "total_tokens": float64(6), "completion_tokens": float64(0), "prompt_tokens_details": nil}
+	for k, v := range want {
+		if got, ok := r.Usage[k]; !ok || got != v {
+			t.Errorf("usage[%s] = %v, want %v", k, got, v)
+		}
+	}
+	vs := make([][]float64, 3)
+	for i, d := range r.Data {
+		if d.Index != i || d.Object != "embedding" {
+			t.Errorf("data[%d] = %+v", i, d)
+		}
+		vs[i] = vec(d.Embedding)
+		var norm float64
+		for _, x := range vs[i] {
+			norm += x * x
+		}
+		if len(vs[i]) != 32 || math.Abs(norm-1) > 1e-5 {
+			t.Errorf("vector %d: length %d, norm² %v", i, len(vs[i]), norm)
+		}
+	}
+	if vs[0][0] != vs[2][0] || vs[0][0] == vs[1][0] {
+		t.Error("vectors are not a function of the input")
+	}
+
+	b64 := embed(map[string]any{"model": "pdq-sim", "input": "first text", "encoding_format": "base64"})
+	var s string
+	json.Unmarshal(b64.Data[0].Embedding, &s)
+	buf, err := base64.StdEncoding.DecodeString(s)
+	if err != nil || len(buf) != 4*32 {
+		t.Fatalf("base64 embedding: %d bytes, %v", len(buf), err)
+	}
+	for k := range 32 {
+		if got := float64(math.Float32frombits(binary.LittleEndian.Uint32(buf[4*k:]))); got != vs[0][k] {
+			t.Fatalf("base64 value %d = %v, float %v", k, got, vs[0][k])
+		}
+	}
+	if d := embed(map[string]any{"input": [][]int{{1, 2, 3}}, "dimensions": 8}); len(vec(d.Data[0].Embedding)) != 8 {
+		t.Error("dimensions not applied")
+	}
+	call(t, http.MethodPost, e.URL+"/v1/embeddings", map[string]any{"model": "x", "input": "a"}).apiError(t, http.StatusNotFound, "does not exist")
+	// A pooling model serves no generation.
+	if r := call(t, http.MethodPost, e.URL+"/v1/completions", map[string]any{"model": "pdq-sim", "prompt": "a"}); r.status != http.StatusNotFound || string(r.body) != `{"detail":"Not Found"}` {
+		t.Errorf("completions on a pooling model: %d %s", r.status, r.body)
+	}
+
+	// A generative model has no /v1/embeddings route, as in vLLM.
+	g := simtest.Start(t, fast(nil))
+	if r := call(t, http.MethodPost, g.URL+"/v1/embeddings", map[string]any{"model": "pdq-sim", "input": "a"}); r.status != http.StatusNotFound || string(r.body) != `{"detail":"Not Found"}` {
+		t.Errorf("embeddings on a generative model: %d %s", r.status, r.body)
+	}
 }

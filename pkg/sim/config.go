@@ -90,6 +90,16 @@ func faultKindList() string {
 	return strings.Join(s, ", ")
 }
 
+// Runner is the kind of model the engine runs, as vLLM's --runner.
+type Runner string
+
+// The runners. RunnerAuto is read as RunnerGenerate.
+const (
+	RunnerAuto     Runner = "auto"
+	RunnerGenerate Runner = "generate"
+	RunnerPooling  Runner = "pooling"
+)
+
 // LoRAModule is one --lora-modules entry: an adapter name, the path it is
 // loaded from, and optionally the served base model it applies to.
 type LoRAModule struct {
@@ -133,6 +143,11 @@ type Config struct {
 	// MMTokens is the number of prompt tokens each image, audio or video
 	// part of a chat message counts for.
 	MMTokens int
+	// Runner is vLLM's --runner: generate (chat and completions) or
+	// pooling (embeddings).
+	Runner Runner
+	// EmbeddingDim is the length of the vectors a pooling engine returns.
+	EmbeddingDim int
 	// Version is what GET /version reports.
 	Version string
 	// Seed varies the generated text.
@@ -184,6 +199,8 @@ func DefaultConfig() Config {
 		Model:              "pdq-sim",
 		RuntimeLoRA:        true,
 		MMTokens:           16,
+		Runner:             RunnerGenerate,
+		EmbeddingDim:       384,
 		Version:            "0.14.0",
 		Seed:               1,
 		MaxModelLen:        8192,
@@ -226,6 +243,11 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 	fs.BoolVar(&c.RuntimeLoRA, "allow-runtime-lora-updating", c.RuntimeLoRA, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
 	fs.IntVar(&c.MMTokens, "mm-tokens", c.MMTokens, "prompt tokens per image, audio or video part of a chat message")
+	fs.Func("runner", "model runner: generate (chat, completions) or pooling (embeddings) (default generate)", func(s string) error {
+		c.Runner = Runner(s)
+		return nil
+	})
+	fs.IntVar(&c.EmbeddingDim, "embedding-dim", c.EmbeddingDim, "length of the embedding vectors of --runner pooling")
 	fs.StringVar(&c.Version, "vllm-version", c.Version, "version GET /version reports")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed of the generated text")
 	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "maximum prompt plus output tokens")
@@ -292,6 +314,14 @@ func (c Config) Validate() error {
 	}
 	if c.MMTokens < 1 {
 		bad("mm-tokens must be at least 1, got %d", c.MMTokens)
+	}
+	switch c.Runner {
+	case RunnerAuto, RunnerGenerate, RunnerPooling:
+	default:
+		bad("runner must be auto, generate or pooling, got %q", c.Runner)
+	}
+	if c.EmbeddingDim < 1 {
+		bad("embedding-dim must be at least 1, got %d", c.EmbeddingDim)
 	}
 	if c.MaxModelLen < 2 {
 		bad("max-model-len must be at least 2, got %d", c.MaxModelLen)

@@ -58,8 +58,11 @@
 // {"count","max_model_len","tokens","token_strs"} with the ids of the
 // tokens the engine counts (see [CountTokens]); POST /detokenize
 // {"model","tokens"} answers {"prompt"}. GET /version answers
-// {"version"} (--vllm-version). --api-key guards /v1 only, as vLLM's
-// middleware did.
+// {"version"} (--vllm-version). --runner pooling serves POST
+// /v1/embeddings with deterministic unit vectors (--embedding-dim long)
+// instead of chat and completions; a generative engine answers
+// /v1/embeddings 404 {"detail":"Not Found"}, as vLLM does for a route it
+// did not register. --api-key guards /v1 only, as vLLM's middleware did.
 //
 // GET /sim/requests?id=X returns what reached the engine under
 // X-Request-Id X, bodies byte for byte, in arrival order; without id, the

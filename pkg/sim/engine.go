@@ -116,7 +116,7 @@ func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
 	go func() { errc <- e.serveKV(kvCtx, kvLn) }()
 	e.log.Info("simulated engine ready",
 		"addr", httpLn.Addr().String(), "kv", net.JoinHostPort(e.cfg.KVHost, strconv.Itoa(e.KVPort())),
-		"served_model_name", e.names.served,
+		"served_model_name", e.names.served, "runner", e.cfg.Runner,
 		"engine_id", e.engineID, "nixl_protocol", e.cfg.Protocol, "kv_load_failure", e.cfg.KVLoadFailure,
 		"max_num_seqs", e.cfg.MaxNumSeqs, "kv_lease", e.cfg.KVLease.String())
 

@@ -33,8 +33,16 @@ var (
 
 func (e *Engine) routes() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/chat/completions", e.generate(openai.Chat))
-	mux.HandleFunc("POST /v1/completions", e.generate(openai.Completions))
+	if e.cfg.Runner == RunnerPooling {
+		// vLLM registers the routes of the tasks the model supports only.
+		mux.HandleFunc("POST /v1/embeddings", e.embeddings)
+		mux.HandleFunc("POST /v1/chat/completions", fastAPINotFound)
+		mux.HandleFunc("POST /v1/completions", fastAPINotFound)
+	} else {
+		mux.HandleFunc("POST /v1/chat/completions", e.generate(openai.Chat))
+		mux.HandleFunc("POST /v1/completions", e.generate(openai.Completions))
+		mux.HandleFunc("POST /v1/embeddings", fastAPINotFound)
+	}
 	mux.HandleFunc("GET /v1/models", e.models)
 	if e.cfg.RuntimeLoRA {
 		mux.HandleFunc("POST /v1/load_lora_adapter", e.loadLoRA)
@@ -53,6 +61,15 @@ func (e *Engine) routes() http.Handler {
 		openai.WriteError(w, openai.NewError(http.StatusNotFound, "no route for %s %s", r.Method, r.URL.Path))
 	})
 	return e.record(e.requireKey(mux))
+}
+
+// fastAPINotFound is what vLLM (FastAPI) answers on a route it did not
+// register: /v1/embeddings on a generative model, the generation routes on
+// a pooling one.
+func fastAPINotFound(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusNotFound)
+	io.WriteString(w, `{"detail":"Not Found"}`)
 }
 
 // requireKey checks the bearer token on /v1 routes, as vLLM's --api-key

@@ -12,7 +12,8 @@ import (
 // Decodes and Local count engine requests: a completions request with a
 // batch of prompts is one per prompt.
 type Stats struct {
-	// Requests is every generation request received, good or bad.
+	// Requests is every generation or embedding request received, good or
+	// bad.
 	Requests int64 `json:"requests"`
 	// Prefills finished with do_remote_decode and returned kv_transfer_params.
 	Prefills int64 `json:"prefills"`

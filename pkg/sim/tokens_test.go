@@ -76,7 +76,8 @@ func TestFlags(t *testing.T) {
 		"--served-model-name", "llama, llama-8b", "--served-model-name", "default",
 		"--lora-modules", "sql=/adapters/sql",
 		"--lora-modules", `{"name":"chat","path":"/adapters/chat","base_model_name":"llama-8b"}`,
-		"--allow-runtime-lora-updating=false", "--mm-tokens", "32", "--vllm-version", "0.9.2",
+		"--allow-runtime-lora-updating=false", "--mm-tokens", "32", "--runner", "pooling",
+		"--embedding-dim", "8", "--vllm-version", "0.9.2",
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +89,7 @@ func TestFlags(t *testing.T) {
 	if !slices.Equal(c.LoRAModules, want) {
 		t.Errorf("lora modules = %+v", c.LoRAModules)
 	}
-	if c.RuntimeLoRA || c.MMTokens != 32 || c.Version != "0.9.2" {
+	if c.RuntimeLoRA || c.MMTokens != 32 || c.Runner != RunnerPooling || c.EmbeddingDim != 8 || c.Version != "0.9.2" {
 		t.Errorf("config = %+v", c)
 	}
 	if err := c.Validate(); err != nil {
@@ -102,7 +103,9 @@ func TestFlags(t *testing.T) {
 	for name, mutate := range map[string]func(*Config){
 		"duplicate adapter": func(c *Config) { c.LoRAModules = []LoRAModule{{"a", "p", ""}, {"a", "q", ""}} },
 		"adapter no path":   func(c *Config) { c.LoRAModules = []LoRAModule{{Name: "a"}} },
+		"runner":            func(c *Config) { c.Runner = "draft" },
 		"mm tokens":         func(c *Config) { c.MMTokens = 0 },
+		"embedding dim":     func(c *Config) { c.EmbeddingDim = 0 },
 		"empty served name": func(c *Config) { c.ServedModelNames = []string{" "} },
 	} {
 		c := DefaultConfig()
