@@ -69,6 +69,12 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	var ids []int
+	for i, m := range in.Messages {
+		if m.Role == "" {
+			openai.WriteError(w, openai.NewError(http.StatusBadRequest, "messages[%d].role is required", i).WithParam("messages"))
+			return
+		}
+	}
 	switch {
 	case in.Messages != nil:
 		tmpl := ChatTemplate{AddGenerationPrompt: in.AddGenerationPrompt == nil || *in.AddGenerationPrompt,
@@ -213,6 +219,9 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		inputs = append(inputs, text.ids(e.cfg.MMTokens))
+	} else if len(bytes.TrimSpace(in.Input)) == 0 || bytes.Equal(bytes.TrimSpace(in.Input), []byte("null")) {
+		e.fail(w, openai.NewError(http.StatusBadRequest, "'input' is required").WithParam("input"))
+		return
 	} else {
 		ps, err := openai.ParsePrompts(in.Input)
 		if err != nil {

@@ -82,6 +82,7 @@ func TestTokenize(t *testing.T) {
 
 	call(t, http.MethodPost, e.URL+"/tokenize", map[string]any{"model": "nope", "prompt": "x"}).apiError(t, http.StatusNotFound, "The model `nope` does not exist.")
 	call(t, http.MethodPost, e.URL+"/tokenize", map[string]any{"model": "pdq-sim"}).apiError(t, http.StatusBadRequest, "required")
+	call(t, http.MethodPost, e.URL+"/tokenize", map[string]any{"messages": []any{map[string]any{"content": "x"}}}).apiError(t, http.StatusBadRequest, "role is required")
 	call(t, http.MethodPost, e.URL+"/detokenize", map[string]any{"tokens": []int{1<<20 + 1<<40}}).apiError(t, http.StatusBadRequest, "out of vocabulary")
 	call(t, http.MethodPost, e.URL+"/detokenize", map[string]any{"tokens": []int{-1}}).apiError(t, http.StatusBadRequest, "negative")
 }
@@ -181,6 +182,7 @@ func TestEmbeddings(t *testing.T) {
 		t.Error("dimensions not applied")
 	}
 	call(t, http.MethodPost, e.URL+"/v1/embeddings", map[string]any{"model": "x", "input": "a"}).apiError(t, http.StatusNotFound, "does not exist")
+	call(t, http.MethodPost, e.URL+"/v1/embeddings", map[string]any{"model": "pdq-sim"}).apiError(t, http.StatusBadRequest, "'input' is required")
 	// A pooling model serves no generation.
 	if r := call(t, http.MethodPost, e.URL+"/v1/completions", map[string]any{"model": "pdq-sim", "prompt": "a"}); r.status != http.StatusNotFound || string(r.body) != `{"detail":"Not Found"}` {
 		t.Errorf("completions on a pooling model: %d %s", r.status, r.body)

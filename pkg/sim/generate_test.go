@@ -1,10 +1,13 @@
 package sim_test
 
 import (
+	"bytes"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
@@ -139,6 +142,23 @@ func TestBatchedCompletions(t *testing.T) {
 		}
 		if usage == nil || usage.CompletionTokens != 18 || usage.PromptTokens != single[0].Usage.PromptTokens+single[1].Usage.PromptTokens+single[2].Usage.PromptTokens {
 			t.Errorf("final usage = %+v", usage)
+		}
+	})
+
+	t.Run("streamed, dropped", func(t *testing.T) {
+		d := simtest.Start(t, fast(func(c *sim.Config) { c.Fault = sim.Fault{Rate: 1, Kind: sim.FaultDrop} }))
+		raw, _ := json.Marshal(map[string]any{"model": "pdq-sim", "prompt": prompts, "max_tokens": 20, "ignore_eos": true, "stream": true})
+		resp, err := http.Post(d.URL+"/v1/completions", "application/json", bytes.NewReader(raw))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		if body, err := io.ReadAll(resp.Body); err == nil && strings.Contains(string(body), "[DONE]") {
+			t.Fatalf("the stream was not dropped: %s", body)
+		}
+		s := d.WaitStats(t, 5*time.Second, "batch ended", func(s sim.Stats) bool { return s.Running == 0 })
+		if s.Faults != 1 || s.Aborts != 0 || s.Local == 3 {
+			t.Errorf("stats = %+v; want one fault, no abort, not every prompt finished", s)
 		}
 	})
 

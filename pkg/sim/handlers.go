@@ -263,10 +263,15 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, jobs []*job,
 		}
 		return openai.NewUsage(j.prompt.tokens, completion)
 	}
+	dropped := false // runBatch calls emit one at a time
 	outs, err := e.runBatch(ctx, jobs, false, func(j *job, t token) error {
+		if dropped {
+			return errDropped // the other prompts of a batch, after the drop
+		}
 		if drop && j.index == 0 && t.i == t.n/2 {
 			e.stats.faults.Add(1)
 			e.dropConnection(w, j)
+			dropped = true
 			return errDropped
 		}
 		var finish *string
