@@ -90,13 +90,66 @@ func faultKindList() string {
 	return strings.Join(s, ", ")
 }
 
+// Runner is the kind of model the engine runs, as vLLM's --runner.
+type Runner string
+
+// The runners. RunnerAuto is read as RunnerGenerate.
+const (
+	RunnerAuto     Runner = "auto"
+	RunnerGenerate Runner = "generate"
+	RunnerPooling  Runner = "pooling"
+)
+
+// LoRAModule is one --lora-modules entry: an adapter name, the path it is
+// loaded from, and optionally the served base model it applies to.
+type LoRAModule struct {
+	Name          string `json:"name"`
+	Path          string `json:"path"`
+	BaseModelName string `json:"base_model_name,omitempty"`
+}
+
+// ParseLoRAModule reads a --lora-modules value as vLLM does: "name=path",
+// or a JSON object {"name":..,"path":..,"base_model_name":..}.
+func ParseLoRAModule(s string) (LoRAModule, error) {
+	if name, path, ok := strings.Cut(s, "="); ok && !strings.Contains(s, ",") {
+		return LoRAModule{Name: name, Path: path}, nil
+	}
+	var m LoRAModule
+	dec := json.NewDecoder(strings.NewReader(s))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&m); err != nil {
+		return LoRAModule{}, fmt.Errorf("invalid --lora-modules %q: want name=path or a JSON object with name, path and optionally base_model_name: %v", s, err)
+	}
+	return m, nil
+}
+
 // Config configures a simulated engine. The zero value is not usable; start
 // from [DefaultConfig].
 type Config struct {
 	// Addr is the HTTP listen address.
 	Addr string
-	// Model is the one model the engine serves.
+	// Model is the model the engine runs, vLLM's --model: the root of its
+	// /v1/models cards, and its served name unless ServedModelNames is set.
 	Model string
+	// ServedModelNames are the names the base model answers to (vLLM's
+	// --served-model-name); responses carry the first. Empty: Model.
+	ServedModelNames []string
+	// LoRAModules are the adapters loaded at start (vLLM's --lora-modules).
+	LoRAModules []LoRAModule
+	// RuntimeLoRA serves POST /v1/load_lora_adapter and
+	// /v1/unload_lora_adapter, as vLLM does with
+	// VLLM_ALLOW_RUNTIME_LORA_UPDATING=true.
+	RuntimeLoRA bool
+	// MMTokens is the number of prompt tokens each image, audio or video
+	// part of a chat message counts for.
+	MMTokens int
+	// Runner is vLLM's --runner: generate (chat and completions) or
+	// pooling (embeddings).
+	Runner Runner
+	// EmbeddingDim is the length of the vectors a pooling engine returns.
+	EmbeddingDim int
+	// Version is what GET /version reports.
+	Version string
 	// Seed varies the generated text.
 	Seed uint64
 	// MaxModelLen bounds prompt plus output tokens, as vLLM's --max-model-len.
@@ -144,6 +197,11 @@ func DefaultConfig() Config {
 	return Config{
 		Addr:               "127.0.0.1:8100",
 		Model:              "pdq-sim",
+		RuntimeLoRA:        true,
+		MMTokens:           16,
+		Runner:             RunnerGenerate,
+		EmbeddingDim:       384,
+		Version:            "0.14.0",
 		Seed:               1,
 		MaxModelLen:        8192,
 		KVHost:             "localhost",
@@ -166,7 +224,31 @@ func DefaultConfig() Config {
 // current values as defaults.
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Addr, "addr", c.Addr, "HTTP listen address")
-	fs.StringVar(&c.Model, "model", c.Model, "model name served")
+	fs.StringVar(&c.Model, "model", c.Model, "model the engine runs: the root of its /v1/models cards, and its name unless --served-model-name is set")
+	fs.Func("served-model-name", "name the model answers to; comma-separated or repeated for several, responses carry the first (default: --model)", func(s string) error {
+		for _, name := range strings.Split(s, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				c.ServedModelNames = append(c.ServedModelNames, name)
+			}
+		}
+		return nil
+	})
+	fs.Func("lora-modules", "LoRA adapter loaded at start, name=path or JSON {\"name\":..,\"path\":..,\"base_model_name\":..}; repeat for several", func(s string) error {
+		m, err := ParseLoRAModule(s)
+		if err != nil {
+			return err
+		}
+		c.LoRAModules = append(c.LoRAModules, m)
+		return nil
+	})
+	fs.BoolVar(&c.RuntimeLoRA, "allow-runtime-lora-updating", c.RuntimeLoRA, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+	fs.IntVar(&c.MMTokens, "mm-tokens", c.MMTokens, "prompt tokens per image, audio or video part of a chat message")
+	fs.Func("runner", "model runner: generate (chat, completions) or pooling (embeddings) (default generate)", func(s string) error {
+		c.Runner = Runner(s)
+		return nil
+	})
+	fs.IntVar(&c.EmbeddingDim, "embedding-dim", c.EmbeddingDim, "length of the embedding vectors of --runner pooling")
+	fs.StringVar(&c.Version, "vllm-version", c.Version, "version GET /version reports")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed of the generated text")
 	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "maximum prompt plus output tokens")
 	fs.StringVar(&c.APIKey, "api-key", c.APIKey, "bearer token required on /v1 (empty: none)")
@@ -199,12 +281,47 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 }
 
+// servedNames are the names the base model answers to.
+func (c Config) servedNames() []string {
+	if len(c.ServedModelNames) > 0 {
+		return c.ServedModelNames
+	}
+	return []string{c.Model}
+}
+
 // Validate reports every bad value at once.
 func (c Config) Validate() error {
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
 	if c.Model == "" {
 		bad("model must not be empty")
+	}
+	for _, name := range c.ServedModelNames {
+		if strings.TrimSpace(name) == "" {
+			bad("served-model-name must not be empty")
+		}
+	}
+	loras := map[string]bool{}
+	for _, m := range c.LoRAModules {
+		switch {
+		case m.Name == "" || m.Path == "":
+			bad("lora-modules %q: both a name and a path are required", m.Name+"="+m.Path)
+		case loras[m.Name]:
+			// vLLM fails at start the same way.
+			bad("lora-modules: The lora adapter '%s' has already been loaded.", m.Name)
+		}
+		loras[m.Name] = true
+	}
+	if c.MMTokens < 1 {
+		bad("mm-tokens must be at least 1, got %d", c.MMTokens)
+	}
+	switch c.Runner {
+	case RunnerAuto, RunnerGenerate, RunnerPooling:
+	default:
+		bad("runner must be auto, generate or pooling, got %q", c.Runner)
+	}
+	if c.EmbeddingDim < 1 {
+		bad("embedding-dim must be at least 1, got %d", c.EmbeddingDim)
 	}
 	if c.MaxModelLen < 2 {
 		bad("max-model-len must be at least 2, got %d", c.MaxModelLen)

@@ -31,10 +31,9 @@ const shutdownGrace = 5 * time.Second
 type Engine struct {
 	cfg      Config
 	log      *slog.Logger
-	model    model
+	names    *modelNames
 	engineID string
 	compat   string
-	created  int64
 
 	stats    counters
 	dead     atomic.Bool
@@ -43,6 +42,7 @@ type Engine struct {
 	slots    chan struct{}
 	kvPort   atomic.Int64
 	registry *prometheus.Registry
+	recorder *recorder
 	handler  http.Handler
 }
 
@@ -54,9 +54,8 @@ func New(cfg Config, log *slog.Logger) (*Engine, error) {
 	e := &Engine{
 		cfg:      cfg,
 		log:      log.With(logging.KeyComponent, "sim", "model", cfg.Model),
-		model:    model{seed: cfg.Seed},
+		names:    newModelNames(cfg),
 		engineID: cfg.EngineID,
-		created:  time.Now().Unix(),
 		slots:    make(chan struct{}, cfg.MaxNumSeqs),
 	}
 	if e.engineID == "" {
@@ -70,6 +69,7 @@ func New(cfg Config, log *slog.Logger) (*Engine, error) {
 	e.faults = faultInjector{fault: cfg.Fault, rng: mrand.New(mrand.NewPCG(cfg.Seed, 0x5eed))}
 	e.kvPort.Store(int64(cfg.KVPort))
 	e.registry = e.newRegistry()
+	e.recorder = newRecorder()
 	e.handler = e.routes()
 	return e, nil
 }
@@ -116,6 +116,7 @@ func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
 	go func() { errc <- e.serveKV(kvCtx, kvLn) }()
 	e.log.Info("simulated engine ready",
 		"addr", httpLn.Addr().String(), "kv", net.JoinHostPort(e.cfg.KVHost, strconv.Itoa(e.KVPort())),
+		"served_model_name", e.names.served, "runner", e.cfg.Runner,
 		"engine_id", e.engineID, "nixl_protocol", e.cfg.Protocol, "kv_load_failure", e.cfg.KVLoadFailure,
 		"max_num_seqs", e.cfg.MaxNumSeqs, "kv_lease", e.cfg.KVLease.String())
 

@@ -44,6 +44,14 @@ type outcome struct {
 // tokens at the ITL, handing each to emit. It returns ctx's error when the
 // client went away.
 func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token) error) (outcome, error) {
+	defer j.markLoaded()
+	if j.loadAfter != nil {
+		select {
+		case <-j.loadAfter:
+		case <-ctx.Done():
+			return outcome{}, ctx.Err()
+		}
+	}
 	release, err := e.admit(ctx, j)
 	if err != nil {
 		return outcome{}, err
@@ -54,6 +62,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	switch j.mode {
 	case modeDecode:
 		loaded, err := e.loadKV(ctx, j)
+		j.markLoaded()
 		switch {
 		case err == nil:
 			if loaded != digest {
@@ -96,7 +105,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 		if e.dead.Load() {
 			return outcome{}, errEngineDead
 		}
-		t := token{i: i, n: n, text: e.model.token(digest, i)}
+		t := token{i: i, n: n, text: j.gen.token(digest, i)}
 		if i == 0 && j.prompt.midWord {
 			t.text = " " + t.text // going on from a partial answer: a new word
 		}
@@ -145,7 +154,7 @@ func (e *Engine) outputLength(j *job, digest string) (int, string) {
 	if j.req.IgnoreEOS {
 		return j.maxTokens, openai.FinishLength
 	}
-	n := max(e.model.naturalLength(digest), j.minTokens)
+	n := max(j.gen.naturalLength(digest), j.minTokens)
 	if n >= j.maxTokens {
 		return j.maxTokens, openai.FinishLength
 	}

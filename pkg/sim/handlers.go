@@ -8,6 +8,8 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -31,18 +33,43 @@ var (
 
 func (e *Engine) routes() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/chat/completions", e.generate(openai.Chat))
-	mux.HandleFunc("POST /v1/completions", e.generate(openai.Completions))
+	if e.cfg.Runner == RunnerPooling {
+		// vLLM registers the routes of the tasks the model supports only.
+		mux.HandleFunc("POST /v1/embeddings", e.embeddings)
+		mux.HandleFunc("POST /v1/chat/completions", fastAPINotFound)
+		mux.HandleFunc("POST /v1/completions", fastAPINotFound)
+	} else {
+		mux.HandleFunc("POST /v1/chat/completions", e.generate(openai.Chat))
+		mux.HandleFunc("POST /v1/completions", e.generate(openai.Completions))
+		mux.HandleFunc("POST /v1/embeddings", fastAPINotFound)
+	}
 	mux.HandleFunc("GET /v1/models", e.models)
+	if e.cfg.RuntimeLoRA {
+		mux.HandleFunc("POST /v1/load_lora_adapter", e.loadLoRA)
+		mux.HandleFunc("POST /v1/unload_lora_adapter", e.unloadLoRA)
+	}
+	mux.HandleFunc("POST /tokenize", e.tokenize)
+	mux.HandleFunc("POST /detokenize", e.detokenize)
+	mux.HandleFunc("GET /version", e.version)
 	mux.HandleFunc("GET /health", e.health)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(e.registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /sim/stats", e.getStats)
 	mux.HandleFunc("GET /sim/faults", e.getFaults)
 	mux.HandleFunc("POST /sim/faults", e.setFaults)
+	mux.HandleFunc("GET /sim/requests", e.getRequests)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, openai.NewError(http.StatusNotFound, "no route for %s %s", r.Method, r.URL.Path))
 	})
-	return e.requireKey(mux)
+	return e.record(e.requireKey(mux))
+}
+
+// fastAPINotFound is what vLLM (FastAPI) answers on a route it did not
+// register: /v1/embeddings on a generative model, the generation routes on
+// a pooling one.
+func fastAPINotFound(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusNotFound)
+	io.WriteString(w, `{"detail":"Not Found"}`)
 }
 
 // requireKey checks the bearer token on /v1 routes, as vLLM's --api-key
@@ -81,7 +108,7 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			e.stats.aborts.Add(1)
 			return // the client went away while sending
 		}
-		j, apiErr := e.parse(endpoint, r, body)
+		jobs, apiErr := e.parse(endpoint, r, body)
 		if apiErr != nil {
 			e.fail(w, apiErr)
 			return
@@ -99,59 +126,116 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			return
 		case FaultHang:
 			e.stats.faults.Add(1)
-			j.log.Debug("injected fault: hanging until the client goes away")
+			jobs[0].log.Debug("injected fault: hanging until the client goes away")
 			<-ctx.Done()
-			e.abortBeforeScheduling(ctx, j)
+			e.abortBeforeScheduling(ctx, jobs)
 			return
 		case FaultSlow:
 			e.stats.faults.Add(1)
 			if sleep(ctx, delay) != nil {
-				e.abortBeforeScheduling(ctx, j)
+				e.abortBeforeScheduling(ctx, jobs)
 				return
 			}
 		}
-		if j.req.Stream {
-			e.stream(ctx, w, j, kind == FaultDrop)
+		if jobs[0].req.Stream {
+			e.stream(ctx, w, jobs, kind == FaultDrop)
 		} else {
-			e.respond(ctx, w, j, kind)
+			e.respond(ctx, w, jobs, kind)
 		}
 	}
 }
 
-// respond runs a non-streaming request and writes its JSON.
-func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, j *job, kind FaultKind) {
-	var text strings.Builder
-	out, err := e.execute(ctx, j, kind == FaultNoKV, func(t token) error {
-		text.WriteString(t.text)
+// runBatch runs the jobs of one request at once, as vLLM runs the prompts
+// of a batch, handing each token to emit, one call at a time. On the first
+// failure it stops the others and returns that failure. noKV applies to the
+// first prompt, whose kv_transfer_params the response carries.
+func (e *Engine) runBatch(ctx context.Context, jobs []*job, noKV bool, emit func(*job, token) error) ([]outcome, error) {
+	if len(jobs) == 1 {
+		j := jobs[0]
+		out, err := e.execute(ctx, j, noKV, func(t token) error { return emit(j, t) })
+		return []outcome{out}, err
+	}
+	bctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	var (
+		mu     sync.Mutex
+		wg     sync.WaitGroup
+		failed atomic.Bool
+	)
+	outs := make([]outcome, len(jobs))
+	for i, j := range jobs {
+		wg.Go(func() {
+			out, err := e.execute(bctx, j, noKV && i == 0, func(t token) error {
+				mu.Lock()
+				defer mu.Unlock()
+				return emit(j, t)
+			})
+			if err != nil {
+				failed.Store(true)
+				cancel(err) // the first cause wins
+				return
+			}
+			outs[i] = out
+		})
+	}
+	wg.Wait()
+	if failed.Load() {
+		return nil, context.Cause(bctx)
+	}
+	return outs, nil
+}
+
+// sumUsage is the usage of a request: its prompts' tokens and all they
+// generated.
+func sumUsage(jobs []*job, outs []outcome) *openai.Usage {
+	u := &openai.Usage{}
+	for i, j := range jobs {
+		u.PromptTokens += j.prompt.tokens
+		u.CompletionTokens += outs[i].tokens
+	}
+	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	return u
+}
+
+// respond runs a non-streaming request and writes its JSON: one choice per
+// prompt (index = prompt index, as n is 1), usage summed, and, as vLLM's
+// completion serving does, the kv_transfer_params of the first prompt only.
+func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job, kind FaultKind) {
+	texts := make([]strings.Builder, len(jobs))
+	outs, err := e.runBatch(ctx, jobs, kind == FaultNoKV, func(j *job, t token) error {
+		texts[j.index].WriteString(t.text)
 		return nil
 	})
+	first := jobs[0]
 	if err != nil {
-		e.finishWithError(ctx, w, j, nil, err)
+		e.finishWithError(ctx, w, first, nil, err)
 		return
 	}
 	if kind == FaultDrop {
 		e.stats.faults.Add(1)
-		e.dropConnection(w, j)
+		e.dropConnection(w, first)
 		return
 	}
-	usage := openai.NewUsage(j.prompt.tokens, out.tokens)
+	usage := sumUsage(jobs, outs)
 	var resp any
-	switch j.endpoint {
+	switch first.endpoint {
 	case openai.Chat:
 		resp = openai.ChatCompletion{
-			ID: j.respID, Object: openai.ObjectChatCompletion, Created: j.created, Model: e.cfg.Model,
+			ID: first.respID, Object: openai.ObjectChatCompletion, Created: first.created, Model: first.target.name,
 			Choices: []openai.ChatChoice{{
-				Message:      openai.ChatMessage{Role: "assistant", Content: text.String(), ToolCalls: []any{}},
-				FinishReason: out.finish,
+				Message:      openai.ChatMessage{Role: "assistant", Content: texts[0].String(), ToolCalls: []any{}},
+				FinishReason: outs[0].finish,
 			}},
-			Usage: usage, KVTransferParams: out.kvParams,
+			Usage: usage, KVTransferParams: outs[0].kvParams,
 		}
 	default:
-		finish := out.finish
+		choices := make([]openai.CompletionChoice, len(jobs))
+		for i := range jobs {
+			choices[i] = openai.CompletionChoice{Index: i, Text: texts[i].String(), FinishReason: &outs[i].finish}
+		}
 		resp = openai.Completion{
-			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model,
-			Choices: []openai.CompletionChoice{{Text: text.String(), FinishReason: &finish}},
-			Usage:   usage, KVTransferParams: out.kvParams,
+			ID: first.respID, Object: openai.ObjectTextCompletion, Created: first.created, Model: first.target.name,
+			Choices: choices, Usage: usage, KVTransferParams: outs[0].kvParams,
 		}
 	}
 	writeJSON(w, http.StatusOK, resp)
@@ -160,26 +244,34 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, j *job, kin
 // stream runs a streaming request with vLLM's SSE framing: for chat a first
 // chunk with the role, one chunk per token with finish_reason on the last,
 // a usage chunk with empty choices when include_usage is set, then [DONE].
-func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop bool) {
+// The prompts of a batch stream at once, their chunks interleaved under
+// one id, each with its prompt's index; the usage chunk sums them.
+func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, jobs []*job, drop bool) {
+	first := jobs[0]
 	sse := openai.NewSSEWriter(w)
-	withUsage := j.req.IncludeUsage()
-	continuous := withUsage && j.req.StreamOptions.ContinuousUsageStats
+	withUsage := first.req.IncludeUsage()
+	continuous := withUsage && first.req.StreamOptions.ContinuousUsageStats
 	send := func(v any) error {
 		if err := sse.JSON(v); err != nil {
 			return errors.Join(errClientGone, err)
 		}
 		return nil
 	}
-	usageAt := func(completion int) *openai.Usage {
+	usageAt := func(j *job, completion int) *openai.Usage {
 		if !continuous {
 			return nil
 		}
 		return openai.NewUsage(j.prompt.tokens, completion)
 	}
-	out, err := e.execute(ctx, j, false, func(t token) error {
-		if drop && t.i == t.n/2 {
+	dropped := false // runBatch calls emit one at a time
+	outs, err := e.runBatch(ctx, jobs, false, func(j *job, t token) error {
+		if dropped {
+			return errDropped // the other prompts of a batch, after the drop
+		}
+		if drop && j.index == 0 && t.i == t.n/2 {
 			e.stats.faults.Add(1)
 			e.dropConnection(w, j)
+			dropped = true
 			return errDropped
 		}
 		var finish *string
@@ -189,31 +281,31 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop
 		if j.endpoint == openai.Chat {
 			if t.i == 0 {
 				empty := ""
-				if err := send(e.chatChunk(j, openai.ChatDelta{Role: "assistant", Content: &empty}, nil, usageAt(0))); err != nil {
+				if err := send(e.chatChunk(j, openai.ChatDelta{Role: "assistant", Content: &empty}, nil, usageAt(j, 0))); err != nil {
 					return err
 				}
 			}
-			c := e.chatChunk(j, openai.ChatDelta{Content: &t.text}, finish, usageAt(t.i+1))
+			c := e.chatChunk(j, openai.ChatDelta{Content: &t.text}, finish, usageAt(j, t.i+1))
 			if finish != nil {
 				c.Choices[0].StopReason = json.RawMessage("null")
 			}
 			return send(c)
 		}
 		return send(openai.CompletionChunk{
-			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model,
-			Choices: []openai.CompletionChoice{{Text: t.text, FinishReason: finish}},
-			Usage:   usageAt(t.i + 1),
+			ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: j.target.name,
+			Choices: []openai.CompletionChoice{{Index: j.index, Text: t.text, FinishReason: finish}},
+			Usage:   usageAt(j, t.i+1),
 		})
 	})
 	if err != nil {
-		e.finishWithError(ctx, w, j, sse, err)
+		e.finishWithError(ctx, w, first, sse, err)
 		return
 	}
 	if withUsage {
-		usage := openai.NewUsage(j.prompt.tokens, out.tokens)
-		var chunk any = openai.ChatChunk{ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model, Choices: []openai.ChatChunkChoice{}, Usage: usage}
-		if j.endpoint == openai.Completions {
-			chunk = openai.CompletionChunk{ID: j.respID, Object: openai.ObjectTextCompletion, Created: j.created, Model: e.cfg.Model, Choices: []openai.CompletionChoice{}, Usage: usage}
+		usage := sumUsage(jobs, outs)
+		var chunk any = openai.ChatChunk{ID: first.respID, Object: openai.ObjectChatCompletionChunk, Created: first.created, Model: first.target.name, Choices: []openai.ChatChunkChoice{}, Usage: usage}
+		if first.endpoint == openai.Completions {
+			chunk = openai.CompletionChunk{ID: first.respID, Object: openai.ObjectTextCompletion, Created: first.created, Model: first.target.name, Choices: []openai.CompletionChoice{}, Usage: usage}
 		}
 		if send(chunk) != nil {
 			e.stats.aborts.Add(1)
@@ -227,7 +319,7 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, j *job, drop
 
 func (e *Engine) chatChunk(j *job, delta openai.ChatDelta, finish *string, usage *openai.Usage) openai.ChatChunk {
 	return openai.ChatChunk{
-		ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: e.cfg.Model,
+		ID: j.respID, Object: openai.ObjectChatCompletionChunk, Created: j.created, Model: j.target.name,
 		Choices: []openai.ChatChunkChoice{{Delta: delta, FinishReason: finish}},
 		Usage:   usage,
 	}
@@ -237,10 +329,12 @@ func (e *Engine) chatChunk(j *job, delta openai.ChatDelta, finish *string, usage
 // scheduler. A decode request then tells its prefill engine to free the
 // blocks it will never read, as vLLM's request_finished does for an
 // aborted request.
-func (e *Engine) abortBeforeScheduling(ctx context.Context, j *job) {
+func (e *Engine) abortBeforeScheduling(ctx context.Context, jobs []*job) {
 	e.stats.aborts.Add(1)
-	if j.mode == modeDecode {
-		e.releaseRemote(ctx, j)
+	for _, j := range jobs {
+		if j.mode == modeDecode {
+			e.releaseRemote(ctx, j)
+		}
 	}
 }
 
@@ -285,13 +379,6 @@ func (e *Engine) dropConnection(w http.ResponseWriter, j *job) {
 func (e *Engine) fail(w http.ResponseWriter, apiErr *openai.Error) {
 	e.stats.errors.Add(1)
 	openai.WriteError(w, apiErr)
-}
-
-func (e *Engine) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, openai.ModelList{Object: openai.ObjectList, Data: []openai.Model{{
-		ID: e.cfg.Model, Object: openai.ObjectModel, Created: e.created, OwnedBy: "vllm",
-		Root: e.cfg.Model, MaxModelLen: e.cfg.MaxModelLen, Permission: []any{},
-	}}})
 }
 
 // health answers 200 with an empty body, 503 once the engine is dead.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -45,42 +46,66 @@ type remote struct {
 
 func (r remote) addr() string { return net.JoinHostPort(r.host, strconv.Itoa(r.port)) }
 
-// job is one parsed, validated generation request.
+// job is one engine request of a parsed, validated generation request:
+// one prompt. A completions request with a batch of prompts is one job per
+// prompt, as vLLM makes one engine request per prompt.
 type job struct {
 	endpoint openai.Endpoint
 	req      *openai.Request
+	// index is the prompt's place in the batch (0 for chat).
+	index int
 	// baseID is the request id as vLLM takes it: X-Request-Id, else the
 	// body's request_id, else random.
 	baseID string
 	// respID is the response id, chatcmpl-<base> or cmpl-<base>.
 	respID string
-	// internalID is the engine's id: respID (plus -0 for completions), plus
-	// a random suffix in v2, as vLLM 0.14+ adds one.
+	// internalID is the engine's id: respID (plus -<index> for
+	// completions), plus a random suffix in v2, as vLLM 0.14+ adds one.
 	internalID string
-	prompt     prompt
-	maxTokens  int
-	minTokens  int
-	mode       mode
-	remote     remote
-	created    int64
-	start      time.Time
-	log        *slog.Logger
+	// target is the model or adapter that answers; gen says its words.
+	target    target
+	gen       model
+	prompt    prompt
+	maxTokens int
+	minTokens int
+	mode      mode
+	remote    remote
+	created   int64
+	start     time.Time
+	log       *slog.Logger
+
+	// In a batch sent with do_remote_prefill, every prompt carries the
+	// same kv_transfer_params and reads the same blocks, one after the
+	// other: loadAfter is closed once the previous prompt's read is done,
+	// and loaded once this one's is.
+	loadAfter  <-chan struct{}
+	loaded     chan struct{}
+	loadedOnce sync.Once
+}
+
+// markLoaded lets the next prompt of a decode batch read.
+func (j *job) markLoaded() {
+	if j.loaded != nil {
+		j.loadedOnce.Do(func() { close(j.loaded) })
+	}
 }
 
 // parse reads and checks a request, answering as vLLM would: 404 for
-// another model, 400 for anything else wrong.
-func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (*job, *openai.Error) {
+// another model, 400 for anything else wrong. It returns one job per
+// prompt.
+func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) ([]*job, *openai.Error) {
 	req, apiErr := openai.DecodeRequest(endpoint, body)
 	if apiErr != nil {
 		return nil, apiErr
 	}
-	if req.Model != e.cfg.Model {
-		return nil, openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", req.Model).WithParam("model")
+	tgt, ok := e.names.resolve(req.Model)
+	if !ok {
+		return nil, unknownModel(req.Model)
 	}
 	if req.N != nil && *req.N > 1 {
 		return nil, openai.NewError(http.StatusBadRequest, "pdq sim supports n=1 only, got n=%d", *req.N).WithParam("n")
 	}
-	j := &job{endpoint: endpoint, req: req, created: time.Now().Unix(), start: time.Now()}
+	var prompts []prompt
 	switch endpoint {
 	case openai.Chat:
 		tmpl := ChatTemplate{AddGenerationPrompt: req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
@@ -98,70 +123,94 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}
-		j.prompt = textPrompt(text)
+		prompts = append(prompts, promptOf(text.ids(e.cfg.MMTokens), tgt.adapter, text.midWord()))
 	case openai.Completions:
-		p, err := openai.ParsePrompt(req.Prompt)
+		ps, err := openai.ParsePrompts(req.Prompt)
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
 		}
-		if p.Tokens != nil {
-			j.prompt = tokenPrompt(p.Tokens)
-		} else {
-			j.prompt = textPrompt(p.Text)
+		for _, p := range ps {
+			if p.Tokens != nil {
+				prompts = append(prompts, promptOf(p.Tokens, tgt.adapter, false))
+			} else {
+				prompts = append(prompts, promptOf(textIDs(p.Text), tgt.adapter, endsMidWord(p.Text)))
+			}
 		}
 	}
-	if j.prompt.tokens == 0 {
-		return nil, openai.NewError(http.StatusBadRequest, "The prompt must not be empty.").WithParam("prompt")
-	}
+	// vLLM checks each prompt in turn and fails the request on the first
+	// that does not fit.
 	maxLen := e.cfg.MaxModelLen
-	if j.prompt.tokens >= maxLen {
-		return nil, openai.NewError(http.StatusBadRequest,
-			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
-			maxLen, j.prompt.tokens)
-	}
-	room := maxLen - j.prompt.tokens
-	j.maxTokens = room
-	if n, ok := req.MaxOutputTokens(); ok {
-		if n > room {
-			return nil, openai.NewError(http.StatusBadRequest,
-				"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
-				n, maxLen, j.prompt.tokens, n, maxLen, j.prompt.tokens).WithParam("max_tokens")
+	limits := make([][2]int, len(prompts)) // max and min tokens per prompt
+	for i, p := range prompts {
+		if p.tokens == 0 {
+			return nil, openai.NewError(http.StatusBadRequest, "The prompt must not be empty.").WithParam("prompt")
 		}
-		j.maxTokens = n
-	}
-	if req.MinTokens != nil {
-		if *req.MinTokens > j.maxTokens {
+		if p.tokens >= maxLen {
 			return nil, openai.NewError(http.StatusBadRequest,
-				"min_tokens must be less than or equal to max_tokens=%d, got %d.", j.maxTokens, *req.MinTokens).WithParam("min_tokens")
+				"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
+				maxLen, p.tokens)
 		}
-		j.minTokens = *req.MinTokens
+		room := maxLen - p.tokens
+		limits[i][0] = room
+		if n, ok := req.MaxOutputTokens(); ok {
+			if n > room {
+				return nil, openai.NewError(http.StatusBadRequest,
+					"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
+					n, maxLen, p.tokens, n, maxLen, p.tokens).WithParam("max_tokens")
+			}
+			limits[i][0] = n
+		}
+		if req.MinTokens != nil {
+			if *req.MinTokens > limits[i][0] {
+				return nil, openai.NewError(http.StatusBadRequest,
+					"min_tokens must be less than or equal to max_tokens=%d, got %d.", limits[i][0], *req.MinTokens).WithParam("min_tokens")
+			}
+			limits[i][1] = *req.MinTokens
+		}
 	}
-	var err *openai.Error
-	if j.mode, j.remote, err = e.parseKVParams(req.KVTransferParams); err != nil {
+	md, rem, err := e.parseKVParams(req.KVTransferParams)
+	if err != nil {
 		return nil, err
 	}
-	if j.mode == modePrefill && req.Stream {
+	if md == modePrefill && req.Stream {
 		return nil, openai.NewError(http.StatusBadRequest,
 			"kv_transfer_params.do_remote_decode requires stream=false: a streamed response cannot return kv_transfer_params").WithParam("stream")
 	}
 
-	j.baseID = r.Header.Get("X-Request-Id")
-	if j.baseID == "" {
-		j.baseID = req.RequestID
+	baseID := r.Header.Get("X-Request-Id")
+	if baseID == "" {
+		baseID = req.RequestID
 	}
-	if j.baseID == "" {
-		j.baseID = randomHex(16)
+	if baseID == "" {
+		baseID = randomHex(16)
 	}
-	j.respID = endpoint.IDPrefix() + j.baseID
-	j.internalID = j.respID
-	if endpoint == openai.Completions {
-		j.internalID += "-0" // one prompt, index 0
+	respID := endpoint.IDPrefix() + baseID
+	now := time.Now()
+	gen := e.modelFor(tgt)
+	jobs := make([]*job, len(prompts))
+	for i, p := range prompts {
+		j := &job{endpoint: endpoint, req: req, index: i, baseID: baseID, respID: respID, internalID: respID,
+			target: tgt, gen: gen, prompt: p, maxTokens: limits[i][0], minTokens: limits[i][1],
+			mode: md, remote: rem, created: now.Unix(), start: now}
+		if endpoint == openai.Completions {
+			j.internalID += "-" + strconv.Itoa(i) // vLLM's cmpl-<base>-<i>
+		}
+		if e.cfg.Protocol == ProtocolV2 {
+			j.internalID += "-" + randomHex(4)
+		}
+		if md == modeDecode && len(prompts) > 1 {
+			j.loaded = make(chan struct{})
+			if i > 0 {
+				j.loadAfter = jobs[i-1].loaded
+			}
+		}
+		j.log = e.log.With(logging.KeyRequestID, j.internalID, "mode", md.String())
+		if tgt.adapter != "" {
+			j.log = j.log.With("lora", tgt.adapter)
+		}
+		jobs[i] = j
 	}
-	if e.cfg.Protocol == ProtocolV2 {
-		j.internalID += "-" + randomHex(4)
-	}
-	j.log = e.log.With(logging.KeyRequestID, j.internalID, "mode", j.mode.String())
-	return j, nil
+	return jobs, nil
 }
 
 // kvParams is kv_transfer_params as the engine reads them. Pointers tell a

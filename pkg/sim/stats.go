@@ -8,9 +8,12 @@ import (
 
 // Stats are the engine's counters, served at GET /sim/stats for tests to
 // assert on. Request counters count requests that finished; a request that
-// fails or is aborted is counted where it failed instead.
+// fails or is aborted is counted where it failed instead. Prefills,
+// Decodes and Local count engine requests: a completions request with a
+// batch of prompts is one per prompt.
 type Stats struct {
-	// Requests is every generation request received, good or bad.
+	// Requests is every generation or embedding request received, good or
+	// bad.
 	Requests int64 `json:"requests"`
 	// Prefills finished with do_remote_decode and returned kv_transfer_params.
 	Prefills int64 `json:"prefills"`
@@ -87,7 +90,8 @@ func (e *Engine) snapshot() Stats {
 // time, so there is one source of truth.
 func (e *Engine) newRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	labels := prometheus.Labels{"model_name": e.cfg.Model}
+	// vLLM labels its metrics with the first served name.
+	labels := prometheus.Labels{"model_name": e.names.served[0]}
 	gauge := func(name, help string, v *atomic.Int64) prometheus.Collector {
 		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels},
 			func() float64 { return float64(v.Load()) })

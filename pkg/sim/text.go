@@ -1,9 +1,13 @@
 package sim
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
 	"strings"
 	"unicode"
 	"unicode/utf8"
@@ -14,22 +18,12 @@ import (
 // CountTokens counts tokens the simulator's way: every run of letters, every
 // run of digits, and every other non-space character is one token. It is
 // not any model's tokenizer; it only has to be simple enough that tests can
-// predict usage counts.
+// predict usage counts. GET /tokenize gives the ids of the same tokens.
 func CountTokens(s string) int {
 	n := 0
-	prev := 0 // 0 space, 1 letter, 2 digit, 3 other
+	prev := 0
 	for _, r := range s {
-		var class int
-		switch {
-		case unicode.IsSpace(r):
-			class = 0
-		case unicode.IsLetter(r):
-			class = 1
-		case unicode.IsDigit(r):
-			class = 2
-		default:
-			class = 3
-		}
+		class := charClass(r)
 		if class != 0 && (class != prev || class == 3) {
 			n++
 		}
@@ -40,9 +34,13 @@ func CountTokens(s string) int {
 
 // RenderChat applies the simulator's chat template: each message as
 // "<|role|>\n" + content + "\n", then "<|assistant|>\n" for the answer. The
-// template's tokens count as prompt tokens, as a real template's do.
+// template's tokens count as prompt tokens, as a real template's do. An
+// image, audio or video part shows as "<image>", "<audio>" or "<video>" on
+// a line before the message's text, as vLLM puts a model's placeholders;
+// it counts as Config.MMTokens tokens, not as the placeholder's text.
 func RenderChat(msgs []openai.Message) (string, error) {
-	return renderChat(msgs, ChatTemplate{AddGenerationPrompt: true})
+	r, err := renderChat(msgs, ChatTemplate{AddGenerationPrompt: true})
+	return r.String(), err
 }
 
 // ChatTemplate holds vLLM's chat template switches.
@@ -56,26 +54,181 @@ type ChatTemplate struct {
 	ContinueFinalMessage bool
 }
 
-func renderChat(msgs []openai.Message, tmpl ChatTemplate) (string, error) {
+// rendered is a chat prompt after the template: text, with media items
+// where their placeholders go.
+type rendered struct{ segs []segment }
+
+// segment is a piece of text, or one media item.
+type segment struct {
+	text  string
+	media *mediaItem
+}
+
+// mediaItem is an image, audio or video part, known by a hash of its
+// content (its URL or data, or the uuid the client gave it).
+type mediaItem struct {
+	modality int
+	hash     uint64
+}
+
+func (r *rendered) add(text string) {
+	if text != "" {
+		r.segs = append(r.segs, segment{text: text})
+	}
+}
+
+// String is the prompt with each media item as its placeholder.
+func (r rendered) String() string {
 	var b strings.Builder
+	for _, s := range r.segs {
+		if s.media != nil {
+			b.WriteString(modalityPlaceholder[s.media.modality])
+		} else {
+			b.WriteString(s.text)
+		}
+	}
+	return b.String()
+}
+
+// ids tokenizes the prompt; each media item is mmTokens ids.
+func (r rendered) ids(mmTokens int) []int {
+	var ids []int
+	for _, s := range r.segs {
+		if s.media != nil {
+			ids = append(ids, mediaIDs(s.media.modality, s.media.hash, mmTokens)...)
+		} else {
+			ids = append(ids, textIDs(s.text)...)
+		}
+	}
+	return ids
+}
+
+// midWord reports whether the prompt ends in a letter or digit.
+func (r rendered) midWord() bool {
+	if n := len(r.segs); n > 0 && r.segs[n-1].media == nil {
+		return endsMidWord(r.segs[n-1].text)
+	}
+	return false
+}
+
+// textParts are the text-like part types and the key of their text.
+var textParts = map[string]string{"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+// mediaParts are the media part types vLLM reads, their modality and the
+// key of their content.
+var mediaParts = map[string]struct {
+	modality int
+	key      string
+}{
+	"image_url":    {modalityImage, "image_url"},
+	"input_image":  {modalityImage, "image_url"},
+	"image_embeds": {modalityImage, "image_embeds"},
+	"image_pil":    {modalityImage, "image_pil"},
+	"audio_url":    {modalityAudio, "audio_url"},
+	"input_audio":  {modalityAudio, "input_audio"},
+	"audio_embeds": {modalityAudio, "audio_embeds"},
+	"video_url":    {modalityVideo, "video_url"},
+	"video_embeds": {modalityVideo, "video_embeds"},
+}
+
+// readMedia reads one media part's identity.
+func readMedia(p openai.Part) (*mediaItem, error) {
+	kind := mediaParts[p.Type]
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(p.Raw, &fields); err != nil {
+		return nil, fmt.Errorf("invalid %s part: %v", p.Type, err)
+	}
+	isNull := func(raw json.RawMessage) bool {
+		raw = bytes.TrimSpace(raw)
+		return len(raw) == 0 || bytes.Equal(raw, []byte("null"))
+	}
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%d\x00", kind.modality)
+	switch v := fields[kind.key]; {
+	case !isNull(fields["uuid"]):
+		h.Write([]byte("uuid\x00"))
+		h.Write(bytes.TrimSpace(fields["uuid"]))
+	case isNull(v):
+		return nil, fmt.Errorf("invalid %s part: '%s' is required", p.Type, kind.key)
+	case strings.HasSuffix(kind.key, "_url"):
+		var url struct {
+			URL *string `json:"url"`
+		}
+		var s string
+		switch {
+		case json.Unmarshal(v, &s) == nil:
+		case json.Unmarshal(v, &url) == nil && url.URL != nil:
+			s = *url.URL
+		default:
+			return nil, fmt.Errorf("invalid %s part: '%s.url' must be a string", p.Type, kind.key)
+		}
+		h.Write([]byte(s))
+	default:
+		var c bytes.Buffer
+		if err := json.Compact(&c, v); err != nil {
+			return nil, fmt.Errorf("invalid %s part: %v", p.Type, err)
+		}
+		h.Write(c.Bytes())
+	}
+	return &mediaItem{modality: kind.modality, hash: h.Sum64()}, nil
+}
+
+// renderChat applies the template. Text parts of a message are joined by
+// newlines; its media items go first, one per line, as vLLM's
+// _get_full_multimodal_text_prompt puts a model's placeholders. An unknown
+// part type is vLLM's error.
+func renderChat(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
+	var r rendered
+	var pending strings.Builder // text not yet added
 	for i, m := range msgs {
-		text, err := m.Text()
+		parts, err := m.Parts()
 		if err != nil {
-			return "", err
+			return rendered{}, fmt.Errorf("messages[%d].content: %w", i, err)
 		}
-		b.WriteString("<|")
-		b.WriteString(m.Role)
-		b.WriteString("|>\n")
-		b.WriteString(text)
+		var texts []string
+		var media []*mediaItem
+		for _, p := range parts {
+			if key, ok := textParts[p.Type]; ok {
+				if p.Type == "text" {
+					texts = append(texts, p.Text)
+					continue
+				}
+				var f map[string]*string
+				if json.Unmarshal(p.Raw, &f) == nil && f[key] != nil {
+					texts = append(texts, *f[key])
+				}
+				continue
+			}
+			if _, ok := mediaParts[p.Type]; !ok {
+				return rendered{}, fmt.Errorf("Unknown part type: %s", p.Type)
+			}
+			item, err := readMedia(p)
+			if err != nil {
+				return rendered{}, err
+			}
+			media = append(media, item)
+		}
+		pending.WriteString("<|")
+		pending.WriteString(m.Role)
+		pending.WriteString("|>\n")
+		for _, item := range media {
+			r.add(pending.String())
+			pending.Reset()
+			r.segs = append(r.segs, segment{media: item})
+			pending.WriteString("\n")
+		}
+		pending.WriteString(strings.Join(texts, "\n"))
 		if tmpl.ContinueFinalMessage && i == len(msgs)-1 {
-			return b.String(), nil
+			r.add(pending.String())
+			return r, nil
 		}
-		b.WriteString("\n")
+		pending.WriteString("\n")
 	}
 	if tmpl.AddGenerationPrompt {
-		b.WriteString("<|assistant|>\n")
+		pending.WriteString("<|assistant|>\n")
 	}
-	return b.String(), nil
+	r.add(pending.String())
+	return r, nil
 }
 
 // prompt is what the engine knows of a request's input: its token count and
@@ -88,21 +241,28 @@ type prompt struct {
 	midWord bool
 }
 
-func textPrompt(s string) prompt {
-	sum := sha256.Sum256([]byte(s))
-	last, _ := utf8.DecodeLastRuneInString(s)
-	return prompt{tokens: CountTokens(s), digest: hex.EncodeToString(sum[:12]),
-		midWord: unicode.IsLetter(last) || unicode.IsDigit(last)}
-}
-
-func tokenPrompt(ids []int) prompt {
+// promptOf is the prompt of token ids run under a LoRA adapter ("" for the
+// base model). The digest covers both, since KV caches differ per adapter.
+func promptOf(ids []int, adapter string, midWord bool) prompt {
 	h := sha256.New()
+	if adapter != "" {
+		h.Write([]byte("lora\x00" + adapter + "\x00"))
+	}
 	var buf [8]byte
 	for _, id := range ids {
 		binary.LittleEndian.PutUint64(buf[:], uint64(id))
 		h.Write(buf[:])
 	}
-	return prompt{tokens: len(ids), digest: hex.EncodeToString(h.Sum(nil)[:12])}
+	return prompt{tokens: len(ids), digest: hex.EncodeToString(h.Sum(nil)[:12]), midWord: midWord}
+}
+
+func textPrompt(s string) prompt { return promptOf(textIDs(s), "", endsMidWord(s)) }
+
+func tokenPrompt(ids []int) prompt { return promptOf(ids, "", false) }
+
+func endsMidWord(s string) bool {
+	last, _ := utf8.DecodeLastRuneInString(s)
+	return unicode.IsLetter(last) || unicode.IsDigit(last)
 }
 
 // vocabulary is what the simulated model says. Each word is one token under

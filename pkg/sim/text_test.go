@@ -51,11 +51,12 @@ func TestRenderChatContinued(t *testing.T) {
 	user := openai.Message{Role: "user", Content: json.RawMessage(`"Hi"`)}
 	first, _ := RenderChat([]openai.Message{user})
 	partial := " alpha bravo charlie"
-	cont, err := renderChat([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
+	r, err := renderChat([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
 		ChatTemplate{ContinueFinalMessage: true})
 	if err != nil {
 		t.Fatal(err)
 	}
+	cont := r.String()
 	if cont != first+partial {
 		t.Errorf("continued = %q, want %q", cont, first+partial)
 	}

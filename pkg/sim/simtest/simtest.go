@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/url"
 	"testing"
 	"time"
 
@@ -126,4 +127,52 @@ func (e *Engine) Poll(timeout time.Duration, cond func(sim.Stats) bool) (sim.Sta
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// Requests reads GET /sim/requests?id=<id>: what the engine received under
+// that X-Request-Id, bodies byte for byte, in arrival order.
+func (e *Engine) Requests(t testing.TB, id string) []sim.RecordedRequest {
+	t.Helper()
+	rs, err := FetchRequests(context.Background(), e.URL, &id)
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	return rs
+}
+
+// RecentRequests reads GET /sim/requests: the last 64 requests the engine
+// received, without their bodies.
+func (e *Engine) RecentRequests(t testing.TB) []sim.RecordedRequest {
+	t.Helper()
+	rs, err := FetchRequests(context.Background(), e.URL, nil)
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	return rs
+}
+
+// FetchRequests reads GET /sim/requests of the engine at baseURL, for one
+// X-Request-Id if id is not nil.
+func FetchRequests(ctx context.Context, baseURL string, id *string) ([]sim.RecordedRequest, error) {
+	u := baseURL + "/sim/requests"
+	if id != nil {
+		u += "?id=" + url.QueryEscape(*id)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("get requests: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("get requests: status %d", resp.StatusCode)
+	}
+	var out sim.RecordedRequests
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return nil, fmt.Errorf("decode requests: %w", err)
+	}
+	return out.Requests, nil
 }
