@@ -60,7 +60,7 @@ func TestGatewayBadInput(t *testing.T) {
 		})
 	}
 	t.Run("unknown route and method", func(t *testing.T) {
-		get(t, p.url+"/v1/embeddings").wantStatus(t, http.StatusNotFound)
+		get(t, p.url+"/v1/nothing").wantStatus(t, http.StatusNotFound)
 		r := get(t, p.chat())
 		r.wantStatus(t, http.StatusMethodNotAllowed)
 		r.apiError(t)

@@ -339,8 +339,10 @@ func TestLifecycleKVReleasedOnFailure(t *testing.T) {
 	t.Run("decode engine rejects the request", func(t *testing.T) {
 		r := lcStart(t, lease, nil)
 		// The prefill leg runs with max_tokens 1 and passes; the decode
-		// engine refuses max_tokens over the context length with a 400.
-		resp := post(t, r.chat(), "lc10a", chatBody(model, lcLongPrompt(10), body{"max_tokens": 1000000000}))
+		// engine refuses the prompt plus max_tokens over the context length
+		// (8192) with a 400. (max_tokens alone over it is refused at the
+		// gateway, before any prefill.)
+		resp := post(t, r.chat(), "lc10a", chatBody(model, lcLongPrompt(10), body{"max_tokens": 8190}))
 		resp.wantStatus(t, http.StatusBadRequest)
 		s, released := lcWaitEngine(r.prefill, 10*time.Second, func(s sim.Stats) bool { return s.BlocksHeld == 0 })
 		if !released {

@@ -7,10 +7,18 @@ package tests
 // other endpoints.
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
+	"github.com/pdq-dev/pdq/pkg/sim"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -249,4 +257,290 @@ func TestBatchedPrompts(t *testing.T) {
 	if s := p.decode[0].Stats(t); s.KVReads < 4 {
 		t.Errorf("decode engine read %d KV handoffs: the long prompts of the batches must go P/D", s.KVReads)
 	}
+}
+
+// TestEveryServedModel runs engines with two served names and a LoRA
+// adapter: pdq serves each, with the engine's own answer for that model,
+// lists each with its engine's card, and takes in an adapter loaded at run
+// time (and lets go of one unloaded) within the workers' refresh.
+func TestEveryServedModel(t *testing.T) {
+	cfg := simtest.FastConfig()
+	cfg.Model = "/models/base"
+	cfg.ServedModelNames = []string{"base-a", "base-b"}
+	cfg.LoRAModules = []sim.LoRAModule{{Name: "sql-lora", Path: "/adapters/sql"}}
+	p := startPipeline(t, pipelineOptions{sim: cfg, worker: workers.Config{ModelsRefresh: 100 * time.Millisecond}})
+
+	answer := func(t *testing.T, url, model, id string) (string, string) {
+		t.Helper()
+		r := post(t, url+openai.Chat.Path(), id, chatBody(model, longPrompt, body{"max_tokens": 6, "ignore_eos": true}))
+		r.wantStatus(t, http.StatusOK)
+		var c struct {
+			Model string `json:"model"`
+		}
+		r.decode(t, &c)
+		got, _ := parseResponse(t, r)
+		return c.Model, got.text
+	}
+	texts := map[string]string{}
+	for _, model := range []string{"base-a", "base-b", "sql-lora"} {
+		gotModel, text := answer(t, p.url, model, "served-"+model)
+		wantModel, want := answer(t, p.decode[0].URL, model, "served-direct-"+model)
+		if gotModel != wantModel || text != want {
+			t.Errorf("%s through pdq: model %q, %q; the engine alone: %q, %q", model, gotModel, text, wantModel, want)
+		}
+		texts[model] = text
+	}
+	if texts["sql-lora"] == texts["base-a"] {
+		t.Errorf("the adapter answered as the base model: %q", texts["sql-lora"])
+	}
+	if s := p.decode[0].Stats(t); s.KVReads != 3 {
+		t.Errorf("decode engine read %d KV handoffs, want 3: every model goes P/D", s.KVReads)
+	}
+
+	cards := func() map[string]map[string]any {
+		var list struct {
+			Data []map[string]any `json:"data"`
+		}
+		get(t, p.url+"/v1/models").decode(t, &list)
+		out := map[string]map[string]any{}
+		for _, c := range list.Data {
+			out[c["id"].(string)] = c
+		}
+		return out
+	}
+	got := cards()
+	if len(got) != 3 {
+		t.Fatalf("/v1/models lists %v, want base-a, base-b and sql-lora", got)
+	}
+	if c := got["sql-lora"]; c["root"] != "/adapters/sql" || c["parent"] != "base-a" {
+		t.Errorf("adapter card %v: want root /adapters/sql, parent base-a", c)
+	}
+	if c := got["base-b"]; c["root"] != "/models/base" || c["parent"] != nil || c["max_model_len"] != float64(cfg.MaxModelLen) {
+		t.Errorf("base card %v", c)
+	}
+
+	// An adapter loaded at run time joins its pool; unloaded, it leaves.
+	lora := func(path string, b body) {
+		for _, e := range append(p.prefill, p.decode...) {
+			post(t, e.URL+path, "", b).wantStatus(t, http.StatusOK)
+		}
+	}
+	waitModel := func(model string, listed bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			if _, ok := cards()[model]; ok == listed {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("/v1/models: %s listed is not %v after 10 s", model, listed)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	lora("/v1/load_lora_adapter", body{"lora_name": "new-lora", "lora_path": "/adapters/new"})
+	waitModel("new-lora", true)
+	// The prefill worker may join a moment after the decode worker.
+	deadline := time.Now().Add(10 * time.Second)
+	for p.prefillWorkers("new-lora") == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	gotModel, text := answer(t, p.url, "new-lora", "served-new-lora")
+	if _, want := answer(t, p.decode[0].URL, "new-lora", "served-direct-new-lora"); gotModel != "new-lora" || text != want {
+		t.Errorf("new-lora through pdq: %q %q; the engine alone: %q", gotModel, text, want)
+	}
+	lora("/v1/unload_lora_adapter", body{"lora_name": "new-lora"})
+	waitModel("new-lora", false)
+	r := post(t, p.chat(), "", chatBody("new-lora", longPrompt, nil))
+	if r.status != http.StatusServiceUnavailable && r.status != http.StatusNotFound {
+		t.Errorf("a request for an unloaded adapter: status %d, want 503 or 404", r.status)
+	}
+}
+
+// TestClientBytesReachTheEngines checks that each leg's body is the
+// client's bytes with only the P/D fields changed: key order, spacing and
+// unescaped <, > and & stay as the client wrote them.
+func TestClientBytesReachTheEngines(t *testing.T) {
+	cfg := simtest.FastConfig()
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	prompt := strings.ReplaceAll(longPrompt, "a prefill", "a <prefill> & \"decode\"") + " é\u2028"
+	for _, tc := range []struct {
+		name, url, client, prefill, decode string
+	}{
+		{
+			name:    "chat",
+			url:     p.chat(),
+			client:  `{"temperature": 0.5,  "model":"` + cfg.Model + `", "messages":[{"role":"user","content":` + rawString(prompt) + `}], "stream":true, "stream_options":{"include_usage":true}, "max_tokens":5, "min_tokens":2}`,
+			prefill: `{"temperature": 0.5,  "model":"` + cfg.Model + `", "messages":[{"role":"user","content":` + rawString(prompt) + `}], "stream":false, "max_tokens":1,"kv_transfer_params":` + prefillSkeleton + `}`,
+			decode:  `{"temperature": 0.5,  "model":"` + cfg.Model + `", "messages":[{"role":"user","content":` + rawString(prompt) + `}], "stream":true, "stream_options":{"include_usage":true}, "max_tokens":5, "min_tokens":2,"kv_transfer_params":@KV@}`,
+		},
+		{
+			name:    "completions with max_completion_tokens",
+			url:     p.completions(),
+			client:  "{\n  \"prompt\": " + rawString(prompt) + ",\n  \"model\": \"" + cfg.Model + "\",\n  \"max_completion_tokens\": 4\n}",
+			prefill: "{\n  \"prompt\": " + rawString(prompt) + ",\n  \"model\": \"" + cfg.Model + "\",\n  \"max_completion_tokens\": 1,\"kv_transfer_params\":" + prefillSkeleton + ",\"stream\":false,\"max_tokens\":1\n}",
+			decode:  "{\n  \"prompt\": " + rawString(prompt) + ",\n  \"model\": \"" + cfg.Model + "\",\n  \"max_completion_tokens\": 4,\"kv_transfer_params\":@KV@\n}",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			id := "bytes-" + strings.ReplaceAll(tc.name, " ", "-")
+			resp, err := sendRaw(tc.url, id, []byte(tc.client))
+			if err != nil || resp.status != http.StatusOK {
+				t.Fatalf("status %d, %v: %s", resp.status, err, resp.body)
+			}
+			pre := p.prefill[0].Requests(t, id)
+			dec := p.decode[0].Requests(t, id)
+			if len(pre) != 1 || len(dec) != 1 {
+				t.Fatalf("engines got %d prefill and %d decode requests for %s, want 1 and 1", len(pre), len(dec), id)
+			}
+			if got := string(pre[0].Body); got != tc.prefill {
+				t.Errorf("prefill leg:\n got %s\nwant %s", got, tc.prefill)
+			}
+			kv, _, _ := jsonobj.Get(dec[0].Body, "kv_transfer_params")
+			if want := strings.Replace(tc.decode, "@KV@", string(kv), 1); string(dec[0].Body) != want || len(kv) == 0 {
+				t.Errorf("decode leg:\n got %s\nwant %s", dec[0].Body, want)
+			}
+		})
+	}
+}
+
+// prefillSkeleton is the prefill leg's kv_transfer_params, as vLLM's
+// reference proxy sends them.
+const prefillSkeleton = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+// rawString is s as a JSON string, with <, > and & left as they are.
+func rawString(s string) string {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	enc.Encode(s)
+	return strings.TrimSpace(b.String())
+}
+
+// sendRaw posts body's exact bytes.
+func sendRaw(url, id string, b []byte) (response, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
+	if err != nil {
+		return response{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", id)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return response{}, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	return response{status: resp.StatusCode, header: resp.Header, body: raw}, err
+}
+
+// TestErrorsInClientTerms runs engines that word length errors as vLLM
+// before 0.10 did ("P in the messages, M in the completion"): a prompt
+// over the context length is refused with the client's max_tokens, not the
+// prefill leg's 1; and a request only the prefill engine refuses (its
+// context is shorter) is served by the decode engine.
+func TestErrorsInClientTerms(t *testing.T) {
+	t.Run("refused by both", func(t *testing.T) {
+		cfg := simtest.FastConfig()
+		cfg.MaxModelLen, cfg.LegacyLengthErrors = 64, true
+		p := startPipeline(t, pipelineOptions{sim: cfg})
+		r := post(t, p.chat(), "", chatBody(cfg.Model, strings.Repeat(longPrompt+" ", 4), body{"max_tokens": 50}))
+		r.wantStatus(t, http.StatusBadRequest)
+		e := r.apiError(t)
+		if !strings.Contains(e.Message, "50 in the completion") || strings.Contains(e.Message, " 1 in the completion") {
+			t.Errorf("error %q: want the client's 50 in the completion", e.Message)
+		}
+	})
+	t.Run("refused by prefill only", func(t *testing.T) {
+		cfg := simtest.FastConfig()
+		pcfg := cfg
+		pcfg.MaxModelLen = 32
+		p := startPipeline(t, pipelineOptions{sim: cfg, prefillSim: &pcfg})
+		r := post(t, p.chat(), "", chatBody(cfg.Model, strings.Repeat(longPrompt+" ", 4), body{"max_tokens": 5}))
+		r.wantStatus(t, http.StatusOK)
+		if s := p.decode[0].Stats(t); s.Local != 1 {
+			t.Errorf("decode engine stats %+v: want the request prefilled there", s)
+		}
+	})
+}
+
+// TestEngineCalls forwards vLLM's other endpoints to a decode engine of
+// the model, with the engine key, and returns the engine's answers and
+// errors as they came.
+func TestEngineCalls(t *testing.T) {
+	gen := simtest.FastConfig()
+	gen.APIKey = "engine-secret"
+	p := startPipeline(t, pipelineOptions{sim: gen, worker: workers.Config{EngineAPIKey: "engine-secret"}})
+	for _, tc := range []struct {
+		name, method, path string
+		b                  any
+	}{
+		{"tokenize", http.MethodPost, "/tokenize", body{"model": gen.Model, "prompt": longPrompt}},
+		{"tokenize chat", http.MethodPost, "/tokenize", body{"model": gen.Model, "messages": []any{map[string]any{"role": "user", "content": "hi"}}}},
+		{"detokenize", http.MethodPost, "/detokenize", body{"model": gen.Model, "tokens": []int{}}},
+		{"version", http.MethodGet, "/version", nil},
+		{"embeddings on a generative model", http.MethodPost, "/v1/embeddings", body{"model": gen.Model, "input": "x"}},
+		{"tokenize without model", http.MethodPost, "/tokenize", body{"prompt": "hello there"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := do(t, tc.method, p.url+tc.path, nil, tc.b)
+			h := http.Header{"Authorization": {"Bearer engine-secret"}}
+			want := do(t, tc.method, p.decode[0].URL+tc.path, h, tc.b)
+			if got.status != want.status || !bytes.Equal(got.body, want.body) {
+				t.Errorf("through pdq: %d %s\nthe engine: %d %s", got.status, got.body, want.status, want.body)
+			}
+		})
+	}
+	t.Run("unknown model", func(t *testing.T) {
+		r := post(t, p.url+"/tokenize", "", body{"model": "gpt-9", "prompt": "x"})
+		r.wantStatus(t, http.StatusNotFound)
+	})
+	t.Run("embeddings", func(t *testing.T) {
+		embed := simtest.FastConfig()
+		embed.Model, embed.APIKey, embed.Runner = "embedder", "engine-secret", sim.RunnerPooling
+		e := simtest.Start(t, embed)
+		p.startWorker(dispatcher.StageDecode, e.URL, 0)
+		b := body{"model": "embedder", "input": []string{"a", "b"}}
+		deadline := time.Now().Add(10 * time.Second)
+		r := post(t, p.url+"/v1/embeddings", "", b)
+		for r.status == http.StatusNotFound && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+			r = post(t, p.url+"/v1/embeddings", "", b)
+		}
+		r.wantStatus(t, http.StatusOK)
+		want := do(t, http.MethodPost, e.URL+"/v1/embeddings", http.Header{"Authorization": {"Bearer engine-secret"}}, b)
+		var got, direct struct {
+			Data  json.RawMessage `json:"data"`
+			Usage json.RawMessage `json:"usage"`
+			Model string          `json:"model"`
+		}
+		r.decode(t, &got)
+		want.decode(t, &direct)
+		if string(got.Data) != string(direct.Data) || string(got.Usage) != string(direct.Usage) || got.Model != "embedder" {
+			t.Errorf("through pdq: %s\nthe engine: %s", r.body, want.body)
+		}
+	})
+}
+
+// prefillWorkers counts the registered prefill workers of model.
+func (p *pipeline) prefillWorkers(model string) int {
+	kv, err := p.js.KeyValue(p.ctx, dispatcher.BucketWorkers)
+	if err != nil {
+		return 0
+	}
+	keys, _ := kv.Keys(p.ctx)
+	n := 0
+	for _, k := range keys {
+		e, err := kv.Get(p.ctx, k)
+		if err != nil {
+			continue
+		}
+		var w dispatcher.WorkerInfo
+		if json.Unmarshal(e.Value(), &w) == nil && w.Role == dispatcher.StagePrefill && w.Model == model {
+			n++
+		}
+	}
+	return n
 }

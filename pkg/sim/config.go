@@ -154,6 +154,9 @@ type Config struct {
 	Seed uint64
 	// MaxModelLen bounds prompt plus output tokens, as vLLM's --max-model-len.
 	MaxModelLen int
+	// LegacyLengthErrors words length refusals as vLLM before 0.10 did:
+	// "you requested N tokens (P in the messages, M in the completion)".
+	LegacyLengthErrors bool
 	// APIKey, when set, is required as a bearer token on /v1 (vLLM's --api-key).
 	APIKey string
 	// EngineID is the NIXL engine id; empty picks a random one, as vLLM does.
@@ -251,6 +254,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Version, "vllm-version", c.Version, "version GET /version reports")
 	fs.Uint64Var(&c.Seed, "seed", c.Seed, "seed of the generated text")
 	fs.IntVar(&c.MaxModelLen, "max-model-len", c.MaxModelLen, "maximum prompt plus output tokens")
+	fs.BoolVar(&c.LegacyLengthErrors, "legacy-length-errors", c.LegacyLengthErrors, "word length refusals as vLLM before 0.10 (\"P in the messages, M in the completion\")")
 	fs.StringVar(&c.APIKey, "api-key", c.APIKey, "bearer token required on /v1 (empty: none)")
 	fs.StringVar(&c.EngineID, "engine-id", c.EngineID, "NIXL engine id (empty: random)")
 	fs.StringVar(&c.KVHost, "kv-host", c.KVHost, "side-channel host: bound, and advertised as remote_host")

@@ -145,6 +145,19 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		if p.tokens == 0 {
 			return nil, openai.NewError(http.StatusBadRequest, "The prompt must not be empty.").WithParam("prompt")
 		}
+		if e.cfg.LegacyLengthErrors {
+			n, ok := req.MaxOutputTokens()
+			if !ok {
+				n = max(maxLen-p.tokens, 1)
+			}
+			if p.tokens+n > maxLen {
+				// vLLM before 0.10 (serving_engine.py _validate_input):
+				// one check of prompt plus output.
+				return nil, openai.NewError(http.StatusBadRequest,
+					"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+					maxLen, p.tokens+n, p.tokens, n)
+			}
+		}
 		if p.tokens >= maxLen {
 			return nil, openai.NewError(http.StatusBadRequest,
 				"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
