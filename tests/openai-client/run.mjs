@@ -78,6 +78,55 @@ await check("completions", async () => {
   return `"${c.choices[0].text}", streamed "${text}"`;
 });
 
+await check("chat with an image part", async () => {
+  const image = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==";
+  const ask = (url) => client.chat.completions.create({
+    model, max_tokens: 6, ignore_eos: true,
+    messages: [{ role: "user", content: [{ type: "text", text: prompt }, { type: "image_url", image_url: { url } }] }],
+  });
+  const [a, b] = [await ask(image), await ask(image.replace("Jggg", "Jhhh"))];
+  assert(words(a.choices[0].message.content) === 6, `content "${a.choices[0].message.content}"`);
+  // The image reaches the engines: another image, another answer, and
+  // the image's tokens count in the prompt.
+  assert(a.choices[0].message.content !== b.choices[0].message.content, "two images gave one answer");
+  const text = await client.chat.completions.create({ model, max_tokens: 1, messages: [{ role: "user", content: prompt }] });
+  assert(a.usage.prompt_tokens > text.usage.prompt_tokens, `prompt tokens ${a.usage.prompt_tokens} with the image, ${text.usage.prompt_tokens} without`);
+  return `"${a.choices[0].message.content}", ${a.usage.prompt_tokens} prompt tokens`;
+});
+
+await check("LoRA adapter by name", async () => {
+  const lora = process.env.PDQ_LORA;
+  assert(lora, "PDQ_LORA is not set");
+  const models = await client.models.list();
+  const card = models.data.find((m) => m.id === lora);
+  assert(card && card.parent === model, `adapter card ${JSON.stringify(card)}`);
+  const c = await client.completions.create({ model: lora, prompt, max_tokens: 5, ignore_eos: true });
+  const base = await client.completions.create({ model, prompt, max_tokens: 5, ignore_eos: true });
+  assert(c.model === lora, `model ${c.model}`);
+  assert(c.choices[0].text !== base.choices[0].text, "the adapter answered as the base model");
+  return `"${c.choices[0].text}"`;
+});
+
+await check("completions, batched prompts", async () => {
+  const prompts = [prompt, "Say hello.", `${prompt} Then stop.`];
+  const c = await client.completions.create({ model, prompt: prompts, max_tokens: 3, ignore_eos: true }, { headers: { "X-Request-Id": `batch-${Date.now()}` } }).withResponse();
+  const r = c.data;
+  assert(r.choices.length === 3, `${r.choices.length} choices`);
+  r.choices.forEach((ch, i) => assert(ch.index === i && words(ch.text) === 3, `choice ${i}: ${JSON.stringify(ch)}`));
+  assert(r.usage.completion_tokens === 9, `usage ${JSON.stringify(r.usage)}`);
+  assert(r.id === `cmpl-${c.response.headers.get("x-request-id")}`, `id ${r.id}`);
+  const stream = await client.completions.create({ model, prompt: prompts, max_tokens: 3, ignore_eos: true, stream: true, stream_options: { include_usage: true } });
+  const texts = ["", "", ""];
+  let usage = null;
+  for await (const chunk of stream) {
+    for (const ch of chunk.choices) texts[ch.index] += ch.text;
+    if (chunk.usage) usage = chunk.usage;
+  }
+  texts.forEach((t, i) => assert(t === r.choices[i].text, `streamed choice ${i} "${t}" vs "${r.choices[i].text}"`));
+  assert(usage?.completion_tokens === 9, `streamed usage ${JSON.stringify(usage)}`);
+  return r.choices.map((ch) => `"${ch.text}"`).join(", ");
+});
+
 await check("error: unknown model", async () => {
   try {
     await client.chat.completions.create({ model: "no-such-model", messages: [{ role: "user", content: "hi" }] });
