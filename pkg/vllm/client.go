@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -80,6 +81,9 @@ func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID s
 	return resp, nil
 }
 
+// ErrUnauthorized means the engine refused pdq's key, or the lack of one.
+var ErrUnauthorized = errors.New("the engine wants another API key (PDQ_ENGINE_API_KEY)")
+
 // Model is one model an engine serves: a base model under one of its
 // served names, or a LoRA adapter.
 type Model struct {
@@ -100,7 +104,11 @@ func (c *Client) Models(ctx context.Context) ([]Model, error) {
 		return nil, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
+	switch resp.StatusCode {
+	case http.StatusOK:
+	case http.StatusUnauthorized, http.StatusForbidden:
+		return nil, fmt.Errorf("get /v1/models: status %d: %w", resp.StatusCode, ErrUnauthorized)
+	default:
 		return nil, fmt.Errorf("get /v1/models: status %d", resp.StatusCode)
 	}
 	var list struct {
