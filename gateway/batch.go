@@ -62,7 +62,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 		if apiErr != nil {
 			// The prompts queued so far must not run for nobody.
 			for _, b := range jobs {
-				h.cancel(b.job, log.With(logging.KeyRequestID, b.job.ID), dispatcher.StateCancelled, apiErr.Status(), "another prompt of its batch was refused")
+				h.stop(b.job, log.With(logging.KeyRequestID, b.job.ID), dispatcher.StateCancelled, apiErr.Status(), "another prompt of its batch was refused")
 			}
 			return writeError(c, apiErr)
 		}
@@ -110,20 +110,28 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 	}
 	m := &batchMerge{id: openai.Completions.IDPrefix() + id, n: n}
 	// stop ends the jobs still running, with the reason of the one that
-	// ended the batch.
+	// ended the batch, which has logged the request's end.
 	stop := func(state dispatcher.State, status int, why string) {
 		for _, b := range jobs {
 			if !b.ended {
-				h.cancel(b.job, log.With(logging.KeyRequestID, b.job.ID), state, status, why)
+				h.stop(b.job, log.With(logging.KeyRequestID, b.job.ID), state, status, why)
 				b.ended = true
 			}
 		}
+	}
+	// end is stop for a batch that the gateway ends, logged once.
+	end := func(state dispatcher.State, status int, why string) {
+		stop(state, status, why)
+		log.Info("request stopped: "+why, "state", string(state), "prompts", len(jobs))
 	}
 	var sse *openai.SSEWriter
 	if req.Stream {
 		sse = openai.NewSSEWriter(c.Response())
 	}
 	whole := make([][]byte, len(jobs)) // the non-streamed responses
+	// dones are the jobs' done messages, recorded once the merged answer
+	// went out whole.
+	dones := make([]dispatcher.Reply, len(jobs))
 	left := len(jobs)
 	for left > 0 {
 		var br batchReply
@@ -134,11 +142,12 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		}
 		if br.err != nil {
 			failed := br.i
-			for k := 0; failed < 0; k++ {
+			for k := 0; failed < 0 && k < len(jobs); k++ {
 				if !jobs[k].ended {
 					failed = k
 				}
 			}
+			failed = max(failed, 0)
 			jobs[failed].ended = true
 			err := h.replyFailed(c, ctx, sse, jobs[failed].job, br.err, log)
 			switch {
@@ -168,15 +177,15 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			b.ended = true
 			left--
 			if !req.Stream && whole[br.i] == nil {
-				stop(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent an empty reply")
+				end(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent an empty reply")
 				return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
 			}
-			h.delivered(b.job, br.r, log.With(logging.KeyRequestID, b.job.ID))
+			dones[br.i] = br.r
 		case dispatcher.KindChunk:
 			if !req.Stream {
 				if whole[br.i] != nil {
 					b.ended = true
-					stop(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
+					end(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
 					return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
 				}
 				whole[br.i] = br.r.Data
@@ -184,7 +193,8 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			}
 			out, held, err := m.chunk(br.i, br.r.Data)
 			if err != nil {
-				stop(dispatcher.StateFailed, http.StatusBadGateway, err.Error())
+				b.ended = true
+				stop(dispatcher.StateFailed, http.StatusBadGateway, "another prompt of its batch failed")
 				return h.replyFailed(c, ctx, sse, b.job, err, log)
 			}
 			if held {
@@ -192,32 +202,40 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			}
 			t.wrote(h.cfg.Counters)
 			if err := sse.Data(out); err != nil {
-				stop(dispatcher.StateCancelled, 499, "client went away")
+				end(dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}
 		}
+	}
+	// Every job has ended: from here on, a failure is recorded on all.
+	for _, b := range jobs {
+		b.ended = false
 	}
 	if !req.Stream {
 		out, err := m.responses(whole)
 		if err != nil {
 			log.Warn("could not merge the answers of a batch", logging.Err(err))
+			end(dispatcher.StateFailed, http.StatusBadGateway, "could not merge the answers of the batch")
 			return writeError(c, openai.NewError(http.StatusBadGateway, "could not merge the answers of the batch: %v", err))
 		}
 		t.wrote(h.cfg.Counters)
 		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, out); err != nil {
-			log.Debug("client went away before the answer", logging.Err(err))
+			end(dispatcher.StateCancelled, 499, "client went away")
 			return nil
 		}
-		t.whole = true
-		return nil
-	}
-	if usage := m.usageChunk(); usage != nil {
-		if err := sse.Data(usage); err != nil {
-			return nil
+	} else {
+		if usage := m.usageChunk(); usage != nil {
+			if err := sse.Data(usage); err != nil {
+				end(dispatcher.StateCancelled, 499, "client went away")
+				return nil
+			}
+		}
+		if err := sse.Done(); err != nil {
+			log.Debug("client went away before [DONE]", logging.Err(err))
 		}
 	}
-	if err := sse.Done(); err != nil {
-		log.Debug("client went away before [DONE]", logging.Err(err))
+	for i, b := range jobs {
+		h.delivered(b.job, dones[i], log.With(logging.KeyRequestID, b.job.ID))
 	}
 	t.whole = true
 	return nil

@@ -331,6 +331,13 @@ func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
 // ones. A record another gateway (a client's retry) or a replay has taken
 // over is left alone.
 func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
+	h.stop(job, log, state, status, why)
+	log.Info("request stopped: "+why, "state", string(state))
+}
+
+// stop is cancel without its log line: for the other prompts of a batch,
+// whose request has logged its end once.
+func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	ours := false
@@ -350,7 +357,6 @@ func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatche
 			log.Warn("could not publish the cancel", logging.Err(err))
 		}
 	}
-	log.Info("request stopped: "+why, "state", string(state))
 }
 
 // tracked is what the gateway measures of one request, for /metrics.
