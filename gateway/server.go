@@ -227,7 +227,11 @@ func (h *handlers) routes() http.Handler {
 
 // writeError answers with an OpenAI error envelope.
 func writeError(c echo.Context, apiErr *openai.Error) error {
-	return c.JSON(apiErr.Status(), openai.ErrorResponse{Error: apiErr})
+	body, err := apiErr.Envelope()
+	if err != nil {
+		return err
+	}
+	return c.Blob(apiErr.Status(), echo.MIMEApplicationJSON, body)
 }
 
 // echoError turns echo's own errors (no route, wrong method) into OpenAI

@@ -104,6 +104,9 @@ func TestLengthRefusedBeforePrefill(t *testing.T) {
 			if e := r.apiError(t); !strings.Contains(e.Message, tc.want) || !strings.Contains(e.Message, "maximum context length is 2048") {
 				t.Errorf("error %q, want it to say %q", e.Message, tc.want)
 			}
+			if bytes.Contains(r.body, []byte(`\u003e`)) {
+				t.Errorf("body %s escapes '>', which vLLM writes as it is", r.body)
+			}
 		})
 	}
 	if pa, da := p.prefill[0].Stats(t), p.decode[0].Stats(t); pa.Requests != pbefore.Requests || da.Requests != dbefore.Requests {

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -79,11 +80,23 @@ func ErrorType(status int) string {
 	return "BadRequestError"
 }
 
+// Envelope is the error's JSON body, {"error":{...}}, with <, > and &
+// written as they are, as vLLM (Python's json) writes them.
+func (e *Error) Envelope() ([]byte, error) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(ErrorResponse{Error: e}); err != nil {
+		return nil, fmt.Errorf("encode error envelope: %w", err)
+	}
+	return bytes.TrimRight(b.Bytes(), "\n"), nil
+}
+
 // WriteError answers a request with e as a JSON error envelope.
 func WriteError(w http.ResponseWriter, e *Error) error {
-	body, err := json.Marshal(ErrorResponse{Error: e})
+	body, err := e.Envelope()
 	if err != nil {
-		return fmt.Errorf("encode error envelope: %w", err)
+		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(e.Status())
