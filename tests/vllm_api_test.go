@@ -547,3 +547,44 @@ func (p *pipeline) prefillWorkers(model string) int {
 	}
 	return n
 }
+
+// TestBatchClientGone checks that a client who leaves a batched stream
+// stops every prompt's work, streamed or not.
+func TestBatchClientGone(t *testing.T) {
+	cfg := simtest.FastConfig()
+	cfg.ITL = 5 * time.Millisecond
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	prompts := []any{longPrompt + " One.", longPrompt + " Two.", "Three."}
+	for i, stream := range []bool{true, false} {
+		ctx, cancel := context.WithCancel(context.Background())
+		b := body{"model": cfg.Model, "prompt": prompts, "max_tokens": 5000, "ignore_eos": true, "stream": stream}
+		if stream {
+			resp, err := send(ctx, p.completions(), "", b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := openai.NewSSEReader(resp.Body)
+			for range 6 {
+				if _, err := r.Next(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cancel()
+			resp.Body.Close()
+		} else {
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				if resp, err := send(ctx, p.completions(), "", b); err == nil {
+					resp.Body.Close()
+				}
+			}()
+			// Gone while all three decode.
+			p.decode[0].WaitStats(t, 10*time.Second, "three decoding", func(s sim.Stats) bool { return s.Running == 3 })
+			cancel()
+			<-done
+		}
+		want := int64(3 * (i + 1))
+		p.decode[0].WaitStats(t, 10*time.Second, "every prompt aborted", func(s sim.Stats) bool { return s.Aborts == want && s.Running == 0 })
+	}
+}
