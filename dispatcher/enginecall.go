@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/nats-io/nats.go"
 )
@@ -33,6 +34,9 @@ func EngineSubject(workerID string) string { return subjectEngine + "." + worker
 
 // EngineCall is a request to forward to an engine.
 type EngineCall struct {
+	// ID names the call for its cancel broadcast (CancelSubject): a client
+	// that goes away stops the engine's work.
+	ID     string
 	Method string
 	Path   string // with its query, if any
 	Body   []byte
@@ -52,6 +56,7 @@ var ErrNoAnswer = errors.New("the worker did not answer")
 // answer, within ctx.
 func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call EngineCall) (EngineAnswer, error) {
 	m := nats.NewMsg(EngineSubject(workerID))
+	m.Header.Set(HeaderID, call.ID)
 	m.Header.Set(HeaderMethod, call.Method)
 	m.Header.Set(HeaderPath, call.Path)
 	m.Data = call.Body
@@ -70,23 +75,44 @@ func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call Engine
 }
 
 // ServeEngineCalls takes the engine calls sent to workerID and answers
-// each with what do returns; do runs in its own goroutine, at most limit
-// at a time (calls beyond wait in the subscription). Unsubscribe the
-// returned subscription to stop.
-func ServeEngineCalls(nc *nats.Conn, workerID string, limit int, do func(EngineCall) EngineAnswer) (*nats.Subscription, error) {
+// each with what do returns. do runs in a goroutine of its own, at most
+// limit at a time, with a context that a cancel broadcast of the call's id
+// ends. Unsubscribe the returned subscription to stop taking calls.
+func ServeEngineCalls(ctx context.Context, nc *nats.Conn, workerID string, limit int, do func(context.Context, EngineCall) EngineAnswer) (*nats.Subscription, error) {
 	sem := make(chan struct{}, max(limit, 1))
 	return nc.Subscribe(EngineSubject(workerID), func(m *nats.Msg) {
-		sem <- struct{}{}
 		go func() {
-			defer func() { <-sem }()
-			a := do(EngineCall{Method: m.Header.Get(HeaderMethod), Path: m.Header.Get(HeaderPath), Body: m.Data})
+			call := EngineCall{ID: m.Header.Get(HeaderID), Method: m.Header.Get(HeaderMethod), Path: m.Header.Get(HeaderPath), Body: m.Data}
+			cctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			if ValidRequestID(call.ID) {
+				if sub, err := nc.Subscribe(CancelSubject(call.ID), func(*nats.Msg) { cancel() }); err == nil {
+					defer sub.Unsubscribe()
+				}
+			}
+			select {
+			case sem <- struct{}{}:
+				defer func() { <-sem }()
+			case <-cctx.Done():
+				return
+			}
+			a := do(cctx, call)
+			if cctx.Err() != nil {
+				return // the caller is gone
+			}
 			r := nats.NewMsg(m.Reply)
 			r.Header.Set(HeaderStatus, strconv.Itoa(a.Status))
 			if a.ContentType != "" {
 				r.Header.Set(HeaderContentType, a.ContentType)
 			}
 			r.Data = a.Body
-			m.RespondMsg(r) // a lost answer is the caller's time-out
+			if err := m.RespondMsg(r); err != nil {
+				// Too large for the server, say: a short answer says so.
+				r.Data = []byte(`{"error":{"message":"the engine's answer could not be sent: ` + strings.ReplaceAll(err.Error(), `"`, `'`) + `","type":"BadGatewayError","param":null,"code":502}}`)
+				r.Header.Set(HeaderStatus, "502")
+				r.Header.Set(HeaderContentType, "application/json")
+				m.RespondMsg(r) // a lost answer is the caller's time-out
+			}
 		}()
 	})
 }

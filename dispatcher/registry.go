@@ -346,15 +346,21 @@ func (r *Registry) Models() []string {
 }
 
 // Cards returns, for each model with a live decode worker, the engine's
-// /v1/models entry (nil when the worker sent none), sorted by model.
+// /v1/models entry (nil when the worker sent none): the card of the
+// worker whose entry id sorts first, so that the answer does not change
+// from one call to the next.
 func (r *Registry) Cards() map[string]json.RawMessage {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
 	out := make(map[string]json.RawMessage)
+	from := make(map[string]string) // model → the entry id its card is from
 	for _, e := range r.workers {
-		if e.info.Role == StageDecode && r.live(e.at, now) && out[e.info.Model] == nil {
-			out[e.info.Model] = e.info.Card
+		if e.info.Role != StageDecode || !r.live(e.at, now) {
+			continue
+		}
+		if id, ok := from[e.info.Model]; !ok || e.info.ID < id {
+			out[e.info.Model], from[e.info.Model] = e.info.Card, e.info.ID
 		}
 	}
 	return out

@@ -52,7 +52,14 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}, pulls 
 		case <-ctx.Done():
 			return // the message comes back after the ack wait
 		}
+		if !l.engineSlot(ctx, msg) {
+			<-slots
+			return
+		}
 		l.releaseOne(ctx, msg)
+		if l.cfg.EngineSlots != nil {
+			<-l.cfg.EngineSlots
+		}
 		<-slots
 	}
 }

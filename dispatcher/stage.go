@@ -235,7 +235,14 @@ type StageConfig struct {
 	Pool  string
 	// Slots is how many jobs run at once: the engine's concurrency. A job
 	// is pulled only when a slot is free.
-	Slots   int
+	Slots int
+	// EngineSlots, when set, are the engine's slots shared by the loops of
+	// the models one engine serves (of capacity Slots). A pulled job takes
+	// one before its checks, and the loop pulls nothing more until it has:
+	// so the engine never runs more than Slots jobs, at most one job per
+	// loop waits for a slot, and it is checked (its handoff's age too)
+	// after the wait, not before.
+	EngineSlots chan struct{}
 	Handler Handler
 	// Release frees the prefill engine's KV blocks of a handoff that will
 	// not be decoded (cancelled, expired, superseded, too old, rejected by
@@ -485,10 +492,18 @@ pull:
 			}
 			continue
 		}
+		if !l.engineSlot(ctx, msg) {
+			permit.release()
+			<-slots
+			break pull
+		}
 		l.inFlight.Add(1)
 		wg.Go(func() {
 			defer func() {
 				l.inFlight.Add(-1)
+				if l.cfg.EngineSlots != nil {
+					<-l.cfg.EngineSlots
+				}
 				<-slots
 			}()
 			l.process(ctx, jobCtx, msg, permit)
@@ -642,6 +657,31 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 	}
 	if terr := msg.TermWithReason(truncate(err.Error(), 256)); terr != nil {
 		l.log.Warn("term failed; the job will come back and be dead-lettered again (deduplicated)", logging.Err(terr))
+	}
+}
+
+// engineSlot takes one of the engine's shared slots for msg, keeping msg
+// in progress while it waits. It reports false, with msg handed back,
+// when ctx ends first. Without shared slots it returns at once.
+func (l *StageLoop) engineSlot(ctx context.Context, msg jetstream.Msg) bool {
+	if l.cfg.EngineSlots == nil {
+		return true
+	}
+	select {
+	case l.cfg.EngineSlots <- struct{}{}:
+		return true
+	default:
+	}
+	stop := l.keepAlive(ctx, msg)
+	defer stop()
+	select {
+	case l.cfg.EngineSlots <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		if err := msg.Nak(); err != nil {
+			l.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+		}
+		return false
 	}
 }
 

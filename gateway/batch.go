@@ -34,7 +34,13 @@ const maxBatch = 256
 type batchJob struct {
 	job     *dispatcher.Job
 	replies *dispatcher.ReplyStream
-	ended   bool // its done or error has arrived
+	log     *slog.Logger
+	// settled is set once the job's record holds its end: a worker's
+	// error, or the gateway's stop. A job whose done arrived is not
+	// settled until its answer went out.
+	settled bool
+	chunks  int // chunks received
+	done    dispatcher.Reply
 }
 
 // generateBatch serves a completions request with several prompts.
@@ -46,27 +52,41 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 		return writeError(c, openai.NewError(http.StatusBadRequest,
 			"X-Request-Id is too long for a batch of %d prompts: each prompt runs as <id>-<i>, at most 128 characters", len(in.batch)))
 	}
+	bodies := make([][]byte, len(in.batch))
+	var size int64
+	for i, prompt := range in.batch {
+		body, err := setMember(in.body, "prompt", prompt)
+		if err != nil {
+			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
+		}
+		bodies[i], size = body, size+int64(len(body))
+	}
+	// Each prompt's body repeats the client's other fields: what exceeds
+	// the body already counted is held at once too.
+	if extra := size - int64(len(in.body)); extra > 0 {
+		if !h.budget.take(extra) {
+			return writeError(c, h.overBudget(c))
+		}
+		defer h.budget.release(extra)
+	}
 	jobs := make([]*batchJob, 0, len(in.batch))
 	defer func() {
 		for _, b := range jobs {
 			b.replies.Close()
 		}
 	}()
-	for i, prompt := range in.batch {
-		body, err := setMember(in.body, "prompt", prompt)
-		if err != nil {
-			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
-		}
+	for i, body := range bodies {
 		sub := id + "-" + strconv.Itoa(i)
-		replies, job, apiErr := h.submit(c, endpoint, sub, in.req, body, in.batchTokens[i], pool, log)
+		jlog := h.log.With(logging.KeyRequestID, sub)
+		replies, job, apiErr := h.submit(c, endpoint, sub, in.req, body, in.batchTokens[i], pool, jlog)
 		if apiErr != nil {
 			// The prompts queued so far must not run for nobody.
 			for _, b := range jobs {
-				h.stop(b.job, log.With(logging.KeyRequestID, b.job.ID), dispatcher.StateCancelled, apiErr.Status(), "another prompt of its batch was refused")
+				h.stop(b.job, b.log, dispatcher.StateCancelled, apiErr.Status(), "another prompt of its batch was refused")
 			}
 			return writeError(c, apiErr)
 		}
-		jobs = append(jobs, &batchJob{job: job, replies: replies})
+		jobs = append(jobs, &batchJob{job: job, replies: replies, log: jlog})
 	}
 	return h.relayBatch(c, id, in.req, jobs, log)
 }
@@ -79,11 +99,11 @@ type batchReply struct {
 }
 
 // relayBatch merges the replies of a batch's jobs into one answer, as
-// relay does for one job.
+// relay does for one job. The request logs its end once; its prompts'
+// records each hold it.
 func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, log *slog.Logger) error {
 	t := trackOf(c)
-	deadline := jobs[0].job.Deadline
-	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), deadline, errDeadline)
+	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), jobs[0].job.Deadline, errDeadline)
 	defer cancel()
 	in := make(chan batchReply)
 	var wg sync.WaitGroup
@@ -109,31 +129,40 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		n = *req.N
 	}
 	m := &batchMerge{id: openai.Completions.IDPrefix() + id, n: n}
-	// stop ends the jobs still running, with the reason of the one that
-	// ended the batch, which has logged the request's end.
+	// stop ends every prompt not settled yet, the ones that finished
+	// included: their answers never went out.
 	stop := func(state dispatcher.State, status int, why string) {
 		for _, b := range jobs {
-			if !b.ended {
-				h.stop(b.job, log.With(logging.KeyRequestID, b.job.ID), state, status, why)
-				b.ended = true
+			if !b.settled {
+				h.stop(b.job, b.log, state, status, why)
+				b.settled = true
 			}
 		}
 	}
-	// end is stop for a batch that the gateway ends, logged once.
+	// end is stop for a batch the gateway gives up on, logged once.
 	end := func(state dispatcher.State, status int, why string) {
 		stop(state, status, why)
 		log.Info("request stopped: "+why, "state", string(state), "prompts", len(jobs))
 	}
+	// fail ends the batch with an error: with its status before any
+	// output, in the stream after it.
 	var sse *openai.SSEWriter
 	if req.Stream {
 		sse = openai.NewSSEWriter(c.Response())
 	}
+	fail := func(apiErr *openai.Error) error {
+		end(dispatcher.StateFailed, apiErr.Status(), apiErr.Message)
+		if sse != nil && sse.Started() {
+			t.failed = true
+			if err := sse.Error(apiErr); err != nil {
+				log.Debug("could not write the in-stream error", logging.Err(err))
+			}
+			return nil
+		}
+		return writeError(c, apiErr)
+	}
 	whole := make([][]byte, len(jobs)) // the non-streamed responses
-	// dones are the jobs' done messages, recorded once the merged answer
-	// went out whole.
-	dones := make([]dispatcher.Reply, len(jobs))
-	left := len(jobs)
-	for left > 0 {
+	for left := len(jobs); left > 0; {
 		var br batchReply
 		select {
 		case br = <-in:
@@ -141,15 +170,11 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			br = batchReply{i: -1, err: ctx.Err()}
 		}
 		if br.err != nil {
-			failed := br.i
-			for k := 0; failed < 0 && k < len(jobs); k++ {
-				if !jobs[k].ended {
-					failed = k
-				}
-			}
-			failed = max(failed, 0)
-			jobs[failed].ended = true
-			err := h.replyFailed(c, ctx, sse, jobs[failed].job, br.err, log)
+			// replyFailed ends (and logs) the request as one job would;
+			// the other prompts end the same way.
+			first := max(br.i, 0)
+			jobs[first].settled = true
+			err := h.replyFailed(c, ctx, sse, jobs[first].job, br.err, log)
 			switch {
 			case c.Request().Context().Err() != nil:
 				stop(dispatcher.StateCancelled, 499, "client went away")
@@ -163,7 +188,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		b := jobs[br.i]
 		switch br.r.Kind {
 		case dispatcher.KindError:
-			b.ended = true
+			b.settled = true // the worker recorded it
 			stop(dispatcher.StateCancelled, br.r.Status, "another prompt of its batch failed")
 			if sse != nil && sse.Started() {
 				t.failed = true
@@ -174,28 +199,23 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			}
 			return h.writeWorkerError(c, br.r)
 		case dispatcher.KindDone:
-			b.ended = true
 			left--
-			if !req.Stream && whole[br.i] == nil {
-				end(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent an empty reply")
-				return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
+			if b.chunks == 0 {
+				return fail(openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
 			}
-			dones[br.i] = br.r
+			b.done = br.r
 		case dispatcher.KindChunk:
+			b.chunks++
 			if !req.Stream {
-				if whole[br.i] != nil {
-					b.ended = true
-					end(dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
-					return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
+				if b.chunks > 1 {
+					return fail(openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
 				}
 				whole[br.i] = br.r.Data
 				continue
 			}
 			out, held, err := m.chunk(br.i, br.r.Data)
 			if err != nil {
-				b.ended = true
-				stop(dispatcher.StateFailed, http.StatusBadGateway, "another prompt of its batch failed")
-				return h.replyFailed(c, ctx, sse, b.job, err, log)
+				return fail(openai.NewError(http.StatusBadGateway, "%v", err))
 			}
 			if held {
 				continue
@@ -207,16 +227,10 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			}
 		}
 	}
-	// Every job has ended: from here on, a failure is recorded on all.
-	for _, b := range jobs {
-		b.ended = false
-	}
 	if !req.Stream {
 		out, err := m.responses(whole)
 		if err != nil {
-			log.Warn("could not merge the answers of a batch", logging.Err(err))
-			end(dispatcher.StateFailed, http.StatusBadGateway, "could not merge the answers of the batch")
-			return writeError(c, openai.NewError(http.StatusBadGateway, "could not merge the answers of the batch: %v", err))
+			return fail(openai.NewError(http.StatusBadGateway, "could not merge the answers of the batch: %v", err))
 		}
 		t.wrote(h.cfg.Counters)
 		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, out); err != nil {
@@ -234,8 +248,8 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			log.Debug("client went away before [DONE]", logging.Err(err))
 		}
 	}
-	for i, b := range jobs {
-		h.delivered(b.job, dones[i], log.With(logging.KeyRequestID, b.job.ID))
+	for _, b := range jobs {
+		h.delivered(b.job, b.done, b.log)
 	}
 	t.whole = true
 	return nil

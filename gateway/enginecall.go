@@ -4,8 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"maps"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -43,13 +45,18 @@ func (h *handlers) engineCall(c echo.Context) error {
 	}
 	if model == "" {
 		cards := h.registry.Cards()
-		if len(cards) != 1 && c.Request().Method == http.MethodPost {
+		if len(cards) > 1 && c.Request().Method == http.MethodPost {
 			return writeError(c, openai.NewError(http.StatusBadRequest, "'model' is required: pdq serves %d models", len(cards)).WithParam("model"))
 		}
-		for m := range cards { // any model's engine knows its version
-			if model == "" || m < model {
+		ids := slices.Sorted(maps.Keys(cards))
+		for _, m := range ids { // any model's engine knows its version
+			if len(h.registry.Decoders(m)) > 0 {
 				model = m
+				break
 			}
+		}
+		if model == "" {
+			return h.unavailable(c, "no healthy decode workers")
 		}
 	}
 	workers := h.registry.Decoders(model)
@@ -61,7 +68,15 @@ func (h *handlers) engineCall(c echo.Context) error {
 	}
 	ctx, cancel := context.WithTimeout(c.Request().Context(), engineCallTimeout)
 	defer cancel()
-	call := dispatcher.EngineCall{Method: c.Request().Method, Path: c.Request().URL.RequestURI(), Body: body}
+	call := dispatcher.EngineCall{ID: "call-" + newUUID(), Method: c.Request().Method, Path: c.Request().URL.RequestURI(), Body: body}
+	defer func() {
+		if c.Request().Context().Err() != nil {
+			// The client went away: the engine stops too.
+			if err := h.nc.Publish(dispatcher.CancelSubject(call.ID), nil); err != nil {
+				h.log.Debug("could not publish the cancel of an engine call", logging.Err(err))
+			}
+		}
+	}()
 	// A worker that does not answer (gone since its last heartbeat) is
 	// skipped for another, up to three.
 	var err error
@@ -79,6 +94,9 @@ func (h *handlers) engineCall(c echo.Context) error {
 		if !errors.Is(err, dispatcher.ErrNoAnswer) || ctx.Err() != nil {
 			break
 		}
+	}
+	if c.Request().Context().Err() != nil {
+		return nil // the client went away
 	}
 	h.log.Warn("engine call failed", logging.Err(err), "path", c.Path(), "model", model)
 	status := http.StatusBadGateway

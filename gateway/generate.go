@@ -104,7 +104,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, r
 		replies.Close()
 		return nil, nil, h.submitFailed(c, err, log)
 	}
-	log.Debug("request queued", logging.KeyRequestID, id, "model", model, "stage", string(stage), "stream", job.Stream,
+	log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
 		"prompt_tokens_estimate", promptTokens, "generation", job.Generation)
 	switch {
 	case fallback:

@@ -79,10 +79,9 @@ func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 	return (chars + 3) / 4
 }
 
-// checkLength refuses, before any prefill runs, a request that every
-// decode engine of the model would refuse for length (maxLen is the
-// smallest context length they report, 0 when unknown), with vLLM's own
-// messages. A prefill would otherwise run, hold its KV, and only then meet
+// checkLength refuses, before any prefill runs, a request that a decode
+// engine of the model would refuse for length (maxLen is the smallest
+// context length they report, 0 when unknown), with vLLM's own messages. A prefill would otherwise run, hold its KV, and only then meet
 // the decode engine's 400. Text prompts are counted by the engine only, so
 // for them this catches an output limit that leaves no room for even one
 // prompt token; token-id prompts are checked exactly.
@@ -99,12 +98,22 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, maxLen int) *ope
 			exact = exact && p.Tokens != nil
 		}
 	}
+	if t := req.TruncatePromptTokens; t != nil {
+		// The engine cuts the prompt first: to t tokens, or (-1) to fit.
+		if *t < 0 {
+			return nil
+		}
+		input = max(min(input, *t), 1)
+	}
 	if input >= maxLen {
 		return openai.NewError(http.StatusBadRequest,
 			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
 			maxLen, input).WithParam("prompt")
 	}
-	out, limited := req.MaxOutputTokens()
+	out, limited := req.OutputLimit(endpoint)
+	if !limited && endpoint == openai.Completions {
+		out, limited = defaultCompletionTokens, true
+	}
 	if !limited || out <= maxLen-input {
 		return nil
 	}
@@ -116,6 +125,10 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, maxLen int) *ope
 		"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %s input tokens (%d > %d - %d).",
 		out, maxLen, has, out, maxLen, input).WithParam("max_tokens")
 }
+
+// defaultCompletionTokens is vLLM's max_tokens of a completions request
+// that sets none.
+const defaultCompletionTokens = 16
 
 // promptTokens estimates one completions prompt's length.
 func promptTokens(p openai.Prompt) int {

@@ -128,3 +128,42 @@ func FuzzParseRequest(f *testing.F) {
 		}
 	})
 }
+
+func TestCheckLength(t *testing.T) {
+	ids := func(n int) string { return "[" + strings.TrimSuffix(strings.Repeat("1,", n), ",") + "]" }
+	for _, tc := range []struct {
+		name     string
+		endpoint openai.Endpoint
+		body     string
+		want     string // a part of the refusal; "" for none
+	}{
+		{"chat within", openai.Chat, `{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":99}`, ""},
+		{"chat max_tokens", openai.Chat, `{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":100}`, "too large: 100. This model's maximum context length is 100 tokens and your request has at least 1 input tokens (100 > 100 - 1)"},
+		{"chat max_completion_tokens wins", openai.Chat, `{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":100}`, "too large: 100"},
+		{"chat without a limit", openai.Chat, `{"model":"m","messages":[{"role":"user","content":"x"}]}`, ""},
+		{"completions ignore max_completion_tokens", openai.Completions, `{"model":"m","prompt":[1,2,3],"max_tokens":10,"max_completion_tokens":100000}`, ""},
+		{"completions token prompt", openai.Completions, `{"model":"m","prompt":` + ids(90) + `,"max_tokens":11}`, "your request has 90 input tokens (11 > 100 - 90)"},
+		{"completions default 16", openai.Completions, `{"model":"m","prompt":` + ids(90) + `}`, "too large: 16"},
+		{"completions prompt too long", openai.Completions, `{"model":"m","prompt":` + ids(100) + `,"max_tokens":1}`, "your request has 100 input tokens. Please"},
+		{"batch: the longest prompt counts", openai.Completions, `{"model":"m","prompt":[[1],` + ids(95) + `],"max_tokens":10}`, "(10 > 100 - 95)"},
+		{"truncated prompt fits", openai.Completions, `{"model":"m","prompt":` + ids(300) + `,"truncate_prompt_tokens":50,"max_tokens":10}`, ""},
+		{"truncated to fit", openai.Completions, `{"model":"m","prompt":` + ids(300) + `,"truncate_prompt_tokens":-1,"max_tokens":10}`, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, apiErr := openai.DecodeRequest(tc.endpoint, []byte(tc.body))
+			if apiErr != nil {
+				t.Fatal(apiErr)
+			}
+			got := checkLength(tc.endpoint, req, 100)
+			switch {
+			case tc.want == "" && got != nil:
+				t.Errorf("refused: %s", got.Message)
+			case tc.want != "" && (got == nil || !strings.Contains(got.Message, tc.want) || got.Status() != 400):
+				t.Errorf("got %v, want a 400 saying %q", got, tc.want)
+			}
+		})
+	}
+	if checkLength(openai.Chat, &openai.Request{MaxTokens: new(int)}, 0) != nil {
+		t.Error("refused with no known context length")
+	}
+}

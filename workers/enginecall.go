@@ -45,10 +45,16 @@ func (w *Worker) engineCall(ctx context.Context, call dispatcher.EngineCall) dis
 	defer cancel()
 	resp, err := w.engine.Do(ctx, call.Method, call.Path, call.Body)
 	if err != nil {
-		w.log.Warn("engine call failed", logging.Err(err), "path", path)
+		if ctx.Err() == nil {
+			w.log.Warn("engine call failed", logging.Err(err), "path", path)
+		}
 		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine unreachable"))
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode == http.StatusUnauthorized || resp.StatusCode == http.StatusForbidden {
+		// pdq's key, not the client's: the same answer as on generation.
+		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine refused pdq (%d): check PDQ_ENGINE_API_KEY", resp.StatusCode))
+	}
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxEngineAnswer+1))
 	switch {
 	case err != nil:

@@ -28,27 +28,38 @@ type modelLoop struct {
 // serveModels runs a stage loop for each model the engine serves, one pool
 // per model, until ctx ends: the engine's base model under each of its
 // served names, and each LoRA adapter. The loops share the engine's slots.
-// Every ModelsRefresh it asks the engine again; a model that appears gets
-// a loop, one that is gone has its loop stopped (its running jobs finish
-// within the grace period). A loop that fails stops them all, and the
-// worker with them.
+// Every ModelsRefresh it asks the engine again: a model that appears gets
+// a loop, one that is gone (or whose context length changed) has its loop
+// stopped (its running jobs finish within the grace period), and started
+// again if still served. A loop that fails at start-up stops the worker; one
+// that fails later (NATS refusing its consumer, say) is logged and started
+// again at the next refresh.
 func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	loops := make(map[string]*modelLoop)
+	failed := make(chan *modelLoop, 1)
 	var wg sync.WaitGroup
 	next := 0 // numbers the registry entries of the worker's loops
+	started := false
 	reconcile := func(models []vllm.Model) error {
 		want := make(map[string]vllm.Model, len(models))
 		for _, m := range models {
 			want[m.ID] = m
 		}
 		for id, l := range loops {
-			if _, ok := want[id]; !ok {
+			m, ok := want[id]
+			switch {
+			case !ok:
 				w.log.Info("engine no longer serves the model: leaving its pool", "model", id)
-				l.stop()
-				delete(loops, id)
+			case m.MaxModelLen != l.model.MaxModelLen:
+				w.log.Info("engine's context length for the model changed", "model", id,
+					"max_model_len", m.MaxModelLen, "was", l.model.MaxModelLen)
+			default:
+				continue
 			}
+			l.stop()
+			delete(loops, id)
 		}
 		for _, m := range models {
 			if _, ok := loops[m.ID]; ok {
@@ -62,15 +73,26 @@ func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
 			lctx, stop := context.WithCancel(ctx)
 			l := &modelLoop{model: m, stop: stop, done: make(chan struct{})}
 			loops[m.ID] = l
+			atStart := !started
 			wg.Go(func() {
 				defer close(l.done)
-				if err := loop.Run(lctx); err != nil {
+				err := loop.Run(lctx)
+				switch {
+				case err == nil || lctx.Err() != nil:
+				case atStart:
 					cancel(fmt.Errorf("model %s: %w", m.ID, err))
+				default:
+					w.log.Warn("the model's stage loop failed; it starts again at the next refresh", "model", m.ID, logging.Err(err))
+					select {
+					case failed <- l:
+					case <-ctx.Done():
+					}
 				}
 			})
 			w.log.Info("engine serves model", "model", m.ID, "pool", dispatcher.PoolName(m.ID), "slots", w.cfg.Slots,
 				"max_model_len", m.MaxModelLen)
 		}
+		started = true
 		w.mu.Lock()
 		w.served = models
 		w.mu.Unlock()
@@ -82,6 +104,10 @@ func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
 	for err == nil && ctx.Err() == nil {
 		select {
 		case <-ctx.Done():
+		case l := <-failed:
+			if loops[l.model.ID] == l {
+				delete(loops, l.model.ID)
+			}
 		case <-t.C:
 			qctx, qcancel := context.WithTimeout(ctx, 5*time.Second)
 			models, qerr := w.engine.Models(qctx)
@@ -114,20 +140,4 @@ func (w *Worker) probeModel() string {
 		return ""
 	}
 	return w.served[0].ID
-}
-
-// engineSlot holds one of the engine's slots while h runs: the loops of
-// the engine's models pull on their own, but never run more jobs together
-// than the engine has slots. A job pulled while the others fill the engine
-// waits here, in progress.
-func (w *Worker) engineSlot(h dispatcher.Handler) dispatcher.Handler {
-	return func(ctx context.Context, d *dispatcher.Delivery) error {
-		select {
-		case w.slots <- struct{}{}:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-		defer func() { <-w.slots }()
-		return h(ctx, d)
-	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -33,13 +34,20 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	case err == nil:
 	case ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut):
 		return timedOut(dispatcher.StagePrefill, "prefill", w.cfg.PrefillTimeout)
-	case errors.As(err, &f) && f.Rejected:
+	case errors.As(err, &f) && f.Rejected && w.cfg.PrefillFallback != config.FallbackFail:
 		// The engine refused the prefill leg's body, whose numbers are not
 		// the client's (one output token, say): the decode engine judges
 		// the client's own body, so its refusal names the client's
 		// max_tokens, and a request only the prefill engine refuses is
 		// still served.
-		log.Debug("prefill engine refused the request: sent decode-only for the decode engine to judge", logging.Err(err))
+		if w.refusals.Add(1) == 1 {
+			// Once per worker: a prefill engine that refuses everything
+			// (set up unlike the decode engines) shows in the log, then in
+			// pdq_decode_only_total{reason="prefill_refused"}.
+			log.Warn("prefill engine refused a request: sent decode-only for the decode engine to judge (logged once)", logging.Err(err))
+		} else {
+			log.Debug("prefill engine refused the request: sent decode-only for the decode engine to judge", logging.Err(err))
+		}
 		w.cfg.Metrics.DecodeOnly("prefill_refused")
 		d.Forward()
 		return nil

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -110,6 +111,8 @@ type Worker struct {
 	mu     sync.Mutex
 	served []vllm.Model
 	lonely map[string]bool
+	// refusals counts the prefill engine's 4xx answers, sent decode-only.
+	refusals atomic.Int64
 }
 
 // New checks cfg and builds a worker; Run starts it.
@@ -171,9 +174,8 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	if w.cfg.Role == dispatcher.StageDecode {
-		sub, err := dispatcher.ServeEngineCalls(w.nc, w.id, engineCallLimit, func(call dispatcher.EngineCall) dispatcher.EngineAnswer {
-			return w.engineCall(ctx, call)
-		})
+		// Calls under way when the worker stops still get their answer.
+		sub, err := dispatcher.ServeEngineCalls(context.WithoutCancel(ctx), w.nc, w.id, engineCallLimit, w.engineCall)
 		if err != nil {
 			return fmt.Errorf("decode worker: take engine calls: %w", err)
 		}
@@ -193,7 +195,8 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) dispatcher.StageConfig {
 		Stage:          w.cfg.Role,
 		Pool:           dispatcher.PoolName(m.ID),
 		Slots:          w.cfg.Slots,
-		Handler:        w.observed(w.engineSlot(handler)),
+		EngineSlots:    w.slots,
+		Handler:        w.observed(handler),
 		Ready:          func(ctx context.Context) (dispatcher.Permit, error) { return w.breaker.wait(ctx, alone) },
 		Health:         w.breaker.Health,
 		Release:        release,

@@ -36,6 +36,10 @@ type Request struct {
 	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
 	ContinueFinalMessage *bool `json:"continue_final_message"`
 
+	// TruncatePromptTokens is vLLM's truncation of a prompt to its last k
+	// tokens (-1: to the context length), before the length checks.
+	TruncatePromptTokens *int `json:"truncate_prompt_tokens"`
+
 	// RequestID is vLLM's body fallback for the X-Request-Id header.
 	RequestID string `json:"request_id"`
 
@@ -136,10 +140,12 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 	return &req, nil
 }
 
-// MaxOutputTokens is the output limit the client asked for: max_completion_tokens
-// when set (the newer name), else max_tokens; ok is false when neither is.
-func (r *Request) MaxOutputTokens() (n int, ok bool) {
-	if r.MaxCompletionTokens != nil {
+// OutputLimit is the output limit the client asked for, as vLLM reads it
+// for endpoint: for chat, max_completion_tokens when set (the newer name),
+// else max_tokens; for completions, max_tokens only (vLLM's completions
+// request has no max_completion_tokens). ok is false when it is unset.
+func (r *Request) OutputLimit(endpoint Endpoint) (n int, ok bool) {
+	if endpoint == Chat && r.MaxCompletionTokens != nil && *r.MaxCompletionTokens != 0 {
 		return *r.MaxCompletionTokens, true
 	}
 	if r.MaxTokens != nil {

@@ -22,14 +22,14 @@ func TestDecodeRequest(t *testing.T) {
 				if !r.Stream || !r.IncludeUsage() || *r.MaxTokens != 5 || string(r.KVTransferParams) != `{"x":[1]}` {
 					t.Errorf("got %+v", r)
 				}
-				if n, ok := r.MaxOutputTokens(); !ok || n != 5 {
+				if n, ok := r.OutputLimit(Chat); !ok || n != 5 {
 					t.Errorf("MaxOutputTokens = %d, %v", n, ok)
 				}
 			}},
 		{name: "max_completion_tokens wins", endpoint: Chat, ok: true,
 			body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"max_completion_tokens":2}`,
 			check: func(t *testing.T, r *Request) {
-				if n, _ := r.MaxOutputTokens(); n != 2 {
+				if n, _ := r.OutputLimit(Chat); n != 2 {
 					t.Errorf("MaxOutputTokens = %d", n)
 				}
 			}},

@@ -146,7 +146,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 			return nil, openai.NewError(http.StatusBadRequest, "The prompt must not be empty.").WithParam("prompt")
 		}
 		if e.cfg.LegacyLengthErrors {
-			n, ok := req.MaxOutputTokens()
+			n, ok := req.OutputLimit(endpoint)
 			if !ok {
 				n = max(maxLen-p.tokens, 1)
 			}
@@ -165,7 +165,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		}
 		room := maxLen - p.tokens
 		limits[i][0] = room
-		if n, ok := req.MaxOutputTokens(); ok {
+		if n, ok := req.OutputLimit(endpoint); ok {
 			if n > room {
 				return nil, openai.NewError(http.StatusBadRequest,
 					"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
