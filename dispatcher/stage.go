@@ -243,7 +243,7 @@ type StageConfig struct {
 	// loop waits for a slot, and it is checked (its handoff's age too)
 	// after the wait, not before.
 	EngineSlots chan struct{}
-	Handler Handler
+	Handler     Handler
 	// Release frees the prefill engine's KV blocks of a handoff that will
 	// not be decoded (cancelled, expired, superseded, too old, rejected by
 	// the engine). Decode stages set it; it is never called for a handoff
