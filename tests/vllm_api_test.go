@@ -13,6 +13,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -588,5 +589,35 @@ func TestBatchClientGone(t *testing.T) {
 		}
 		want := int64(3 * (i + 1))
 		p.decode[0].WaitStats(t, 10*time.Second, "every prompt aborted", func(s sim.Stats) bool { return s.Aborts == want && s.Running == 0 })
+	}
+}
+
+// TestEngineSlotsSharedByModels runs an engine that serves two names on
+// one decode slot: a handoff for the second name, pulled while the first
+// fills the engine, waits for the slot and is checked after the wait, so
+// a handoff older than the KV lease is prefilled again instead of read
+// from freed blocks. (Found by review: the wait came after the check.)
+func TestEngineSlotsSharedByModels(t *testing.T) {
+	for _, second := range []string{"a", "b"} {
+		t.Run("second request for "+second, func(t *testing.T) {
+			cfg := simtest.FastConfig()
+			cfg.Model = "/models/base"
+			cfg.ServedModelNames = []string{"a", "b"}
+			cfg.KVLease = 500 * time.Millisecond
+			cfg.ITL = 20 * time.Millisecond
+			p := startPipeline(t, pipelineOptions{sim: cfg, slots: 1,
+				worker: workers.Config{KVTTL: 400 * time.Millisecond}})
+			var wg sync.WaitGroup
+			wg.Go(func() { // holds the decode engine's one slot for about 2 s
+				post(t, p.chat(), "long-a", chatBody("a", longPrompt, body{"max_tokens": 100, "ignore_eos": true})).wantStatus(t, http.StatusOK)
+			})
+			p.decode[0].WaitStats(t, 10*time.Second, "the long decode running", func(s sim.Stats) bool { return s.Running == 1 })
+			r := post(t, p.chat(), "second-"+second, chatBody(second, longPrompt, body{"max_tokens": 3, "ignore_eos": true}))
+			wg.Wait()
+			r.wantStatus(t, http.StatusOK)
+			if s := p.decode[0].Stats(t); s.KVReadFailures > 0 || s.KVMismatches > 0 || s.Running > 1 {
+				t.Errorf("decode engine stats %+v: want no failed or mismatched KV read", s)
+			}
+		})
 	}
 }
