@@ -200,6 +200,7 @@ func renderChat(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
 				continue
 			}
 			if _, ok := mediaParts[p.Type]; !ok {
+				//lint:ignore ST1005 vLLM's own message, which clients see
 				return rendered{}, fmt.Errorf("Unknown part type: %s", p.Type)
 			}
 			item, err := readMedia(p)

@@ -204,6 +204,7 @@ func tokenString(id int) (string, error) {
 			return "", nil
 		}
 	}
+	//lint:ignore ST1005 vLLM's own message, which clients see
 	return "", fmt.Errorf("Token id %d is out of vocabulary", id)
 }
 
