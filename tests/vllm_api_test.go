@@ -46,6 +46,19 @@ func TestEngineAPIKey(t *testing.T) {
 	if len(models.Data) != 1 || models.Data[0].ID != cfg.Model {
 		t.Errorf("/v1/models = %+v, want %s", models.Data, cfg.Model)
 	}
+	// Every call the engines got carried the key: both legs, /v1/models.
+	for _, e := range append(p.prefill, p.decode...) {
+		paths := map[string]bool{}
+		for _, r := range e.RecentRequests(t) {
+			paths[r.Path] = true
+			if !r.HasAuth {
+				t.Errorf("%s %s reached %s without the key", r.Method, r.Path, e.URL)
+			}
+		}
+		if !paths["/v1/models"] || !paths[openai.Chat.Path()] {
+			t.Errorf("engine %s got %v, want /v1/models and the chat leg", e.URL, paths)
+		}
+	}
 }
 
 // TestModelsCarryEngineFields checks that /v1/models lists each model as
