@@ -13,7 +13,7 @@ func TestEngineCalls(t *testing.T) {
 	ctx := context.Background()
 	started := make(chan EngineCall, 1)
 	stopped := make(chan error, 1)
-	sub, err := ServeEngineCalls(ctx, nc, "w1", 2, func(ctx context.Context, call EngineCall) EngineAnswer {
+	calls, err := ServeEngineCalls(ctx, nc, "w1", 2, func(ctx context.Context, call EngineCall) EngineAnswer {
 		if call.Path == "/slow" {
 			started <- call
 			<-ctx.Done()
@@ -25,7 +25,7 @@ func TestEngineCalls(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sub.Unsubscribe()
+	defer calls.Stop(time.Second)
 
 	a, err := CallEngine(ctx, nc, "w1", EngineCall{ID: "c1", Method: "POST", Path: "/tokenize?x=1", Body: []byte(`{"a":1}`)})
 	if err != nil || a.Status != 201 || a.ContentType != "text/plain" || string(a.Body) != `POST /tokenize?x=1 {"a":1}` {
@@ -57,5 +57,19 @@ func TestEngineCalls(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("the call ran on after its cancel")
+	}
+
+	// A caller's deadline bounds the engine's work too.
+	dctx, dcancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer dcancel()
+	go CallEngine(dctx, nc, "w1", EngineCall{ID: "c4", Method: "POST", Path: "/slow"})
+	<-started
+	select {
+	case err := <-stopped:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("the call stopped with %v, want its deadline", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the call ran on past its caller's deadline")
 	}
 }

@@ -52,13 +52,15 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}, pulls 
 		case <-ctx.Done():
 			return // the message comes back after the ack wait
 		}
-		if !l.engineSlot(ctx, msg) {
-			<-slots
-			return
+		if l.cfg.EngineSlots != nil {
+			if l.cfg.EngineSlots.acquire(ctx) != nil {
+				<-slots
+				return // the message comes back after the ack wait
+			}
 		}
 		l.releaseOne(ctx, msg)
 		if l.cfg.EngineSlots != nil {
-			<-l.cfg.EngineSlots
+			l.cfg.EngineSlots.release()
 		}
 		<-slots
 	}

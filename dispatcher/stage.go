@@ -236,13 +236,9 @@ type StageConfig struct {
 	// Slots is how many jobs run at once: the engine's concurrency. A job
 	// is pulled only when a slot is free.
 	Slots int
-	// EngineSlots, when set, are the engine's slots shared by the loops of
-	// the models one engine serves (of capacity Slots). A pulled job takes
-	// one before its checks, and the loop pulls nothing more until it has:
-	// so the engine never runs more than Slots jobs, at most one job per
-	// loop waits for a slot, and it is checked (its handoff's age too)
-	// after the wait, not before.
-	EngineSlots chan struct{}
+	// EngineSlots, when set, are the engine's slots, shared with the loops
+	// of the engine's other models (see [EngineSlots]).
+	EngineSlots *EngineSlots
 	Handler     Handler
 	// Release frees the prefill engine's KV blocks of a handoff that will
 	// not be decoded (cancelled, expired, superseded, too old, rejected by
@@ -473,6 +469,10 @@ pull:
 			permit.release()
 			break pull
 		}
+		if l.cfg.EngineSlots != nil && l.cfg.EngineSlots.waitFree(ctx) != nil {
+			permit.release()
+			break pull
+		}
 		msg, err := pulls.next(ctx, cons)
 		if err != nil {
 			permit.release()
@@ -492,18 +492,10 @@ pull:
 			}
 			continue
 		}
-		if !l.engineSlot(ctx, msg) {
-			permit.release()
-			<-slots
-			break pull
-		}
 		l.inFlight.Add(1)
 		wg.Go(func() {
 			defer func() {
 				l.inFlight.Add(-1)
-				if l.cfg.EngineSlots != nil {
-					<-l.cfg.EngineSlots
-				}
 				<-slots
 			}()
 			l.process(ctx, jobCtx, msg, permit)
@@ -575,6 +567,33 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 
 	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+	// The engine slot is taken before the checks, so that a handoff that
+	// waited for it is judged by its age after the wait; and given back as
+	// soon as the engine is done, before settling.
+	releaseEngine := func() {}
+	if e := l.cfg.EngineSlots; e != nil {
+		wctx, stop := context.WithCancel(jctx)
+		unhook := context.AfterFunc(pullCtx, stop)
+		err := e.acquire(wctx)
+		unhook()
+		stop()
+		switch cause := context.Cause(jctx); {
+		case err == nil:
+			releaseEngine = sync.OnceFunc(e.release)
+			defer releaseEngine()
+		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
+			// Settled below, without a slot: it will not run.
+		default:
+			// The loop stops (a shutdown, or its model gone) before the
+			// job ran: another worker takes it as it is, KV unread.
+			if job.HandBacks < maxHandBacks {
+				s.handBack(sctx, errors.New("the worker stopped before the job ran"))
+			} else if err := msg.Nak(); err != nil {
+				s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+			}
+			return
+		}
+	}
 	if !s.admit(sctx) {
 		return
 	}
@@ -601,6 +620,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	}
 	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
 	err = l.cfg.Handler(jctx, d)
+	releaseEngine()
 	var took time.Duration
 	if f := (*Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {
 		took = time.Since(start) // it reached the engine
@@ -657,31 +677,6 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 	}
 	if terr := msg.TermWithReason(truncate(err.Error(), 256)); terr != nil {
 		l.log.Warn("term failed; the job will come back and be dead-lettered again (deduplicated)", logging.Err(terr))
-	}
-}
-
-// engineSlot takes one of the engine's shared slots for msg, keeping msg
-// in progress while it waits. It reports false, with msg handed back,
-// when ctx ends first. Without shared slots it returns at once.
-func (l *StageLoop) engineSlot(ctx context.Context, msg jetstream.Msg) bool {
-	if l.cfg.EngineSlots == nil {
-		return true
-	}
-	select {
-	case l.cfg.EngineSlots <- struct{}{}:
-		return true
-	default:
-	}
-	stop := l.keepAlive(ctx, msg)
-	defer stop()
-	select {
-	case l.cfg.EngineSlots <- struct{}{}:
-		return true
-	case <-ctx.Done():
-		if err := msg.Nak(); err != nil {
-			l.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
-		}
-		return false
 	}
 }
 

@@ -52,22 +52,33 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 		return writeError(c, openai.NewError(http.StatusBadRequest,
 			"X-Request-Id is too long for a batch of %d prompts: each prompt runs as <id>-<i>, at most 128 characters", len(in.batch)))
 	}
-	bodies := make([][]byte, len(in.batch))
-	var size int64
-	for i, prompt := range in.batch {
-		body, err := setMember(in.body, "prompt", prompt)
-		if err != nil {
-			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
-		}
-		bodies[i], size = body, size+int64(len(body))
-	}
 	// Each prompt's body repeats the client's other fields: what exceeds
-	// the body already counted is held at once too.
-	if extra := size - int64(len(in.body)); extra > 0 {
+	// the body already counted is held too, and reserved before it is
+	// built.
+	all, _, err := jsonobj.Get(in.body, "prompt")
+	if err != nil {
+		return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
+	}
+	extra := -int64(len(in.body))
+	for _, prompt := range in.batch {
+		extra += int64(len(in.body) - len(all) + len(prompt))
+	}
+	if extra > h.cfg.MaxBodyBytes {
+		return writeError(c, openai.NewError(http.StatusRequestEntityTooLarge,
+			"the batch's %d prompts, each with the request's other fields, come to %d bytes more than the request; at most %d",
+			len(in.batch), extra, h.cfg.MaxBodyBytes))
+	}
+	if extra > 0 {
 		if !h.budget.take(extra) {
 			return writeError(c, h.overBudget(c))
 		}
 		defer h.budget.release(extra)
+	}
+	bodies := make([][]byte, len(in.batch))
+	for i, prompt := range in.batch {
+		if bodies[i], err = setMember(in.body, "prompt", prompt); err != nil {
+			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
+		}
 	}
 	jobs := make([]*batchJob, 0, len(in.batch))
 	defer func() {

@@ -17,9 +17,8 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// engineCallTimeout bounds an engine call at the gateway: the worker's own
-// limit, and a little for NATS.
-const engineCallTimeout = 65 * time.Second
+// engineCallTimeout bounds an engine call; the worker gets the deadline.
+const engineCallTimeout = 60 * time.Second
 
 // engineCall serves one of vLLM's other endpoints (/tokenize, /detokenize,
 // /version, /v1/embeddings) by the engine of a healthy decode worker of
@@ -69,9 +68,11 @@ func (h *handlers) engineCall(c echo.Context) error {
 	ctx, cancel := context.WithTimeout(c.Request().Context(), engineCallTimeout)
 	defer cancel()
 	call := dispatcher.EngineCall{ID: "call-" + newUUID(), Method: c.Request().Method, Path: c.Request().URL.RequestURI(), Body: body}
+	answered := false
 	defer func() {
-		if c.Request().Context().Err() != nil {
-			// The client went away: the engine stops too.
+		if !answered {
+			// The client went away, or no answer came in time: the
+			// engine's work stops, wherever the call waits.
 			if err := h.nc.Publish(dispatcher.CancelSubject(call.ID), nil); err != nil {
 				h.log.Debug("could not publish the cancel of an engine call", logging.Err(err))
 			}
@@ -85,6 +86,7 @@ func (h *handlers) engineCall(c echo.Context) error {
 		var a dispatcher.EngineAnswer
 		a, err = dispatcher.CallEngine(ctx, h.nc, w.WorkerID(), call)
 		if err == nil {
+			answered = true
 			ct := a.ContentType
 			if ct == "" {
 				ct = echo.MIMEApplicationJSON

@@ -85,7 +85,7 @@ func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 // the decode engine's 400. Text prompts are counted by the engine only, so
 // for them this catches an output limit that leaves no room for even one
 // prompt token; token-id prompts are checked exactly.
-func checkLength(endpoint openai.Endpoint, req *openai.Request, maxLen int) *openai.Error {
+func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, maxLen int) *openai.Error {
 	if maxLen <= 0 {
 		return nil
 	}
@@ -111,7 +111,8 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, maxLen int) *ope
 			maxLen, input).WithParam("prompt")
 	}
 	out, limited := req.OutputLimit(endpoint)
-	if !limited && endpoint == openai.Completions {
+	if _, set, _ := jsonobj.Get(body, "max_tokens"); !set && endpoint == openai.Completions {
+		// Absent, vLLM's default; null is none.
 		out, limited = defaultCompletionTokens, true
 	}
 	if !limited || out <= maxLen-input {

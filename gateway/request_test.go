@@ -144,6 +144,8 @@ func TestCheckLength(t *testing.T) {
 		{"completions ignore max_completion_tokens", openai.Completions, `{"model":"m","prompt":[1,2,3],"max_tokens":10,"max_completion_tokens":100000}`, ""},
 		{"completions token prompt", openai.Completions, `{"model":"m","prompt":` + ids(90) + `,"max_tokens":11}`, "your request has 90 input tokens (11 > 100 - 90)"},
 		{"completions default 16", openai.Completions, `{"model":"m","prompt":` + ids(90) + `}`, "too large: 16"},
+		{"completions max_tokens null: no limit", openai.Completions, `{"model":"m","prompt":` + ids(90) + `,"max_tokens":null}`, ""},
+		{"completions max_completion_tokens 0 ignored", openai.Completions, `{"model":"m","prompt":[1],"max_completion_tokens":0}`, ""},
 		{"completions prompt too long", openai.Completions, `{"model":"m","prompt":` + ids(100) + `,"max_tokens":1}`, "your request has 100 input tokens. Please"},
 		{"batch: the longest prompt counts", openai.Completions, `{"model":"m","prompt":[[1],` + ids(95) + `],"max_tokens":10}`, "(10 > 100 - 95)"},
 		{"truncated prompt fits", openai.Completions, `{"model":"m","prompt":` + ids(300) + `,"truncate_prompt_tokens":50,"max_tokens":10}`, ""},
@@ -154,7 +156,7 @@ func TestCheckLength(t *testing.T) {
 			if apiErr != nil {
 				t.Fatal(apiErr)
 			}
-			got := checkLength(tc.endpoint, req, 100)
+			got := checkLength(tc.endpoint, req, []byte(tc.body), 100)
 			switch {
 			case tc.want == "" && got != nil:
 				t.Errorf("refused: %s", got.Message)
@@ -163,7 +165,7 @@ func TestCheckLength(t *testing.T) {
 			}
 		})
 	}
-	if checkLength(openai.Chat, &openai.Request{MaxTokens: new(int)}, 0) != nil {
+	if checkLength(openai.Chat, &openai.Request{MaxTokens: new(int)}, []byte(`{}`), 0) != nil {
 		t.Error("refused with no known context length")
 	}
 }

@@ -273,6 +273,21 @@ func TestBatchedPrompts(t *testing.T) {
 		// Nothing was answered: the client may retry under the same id.
 		post(t, p.completions(), "batch-3", b).wantStatus(t, http.StatusOK)
 	})
+	t.Run("copies over the size limit", func(t *testing.T) {
+		// 256 prompts, each sent with 30 KB of other fields: 7.5 MB of
+		// copies, over the gateway's 7 MiB body limit.
+		many := make([]any, 256)
+		for i := range many {
+			many[i] = "p"
+		}
+		big := b.clone()
+		big["prompt"], big["user"] = many, strings.Repeat("u", 30<<10)
+		before := p.prefill[0].Stats(t).Requests + p.decode[0].Stats(t).Requests
+		post(t, p.completions(), "", big).wantStatus(t, http.StatusRequestEntityTooLarge)
+		if after := p.prefill[0].Stats(t).Requests + p.decode[0].Stats(t).Requests; after != before {
+			t.Errorf("%d engine requests for a refused batch", after-before)
+		}
+	})
 	if s := p.decode[0].Stats(t); s.KVReads < 4 {
 		t.Errorf("decode engine read %d KV handoffs: the long prompts of the batches must go P/D", s.KVReads)
 	}

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net/http"
 	"strings"
-	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -18,9 +17,6 @@ import (
 
 // engineCallLimit bounds the engine calls a worker runs at once.
 const engineCallLimit = 16
-
-// engineCallTimeout bounds one engine call.
-const engineCallTimeout = 60 * time.Second
 
 // maxEngineAnswer keeps an answer within a NATS message.
 const maxEngineAnswer = 7 << 20
@@ -41,8 +37,6 @@ func (w *Worker) engineCall(ctx context.Context, call dispatcher.EngineCall) dis
 	if method, ok := engineCallPaths[path]; !ok || method != call.Method {
 		return errorAnswer(openai.NewError(http.StatusNotFound, "no engine call %s %s", call.Method, call.Path))
 	}
-	ctx, cancel := context.WithTimeout(ctx, engineCallTimeout)
-	defer cancel()
 	resp, err := w.engine.Do(ctx, call.Method, call.Path, call.Body)
 	if err != nil {
 		if ctx.Err() == nil {

@@ -105,7 +105,7 @@ type Worker struct {
 	// stage has a healthy engine.
 	peers *dispatcher.Registry
 	// slots bounds the engine calls of all the worker's models together.
-	slots chan struct{}
+	slots *dispatcher.EngineSlots
 	// mu guards the served models and the last answers of alone, kept to
 	// log their changes.
 	mu     sync.Mutex
@@ -145,7 +145,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	if err != nil {
 		return nil, fmt.Errorf("worker: %w", err)
 	}
-	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: make(chan struct{}, cfg.Slots),
+	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: dispatcher.NewEngineSlots(cfg.Slots),
 		lonely: make(map[string]bool),
 		log:    log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
 	w.id = dispatcher.NewWorkerID(cfg.Role)
@@ -174,12 +174,13 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	if w.cfg.Role == dispatcher.StageDecode {
-		// Calls under way when the worker stops still get their answer.
-		sub, err := dispatcher.ServeEngineCalls(context.WithoutCancel(ctx), w.nc, w.id, engineCallLimit, w.engineCall)
+		// Calls under way when the worker stops still get their answer,
+		// within the grace period.
+		calls, err := dispatcher.ServeEngineCalls(context.WithoutCancel(ctx), w.nc, w.id, engineCallLimit, w.engineCall)
 		if err != nil {
 			return fmt.Errorf("decode worker: take engine calls: %w", err)
 		}
-		defer sub.Unsubscribe()
+		defer calls.Stop(w.cfg.Grace)
 	}
 	return w.serveModels(ctx, models)
 }

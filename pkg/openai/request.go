@@ -120,13 +120,17 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 			return nil, NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
 		}
 	}
+	completionTokens := req.MaxCompletionTokens
+	if endpoint == Completions {
+		completionTokens = nil // not a completions field: vLLM ignores it
+	}
 	for _, f := range []struct {
 		name string
 		v    *int
 		min  int
 	}{
 		{"max_tokens", req.MaxTokens, 1},
-		{"max_completion_tokens", req.MaxCompletionTokens, 1},
+		{"max_completion_tokens", completionTokens, 1},
 		{"min_tokens", req.MinTokens, 0},
 		{"n", req.N, 1},
 	} {

@@ -1,0 +1,110 @@
+package dispatcher
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// TestEngineSlotsBusyEngine: a loop whose engine is full (another model's
+// job holds its only slot) pulls nothing, so a handoff waits in the queue
+// for a worker with a free engine, which decodes it: its KV unread, not
+// prefilled again. (Review: a pulled job used to wait in the busy worker,
+// and was Naked into a new generation when that loop stopped.)
+func TestEngineSlotsBusyEngine(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	pool := PoolName(t.Name())
+	id := "slot-wait"
+	var ran, released atomic.Int32
+	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+		Grace:   time.Second,
+		Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
+		Release: func(context.Context, *Job) error { released.Add(1); return nil }}
+	records, _ := OpenRecords(ctx, js)
+	job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
+	if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+		t.Fatal(err)
+	}
+	pcons, _ := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)
+	pm, err := pcons.Next(jetstream.FetchMaxWait(5 * time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	job.KV = []byte(`{"remote_block_ids":[1]}`)
+	job.Prefill = &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}
+	if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	pm.Ack()
+
+	// Worker 1: its engine is full (another model's job holds the slot).
+	full := NewEngineSlots(1)
+	if err := full.acquire(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c1 := cfg
+	c1.EngineSlots = full
+	l1, _ := NewStageLoop(nc, js, c1, logging.Discard())
+	ctx1, cancel1 := context.WithCancel(ctx)
+	done1 := make(chan struct{})
+	go func() { defer close(done1); l1.Run(ctx1) }()
+	time.Sleep(time.Second) // long enough to pull the handoff, were it to
+	cancel1()
+	<-done1
+
+	// Worker 2: an idle engine.
+	c2 := cfg
+	c2.EngineSlots = NewEngineSlots(1)
+	l2, _ := NewStageLoop(nc, js, c2, logging.Discard())
+	ctx2, cancel2 := context.WithCancel(ctx)
+	done2 := make(chan struct{})
+	go func() { defer close(done2); l2.Run(ctx2) }()
+	defer func() { cancel2(); <-done2 }()
+	waitFor(t, "the handoff settled", func() bool {
+		r, _, _ := records.Get(ctx, id)
+		return ran.Load() > 0 || r.Generation > 1
+	})
+	if r, _, _ := records.Get(ctx, id); ran.Load() != 1 || r.Generation != 1 {
+		t.Errorf("the unread handoff was not decoded: record generation %d state %s, decode ran %d times", r.Generation, r.State, ran.Load())
+	}
+}
+
+func TestEngineSlotsWait(t *testing.T) {
+	ctx := context.Background()
+	e := NewEngineSlots(2)
+	for range 2 {
+		if err := e.acquire(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if e.waitFree(short) == nil {
+		t.Fatal("a full engine looked free")
+	}
+	got := make(chan error, 1)
+	go func() { got <- e.acquire(ctx) }()
+	e.release()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a freed slot was not taken")
+	}
+	e.release()
+	if err := e.waitFree(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if e.used != 1 {
+		t.Errorf("waitFree took a slot: %d used", e.used)
+	}
+}
