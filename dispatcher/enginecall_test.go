@@ -3,7 +3,10 @@ package dispatcher
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -71,5 +74,56 @@ func TestEngineCalls(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("the call ran on past its caller's deadline")
+	}
+}
+
+// TestEngineCallsForNobody: calls whose callers gave up (their deadline)
+// while they waited for the engine never reach it, and more than 4×limit
+// waiting are refused at once. (Found by review.)
+func TestEngineCallsForNobody(t *testing.T) {
+	nc, _ := startJetStream(t)
+	ctx := context.Background()
+	release, slow := make(chan struct{}), make(chan struct{})
+	var ran atomic.Int32
+	calls, err := ServeEngineCalls(ctx, nc, "w1", 1, func(ctx context.Context, call EngineCall) EngineAnswer {
+		if call.Path == "/slow" {
+			close(slow)
+			<-release
+			return EngineAnswer{Status: 200}
+		}
+		ran.Add(1)
+		return EngineAnswer{Status: 200}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer calls.Stop(time.Second)
+	go CallEngine(ctx, nc, "w1", EngineCall{ID: "slow", Method: "POST", Path: "/slow"})
+	<-slow
+	for i := range 20 {
+		cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		_, err := CallEngine(cctx, nc, "w1", EngineCall{ID: "late-" + strconv.Itoa(i), Method: "POST", Path: "/tokenize"})
+		cancel()
+		if !errors.Is(err, ErrNoAnswer) {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	// Four waiting at once fill the queue (4×limit); the fifth is refused.
+	var wg sync.WaitGroup
+	for i := range 4 {
+		wg.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			CallEngine(cctx, nc, "w1", EngineCall{ID: "queued-" + strconv.Itoa(i), Method: "POST", Path: "/tokenize"})
+		})
+	}
+	waitFor(t, "four calls waiting", func() bool { return calls.waiting.Load() == 4 })
+	if a, err := CallEngine(ctx, nc, "w1", EngineCall{ID: "over", Method: "POST", Path: "/tokenize"}); err != nil || a.Status != 503 {
+		t.Errorf("a call past the queue: %+v, %v; want a 503", a, err)
+	}
+	close(release)
+	wg.Wait()
+	if n := ran.Load(); n != 4 {
+		t.Errorf("%d engine calls ran, want the 4 whose callers still waited", n)
 	}
 }
