@@ -108,6 +108,7 @@ func TestEngineCallsForNobody(t *testing.T) {
 			t.Fatalf("call %d: %v", i, err)
 		}
 	}
+	waitFor(t, "the late calls given up", func() bool { return calls.waiting.Load() == 0 })
 	// Four waiting at once fill the queue (4×limit); the fifth is refused.
 	var wg sync.WaitGroup
 	for i := range 4 {
