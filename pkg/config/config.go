@@ -8,7 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
@@ -148,10 +150,41 @@ const (
 // ErrInvalid is wrapped by every validation error.
 var ErrInvalid = errors.New("invalid configuration")
 
+// envMu serialises process's edits of the environment.
+var envMu sync.Mutex
+
+// process is envconfig.Process without envconfig's fallback to a
+// variable's unprefixed name: with it, a USER or KEY set for anything else
+// (every shell sets USER) would configure pdq as PDQ_NATS_USER or
+// PDQ_NATS_KEY. Each unprefixed name whose prefixed one is unset is hidden
+// from envconfig while it reads.
+func process(prefix string, spec any) error {
+	var b strings.Builder
+	if err := envconfig.Usagef(prefix, spec, &b, "{{range .}}{{usage_key .}} {{.Alt}}\n{{end}}"); err != nil {
+		return err
+	}
+	envMu.Lock()
+	defer envMu.Unlock()
+	for line := range strings.Lines(b.String()) {
+		f := strings.Fields(line)
+		if len(f) != 2 || f[0] == f[1] {
+			continue
+		}
+		if _, set := os.LookupEnv(f[0]); set {
+			continue
+		}
+		if v, set := os.LookupEnv(f[1]); set {
+			os.Unsetenv(f[1])
+			defer os.Setenv(f[1], v)
+		}
+	}
+	return envconfig.Process(prefix, spec)
+}
+
 // Load reads the configuration from the environment and validates it.
 func Load() (Config, error) {
 	var c Config
-	if err := envconfig.Process(Prefix, &c); err != nil {
+	if err := process(Prefix, &c); err != nil {
 		return Config{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	c.PrefillEngines = trimAll(c.PrefillEngines)
@@ -167,7 +200,7 @@ func Load() (Config, error) {
 // nothing else.
 func LoadLog() (Log, error) {
 	var l Log
-	if err := envconfig.Process(Prefix, &l); err != nil {
+	if err := process(Prefix, &l); err != nil {
 		return Log{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return l, l.Validate()
@@ -250,7 +283,7 @@ func (c Config) Validate() error {
 // tools, which take everything else as flags.
 func LoadNATS() (NATS, error) {
 	var n NATS
-	if err := envconfig.Process(Prefix+"_NATS", &n); err != nil {
+	if err := process(Prefix+"_NATS", &n); err != nil {
 		return NATS{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return n, n.Validate()

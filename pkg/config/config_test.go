@@ -71,3 +71,30 @@ func TestLoad(t *testing.T) {
 		})
 	}
 }
+
+// TestUnprefixedNamesIgnored: envconfig falls back to a variable's
+// unprefixed name; pdq must not, or every shell's USER would become
+// PDQ_NATS_USER (and make PDQ_NATS_TOKEN unusable).
+func TestUnprefixedNamesIgnored(t *testing.T) {
+	for k, v := range map[string]string{"USER": "root", "KEY": "k.pem", "TOKEN": "t", "LOG_LEVEL": "nonsense",
+		"HTTP_ADDR": "1.2.3.4:5", "ENGINE_API_KEY": "leak", "PDQ_NATS_TOKEN": "s3cret"} {
+		t.Setenv(k, v)
+	}
+	c, err := Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.NATS.User != "" || c.NATS.Key != "" || c.NATS.Token != "s3cret" || c.Level != "info" || c.HTTPAddr != ":8000" || c.EngineAPIKey != "" {
+		t.Errorf("unprefixed variables leaked into the configuration: %+v", c)
+	}
+	n, err := LoadNATS()
+	if err != nil || n.User != "" || n.Token != "s3cret" {
+		t.Errorf("LoadNATS = %+v, %v", n, err)
+	}
+	if l, err := LoadLog(); err != nil || l.Level != "info" {
+		t.Errorf("LoadLog = %+v, %v", l, err)
+	}
+	if os.Getenv("USER") != "root" || os.Getenv("KEY") != "k.pem" {
+		t.Error("the environment was not restored")
+	}
+}
