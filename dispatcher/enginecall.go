@@ -26,6 +26,8 @@ const (
 	HeaderMethod      = "Pdq-Method"
 	HeaderPath        = "Pdq-Path"
 	HeaderContentType = "Pdq-Content-Type"
+	// HeaderTimeout is the caller's time left, in milliseconds.
+	HeaderTimeout = "Pdq-Timeout-Ms"
 )
 
 // subjectEngine prefixes the subjects where workers take engine calls.
@@ -61,7 +63,7 @@ func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call Engine
 	m := nats.NewMsg(EngineSubject(workerID))
 	m.Header.Set(HeaderID, call.ID)
 	if d, ok := ctx.Deadline(); ok {
-		m.Header.Set(HeaderDeadline, strconv.FormatInt(d.UnixMilli(), 10))
+		m.Header.Set(HeaderTimeout, strconv.FormatInt(max(time.Until(d).Milliseconds(), 1), 10))
 	}
 	m.Header.Set(HeaderMethod, call.Method)
 	m.Header.Set(HeaderPath, call.Path)
@@ -83,62 +85,98 @@ func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call Engine
 // EngineCalls serves a worker's engine calls; Stop ends it.
 type EngineCalls struct {
 	sub     *nats.Subscription
-	wg      sync.WaitGroup
 	waiting atomic.Int64
+	// base ends the calls still running when Stop's grace is over.
+	base   context.Context
+	cancel context.CancelFunc
+	// mu guards stopped and the WaitGroup's Add against Stop's Wait.
+	mu       sync.Mutex
+	stopped  bool
+	stopping chan struct{} // closed by Stop
+	wg       sync.WaitGroup
 }
 
 // engineCallWait is the longest an engine call may take when its caller
-// sent no deadline.
+// sent no time-out.
 const engineCallWait = 65 * time.Second
+
+// errStopping answers the calls a stopping worker will not run.
+var errStopping = EngineAnswer{Status: 503, ContentType: "application/json",
+	Body: []byte(`{"error":{"message":"the decode worker is stopping; retry","type":"ServiceUnavailableError","param":null,"code":503}}`)}
 
 // ServeEngineCalls takes the engine calls sent to workerID and answers
 // each with what do returns. do runs in a goroutine of its own, at most
-// limit at a time, with a context that ends at the caller's deadline or at
-// a cancel broadcast of the call's id. With 4×limit calls waiting, more are
-// answered 503 at once.
-func ServeEngineCalls(ctx context.Context, nc *nats.Conn, workerID string, limit int, do func(context.Context, EngineCall) EngineAnswer) (*EngineCalls, error) {
+// limit at a time, with a context that ends at the caller's deadline, at a
+// cancel broadcast of the call's id, or at the end of Stop's grace. With
+// 4×limit calls waiting, more are answered 503 at once.
+func ServeEngineCalls(nc *nats.Conn, workerID string, limit int, do func(context.Context, EngineCall) EngineAnswer) (*EngineCalls, error) {
 	limit = max(limit, 1)
 	sem := make(chan struct{}, limit)
-	s := &EngineCalls{}
+	s := &EngineCalls{stopping: make(chan struct{})}
+	s.base, s.cancel = context.WithCancel(context.Background())
 	sub, err := nc.Subscribe(EngineSubject(workerID), func(m *nats.Msg) {
+		s.mu.Lock()
+		if s.stopped {
+			s.mu.Unlock()
+			respond(m, errStopping)
+			return
+		}
 		if s.waiting.Add(1) > int64(4*limit) {
 			s.waiting.Add(-1)
+			s.mu.Unlock()
 			respond(m, EngineAnswer{Status: 503, ContentType: "application/json",
 				Body: []byte(`{"error":{"message":"the decode worker has too many engine calls waiting; retry","type":"ServiceUnavailableError","param":null,"code":503}}`)})
 			return
 		}
-		s.wg.Go(func() {
-			call := EngineCall{ID: m.Header.Get(HeaderID), Method: m.Header.Get(HeaderMethod), Path: m.Header.Get(HeaderPath), Body: m.Data}
-			deadline := time.Now().Add(engineCallWait)
-			if ms, err := strconv.ParseInt(m.Header.Get(HeaderDeadline), 10, 64); err == nil {
-				deadline = time.UnixMilli(ms)
-			}
-			cctx, cancel := context.WithDeadline(ctx, deadline)
-			defer cancel()
-			if ValidRequestID(call.ID) {
-				if sub, err := nc.Subscribe(CancelSubject(call.ID), func(*nats.Msg) { cancel() }); err == nil {
-					defer sub.Unsubscribe()
-				}
-			}
-			select {
-			case sem <- struct{}{}:
-				s.waiting.Add(-1)
-				defer func() { <-sem }()
-			case <-cctx.Done():
-				s.waiting.Add(-1)
-				return // the caller has given up
-			}
-			a := do(cctx, call)
-			if cctx.Err() == nil {
-				respond(m, a)
-			}
-		})
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go func() {
+			defer s.wg.Done()
+			s.serve(nc, m, sem, do)
+		}()
 	})
 	if err != nil {
+		s.cancel()
 		return nil, err
 	}
 	s.sub = sub
 	return s, nil
+}
+
+// serve runs one call: it waits for a slot, calls do, and answers.
+func (s *EngineCalls) serve(nc *nats.Conn, m *nats.Msg, sem chan struct{}, do func(context.Context, EngineCall) EngineAnswer) {
+	call := EngineCall{ID: m.Header.Get(HeaderID), Method: m.Header.Get(HeaderMethod), Path: m.Header.Get(HeaderPath), Body: m.Data}
+	// The caller's time left, not its clock: the two clocks may differ.
+	wait := engineCallWait
+	if ms, err := strconv.ParseInt(m.Header.Get(HeaderTimeout), 10, 64); err == nil && ms > 0 {
+		wait = time.Duration(ms) * time.Millisecond
+	}
+	ctx, cancel := context.WithTimeout(s.base, wait)
+	defer cancel()
+	if ValidRequestID(call.ID) {
+		if sub, err := nc.Subscribe(CancelSubject(call.ID), func(*nats.Msg) { cancel() }); err == nil {
+			defer sub.Unsubscribe()
+		}
+	}
+	select {
+	case sem <- struct{}{}:
+		s.waiting.Add(-1)
+		defer func() { <-sem }()
+	case <-s.stopping:
+		s.waiting.Add(-1)
+		respond(m, errStopping)
+		return
+	case <-ctx.Done():
+		s.waiting.Add(-1)
+		return // the caller has given up
+	}
+	a := do(ctx, call)
+	switch {
+	case s.base.Err() != nil:
+		respond(m, errStopping) // cut off at the end of the grace
+	case ctx.Err() == nil:
+		respond(m, a)
+	}
 }
 
 // respond answers an engine call; an answer the server refuses (too large)
@@ -158,10 +196,18 @@ func respond(m *nats.Msg, a EngineAnswer) {
 	}
 }
 
-// Stop takes no more calls and waits, at most grace, for the calls under
-// way to be answered.
+// Stop takes no more calls (they are answered 503, as are those waiting
+// for a slot), gives the running ones grace to finish, then cuts them off
+// and waits for them.
 func (s *EngineCalls) Stop(grace time.Duration) {
-	s.sub.Unsubscribe()
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		return
+	}
+	s.stopped = true
+	close(s.stopping)
+	s.mu.Unlock()
 	done := make(chan struct{})
 	go func() {
 		s.wg.Wait()
@@ -170,5 +216,9 @@ func (s *EngineCalls) Stop(grace time.Duration) {
 	select {
 	case <-done:
 	case <-time.After(grace):
+		s.cancel()
+		<-done
 	}
+	s.cancel()
+	_ = s.sub.Unsubscribe() // fails only on a closed connection, which takes no calls either
 }

@@ -16,7 +16,7 @@ func TestEngineCalls(t *testing.T) {
 	ctx := context.Background()
 	started := make(chan EngineCall, 1)
 	stopped := make(chan error, 1)
-	calls, err := ServeEngineCalls(ctx, nc, "w1", 2, func(ctx context.Context, call EngineCall) EngineAnswer {
+	calls, err := ServeEngineCalls(nc, "w1", 2, func(ctx context.Context, call EngineCall) EngineAnswer {
 		if call.Path == "/slow" {
 			started <- call
 			<-ctx.Done()
@@ -85,7 +85,7 @@ func TestEngineCallsForNobody(t *testing.T) {
 	ctx := context.Background()
 	release, slow := make(chan struct{}), make(chan struct{})
 	var ran atomic.Int32
-	calls, err := ServeEngineCalls(ctx, nc, "w1", 1, func(ctx context.Context, call EngineCall) EngineAnswer {
+	calls, err := ServeEngineCalls(nc, "w1", 1, func(ctx context.Context, call EngineCall) EngineAnswer {
 		if call.Path == "/slow" {
 			close(slow)
 			<-release

@@ -7,11 +7,11 @@ import (
 
 // EngineSlots are the slots of one engine, shared by the stage loops of
 // the models it serves (its served names and LoRA adapters). A loop pulls
-// only while the engine has a free slot, and a pulled job takes one before
-// its checks: so the engine never runs more jobs than it has slots, a busy
-// engine leaves its other models' jobs in the queue for other workers, and
-// a job that waits (two loops pulled for the last slot) is checked after
-// the wait.
+// only while the engine has a free slot, and takes it as soon as the pull
+// brings a job, before the job's checks: so the engine never runs more
+// jobs than it has slots (KV releases included), a busy engine leaves its
+// other models' jobs in the queue for other workers, and a job that waits
+// (two loops pulled for the last slot) is checked after the wait.
 type EngineSlots struct {
 	mu    sync.Mutex
 	used  int
@@ -27,6 +27,17 @@ func NewEngineSlots(n int) *EngineSlots {
 // acquire takes a slot, waiting for one until ctx ends.
 func (e *EngineSlots) acquire(ctx context.Context) error {
 	return e.wait(ctx, true)
+}
+
+// tryAcquire takes a slot if one is free.
+func (e *EngineSlots) tryAcquire() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.used < e.size {
+		e.used++
+		return true
+	}
+	return false
 }
 
 // waitFree returns once a slot is free, without taking it.

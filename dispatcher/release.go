@@ -76,7 +76,8 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 		_ = msg.Term() // nothing to release: a lost term redelivers it, to be dropped again
 		return
 	}
-	s := &settle{l: l, msg: msg, job: job, attempt: 1, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	s := &settle{l: l, msg: msg, job: job, attempt: 1, engineHeld: l.cfg.EngineSlots != nil,
+		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	// At most once: a release that ran twice would read freed blocks, which
 	// with NIXL v1 kills the decode engine; one that never ran only leaves
 	// the blocks to their lease. Deleting the message claims it: of two

@@ -33,6 +33,9 @@ type settle struct {
 	// ran is set once the handler ran: a decode engine may have read the
 	// handoff's KV. kvSpent is set once the KV was read, or released.
 	ran, kvSpent bool
+	// engineHeld is set while the job holds one of the engine's shared
+	// slots (StageConfig.EngineSlots): a KV release takes one otherwise.
+	engineHeld bool
 }
 
 // admit checks a delivery before any engine call. It settles, and returns
@@ -500,6 +503,14 @@ func (s *settle) release(ctx context.Context, why string) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	if e := s.l.cfg.EngineSlots; e != nil && !s.engineHeld {
+		// A release is an engine call: it waits for a slot like any.
+		if err := e.acquire(rctx); err != nil {
+			s.log.Warn("no engine slot to release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
+			return
+		}
+		defer e.release()
+	}
 	if err := s.l.cfg.Release(rctx, s.job); err != nil {
 		s.log.Warn("could not release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
 		return

@@ -492,13 +492,17 @@ pull:
 			}
 			continue
 		}
+		// The engine slot is taken at once, so that the next turn of the
+		// loop sees it gone; losing a race for the last one, the job waits
+		// for it in process.
+		held := l.cfg.EngineSlots != nil && l.cfg.EngineSlots.tryAcquire()
 		l.inFlight.Add(1)
 		wg.Go(func() {
 			defer func() {
 				l.inFlight.Add(-1)
 				<-slots
 			}()
-			l.process(ctx, jobCtx, msg, permit)
+			l.process(ctx, jobCtx, msg, permit, held)
 		})
 	}
 
@@ -526,13 +530,20 @@ pull:
 // it. pullCtx ends at shutdown, jobCtx at the end of the grace period.
 // The permit Ready granted the pull is given back when the handler never
 // gets the job (it was dropped, or stopped, before it ran).
-func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permit Permit) {
+func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permit Permit, engineHeld bool) {
 	handled := false
 	defer func() {
 		if !handled {
 			permit.release()
 		}
 	}()
+	if engineHeld {
+		defer func() {
+			if engineHeld {
+				l.cfg.EngineSlots.release()
+			}
+		}()
+	}
 	attempt := 1
 	var stored time.Time // when the job's message was stored
 	if meta, err := msg.Metadata(); err == nil {
@@ -567,11 +578,11 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 
 	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
-	// The engine slot is taken before the checks, so that a handoff that
-	// waited for it is judged by its age after the wait; and given back as
-	// soon as the engine is done, before settling.
-	releaseEngine := func() {}
-	if e := l.cfg.EngineSlots; e != nil {
+	// The engine slot is held before the checks, so that a handoff that
+	// waited for it is judged by its age after the wait, and a KV release
+	// on the way runs in it; it is given back as soon as the engine is
+	// done, before settling.
+	if e := l.cfg.EngineSlots; e != nil && !engineHeld {
 		wctx, stop := context.WithCancel(jctx)
 		unhook := context.AfterFunc(pullCtx, stop)
 		err := e.acquire(wctx)
@@ -579,19 +590,32 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		stop()
 		switch cause := context.Cause(jctx); {
 		case err == nil:
-			releaseEngine = sync.OnceFunc(e.release)
-			defer releaseEngine()
+			engineHeld = true
+			defer func() {
+				if engineHeld {
+					e.release()
+				}
+			}()
 		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
 			// Settled below, without a slot: it will not run.
-		default:
+		case attempt == 1 && job.HandBacks < maxHandBacks:
 			// The loop stops (a shutdown, or its model gone) before the
 			// job ran: another worker takes it as it is, KV unread.
-			if job.HandBacks < maxHandBacks {
-				s.handBack(sctx, errors.New("the worker stopped before the job ran"))
-			} else if err := msg.Nak(); err != nil {
+			s.handBack(sctx, errors.New("the worker stopped before the job ran"))
+			return
+		default:
+			// A redelivery keeps its count: admit judges it again.
+			if err := msg.Nak(); err != nil {
 				s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
 			}
 			return
+		}
+	}
+	s.engineHeld = engineHeld
+	releaseEngine := func() {
+		if engineHeld {
+			engineHeld, s.engineHeld = false, false
+			l.cfg.EngineSlots.release()
 		}
 	}
 	if !s.admit(sctx) {

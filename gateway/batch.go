@@ -63,10 +63,11 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 	for _, prompt := range in.batch {
 		extra += int64(len(in.body) - len(all) + len(prompt))
 	}
-	if extra > h.cfg.MaxBodyBytes {
+	if extra > h.cfg.MaxBodyBytes || int64(len(in.body))+extra > h.cfg.MaxInflightBytes {
+		// Never to fit: a 413, not a 429 to retry.
 		return writeError(c, openai.NewError(http.StatusRequestEntityTooLarge,
 			"the batch's %d prompts, each with the request's other fields, come to %d bytes more than the request; at most %d",
-			len(in.batch), extra, h.cfg.MaxBodyBytes))
+			len(in.batch), extra, min(h.cfg.MaxBodyBytes, h.cfg.MaxInflightBytes-int64(len(in.body)))))
 	}
 	if extra > 0 {
 		if !h.budget.take(extra) {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -41,7 +42,7 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	streamed := job.Stream && job.ReplyTo != ""
 	limit := w.cfg.StallTimeout
 	if !streamed {
-		limit = wholeAnswerLimit(job.Body, limit)
+		limit = wholeAnswerLimit(job.Endpoint, job.Body, limit)
 	}
 	cctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -174,9 +175,11 @@ func (w *Worker) migration(job *dispatcher.Job, resume dispatcher.Resume, tr *tr
 
 // wholeAnswerLimit bounds the wait for a response that comes whole (a
 // non-streamed one): there are no chunks to time, so the stall time-out is
-// stretched by 50 ms per requested token, a slow decode's pace. Without a
-// token limit the request's deadline alone bounds it.
-func wholeAnswerLimit(body []byte, stall time.Duration) time.Duration {
+// stretched by 50 ms per requested token, a slow decode's pace. The token
+// limit is read as vLLM reads it (openai.Request.OutputLimit); a
+// completions request without max_tokens gets vLLM's 16. Without a token
+// limit the request's deadline alone bounds it.
+func wholeAnswerLimit(endpoint openai.Endpoint, body []byte, stall time.Duration) time.Duration {
 	var limits struct {
 		MaxTokens           *int `json:"max_tokens"`
 		MaxCompletionTokens *int `json:"max_completion_tokens"`
@@ -184,14 +187,17 @@ func wholeAnswerLimit(body []byte, stall time.Duration) time.Duration {
 	if json.Unmarshal(body, &limits) != nil {
 		return stall
 	}
-	n := limits.MaxTokens
-	if limits.MaxCompletionTokens != nil {
-		n = limits.MaxCompletionTokens
+	req := openai.Request{MaxTokens: limits.MaxTokens, MaxCompletionTokens: limits.MaxCompletionTokens}
+	n, ok := req.OutputLimit(endpoint)
+	if !ok && endpoint == openai.Completions {
+		if _, set, _ := jsonobj.Get(body, "max_tokens"); !set {
+			n, ok = 16, true
+		}
 	}
-	if n == nil {
+	if !ok {
 		return 24 * time.Hour
 	}
-	return stall + time.Duration(max(*n, 0))*50*time.Millisecond
+	return stall + time.Duration(max(n, 0))*50*time.Millisecond
 }
 
 // release frees the prefill engine's KV blocks of a handoff that will not

@@ -7,6 +7,9 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
 // asMap decodes a JSON object for comparison.
@@ -280,5 +283,24 @@ func BenchmarkPrefillBody(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+func TestWholeAnswerLimit(t *testing.T) {
+	const stall = 30 * time.Second
+	for _, tc := range []struct {
+		endpoint openai.Endpoint
+		body     string
+		want     time.Duration
+	}{
+		{openai.Completions, `{"prompt":"x","max_tokens":2000,"max_completion_tokens":0}`, stall + 100*time.Second},
+		{openai.Completions, `{"prompt":"x"}`, stall + 800*time.Millisecond},
+		{openai.Completions, `{"prompt":"x","max_tokens":null}`, 24 * time.Hour},
+		{openai.Chat, `{"messages":[],"max_tokens":10,"max_completion_tokens":20}`, stall + time.Second},
+		{openai.Chat, `{"messages":[]}`, 24 * time.Hour},
+	} {
+		if got := wholeAnswerLimit(tc.endpoint, []byte(tc.body), stall); got != tc.want {
+			t.Errorf("%s %s: %v, want %v", tc.endpoint, tc.body, got, tc.want)
+		}
 	}
 }

@@ -173,16 +173,26 @@ func (w *Worker) Run(ctx context.Context) error {
 	if w.peers, err = dispatcher.WatchWorkers(ctx, w.js, w.log); err != nil {
 		return err
 	}
-	if w.cfg.Role == dispatcher.StageDecode {
-		// Calls under way when the worker stops still get their answer,
-		// within the grace period.
-		calls, err := dispatcher.ServeEngineCalls(context.WithoutCancel(ctx), w.nc, w.id, engineCallLimit, w.engineCall)
-		if err != nil {
-			return fmt.Errorf("decode worker: take engine calls: %w", err)
-		}
-		defer calls.Stop(w.cfg.Grace)
+	if w.cfg.Role != dispatcher.StageDecode {
+		return w.serveModels(ctx, models)
 	}
-	return w.serveModels(ctx, models)
+	calls, err := dispatcher.ServeEngineCalls(w.nc, w.id, engineCallLimit, w.engineCall)
+	if err != nil {
+		return fmt.Errorf("decode worker: take engine calls: %w", err)
+	}
+	// At shutdown, alongside the stage loops: no new calls, and the running
+	// ones get the same grace as the jobs.
+	ctx, cancel := context.WithCancel(ctx)
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		<-ctx.Done()
+		calls.Stop(w.cfg.Grace)
+	}()
+	err = w.serveModels(ctx, models)
+	cancel()
+	<-stopped
+	return err
 }
 
 // loopConfig is the stage loop of one model the engine serves.

@@ -1,0 +1,219 @@
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+func (e *EngineSlots) inUse() int { e.mu.Lock(); defer e.mu.Unlock(); return e.used }
+
+func runLoop(t *testing.T, l *StageLoop) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+}
+
+// TestEngineSlotsReleaseOnCancel: a handoff cancelled while its job waits
+// for the engine's only slot is dropped, and its KV release (a decode call
+// on the engine) waits for a slot too: the engine never gets more calls
+// than its slots. (Found by review: it ran without one.)
+func TestEngineSlotsReleaseOnCancel(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	e := NewEngineSlots(1)
+	poolA, poolB := PoolName("slots-a"), PoolName("slots-b")
+	block := make(chan struct{})
+	unblock := sync.OnceFunc(func() { close(block) })
+	defer unblock()
+	var usedAtRelease atomic.Int32
+	usedAtRelease.Store(-1)
+	base := StageConfig{Stage: StageDecode, Slots: 1, EngineSlots: e, KVTTL: 10 * time.Second,
+		AckWait: 2 * time.Second, Grace: time.Second}
+	cb := base
+	cb.Pool = poolB
+	cb.Handler = func(context.Context, *Delivery) error { return nil }
+	cb.Release = func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
+	lb, _ := NewStageLoop(nc, js, cb, logging.Discard())
+	runLoop(t, lb) // idle: passes waitFree, waits in its pull
+	time.Sleep(300 * time.Millisecond)
+
+	ca := base
+	ca.Pool = poolA
+	ca.Handler = func(context.Context, *Delivery) error { <-block; return nil }
+	ca.Release = func(context.Context, *Job) error { return nil }
+	la, _ := NewStageLoop(nc, js, ca, logging.Discard())
+	runLoop(t, la)
+	a := &Job{ID: "slot-a", Model: "a", Pool: poolA, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1}
+	if _, err := js.PublishMsg(ctx, a.Msg(StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "a holds the engine", func() bool { return e.inUse() == 1 })
+
+	b := &Job{ID: "slot-b", Model: "b", Pool: poolB, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
+		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
+	if _, err := js.PublishMsg(ctx, b.Msg(StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "b waits for the slot", func() bool { lb.mu.Lock(); defer lb.mu.Unlock(); return len(lb.running) == 1 })
+	if err := nc.Publish(CancelSubject("slot-b"), nil); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := usedAtRelease.Load(); n >= 0 {
+		t.Fatalf("KV release (a decode call) ran while another model's job held the engine's only slot (%d in use)", n)
+	}
+	unblock()
+	waitFor(t, "b's KV released", func() bool { return usedAtRelease.Load() >= 0 })
+	if n := usedAtRelease.Load(); n != 1 {
+		t.Errorf("KV release ran with %d engine slots in use, want its own", n)
+	}
+}
+
+// TestEngineSlotsReleaseAfterReject: the KV release of a handoff the
+// decode engine rejected runs in an engine slot, though the job gave its
+// slot back when the handler returned.
+func TestEngineSlotsReleaseAfterReject(t *testing.T) {
+	nc, js := startJetStream(t)
+	e := NewEngineSlots(1)
+	var usedAtRelease atomic.Int32
+	usedAtRelease.Store(-1)
+	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-r"), Slots: 1, EngineSlots: e, KVTTL: 10 * time.Second,
+		AckWait: 2 * time.Second, Grace: time.Second,
+		Handler: func(context.Context, *Delivery) error {
+			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
+		},
+		Release: func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }}
+	l, _ := NewStageLoop(nc, js, cfg, logging.Discard())
+	runLoop(t, l)
+	j := &Job{ID: "slot-r", Model: "r", Pool: cfg.Pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
+		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
+	if _, err := js.PublishMsg(context.Background(), j.Msg(StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "released", func() bool { return usedAtRelease.Load() >= 0 })
+	if usedAtRelease.Load() == 0 {
+		t.Errorf("the rejected decode's KV release ran with no engine slot held")
+	}
+}
+
+// TestEngineSlotsNoOverPull: a loop of a shared engine with one free slot
+// pulls one job, not more: jobs it cannot run stay in the queue for other
+// workers. (Found by review.)
+func TestEngineSlotsNoOverPull(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	e := NewEngineSlots(4)
+	for range 3 { // another model's jobs hold 3 of the 4 slots
+		e.acquire(ctx)
+	}
+	block := make(chan struct{})
+	defer close(block)
+	var started atomic.Int32
+	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-o"), Slots: 4, EngineSlots: e, KVTTL: 10 * time.Second,
+		AckWait: 5 * time.Second, Grace: time.Second,
+		Handler: func(context.Context, *Delivery) error { started.Add(1); <-block; return nil },
+		Release: func(context.Context, *Job) error { return nil }}
+	big := []byte(`{"x":"` + strings.Repeat("a", 10) + `"}`)
+	for i := range 4 {
+		j := &Job{ID: "slot-o" + string(rune('0'+i)), Model: "o", Pool: cfg.Pool, Endpoint: openai.Chat, Body: big, Deadline: time.Now().Add(time.Minute), Generation: 1}
+		if _, err := js.PublishMsg(ctx, j.Msg(StageDecode)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l, _ := NewStageLoop(nc, js, cfg, logging.Discard())
+	runLoop(t, l)
+	waitFor(t, "one runs", func() bool { return started.Load() == 1 })
+	time.Sleep(500 * time.Millisecond)
+	l.mu.Lock()
+	n := len(l.running)
+	l.mu.Unlock()
+	if n > 1 {
+		t.Errorf("with one free engine slot the loop holds %d pulled jobs (%d running); %d wait for the slot in this worker", n, started.Load(), n-1)
+	}
+}
+
+// TestEngineCallsAfterStop: calls queued when Stop is called are answered
+// 503 and never reach the engine. (Found by review.)
+func TestEngineCallsAfterStop(t *testing.T) {
+	nc, _ := startJetStream(t)
+	ctx := context.Background()
+	var stoppedAt atomic.Int64
+	var late atomic.Int32
+	calls, err := ServeEngineCalls(nc, "w1", 1, func(ctx context.Context, call EngineCall) EngineAnswer {
+		if s := stoppedAt.Load(); s != 0 {
+			late.Add(1)
+		}
+		time.Sleep(300 * time.Millisecond)
+		return EngineAnswer{Status: 200}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		go CallEngine(ctx, nc, "w1", EngineCall{ID: "s" + string(rune('0'+i)), Method: "GET", Path: "/version"})
+	}
+	waitFor(t, "queued", func() bool { return calls.waiting.Load() == 2 })
+	calls.Stop(100 * time.Millisecond)
+	stoppedAt.Store(time.Now().UnixNano())
+	time.Sleep(time.Second)
+	if late.Load() > 0 {
+		t.Errorf("%d engine calls started after Stop returned", late.Load())
+	}
+}
+
+// TestEngineSlotsRedeliveryKeepsCount: a redelivered handoff (its KV may
+// have been read by the first delivery) that waits for the engine slot
+// when its loop stops goes back as it is, counted: the next worker
+// regenerates it instead of decoding it. (Found by review: it was handed
+// back as a fresh message, and decoded.)
+func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	pool := PoolName("slots-h")
+	var ran atomic.Int32
+	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
+		Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
+		Release: func(context.Context, *Job) error { return nil }}
+	cons, err := EnsureConsumer(ctx, js, StageDecode, pool, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := &Job{ID: "slot-h", Model: "h", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
+		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
+	if _, err := js.PublishMsg(ctx, j.Msg(StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cons.Next(); err != nil { // delivery 1: a worker that read the KV, then went silent
+		t.Fatal(err)
+	}
+	e := NewEngineSlots(1)
+	c1 := cfg
+	c1.EngineSlots = e
+	l1, _ := NewStageLoop(nc, js, c1, logging.Discard())
+	ctx1, cancel1 := context.WithCancel(ctx)
+	done1 := make(chan struct{})
+	go func() { defer close(done1); l1.Run(ctx1) }()
+	time.Sleep(200 * time.Millisecond) // l1 waits in its pull
+	e.acquire(ctx)                     // another model's job takes the engine
+	waitFor(t, "delivery 2 waits for the slot", func() bool { l1.mu.Lock(); defer l1.mu.Unlock(); return len(l1.running) == 1 })
+	cancel1()
+	<-done1
+
+	c2 := cfg
+	c2.EngineSlots = NewEngineSlots(1)
+	l2, _ := NewStageLoop(nc, js, c2, logging.Discard())
+	runLoop(t, l2)
+	time.Sleep(2 * time.Second)
+	if ran.Load() > 0 {
+		t.Errorf("a redelivered handoff was decoded after a hand-back (KV possibly read twice): ran %d", ran.Load())
+	}
+}
