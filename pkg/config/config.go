@@ -8,9 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"os"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
@@ -18,16 +16,13 @@ import (
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
-// Prefix is the prefix of every environment variable pdq reads.
-const Prefix = "PDQ"
-
 // Log is the logging configuration every command shares.
 type Log struct {
 	// Level is debug, info, warn or error (PDQ_LOG_LEVEL).
-	Level string `envconfig:"LOG_LEVEL" default:"info"`
+	Level string `envconfig:"PDQ_LOG_LEVEL" default:"info"`
 	// Format is text (tint) or json; empty picks text on a terminal and JSON
 	// otherwise (PDQ_LOG_FORMAT).
-	Format string `envconfig:"LOG_FORMAT"`
+	Format string `envconfig:"PDQ_LOG_FORMAT"`
 }
 
 // Config is the configuration of pdq's services.
@@ -36,90 +31,90 @@ type Config struct {
 
 	// NATSURL is the NATS server to join; empty in `pdq up` starts an
 	// embedded one.
-	NATSURL string `envconfig:"NATS_URL"`
+	NATSURL string `envconfig:"PDQ_NATS_URL"`
 	// NATSListen is where the embedded server also listens for other
 	// processes, e.g. 127.0.0.1:4222; empty means in-process only.
-	NATSListen string `envconfig:"NATS_LISTEN"`
+	NATSListen string `envconfig:"PDQ_NATS_LISTEN"`
 	// DataDir holds the embedded server's JetStream store.
-	DataDir string `envconfig:"DATA_DIR" default:"./data"`
+	DataDir string `envconfig:"PDQ_DATA_DIR" default:"./data"`
 	// HTTPAddr is the gateway's listen address.
-	HTTPAddr string `envconfig:"HTTP_ADDR" default:":8000"`
+	HTTPAddr string `envconfig:"PDQ_HTTP_ADDR" default:":8000"`
 
 	// PrefillEngines and DecodeEngines are engine base URLs for `pdq up`.
-	PrefillEngines []string `envconfig:"PREFILL_ENGINES"`
-	DecodeEngines  []string `envconfig:"DECODE_ENGINES"`
+	PrefillEngines []string `envconfig:"PDQ_PREFILL_ENGINES"`
+	DecodeEngines  []string `envconfig:"PDQ_DECODE_ENGINES"`
 	// EngineURL is the engine of a single `pdq prefill` or `pdq decode`.
-	EngineURL string `envconfig:"ENGINE_URL"`
+	EngineURL string `envconfig:"PDQ_ENGINE_URL"`
 	// EngineAPIKey is sent as a bearer token on every engine call, for
 	// engines started with vLLM's --api-key.
-	EngineAPIKey string `envconfig:"ENGINE_API_KEY"`
+	EngineAPIKey string `envconfig:"PDQ_ENGINE_API_KEY"`
 	// EngineSlots is the number of requests a worker runs on its engine at
 	// once; 0 picks the role's default.
-	EngineSlots int `envconfig:"ENGINE_SLOTS"`
+	EngineSlots int `envconfig:"PDQ_ENGINE_SLOTS"`
 	// KVHost is advertised as remote_host when a prefill engine reports a
 	// loopback or unspecified one.
-	KVHost string `envconfig:"KV_HOST"`
+	KVHost string `envconfig:"PDQ_KV_HOST"`
 
 	// MetricsAddr is where a lone worker (pdq prefill, pdq decode) serves
 	// /metrics; empty serves none. The gateway serves /metrics on its own
 	// address, for itself and for pdq up's workers.
-	MetricsAddr string `envconfig:"METRICS_ADDR"`
+	MetricsAddr string `envconfig:"PDQ_METRICS_ADDR"`
 
 	// APIKeys, when set, are the bearer tokens the gateway accepts.
-	APIKeys []string `envconfig:"API_KEYS"`
+	APIKeys []string `envconfig:"PDQ_API_KEYS"`
 	// DisaggMinPromptTokens is the P/D threshold: prompts estimated shorter
 	// skip prefill and are prefilled by the decode engine; 0 sends every
 	// request through prefill.
-	DisaggMinPromptTokens int `envconfig:"DISAGG_MIN_PROMPT_TOKENS" default:"16"`
+	DisaggMinPromptTokens int `envconfig:"PDQ_DISAGG_MIN_PROMPT_TOKENS" default:"16"`
 
 	// RequestTimeout is every request's deadline: work on a request stops
 	// when it passes, wherever the request is.
-	RequestTimeout time.Duration `envconfig:"REQUEST_TIMEOUT" default:"10m"`
+	RequestTimeout time.Duration `envconfig:"PDQ_REQUEST_TIMEOUT" default:"10m"`
 	// KVTTL is how old a handoff may be when a decode worker pulls it;
 	// older ones are prefilled again. Keep it under the engines' KV lease
 	// (vLLM: 30 s).
-	KVTTL time.Duration `envconfig:"KV_TTL" default:"25s"`
+	KVTTL time.Duration `envconfig:"PDQ_KV_TTL" default:"25s"`
 	// AckWait is how long a job may go without a sign of life from its
 	// worker before another worker gets it: a crashed worker's jobs move on
 	// after this long. Running jobs signal every third of it.
-	AckWait time.Duration `envconfig:"ACK_WAIT" default:"30s"`
+	AckWait time.Duration `envconfig:"PDQ_ACK_WAIT" default:"30s"`
 	// MaxGenerations bounds how many times one request's prefill may start.
-	MaxGenerations int `envconfig:"MAX_GENERATIONS" default:"3"`
+	MaxGenerations int `envconfig:"PDQ_MAX_GENERATIONS" default:"3"`
 	// MaxQueue bounds the jobs waiting in each pool's prefill or decode
 	// queue; past it the gateway answers 429.
-	MaxQueue int `envconfig:"MAX_QUEUE" default:"1024"`
+	MaxQueue int `envconfig:"PDQ_MAX_QUEUE" default:"1024"`
 	// MaxInflightBytes bounds the request bodies the gateway holds at once.
-	MaxInflightBytes int64 `envconfig:"MAX_INFLIGHT_BYTES" default:"536870912"`
+	MaxInflightBytes int64 `envconfig:"PDQ_MAX_INFLIGHT_BYTES" default:"536870912"`
 	// MaxDeliver is how many deliveries of one job a stage runs before the
 	// job fails for good (a crashed worker's job is delivered again).
-	MaxDeliver int `envconfig:"MAX_DELIVER" default:"4"`
+	MaxDeliver int `envconfig:"PDQ_MAX_DELIVER" default:"4"`
 
 	// PrefillTimeout bounds a prefill engine's answer; past it the attempt
 	// fails as retryable and the job goes to another engine.
-	PrefillTimeout time.Duration `envconfig:"PREFILL_TIMEOUT" default:"60s"`
+	PrefillTimeout time.Duration `envconfig:"PDQ_PREFILL_TIMEOUT" default:"60s"`
 	// StallTimeout bounds the silence of a decode: the engine's time to its
 	// first chunk and between chunks, and the gateway's wait for a running
 	// decode's heartbeats.
-	StallTimeout time.Duration `envconfig:"STALL_TIMEOUT" default:"30s"`
+	StallTimeout time.Duration `envconfig:"PDQ_STALL_TIMEOUT" default:"30s"`
 	// PrefillFallback is what the gateway does with a long prompt when its
 	// pool has no healthy prefill worker: decode (the decode engine
 	// prefills it itself) or fail (503).
-	PrefillFallback string `envconfig:"PREFILL_FALLBACK" default:"decode"`
+	PrefillFallback string `envconfig:"PDQ_PREFILL_FALLBACK" default:"decode"`
 	// MigrationLimit bounds how many times one request's decode moves to
 	// another engine after output was sent; 0 ends such a stream with an
 	// error.
-	MigrationLimit int `envconfig:"MIGRATION_LIMIT" default:"1"`
+	MigrationLimit int `envconfig:"PDQ_MIGRATION_LIMIT" default:"1"`
 	// ShutdownGrace is how long running requests may finish after SIGTERM
 	// (streams longer than that are cut); keep the orchestrator's own
 	// grace, Kubernetes' terminationGracePeriodSeconds, above it.
-	ShutdownGrace time.Duration `envconfig:"SHUTDOWN_GRACE" default:"30s"`
+	ShutdownGrace time.Duration `envconfig:"PDQ_SHUTDOWN_GRACE" default:"30s"`
 	// BreakerFailures is how many consecutive transport errors, 5xx or
 	// time-outs open a worker's circuit breaker on its engine.
-	BreakerFailures int `envconfig:"BREAKER_FAILURES" default:"3"`
+	BreakerFailures int `envconfig:"PDQ_BREAKER_FAILURES" default:"3"`
 
 	// NATS holds the NATS connection's credentials and stream replicas,
-	// PDQ_NATS_*: the field's name is the prefix of its variables.
-	NATS NATS
+	// PDQ_NATS_*, read on their own (see Load).
+	NATS NATS `ignored:"true"`
 }
 
 // NATS is how every process authenticates to NATS, and how many replicas
@@ -127,18 +122,18 @@ type Config struct {
 type NATS struct {
 	// Replicas is the streams' and buckets' replica count: 1 on one server,
 	// 3 in a 3-node cluster.
-	Replicas int `envconfig:"REPLICAS" default:"1"`
+	Replicas int `envconfig:"PDQ_NATS_REPLICAS" default:"1"`
 	// User and Password, or Token, or Creds (a .creds file) authenticate;
 	// credentials in PDQ_NATS_URL work too.
-	User     string `envconfig:"USER"`
-	Password string `envconfig:"PASSWORD"`
-	Token    string `envconfig:"TOKEN"`
-	Creds    string `envconfig:"CREDS"`
+	User     string `envconfig:"PDQ_NATS_USER"`
+	Password string `envconfig:"PDQ_NATS_PASSWORD"`
+	Token    string `envconfig:"PDQ_NATS_TOKEN"`
+	Creds    string `envconfig:"PDQ_NATS_CREDS"`
 	// CA is a PEM file of the CAs that sign the server's certificate; Cert
 	// and Key are the client's certificate for mutual TLS.
-	CA   string `envconfig:"CA"`
-	Cert string `envconfig:"CERT"`
-	Key  string `envconfig:"KEY"`
+	CA   string `envconfig:"PDQ_NATS_CA"`
+	Cert string `envconfig:"PDQ_NATS_CERT"`
+	Key  string `envconfig:"PDQ_NATS_KEY"`
 }
 
 // The values of PDQ_PREFILL_FALLBACK.
@@ -150,41 +145,19 @@ const (
 // ErrInvalid is wrapped by every validation error.
 var ErrInvalid = errors.New("invalid configuration")
 
-// envMu serialises process's edits of the environment.
-var envMu sync.Mutex
-
-// process is envconfig.Process without envconfig's fallback to a
-// variable's unprefixed name: with it, a USER or KEY set for anything else
-// (every shell sets USER) would configure pdq as PDQ_NATS_USER or
-// PDQ_NATS_KEY. Each unprefixed name whose prefixed one is unset is hidden
-// from envconfig while it reads.
-func process(prefix string, spec any) error {
-	var b strings.Builder
-	if err := envconfig.Usagef(prefix, spec, &b, "{{range .}}{{usage_key .}} {{.Alt}}\n{{end}}"); err != nil {
-		return err
-	}
-	envMu.Lock()
-	defer envMu.Unlock()
-	for line := range strings.Lines(b.String()) {
-		f := strings.Fields(line)
-		if len(f) != 2 || f[0] == f[1] {
-			continue
-		}
-		if _, set := os.LookupEnv(f[0]); set {
-			continue
-		}
-		if v, set := os.LookupEnv(f[1]); set {
-			os.Unsetenv(f[1])
-			defer os.Setenv(f[1], v)
-		}
-	}
-	return envconfig.Process(prefix, spec)
+// process reads spec, whose tags carry each variable's full name, PDQ_
+// included, with no prefix: envconfig falls back to a tag's name when the
+// prefixed variable is unset, so with the prefix given separately a USER or
+// KEY set for anything else (every shell sets USER) would have configured
+// pdq as PDQ_NATS_USER or PDQ_NATS_KEY.
+func process(spec any) error {
+	return envconfig.Process("", spec)
 }
 
 // Load reads the configuration from the environment and validates it.
 func Load() (Config, error) {
 	var c Config
-	if err := process(Prefix, &c); err != nil {
+	if err := errors.Join(process(&c), process(&c.NATS)); err != nil {
 		return Config{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	c.PrefillEngines = trimAll(c.PrefillEngines)
@@ -200,7 +173,7 @@ func Load() (Config, error) {
 // nothing else.
 func LoadLog() (Log, error) {
 	var l Log
-	if err := process(Prefix, &l); err != nil {
+	if err := process(&l); err != nil {
 		return Log{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return l, l.Validate()
@@ -283,7 +256,7 @@ func (c Config) Validate() error {
 // tools, which take everything else as flags.
 func LoadNATS() (NATS, error) {
 	var n NATS
-	if err := process(Prefix+"_NATS", &n); err != nil {
+	if err := process(&n); err != nil {
 		return NATS{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return n, n.Validate()
@@ -346,8 +319,10 @@ func trimAll(in []string) []string {
 // variables pdq knows.
 func Names() ([]string, error) {
 	var b strings.Builder
-	if err := envconfig.Usagef(Prefix, &Config{}, &b, "{{range .}}{{usage_key .}}\n{{end}}"); err != nil {
-		return nil, err
+	for _, spec := range []any{&Config{}, &NATS{}} {
+		if err := envconfig.Usagef("", spec, &b, "{{range .}}{{usage_key .}}\n{{end}}"); err != nil {
+			return nil, err
+		}
 	}
 	return strings.Fields(b.String()), nil
 }
