@@ -6,7 +6,7 @@ BIN       := bin/pdq
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 .DEFAULT_GOAL := help
-.PHONY: help build run test faults openai-client fmt-check vet lint fuzz clean
+.PHONY: help build run test faults bench microbench openai-client fmt-check vet lint fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -27,6 +27,12 @@ test: fmt-check vet openai-client ## run the whole test suite with the race dete
 
 faults: ## run the fault suite alone and print its table (docs/reliability.md)
 	$(GO) test -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
+
+bench: ## side by side: engine alone, the floor, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines
+	$(GO) run ./tools/sidebyside -base $(or $(BASE),62e80c5)
+
+microbench: ## go test -bench of the hot pieces, with allocations
+	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./dispatcher ./workers
 
 openai-client: ## install the pinned official OpenAI Node client that the suite drives
 	npm ci --prefix tests/openai-client --no-audit --no-fund --loglevel=error

@@ -32,7 +32,7 @@ type pipeline struct {
 	log     *slog.Logger
 	ctx     context.Context
 	wg      *sync.WaitGroup
-	t       *testing.T
+	t       testing.TB
 	worker  workers.Config // what every worker's configuration starts from
 }
 
@@ -57,7 +57,7 @@ func testLogger() *slog.Logger {
 	return logging.Discard()
 }
 
-func startPipeline(t *testing.T, o pipelineOptions) *pipeline {
+func startPipeline(t testing.TB, o pipelineOptions) *pipeline {
 	t.Helper()
 	if o.prefill == 0 {
 		o.prefill = 1

@@ -1,0 +1,425 @@
+// Command sidebyside is `make bench`: it runs one load, with one seed,
+// against a decode engine alone, the floor (a client that drives both legs
+// itself), pdq up at HEAD and pdq up built from a baseline commit, all in
+// front of the same `pdq sim` engines, and prints a table per concurrency.
+//
+// The load generator is `pdq bench` (vLLM's bench serve flags); pdq's
+// processes are measured from /proc: CPU seconds (user and system) and
+// peak RSS, per 1,000 requests. Each run starts a fresh pdq up, so its
+// peak RSS is its own.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "sidebyside:", err)
+		os.Exit(1)
+	}
+}
+
+// profile is a set of engine latencies.
+type profile struct {
+	name string
+	sim  []string // pdq sim latency flags
+	// prompts per run, by concurrency: enough for stable percentiles, few
+	// enough to keep make bench within minutes.
+	prompts func(concurrency int) int
+}
+
+var profiles = map[string]profile{
+	"zero": {
+		name: "zero-latency engines (pdq's own overhead)",
+		sim:  []string{"--prefill-overhead", "0s", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "0s"},
+		prompts: func(c int) int {
+			return map[int]int{1: 200, 16: 800, 64: 1500, 256: 2000}[c]
+		},
+	},
+	"realistic": {
+		name: "realistic engines (TTFT 200 ms, ITL 10 ms)",
+		sim:  []string{"--prefill-overhead", "200ms", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "10ms"},
+		prompts: func(c int) int {
+			return map[int]int{1: 20, 16: 64, 64: 256, 256: 512}[c]
+		},
+	},
+}
+
+type options struct {
+	base        string
+	profiles    []string
+	concurrency []int
+	inputLen    int
+	outputLen   int
+	seed        int
+	work        string
+}
+
+func run() error {
+	var o options
+	var profs, conc string
+	flag.StringVar(&o.base, "base", "62e80c5", "baseline commit to build pdq from")
+	flag.StringVar(&profs, "profiles", "zero,realistic", "engine latency profiles: zero, realistic")
+	flag.StringVar(&conc, "concurrency", "1,16,64,256", "concurrencies, one table each")
+	flag.IntVar(&o.inputLen, "input-len", 256, "prompt words (tokens for pdq sim)")
+	flag.IntVar(&o.outputLen, "output-len", 32, "streamed tokens per request")
+	flag.IntVar(&o.seed, "seed", 0, "pdq bench --seed")
+	flag.Parse()
+	o.profiles = strings.Split(profs, ",")
+	for _, c := range strings.Split(conc, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(c))
+		if err != nil || n < 1 {
+			return fmt.Errorf("-concurrency: %q is not a positive number", c)
+		}
+		o.concurrency = append(o.concurrency, n)
+	}
+	for _, p := range o.profiles {
+		if _, ok := profiles[p]; !ok {
+			return fmt.Errorf("-profiles: unknown profile %q", p)
+		}
+	}
+	var err error
+	if o.work, err = os.MkdirTemp("", "pdq-bench-"); err != nil {
+		return err
+	}
+	defer os.RemoveAll(o.work)
+
+	head := filepath.Join(o.work, "pdq-head")
+	if err := goBuild(".", head); err != nil {
+		return err
+	}
+	base, err := buildBase(o)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("pdq side by side: HEAD %s vs %s; %d-token prompts, %d streamed tokens, seed %d; %s\n",
+		revision("HEAD"), revision(o.base), o.inputLen, o.outputLen, o.seed, machine())
+	for _, name := range o.profiles {
+		if err := runProfile(o, profiles[name], head, base); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// target is one way of serving the load.
+type target struct {
+	name string
+	pdq  string // the pdq binary to run as pdq up; empty for no router
+	pd   bool   // the floor: pdq bench drives both legs
+}
+
+// result is what one run measured.
+type result struct {
+	bench bench
+	cpu   time.Duration // pdq's user and system CPU
+	rss   int64         // pdq's peak RSS, bytes
+}
+
+func runProfile(o options, p profile, head, base string) error {
+	fmt.Printf("\n## %s\n", p.name)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	prefill, err := startSim(ctx, head, o.work, p.sim)
+	if err != nil {
+		return err
+	}
+	decode, err := startSim(ctx, head, o.work, p.sim)
+	if err != nil {
+		return err
+	}
+	targets := []target{
+		{name: "decode engine alone"},
+		{name: "floor (client drives P and D)", pd: true},
+		{name: "pdq " + o.base, pdq: base},
+		{name: "pdq HEAD", pdq: head},
+	}
+	for _, c := range o.concurrency {
+		n := p.prompts(c)
+		if n == 0 {
+			n = 4 * c
+		}
+		results := make([]result, len(targets))
+		for i, t := range targets {
+			r, err := runTarget(ctx, o, t, head, prefill, decode, c, n)
+			if err != nil {
+				return fmt.Errorf("%s at concurrency %d: %w", t.name, c, err)
+			}
+			results[i] = r
+		}
+		printTable(c, n, targets, results)
+	}
+	return nil
+}
+
+func runTarget(ctx context.Context, o options, t target, head, prefill, decode string, concurrency, n int) (result, error) {
+	url := decode
+	var up *exec.Cmd
+	if t.pdq != "" {
+		var err error
+		if up, url, err = startUp(ctx, t.pdq, o.work, prefill, decode); err != nil {
+			return result{}, err
+		}
+		defer stop(up)
+	}
+	args := func(prompts int, file string) []string {
+		a := []string{"bench", "--base-url", url, "--backend", "openai-chat", "--model", "pdq-sim",
+			"--dataset-name", "random", "--random-input-len", strconv.Itoa(o.inputLen), "--random-output-len", strconv.Itoa(o.outputLen),
+			"--num-prompts", strconv.Itoa(prompts), "--max-concurrency", strconv.Itoa(concurrency), "--ignore-eos",
+			"--seed", strconv.Itoa(o.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+			"--disable-tqdm"}
+		if t.pd {
+			a = append(a, "--pd-prefill", prefill)
+		}
+		if file != "" {
+			a = append(a, "--save-result", "--result-filename", file)
+		}
+		return a
+	}
+	// A warm-up: connections, JIT-free but cache-warm.
+	if out, err := exec.CommandContext(ctx, head, args(min(n, 2*concurrency), "")...).CombinedOutput(); err != nil {
+		return result{}, fmt.Errorf("warm-up: %w\n%s", err, out)
+	}
+	var cpu0 time.Duration
+	if up != nil {
+		cpu0, _, _ = procStats(up.Process.Pid)
+	}
+	file := filepath.Join(o.work, "result.json")
+	if out, err := exec.CommandContext(ctx, head, args(n, file)...).CombinedOutput(); err != nil {
+		return result{}, fmt.Errorf("pdq bench: %w\n%s", err, out)
+	}
+	raw, err := os.ReadFile(file)
+	if err != nil {
+		return result{}, err
+	}
+	var r result
+	if err := json.Unmarshal(raw, &r.bench); err != nil {
+		return result{}, fmt.Errorf("read %s: %w", file, err)
+	}
+	if up != nil {
+		cpu1, rss, err := procStats(up.Process.Pid)
+		if err != nil {
+			return result{}, err
+		}
+		r.cpu, r.rss = cpu1-cpu0, rss
+	}
+	return r, nil
+}
+
+// bench holds the fields of pdq bench's result file (vLLM's names).
+type bench struct {
+	Completed         int     `json:"completed"`
+	Failed            int     `json:"failed"`
+	Duration          float64 `json:"duration"`
+	RequestThroughput float64 `json:"request_throughput"`
+	OutputThroughput  float64 `json:"output_throughput"`
+	P50TTFT           float64 `json:"p50_ttft_ms"`
+	P99TTFT           float64 `json:"p99_ttft_ms"`
+	P50ITL            float64 `json:"p50_itl_ms"`
+	P99ITL            float64 `json:"p99_itl_ms"`
+}
+
+func printTable(concurrency, n int, targets []target, rs []result) {
+	fmt.Printf("\nconcurrency %d, %d requests\n\n", concurrency, n)
+	fmt.Println("| target | ok | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s | tok/s | CPU s / 1k req | peak RSS MB |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|")
+	for i, t := range targets {
+		r := rs[i]
+		cpu, rss := "-", "-"
+		if t.pdq != "" && r.bench.Completed > 0 {
+			cpu = fmt.Sprintf("%.2f", r.cpu.Seconds()*1000/float64(r.bench.Completed))
+			rss = fmt.Sprintf("%.0f", float64(r.rss)/(1<<20))
+		}
+		fmt.Printf("| %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f | %.0f | %s | %s |\n", t.name, r.bench.Completed,
+			r.bench.Completed+r.bench.Failed, r.bench.P50TTFT, r.bench.P99TTFT, r.bench.P50ITL, r.bench.P99ITL,
+			r.bench.RequestThroughput, r.bench.OutputThroughput, cpu, rss)
+	}
+	floor, base, head := rs[1].bench, rs[2], rs[3]
+	fmt.Printf("\nHEAD over the floor: TTFT p50 %+.2f ms, p99 %+.2f ms; ITL p99 %+.2f ms; req/s %.0f%% of the floor's\n",
+		head.bench.P50TTFT-floor.P50TTFT, head.bench.P99TTFT-floor.P99TTFT, head.bench.P99ITL-floor.P99ITL,
+		100*head.bench.RequestThroughput/floor.RequestThroughput)
+	if base.bench.Completed > 0 && head.bench.Completed > 0 && base.cpu > 0 {
+		per := func(r result) float64 { return r.cpu.Seconds() / float64(r.bench.Completed) }
+		fmt.Printf("HEAD CPU per request: %.0f%% of the baseline's\n", 100*per(head)/per(base))
+	}
+}
+
+// buildBase builds pdq at the baseline commit, in a worktree of its own.
+func buildBase(o options) (string, error) {
+	dir := filepath.Join(o.work, "base")
+	if out, err := exec.Command("git", "worktree", "add", "--detach", dir, o.base).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("git worktree add %s: %w\n%s", o.base, err, out)
+	}
+	defer exec.Command("git", "worktree", "remove", "--force", dir).Run()
+	bin := filepath.Join(o.work, "pdq-base")
+	return bin, goBuild(dir, bin)
+}
+
+func goBuild(dir, out string) error {
+	cmd := exec.Command("go", "build", "-o", out, "./cmd/pdq")
+	cmd.Dir = dir
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go build in %s: %w\n%s", dir, err, b)
+	}
+	return nil
+}
+
+func revision(rev string) string {
+	out, err := exec.Command("git", "rev-parse", "--short", rev).Output()
+	if err != nil {
+		return rev
+	}
+	return strings.TrimSpace(string(out))
+}
+
+func machine() string {
+	cpus := 0
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		cpus = strings.Count(string(b), "processor\t:")
+	}
+	return fmt.Sprintf("%d CPUs", cpus)
+}
+
+// startSim runs pdq sim on free loopback ports and returns its URL.
+func startSim(ctx context.Context, bin, work string, latency []string) (string, error) {
+	port, err := freePort()
+	if err != nil {
+		return "", err
+	}
+	args := append([]string{"sim", "--addr", "127.0.0.1:" + strconv.Itoa(port), "--kv-host", "127.0.0.1", "--kv-port", "0",
+		"--max-num-seqs", "1024"}, latency...)
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Env = append(os.Environ(), "PDQ_LOG_LEVEL=warn")
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		return "", err
+	}
+	url := "http://127.0.0.1:" + strconv.Itoa(port)
+	return url, waitHTTP(url + "/health")
+}
+
+// startUp runs pdq up in front of the engines and returns its URL.
+func startUp(ctx context.Context, bin, work, prefill, decode string) (*exec.Cmd, string, error) {
+	port, err := freePort()
+	if err != nil {
+		return nil, "", err
+	}
+	data, err := os.MkdirTemp(work, "data-")
+	if err != nil {
+		return nil, "", err
+	}
+	cmd := exec.CommandContext(ctx, bin, "up")
+	cmd.Env = append(os.Environ(), "PDQ_HTTP_ADDR=127.0.0.1:"+strconv.Itoa(port), "PDQ_DATA_DIR="+data,
+		"PDQ_PREFILL_ENGINES="+prefill, "PDQ_DECODE_ENGINES="+decode, "PDQ_LOG_LEVEL=warn", "PDQ_LOG_FORMAT=json",
+		"PDQ_ENGINE_SLOTS=256")
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		return nil, "", err
+	}
+	cmd.Stdout = io.Discard
+	if err := cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	go io.Copy(io.Discard, bufio.NewReader(stderr))
+	url := "http://127.0.0.1:" + strconv.Itoa(port)
+	if err := waitServing(url); err != nil {
+		stop(cmd)
+		return nil, "", err
+	}
+	return cmd, url, nil
+}
+
+// waitServing waits until pdq up answers a request through both legs.
+func waitServing(url string) error {
+	deadline := time.Now().Add(30 * time.Second)
+	body := `{"model":"pdq-sim","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":1}`
+	for time.Now().Before(deadline) {
+		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+		if err == nil {
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return errors.New("pdq up did not serve within 30 s")
+}
+
+func waitHTTP(url string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(url); err == nil {
+			resp.Body.Close()
+			return nil
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return fmt.Errorf("%s did not answer within 10 s", url)
+}
+
+func stop(cmd *exec.Cmd) {
+	cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		cmd.Process.Kill()
+		<-done
+	}
+}
+
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// procStats reads a process's CPU time (user and system) and peak RSS.
+func procStats(pid int) (time.Duration, int64, error) {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	// Fields after the command name, which is in parentheses.
+	fields := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
+	if len(fields) < 13 {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: too few fields", pid)
+	}
+	utime, _ := strconv.ParseInt(fields[11], 10, 64)
+	stime, _ := strconv.ParseInt(fields[12], 10, 64)
+	const ticks = 100 // USER_HZ on Linux
+	cpu := time.Duration(utime+stime) * time.Second / ticks
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	var rss int64
+	for line := range strings.Lines(string(status)) {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			rss = kb << 10
+		}
+	}
+	return cpu, rss, nil
+}
