@@ -391,6 +391,8 @@ type ReplyStream struct {
 	heard bool
 	// stall is one timer for the whole stream: Next runs once per token.
 	stall *time.Timer
+	// idle runs before Next waits (OnIdle).
+	idle func() error
 }
 
 // Close unregisters the request.
@@ -412,6 +414,15 @@ func (s *ReplyStream) Generation() int { return s.attempt >> 8 }
 // from.
 func (s *ReplyStream) Heard() bool { return s.heard }
 
+// OnIdle sets f to be called whenever Next is about to wait for a reply:
+// a relay that writes without flushing flushes there, once per burst of
+// replies instead of once per reply. Next fails, wrapping ErrIdle, when f
+// does.
+func (s *ReplyStream) OnIdle(f func() error) { s.idle = f }
+
+// ErrIdle wraps the error of the OnIdle function.
+var ErrIdle = errors.New("writing the replies so far failed")
+
 // Rearm forgets the decode heard so far, for a request that went back to
 // prefill: until a decode of it is heard again, silence is expected.
 func (s *ReplyStream) Rearm() { s.heard = false }
@@ -430,10 +441,21 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 		var msg *nats.Msg
 		select {
 		case msg = <-s.ch:
-		case <-s.stall.C:
-			return Reply{}, ErrReplyStalled
-		case <-ctx.Done():
-			return Reply{}, ctx.Err()
+		default:
+			// Nothing more at hand: the caller's output goes out before
+			// the wait.
+			if s.idle != nil {
+				if err := s.idle(); err != nil {
+					return Reply{}, fmt.Errorf("%w: %w", ErrIdle, err)
+				}
+			}
+			select {
+			case msg = <-s.ch:
+			case <-s.stall.C:
+				return Reply{}, ErrReplyStalled
+			case <-ctx.Done():
+				return Reply{}, ctx.Err()
+			}
 		}
 		if s.overflow.Load() {
 			return Reply{}, fmt.Errorf("%w: the client reads slower than the engine writes", ErrReplyGap)

@@ -198,12 +198,15 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 	}
 
 	sse := openai.NewSSEWriter(c.Response())
+	// Chunks are written as they come and flushed whenever no more are at
+	// hand: one flush per burst, never a chunk held back.
+	replies.OnIdle(sse.Flush)
 	msg := first
 	for {
 		switch msg.Kind {
 		case dispatcher.KindChunk:
 			t.wrote(h.cfg.Counters)
-			if err := sse.Data(msg.Data); err != nil {
+			if err := sse.Write(msg.Data); err != nil {
 				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}
@@ -222,6 +225,10 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			return nil
 		}
 		if msg, err = h.next(ctx, replies, job); err != nil {
+			if errors.Is(err, dispatcher.ErrIdle) {
+				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
+				return nil
+			}
 			return h.replyFailed(c, ctx, sse, job, err, log)
 		}
 	}

@@ -20,6 +20,7 @@ type SSEWriter struct {
 	w       http.ResponseWriter
 	rc      *http.ResponseController
 	started bool
+	pending bool // written since the last flush
 	buf     []byte
 }
 
@@ -49,9 +50,18 @@ func (s *SSEWriter) Start() error {
 	return nil
 }
 
-// Data writes one event whose data is payload. payload must not hold a
-// newline: JSON from encoding/json never does.
+// Data writes one event whose data is payload, and flushes it. payload
+// must not hold a newline: JSON from encoding/json never does.
 func (s *SSEWriter) Data(payload []byte) error {
+	if err := s.Write(payload); err != nil {
+		return err
+	}
+	return s.Flush()
+}
+
+// Write writes one event without flushing it: a caller with more events at
+// hand writes them all, then flushes once (one syscall, not one per token).
+func (s *SSEWriter) Write(payload []byte) error {
 	if err := s.Start(); err != nil {
 		return err
 	}
@@ -61,6 +71,16 @@ func (s *SSEWriter) Data(payload []byte) error {
 	if _, err := s.w.Write(s.buf); err != nil {
 		return fmt.Errorf("write sse event: %w", err)
 	}
+	s.pending = true
+	return nil
+}
+
+// Flush sends the events written since the last flush, if any.
+func (s *SSEWriter) Flush() error {
+	if !s.pending {
+		return nil
+	}
+	s.pending = false
 	if err := s.rc.Flush(); err != nil {
 		return fmt.Errorf("flush sse event: %w", err)
 	}
