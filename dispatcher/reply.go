@@ -292,6 +292,50 @@ var (
 // than the engine fills it; the overflow shows as a gap.
 const replyBuffer = 4096
 
+// replyQueue holds a request's replies until its relay reads them. It grows
+// with what it holds (a channel of replyBuffer slots would take 32 KiB per
+// request before any reply arrived), up to replyBuffer.
+type replyQueue struct {
+	mu    sync.Mutex
+	msgs  []*nats.Msg
+	head  int
+	ready chan struct{} // a token once a push follows a drain
+}
+
+func newReplyQueue() *replyQueue { return &replyQueue{ready: make(chan struct{}, 1)} }
+
+// push queues msg; false when the queue is full.
+func (q *replyQueue) push(msg *nats.Msg) bool {
+	q.mu.Lock()
+	if len(q.msgs)-q.head >= replyBuffer {
+		q.mu.Unlock()
+		return false
+	}
+	q.msgs = append(q.msgs, msg)
+	q.mu.Unlock()
+	select {
+	case q.ready <- struct{}{}:
+	default:
+	}
+	return true
+}
+
+// pop takes the oldest reply, if any.
+func (q *replyQueue) pop() (*nats.Msg, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.head == len(q.msgs) {
+		return nil, false
+	}
+	msg := q.msgs[q.head]
+	q.msgs[q.head] = nil
+	q.head++
+	if q.head == len(q.msgs) {
+		q.msgs, q.head = q.msgs[:0], 0
+	}
+	return msg, true
+}
+
 // Replies is the gateway's end of the reply streams: one wildcard
 // subscription on pdq.reply.<gateway>.>, fanned out to the requests that
 // wait here.
@@ -334,7 +378,7 @@ func (r *Replies) Open(id string) (*ReplyStream, error) {
 	if _, ok := r.streams[id]; ok {
 		return nil, ErrInFlight
 	}
-	s := &ReplyStream{id: id, owner: r, ch: make(chan *nats.Msg, replyBuffer)}
+	s := &ReplyStream{id: id, owner: r, q: newReplyQueue()}
 	r.streams[id] = s
 	return s, nil
 }
@@ -350,9 +394,7 @@ func (r *Replies) dispatch(msg *nats.Msg) {
 		ack(msg, msg.Header.Get(HeaderSeq))
 		return
 	}
-	select {
-	case s.ch <- msg:
-	default:
+	if !s.q.push(msg) {
 		s.overflow.Store(true)
 	}
 }
@@ -373,7 +415,7 @@ func ack(msg *nats.Msg, seq string) {
 type ReplyStream struct {
 	id       string
 	owner    *Replies
-	ch       chan *nats.Msg
+	q        *replyQueue
 	overflow atomic.Bool
 	attempt  int
 	// next is the next chunk number: the number of chunks relayed.
@@ -438,10 +480,8 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 	}
 	s.stall.Reset(stall) // Go 1.23+: no stale tick can be left in the channel
 	for {
-		var msg *nats.Msg
-		select {
-		case msg = <-s.ch:
-		default:
+		msg, ok := s.q.pop()
+		if !ok {
 			// Nothing more at hand: the caller's output goes out before
 			// the wait.
 			if s.idle != nil {
@@ -450,7 +490,8 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 				}
 			}
 			select {
-			case msg = <-s.ch:
+			case <-s.q.ready:
+				continue
 			case <-s.stall.C:
 				return Reply{}, ErrReplyStalled
 			case <-ctx.Done():

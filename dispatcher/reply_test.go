@@ -226,7 +226,7 @@ func TestReplies(t *testing.T) {
 		}
 		nc.Flush()
 		deadline := time.Now().Add(5 * time.Second)
-		for len(s.ch) < replyBuffer && time.Now().Before(deadline) {
+		for !s.overflow.Load() && time.Now().Before(deadline) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		time.Sleep(50 * time.Millisecond)
