@@ -1,0 +1,375 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Result is what a run gave.
+type Result struct {
+	Report Report
+	// JSON is the result as vLLM's --save-result writes it (before the
+	// per-request lists are dropped without --save-detailed).
+	JSON object
+	// File is where the result was saved, "" if it was not.
+	File string
+	// Outputs are the requests' outputs, in the dataset's order.
+	Outputs []Output
+}
+
+// MarshalJSON writes the result file's JSON: Python's json.dump of vLLM's
+// result dict.
+func (r *Result) MarshalJSON() ([]byte, error) {
+	s, err := pyDumps(r.JSON)
+	return []byte(s), err
+}
+
+// Run benchmarks the server as `vllm bench serve` does and prints what it
+// prints to stdout: a few lines about the run, the errors of up to 10
+// failed requests, then the "Serving Benchmark Result" block. A progress
+// bar goes to progress, if not nil.
+//
+// Requests are sent at the times of [Delays], each in its own goroutine,
+// at most cfg.MaxConcurrency at once (a request waiting for a slot counts
+// its wait as client queue time, not latency). With cfg.PDPrefill each
+// request is two legs, as vLLM's toy P/D proxy makes them: the prefill
+// leg to the prefill engine, then the decode leg, with the prefill's
+// kv_transfer_params, to the base URL; TTFT and latency count from the
+// start of the prefill leg.
+//
+// It fails on bad settings (wrapping [ErrInvalid]), when the model cannot
+// be found, or when ctx ends; a failed request is a result, not an error.
+func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result, error) {
+	s, err := cfg.check()
+	if err != nil {
+		return nil, err
+	}
+	perHost := cfg.MaxConcurrency
+	if perHost == 0 {
+		perHost = cfg.NumPrompts
+	}
+	hc := &http.Client{
+		Transport: &http.Transport{
+			Proxy:               http.ProxyFromEnvironment,
+			MaxIdleConns:        0,
+			MaxIdleConnsPerHost: perHost,
+			MaxConnsPerHost:     cfg.MaxConcurrency,
+			IdleConnTimeout:     60 * time.Second,
+		},
+		Timeout: 6 * time.Hour, // vLLM's AIOHTTP_TIMEOUT
+	}
+	defer hc.CloseIdleConnections()
+
+	modelName, modelID := cfg.Model, cfg.Model
+	if cfg.Model == "" {
+		fmt.Fprintln(stdout, "Model not specified, fetching first model from server...")
+		if modelName, modelID, err = firstModel(ctx, hc, s.baseURL, cfg.APIKey); err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(stdout, "First model name: %s, first model id: %s\n", modelName, modelID)
+	}
+
+	ds := RandomDataset{
+		InputLen:   cfg.RandomInputLen,
+		OutputLen:  cfg.RandomOutputLen,
+		PrefixLen:  cfg.RandomPrefixLen,
+		RangeRatio: cfg.RandomRangeRatio,
+		Seed:       uint64(cfg.Seed),
+	}
+	reqs, err := ds.Sample(cfg.NumPrompts, cfg.RequestIDPrefix)
+	if err != nil {
+		return nil, err
+	}
+	delays := Delays(len(reqs), cfg.RequestRate, cfg.Burstiness, uint32(cfg.Seed))
+
+	fmt.Fprintln(stdout, "Starting main benchmark run...")
+	fmt.Fprintf(stdout, "Traffic request rate: %s\n", pyRepr(cfg.RequestRate))
+	distribution := "Gamma distribution"
+	if cfg.Burstiness == 1.0 {
+		distribution = "Poisson process"
+	}
+	fmt.Fprintf(stdout, "Burstiness factor: %s (%s)\n", pyRepr(cfg.Burstiness), distribution)
+	maxConc := "None"
+	if cfg.MaxConcurrency > 0 {
+		maxConc = strconv.Itoa(cfg.MaxConcurrency)
+	}
+	fmt.Fprintf(stdout, "Maximum request concurrency: %s\n", maxConc)
+
+	start := time.Now()
+	c := &client{
+		http:       hc,
+		apiURL:     s.apiURL,
+		prefillURL: s.prefillURL,
+		chat:       s.chat,
+		model:      modelName,
+		// vLLM's main_async sets ignore_eos for the random dataset on
+		// every OpenAI-compatible backend.
+		ignoreEOS: true,
+		apiKey:    cfg.APIKey,
+		origin:    start,
+	}
+	var bar *progress
+	if progressTo != nil {
+		bar = newProgress(progressTo, len(reqs))
+	}
+	var sem chan struct{}
+	if cfg.MaxConcurrency > 0 {
+		sem = make(chan struct{}, cfg.MaxConcurrency)
+	}
+	outputs := make([]Output, len(reqs))
+	var wg sync.WaitGroup
+	for i, req := range reqs {
+		if err := sleepUntil(ctx, start.Add(time.Duration(delays[i]*float64(time.Second)))); err != nil {
+			break
+		}
+		arrival := time.Now()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if sem != nil {
+				select {
+				case sem <- struct{}{}:
+					defer func() { <-sem }()
+				case <-ctx.Done():
+					outputs[i] = Output{PromptLen: req.PromptLen, Error: ctx.Err().Error()}
+					return
+				}
+			}
+			out := c.do(ctx, req)
+			out.ClientQueueTime = out.StartTime - arrival.Sub(start).Seconds()
+			outputs[i] = out
+			bar.inc()
+		}()
+	}
+	wg.Wait()
+	bar.close()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	dur := time.Since(start).Seconds()
+
+	m := Calculate(outputs, dur, s.percentiles, s.goodput)
+	var failed []Output
+	for _, o := range outputs {
+		if !o.Success {
+			failed = append(failed, o)
+		}
+	}
+	if len(failed) > 0 {
+		fmt.Fprintln(stdout, "Failed requests during benchmark run detected (capping to 10):")
+		for i, o := range failed[:min(len(failed), 10)] {
+			fmt.Fprintf(stdout, "Error %d: %s\n", i, o.Error)
+		}
+	}
+	rep := Report{
+		Metrics:           m,
+		Duration:          dur,
+		MaxConcurrency:    cfg.MaxConcurrency,
+		RequestRate:       cfg.RequestRate,
+		Goodput:           s.goodput.set(),
+		PercentileMetrics: s.percentileMetrics,
+		Percentiles:       s.percentiles,
+	}
+	if cfg.MaxConcurrency > 0 {
+		rep.QueueTimes = []float64{}
+		for _, o := range outputs {
+			if o.Success {
+				rep.QueueTimes = append(rep.QueueTimes, o.ClientQueueTime)
+			}
+		}
+		if !math.IsInf(cfg.RequestRate, 1) {
+			rep.E2ELInclQueue = []float64{}
+			for _, o := range outputs {
+				if o.Success {
+					rep.E2ELInclQueue = append(rep.E2ELInclQueue, o.Latency+o.ClientQueueTime)
+				}
+			}
+		}
+	}
+	if err := rep.WriteBlock(stdout); err != nil {
+		return nil, err
+	}
+
+	res := &Result{Report: rep, Outputs: outputs}
+	res.JSON = resultJSON(cfg, modelID, time.Now(), &rep, outputs)
+	if !cfg.SaveDetailed {
+		for _, k := range []string{"input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"} {
+			res.JSON.del(k)
+		}
+	}
+	if cfg.SaveResult {
+		name := resultFilename(cfg, modelID, res.JSON)
+		if cfg.ResultDir != "" {
+			if err := os.MkdirAll(cfg.ResultDir, 0o755); err != nil {
+				return res, err
+			}
+			name = filepath.Join(cfg.ResultDir, name)
+		}
+		b, err := res.MarshalJSON()
+		if err != nil {
+			return res, err
+		}
+		if err := os.WriteFile(name, b, 0o644); err != nil {
+			return res, fmt.Errorf("save result: %w", err)
+		}
+		res.File = name
+	}
+	return res, nil
+}
+
+// resultJSON is vLLM's result_json: the run's settings, then benchmark()'s
+// result dict, then the printed metrics' statistics.
+func resultJSON(cfg Config, modelID string, now time.Time, rep *Report, outputs []Output) object {
+	var r object
+	r.set("date", now.Format("20060102-150405"))
+	r.set("endpoint_type", cfg.Backend)
+	r.set("backend", cfg.Backend)
+	r.set("label", nilIfEmpty(cfg.Label))
+	r.set("model_id", modelID)
+	r.set("tokenizer_id", nil) // pdq bench has no tokenizer
+	r.set("num_prompts", cfg.NumPrompts)
+	if math.IsInf(cfg.RequestRate, 1) {
+		r.set("request_rate", "inf")
+	} else {
+		r.set("request_rate", cfg.RequestRate)
+	}
+	r.set("burstiness", cfg.Burstiness)
+	if cfg.MaxConcurrency > 0 {
+		r.set("max_concurrency", cfg.MaxConcurrency)
+	} else {
+		r.set("max_concurrency", nil)
+	}
+
+	m := &rep.Metrics
+	r.set("duration", rep.Duration)
+	r.set("completed", m.Completed)
+	r.set("failed", m.Failed)
+	r.set("total_input_tokens", m.TotalInput)
+	r.set("total_output_tokens", m.TotalOutput)
+	r.set("request_throughput", m.RequestThroughput)
+	if rep.Goodput {
+		r.set("request_goodput", m.RequestGoodput)
+	} else {
+		r.set("request_goodput", nil)
+	}
+	r.set("output_throughput", m.OutputThroughput)
+	r.set("total_token_throughput", m.TotalTokenThroughput)
+	n := len(outputs)
+	inputLens, ttfts, latencies := make([]int, n), make([]float64, n), make([]float64, n)
+	starts, queues := make([]float64, n), make([]float64, n)
+	itls, texts, errs := make([][]float64, n), make([]string, n), make([]string, n)
+	for i, o := range outputs {
+		inputLens[i], ttfts[i], latencies[i] = o.PromptLen, o.TTFT, o.Latency
+		starts[i], queues[i] = o.StartTime, o.ClientQueueTime
+		itls[i], texts[i], errs[i] = o.ITL, o.GeneratedText, o.Error
+		if itls[i] == nil {
+			itls[i] = []float64{}
+		}
+	}
+	r.set("input_lens", inputLens)
+	r.set("output_lens", m.OutputLens)
+	r.set("ttfts", ttfts)
+	r.set("itls", itls)
+	r.set("latencies", latencies)
+	r.set("start_times", starts)
+	r.set("queue_times", queues)
+	r.set("generated_texts", texts)
+	r.set("errors", errs)
+	r.set("max_output_tokens_per_s", m.MaxOutputTokensPerS)
+	r.set("max_concurrent_requests", m.MaxConcurrentRequests)
+	r.set("rtfx", 0.0)
+	rep.addStats(&r)
+	return r
+}
+
+// resultFilename is vLLM's compute_result_filename without a ramp-up:
+// {label}-{request_rate}qps[-concurrency{n}]-{model}-{date}.json, or
+// --result-filename.
+func resultFilename(cfg Config, modelID string, res object) string {
+	if cfg.ResultFilename != "" {
+		return cfg.ResultFilename
+	}
+	label := cfg.Label
+	if label == "" {
+		label = cfg.Backend
+	}
+	conc := ""
+	if cfg.MaxConcurrency > 0 {
+		conc = "-concurrency" + strconv.Itoa(cfg.MaxConcurrency)
+	}
+	date, _ := res.get("date")
+	base := modelID[strings.LastIndex(modelID, "/")+1:]
+	return fmt.Sprintf("%s-%sqps%s-%s-%s.json", label, pyRepr(cfg.RequestRate), conc, base, date)
+}
+
+func nilIfEmpty(s string) any {
+	if s == "" {
+		return nil
+	}
+	return s
+}
+
+// sleepUntil waits for t or for ctx to end.
+func sleepUntil(ctx context.Context, t time.Time) error {
+	d := time.Until(t)
+	if d <= 0 {
+		return ctx.Err()
+	}
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// firstModel is vLLM's get_first_model_from_server: the id (the name to
+// send) and root (the model) of the first model of GET /v1/models. A
+// server whose cards have no root gives the id for both.
+func firstModel(ctx context.Context, hc *http.Client, baseURL, apiKey string) (name, id string, err error) {
+	url := baseURL + "/v1/models"
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return "", "", err
+	}
+	if apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+apiKey)
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return "", "", fmt.Errorf("failed to fetch models from server at %s: %w", url, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return "", "", fmt.Errorf("failed to fetch models from server at %s: %s", url, statusError(resp))
+	}
+	var list struct {
+		Data []struct {
+			ID   string `json:"id"`
+			Root string `json:"root"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
+		return "", "", fmt.Errorf("failed to fetch models from server at %s: %w", url, err)
+	}
+	if len(list.Data) == 0 {
+		return "", "", fmt.Errorf("no models found on the server at %s: make sure the server is running and has models loaded", baseURL)
+	}
+	name, id = list.Data[0].ID, list.Data[0].Root
+	if id == "" {
+		id = name
+	}
+	return name, id, nil
+}

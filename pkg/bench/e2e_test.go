@@ -1,0 +1,172 @@
+package bench_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/bench"
+	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+)
+
+// blockLine is a line of the result block: a label padded to 40, a space,
+// a value padded to 10.
+var blockLine = regexp.MustCompile(`^(.{40}) (\S+) *$`)
+
+// parseBlock reads the result block out of out into label → value, and
+// fails the test unless it is framed as vLLM frames it.
+func parseBlock(t *testing.T, out string) map[string]string {
+	t.Helper()
+	const title = "============ Serving Benchmark Result ============"
+	i := strings.Index(out, title+"\n")
+	if i < 0 {
+		t.Fatalf("no result block in:\n%s", out)
+	}
+	lines := strings.Split(strings.TrimSuffix(out[i:], "\n"), "\n")
+	if lines[len(lines)-1] != strings.Repeat("=", 50) {
+		t.Fatalf("block does not end with 50 '=':\n%s", out[i:])
+	}
+	vals := map[string]string{}
+	for _, l := range lines[1 : len(lines)-1] {
+		if len(l) == 50 && strings.HasPrefix(l, "-") && strings.HasSuffix(l, "-") {
+			continue // a section header
+		}
+		m := blockLine.FindStringSubmatch(l)
+		if m == nil {
+			t.Fatalf("line %q is not vLLM's format", l)
+		}
+		vals[strings.TrimSpace(m[1])] = m[2]
+	}
+	return vals
+}
+
+func atoi(t *testing.T, s string) int {
+	t.Helper()
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatalf("%q: %v", s, err)
+	}
+	return n
+}
+
+func TestBenchAgainstSim(t *testing.T) {
+	engine := simtest.Start(t, simtest.FastConfig())
+	dir := t.TempDir()
+	cfg := bench.DefaultConfig()
+	cfg.BaseURL = engine.URL
+	cfg.NumPrompts = 8
+	cfg.RandomInputLen = 40
+	cfg.RandomOutputLen = 16
+	cfg.IgnoreEOS = true
+	cfg.PercentileMetrics = "ttft,tpot,itl,e2el"
+	cfg.SaveResult = true
+	cfg.ResultDir = dir
+	cfg.ResultFilename = "r.json"
+	var out strings.Builder
+	res, err := bench.Run(context.Background(), cfg, &out, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "First model name: pdq-sim, first model id: pdq-sim\n") {
+		t.Errorf("the model was not taken from /v1/models:\n%s", out.String())
+	}
+	v := parseBlock(t, out.String())
+	if v["Successful requests:"] != "8" || v["Failed requests:"] != "0" {
+		t.Fatalf("requests: %v\n%s", v, out.String())
+	}
+	if got := atoi(t, v["Total generated tokens:"]); got != 8*16 {
+		t.Errorf("Total generated tokens: %d, want %d", got, 8*16)
+	}
+	if got := atoi(t, v["Total input tokens:"]); got != 8*40 {
+		t.Errorf("Total input tokens: %d, want %d (one per word)", got, 8*40)
+	}
+	for _, label := range []string{"Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "P99 E2EL (ms):", "Peak concurrent requests:"} {
+		if _, err := strconv.ParseFloat(v[label], 64); err != nil || !strings.Contains(v[label], ".") {
+			t.Errorf("%s %q is not a .2f number", label, v[label])
+		}
+	}
+	s := engine.Stats(t)
+	if s.Requests != 8 || s.GenerationTokens != 8*16 || s.PromptTokens != 8*40 {
+		t.Errorf("engine stats %+v", s)
+	}
+
+	// The result file is vLLM's JSON.
+	b, err := os.ReadFile(filepath.Join(dir, "r.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.File != filepath.Join(dir, "r.json") {
+		t.Errorf("result file %q", res.File)
+	}
+	var r map[string]any
+	if err := json.Unmarshal(b, &r); err != nil {
+		t.Fatalf("result file: %v\n%s", err, b)
+	}
+	want := map[string]any{
+		"backend": "openai", "endpoint_type": "openai", "model_id": "pdq-sim", "num_prompts": 8.0,
+		"request_rate": "inf", "burstiness": 1.0, "max_concurrency": nil, "completed": 8.0, "failed": 0.0,
+		"total_input_tokens": 320.0, "total_output_tokens": 128.0, "request_goodput": nil,
+	}
+	for k, w := range want {
+		if r[k] != w {
+			t.Errorf("result %s = %v, want %v", k, r[k], w)
+		}
+	}
+	for _, k := range []string{"date", "duration", "mean_ttft_ms", "median_tpot_ms", "std_itl_ms", "p99_e2el_ms", "latencies", "queue_times", "max_output_tokens_per_s", "max_concurrent_requests"} {
+		if _, ok := r[k]; !ok {
+			t.Errorf("result has no %s", k)
+		}
+	}
+	for _, k := range []string{"ttfts", "itls", "generated_texts", "errors", "input_lens", "output_lens", "start_times"} {
+		if _, ok := r[k]; ok {
+			t.Errorf("result has %s without --save-detailed", k)
+		}
+	}
+	if !strings.HasPrefix(string(b), `{"date": "`) {
+		t.Errorf("result file is not written as Python writes it: %.40s", b)
+	}
+}
+
+func TestBenchPDAgainstSims(t *testing.T) {
+	prefill := simtest.Start(t, simtest.FastConfig())
+	decode := simtest.Start(t, simtest.FastConfig())
+	cfg := bench.DefaultConfig()
+	cfg.BaseURL = decode.URL
+	cfg.PDPrefill = prefill.URL
+	cfg.Model = "pdq-sim"
+	cfg.Backend = "openai-chat"
+	cfg.NumPrompts = 8
+	cfg.RandomInputLen = 40
+	cfg.RandomOutputLen = 8
+	cfg.RequestRate = 200
+	cfg.MaxConcurrency = 3
+	var out strings.Builder
+	res, err := bench.Run(context.Background(), cfg, &out, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := parseBlock(t, out.String())
+	if v["Successful requests:"] != "8" || v["Maximum request concurrency:"] != "3" || v["Request rate configured (RPS):"] != "200.00" {
+		t.Fatalf("block: %v\n%s", v, out.String())
+	}
+	if got := atoi(t, v["Total generated tokens:"]); got != 8*8 {
+		t.Errorf("Total generated tokens: %d, want %d", got, 8*8)
+	}
+	ps := prefill.WaitStats(t, 5*time.Second, "prefills", func(s sim.Stats) bool { return s.KVServed == 8 })
+	ds := decode.Stats(t)
+	if ps.Prefills != 8 || ds.Decodes != 8 || ds.KVReads != 8 || ds.Local != 0 || ds.RequestIDMismatches != 0 {
+		t.Errorf("prefill stats %+v\ndecode stats %+v", ps, ds)
+	}
+	for _, o := range res.Outputs {
+		if o.TTFT <= 0 || o.Latency < o.TTFT {
+			t.Errorf("output %+v", o)
+		}
+	}
+}
