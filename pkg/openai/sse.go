@@ -135,9 +135,10 @@ type SSEReader struct {
 	max int
 }
 
-// NewSSEReader reads events from r.
+// NewSSEReader reads events from r. Its 4 KiB buffer holds a token's chunk
+// many times over; a longer line is gathered beyond it.
 func NewSSEReader(r io.Reader) *SSEReader {
-	return &SSEReader{r: bufio.NewReaderSize(r, 32<<10), max: DefaultMaxEventSize}
+	return &SSEReader{r: bufio.NewReaderSize(r, 4<<10), max: DefaultMaxEventSize}
 }
 
 // Next returns the next event that has data. It returns io.EOF when the
