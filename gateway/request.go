@@ -71,11 +71,7 @@ func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 		}
 		return promptTokens(p)
 	}
-	chars := 0
-	for _, m := range req.Messages {
-		text, _ := m.Text()
-		chars += len(text)
-	}
+	chars := req.TextBytes()
 	return (chars + 3) / 4
 }
 

@@ -46,7 +46,16 @@ type Request struct {
 	// KVTransferParams is opaque: its keys and value types differ between
 	// vLLM versions.
 	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
+
+	// textBytes is the length of the messages' text, counted as
+	// DecodeRequest checks them.
+	textBytes int
 }
+
+// TextBytes is the length of a chat request's text (its messages' text
+// parts), as read by DecodeRequest: what a prompt-length estimate needs,
+// without parsing the messages again.
+func (r *Request) TextBytes() int { return r.textBytes }
 
 // StreamOptions is the stream_options object of a streaming request.
 type StreamOptions struct {
@@ -111,9 +120,11 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 			if m.Role == "" {
 				return nil, NewError(http.StatusBadRequest, "messages[%d].role is required", i).WithParam("messages")
 			}
-			if _, err := m.Text(); err != nil {
+			text, err := m.Text()
+			if err != nil {
 				return nil, NewError(http.StatusBadRequest, "messages[%d].content: %v", i, err).WithParam("messages")
 			}
+			req.textBytes += len(text)
 		}
 	case Completions:
 		if _, err := ParsePrompts(req.Prompt); err != nil {
