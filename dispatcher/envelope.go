@@ -59,6 +59,9 @@ type Job struct {
 	// Resume is set on a migrated decode: a decode that failed after
 	// output, continued by another engine from the text it had generated.
 	Resume *Resume
+	// ReplyBatch says the gateway reads reply messages that carry several
+	// chunks (HeaderCount); a worker sends one chunk per message otherwise.
+	ReplyBatch bool
 	// HandBacks counts the times a worker whose engine was failing gave
 	// the job back unrun; each copy has its own message id.
 	HandBacks int
@@ -162,6 +165,8 @@ const (
 	HeaderResume = "Pdq-Resume"
 	// HeaderHandBacks counts a job's hand-backs.
 	HeaderHandBacks = "Pdq-Hand-Backs"
+	// HeaderReplyBatch is set on jobs whose gateway reads batched replies.
+	HeaderReplyBatch = "Pdq-Reply-Batch"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -196,6 +201,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	if j.HandBacks > 0 {
 		h[HeaderHandBacks] = []string{strconv.Itoa(j.HandBacks)}
+	}
+	if j.ReplyBatch {
+		h[HeaderReplyBatch] = []string{"1"}
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
@@ -237,6 +245,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.Submitted = time.UnixMicro(num(HeaderSubmitted))
 	j.PromptTokens = int(num(HeaderPromptTokens))
 	j.HandBacks = int(num(HeaderHandBacks))
+	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	if kv := h.Get(HeaderKV); kv != "" {
 		j.KV = json.RawMessage(kv)
 	}
@@ -277,6 +286,10 @@ const (
 	// and error it is the number of chunks sent, and on an ack the number
 	// of chunks the gateway has, in order.
 	HeaderSeq = "Pdq-Seq"
+	// HeaderCount is the number of chunks a chunk message carries, from
+	// HeaderSeq on, separated by newlines (an event's data has none); 1 when
+	// absent. Only jobs with ReplyBatch get such messages.
+	HeaderCount = "Pdq-Count"
 	// HeaderAttempt orders the attempts that write a request's reply: see
 	// [ReplyAttempt]. A reply from a later attempt starts over.
 	HeaderAttempt = "Pdq-Attempt"

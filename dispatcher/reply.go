@@ -1,6 +1,7 @@
 package dispatcher
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -110,6 +111,29 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 	w.seq++
 	return nil
 }
+
+// Chunks sends several chunks in one message (HeaderCount), for a gateway
+// that reads them (Job.ReplyBatch): one publish, not one per token, when
+// the engine has sent several events at once. No chunk may hold a newline.
+func (w *ReplyWriter) Chunks(data [][]byte) error {
+	if len(data) == 1 {
+		return w.Chunk(data[0])
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.subject != "" {
+		msg := w.msg(KindChunk, w.seq, bytes.Join(data, newline))
+		msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
+		if err := w.nc.PublishMsg(msg); err != nil {
+			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
+		}
+	}
+	w.kept = append(w.kept, data...)
+	w.seq += len(data)
+	return nil
+}
+
+var newline = []byte{'\n'}
 
 // Beats sends a heartbeat every interval until stopped, so that the
 // gateway knows the decode runs and learns how many chunks it should have.
@@ -435,6 +459,8 @@ type ReplyStream struct {
 	stall *time.Timer
 	// idle runs before Next waits (OnIdle).
 	idle func() error
+	// pending are the chunks of a batched message not returned yet.
+	pending [][]byte
 }
 
 // Close unregisters the request.
@@ -479,6 +505,11 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 		s.stall = time.NewTimer(stall)
 	}
 	s.stall.Reset(stall) // Go 1.23+: no stale tick can be left in the channel
+	if len(s.pending) > 0 {
+		data := s.pending[0]
+		s.pending = s.pending[1:]
+		return Reply{Kind: KindChunk, Data: data}, nil
+	}
 	for {
 		msg, ok := s.q.pop()
 		if !ok {
@@ -507,6 +538,12 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 		if err != nil {
 			return Reply{}, fmt.Errorf("%w: reply without a sequence number", ErrReplyGap)
 		}
+		count := 1
+		if c := msg.Header.Get(HeaderCount); c != "" && kind == KindChunk {
+			if count, err = strconv.Atoi(c); err != nil || count < 1 {
+				return Reply{}, fmt.Errorf("%w: chunk count %q", ErrReplyGap, c)
+			}
+		}
 		switch {
 		case attempt < s.attempt:
 			ack(msg, strconv.Itoa(seq)) // a superseded writer: let it go
@@ -520,7 +557,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			}
 			s.attempt, s.moved = attempt, false
 		}
-		if !s.heard || kind == KindBeat || (kind == KindChunk && seq == s.next) {
+		if !s.heard || kind == KindBeat || (kind == KindChunk && seq <= s.next && s.next < seq+count) {
 			s.stall.Reset(stall) // a sign of life, or progress
 		}
 		s.heard = true
@@ -529,11 +566,21 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			ack(msg, strconv.Itoa(s.next))
 			continue
 		case KindChunk:
-			if seq != s.next {
+			if seq > s.next || seq+count <= s.next {
 				continue // a duplicate, or past a gap the next ack fills
 			}
-			s.next++
-			return Reply{Kind: KindChunk, Data: msg.Data}, nil
+			if count == 1 {
+				s.next++
+				return Reply{Kind: KindChunk, Data: msg.Data}, nil
+			}
+			parts := bytes.Split(msg.Data, newline)
+			if len(parts) != count {
+				return Reply{}, fmt.Errorf("%w: %d chunks in a message that says %d", ErrReplyGap, len(parts), count)
+			}
+			parts = parts[s.next-seq:] // what came before is here already
+			s.next += len(parts)
+			s.pending = parts[1:]
+			return Reply{Kind: KindChunk, Data: parts[0]}, nil
 		case KindMoved, KindDone:
 			ack(msg, strconv.Itoa(s.next))
 			if seq > s.next {

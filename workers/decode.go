@@ -1,6 +1,7 @@
 package workers
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -107,7 +108,7 @@ func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, ou
 	defer resp.Body.Close()
 	alive()
 	if streamed {
-		return relayStream(ctx, resp.Body, out, events)
+		return relayStream(ctx, resp.Body, out, events, job.ReplyBatch)
 	}
 	return relayBody(ctx, resp.Body, out)
 }
@@ -231,12 +232,33 @@ type eventHooks struct {
 
 // relayStream forwards each SSE event as a chunk, as the hooks make it, and
 // ends on [DONE]. A stream that breaks before any event is retried; one
-// that breaks later is the caller's to end.
-func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, hooks eventHooks) error {
+// that breaks later is the caller's to end. With batch set (the gateway
+// reads batched replies), the events the engine has already sent are
+// forwarded together, in one message: one publish per burst, not one per
+// token; an event is never held back waiting for the next.
+func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, hooks eventHooks, batch bool) error {
 	events := openai.NewSSEReader(body)
+	var held, raw [][]byte // the chunks not sent yet, and their events
+	size := 0
+	flush := func() error {
+		if len(held) == 0 {
+			return nil
+		}
+		if err := out.Chunks(held); err != nil {
+			return dispatcher.Retryable(err, nil)
+		}
+		for _, ev := range raw {
+			hooks.sent(ev)
+		}
+		held, raw, size = held[:0], raw[:0], 0
+		return nil
+	}
 	for {
 		ev, err := events.Next()
 		if err != nil {
+			if ferr := flush(); ferr != nil {
+				return ferr
+			}
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
@@ -247,18 +269,36 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 			return unreachable(ctx, dispatcher.StageDecode, err)
 		}
 		if ev.IsDone() {
-			return nil
+			return flush()
 		}
-		data := hooks.each(ev.Data)
-		if data == nil {
-			continue
+		if data := hooks.each(ev.Data); data != nil {
+			switch {
+			case batch && bytes.IndexByte(data, '\n') < 0:
+				held, raw, size = append(held, data), append(raw, ev.Data), size+len(data)
+			default:
+				if err := flush(); err != nil {
+					return err
+				}
+				if err := out.Chunk(data); err != nil {
+					return dispatcher.Retryable(err, nil)
+				}
+				hooks.sent(ev.Data)
+			}
 		}
-		if err := out.Chunk(data); err != nil {
-			return dispatcher.Retryable(err, nil)
+		if len(held) >= maxBatchChunks || size >= maxBatchBytes || !events.HasEvent() {
+			if err := flush(); err != nil {
+				return err
+			}
 		}
-		hooks.sent(ev.Data)
 	}
 }
+
+// A batch of chunks is bounded in count and bytes, well within a NATS
+// message.
+const (
+	maxBatchChunks = 64
+	maxBatchBytes  = 256 << 10
+)
 
 // relayBody forwards a non-streamed response as one chunk.
 func relayBody(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter) error {

@@ -141,6 +141,15 @@ func NewSSEReader(r io.Reader) *SSEReader {
 	return &SSEReader{r: bufio.NewReaderSize(r, 4<<10), max: DefaultMaxEventSize}
 }
 
+// HasEvent reports whether a whole event is already buffered: Next would
+// return without waiting for the stream.
+func (s *SSEReader) HasEvent() bool {
+	b, _ := s.r.Peek(s.r.Buffered())
+	return bytes.Contains(b, eventEnd)
+}
+
+var eventEnd = []byte("\n\n")
+
 // Next returns the next event that has data. It returns io.EOF when the
 // stream ends between events and io.ErrUnexpectedEOF when it ends inside
 // one, which is how a dropped connection shows.
