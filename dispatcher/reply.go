@@ -354,10 +354,26 @@ func (q *replyQueue) pop() (*nats.Msg, bool) {
 	msg := q.msgs[q.head]
 	q.msgs[q.head] = nil
 	q.head++
-	if q.head == len(q.msgs) {
+	switch {
+	case q.head == len(q.msgs) && cap(q.msgs) > 1024:
+		q.msgs, q.head = nil, 0 // a burst is over: give its room back
+	case q.head == len(q.msgs):
 		q.msgs, q.head = q.msgs[:0], 0
+	case q.head > 64 && q.head > len(q.msgs)/2:
+		// A relay that stays a little behind never drains: move the rest
+		// down so that the slice does not grow for ever.
+		n := copy(q.msgs, q.msgs[q.head:])
+		clear(q.msgs[n:])
+		q.msgs, q.head = q.msgs[:n], 0
 	}
 	return msg, true
+}
+
+// len is the number of replies held.
+func (q *replyQueue) len() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.msgs) - q.head
 }
 
 // Replies is the gateway's end of the reply streams: one wildcard
@@ -519,11 +535,17 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 				if err := s.idle(); err != nil {
 					return Reply{}, fmt.Errorf("%w: %w", ErrIdle, err)
 				}
+				// A flush to a slow client is no silence of the decode's:
+				// the wait starts now.
+				s.stall.Reset(stall)
 			}
 			select {
 			case <-s.q.ready:
 				continue
 			case <-s.stall.C:
+				if s.q.len() > 0 {
+					continue // it came as the timer fired
+				}
 				return Reply{}, ErrReplyStalled
 			case <-ctx.Done():
 				return Reply{}, ctx.Err()

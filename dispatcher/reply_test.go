@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -275,4 +277,62 @@ func TestReplies(t *testing.T) {
 		}
 	})
 
+}
+
+func TestReplyQueue(t *testing.T) {
+	q := newReplyQueue()
+	// A relay that stays one message behind for a long stream: the queue
+	// holds little and does not grow with the stream.
+	q.push(&nats.Msg{Subject: "0"})
+	for i := 1; i <= 100_000; i++ {
+		q.push(&nats.Msg{Subject: strconv.Itoa(i)})
+		m, ok := q.pop()
+		if !ok || m.Subject != strconv.Itoa(i-1) {
+			t.Fatalf("pop %d: %v, %v", i, m, ok)
+		}
+	}
+	if q.len() != 1 || cap(q.msgs) > 1024 {
+		t.Errorf("holding %d, the queue's slice has room for %d", q.len(), cap(q.msgs))
+	}
+	for range replyBuffer + 10 {
+		q.push(&nats.Msg{})
+	}
+	if q.len() != replyBuffer {
+		t.Errorf("a full queue holds %d, want %d", q.len(), replyBuffer)
+	}
+	for q.len() > 0 {
+		q.pop()
+	}
+	if q.msgs != nil {
+		t.Errorf("a drained queue keeps room for %d after a burst", cap(q.msgs))
+	}
+}
+
+// TestSlowFlushIsNotAStall: a flush that blocks longer than the stall
+// time-out (a client that does not read) is no silence of the decode's:
+// the chunk that came meanwhile is returned. (Found by review.)
+func TestSlowFlushIsNotAStall(t *testing.T) {
+	chunk := func(seq int) *nats.Msg {
+		m := nats.NewMsg("x")
+		m.Header[HeaderKind] = []string{KindChunk}
+		m.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
+		m.Header[HeaderAttempt] = []string{"0"}
+		m.Data = []byte("c")
+		return m
+	}
+	for i := range 10 {
+		s := &ReplyStream{id: "r", q: newReplyQueue(), heard: true}
+		s.q.push(chunk(0))
+		if _, err := s.Next(context.Background(), 50*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		s.OnIdle(func() error {
+			s.q.push(chunk(1)) // the decode goes on while the client is slow
+			time.Sleep(100 * time.Millisecond)
+			return nil
+		})
+		if _, err := s.Next(context.Background(), 50*time.Millisecond); err != nil {
+			t.Fatalf("run %d: %v, with a chunk waiting", i, err)
+		}
+	}
 }

@@ -10,7 +10,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -21,9 +20,11 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -133,16 +134,18 @@ type result struct {
 
 func runProfile(o options, p profile, head, base string) error {
 	fmt.Printf("\n## %s\n", p.name)
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
-	prefill, err := startSim(ctx, head, o.work, p.sim)
+	prefill, psim, err := startSim(ctx, head, p.sim)
 	if err != nil {
 		return err
 	}
-	decode, err := startSim(ctx, head, o.work, p.sim)
+	defer stop(psim)
+	decode, dsim, err := startSim(ctx, head, p.sim)
 	if err != nil {
 		return err
 	}
+	defer stop(dsim)
 	targets := []target{
 		{name: "decode engine alone"},
 		{name: "floor (client drives P and D)", pd: true},
@@ -250,6 +253,10 @@ func printTable(concurrency, n int, targets []target, rs []result) {
 			r.bench.RequestThroughput, r.bench.OutputThroughput, cpu, rss)
 	}
 	floor, base, head := rs[1].bench, rs[2], rs[3]
+	if floor.RequestThroughput == 0 {
+		fmt.Println("\nthe floor served nothing: no differences to show")
+		return
+	}
 	fmt.Printf("\nHEAD over the floor: TTFT p50 %+.2f ms, p99 %+.2f ms; ITL p99 %+.2f ms; req/s %.0f%% of the floor's\n",
 		head.bench.P50TTFT-floor.P50TTFT, head.bench.P99TTFT-floor.P99TTFT, head.bench.P99ITL-floor.P99ITL,
 		100*head.bench.RequestThroughput/floor.RequestThroughput)
@@ -295,11 +302,12 @@ func machine() string {
 	return fmt.Sprintf("%d CPUs", cpus)
 }
 
-// startSim runs pdq sim on free loopback ports and returns its URL.
-func startSim(ctx context.Context, bin, work string, latency []string) (string, error) {
+// startSim runs pdq sim on free loopback ports and returns its URL and
+// process.
+func startSim(ctx context.Context, bin string, latency []string) (string, *exec.Cmd, error) {
 	port, err := freePort()
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	args := append([]string{"sim", "--addr", "127.0.0.1:" + strconv.Itoa(port), "--kv-host", "127.0.0.1", "--kv-port", "0",
 		"--max-num-seqs", "1024"}, latency...)
@@ -307,10 +315,14 @@ func startSim(ctx context.Context, bin, work string, latency []string) (string, 
 	cmd.Env = append(os.Environ(), "PDQ_LOG_LEVEL=warn")
 	cmd.Stderr = io.Discard
 	if err := cmd.Start(); err != nil {
-		return "", err
+		return "", nil, err
 	}
 	url := "http://127.0.0.1:" + strconv.Itoa(port)
-	return url, waitHTTP(url + "/health")
+	if err := waitHTTP(url + "/health"); err != nil {
+		stop(cmd)
+		return "", nil, err
+	}
+	return url, cmd, nil
 }
 
 // startUp runs pdq up in front of the engines and returns its URL.
@@ -327,15 +339,10 @@ func startUp(ctx context.Context, bin, work, prefill, decode string) (*exec.Cmd,
 	cmd.Env = append(os.Environ(), "PDQ_HTTP_ADDR=127.0.0.1:"+strconv.Itoa(port), "PDQ_DATA_DIR="+data,
 		"PDQ_PREFILL_ENGINES="+prefill, "PDQ_DECODE_ENGINES="+decode, "PDQ_LOG_LEVEL=warn", "PDQ_LOG_FORMAT=json",
 		"PDQ_ENGINE_SLOTS=256")
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		return nil, "", err
-	}
-	cmd.Stdout = io.Discard
+	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
 		return nil, "", err
 	}
-	go io.Copy(io.Discard, bufio.NewReader(stderr))
 	url := "http://127.0.0.1:" + strconv.Itoa(port)
 	if err := waitServing(url); err != nil {
 		stop(cmd)
@@ -348,8 +355,9 @@ func startUp(ctx context.Context, bin, work, prefill, decode string) (*exec.Cmd,
 func waitServing(url string) error {
 	deadline := time.Now().Add(30 * time.Second)
 	body := `{"model":"pdq-sim","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":1}`
+	client := &http.Client{Timeout: 5 * time.Second}
 	for time.Now().Before(deadline) {
-		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+		resp, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
 		if err == nil {
 			io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
@@ -363,9 +371,10 @@ func waitServing(url string) error {
 }
 
 func waitHTTP(url string) error {
+	client := &http.Client{Timeout: time.Second}
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
-		if resp, err := http.Get(url); err == nil {
+		if resp, err := client.Get(url); err == nil {
 			resp.Body.Close()
 			return nil
 		}
