@@ -204,6 +204,7 @@ func (c *client) readStream(r io.Reader, st time.Time, out *Output) error {
 	}
 	out.GeneratedText = text.String()
 	if first {
+		//lint:ignore ST1005 vLLM's own message, which its result files carry
 		return errors.New(errNoChunk)
 	}
 	out.Success = true
