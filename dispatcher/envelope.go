@@ -287,8 +287,9 @@ const (
 	// of chunks the gateway has, in order.
 	HeaderSeq = "Pdq-Seq"
 	// HeaderCount is the number of chunks a chunk message carries, from
-	// HeaderSeq on, separated by newlines (an event's data has none); 1 when
-	// absent. Only jobs with ReplyBatch get such messages.
+	// HeaderSeq on, separated by newlines (a chunk that holds one is sent
+	// on its own); 1 when absent. Only jobs with ReplyBatch get such
+	// messages.
 	HeaderCount = "Pdq-Count"
 	// HeaderAttempt orders the attempts that write a request's reply: see
 	// [ReplyAttempt]. A reply from a later attempt starts over.

@@ -235,7 +235,8 @@ type eventHooks struct {
 // that breaks later is the caller's to end. With batch set (the gateway
 // reads batched replies), the events the engine has already sent are
 // forwarded together, in one message: one publish per burst, not one per
-// token; an event is never held back waiting for the next.
+// token; an event is never held back waiting for the next. An event whose
+// data spans lines (joined by newlines) goes out on its own.
 func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, hooks eventHooks, batch bool) error {
 	events := openai.NewSSEReader(body)
 	var held, raw [][]byte // the chunks not sent yet, and their events
@@ -274,6 +275,11 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 		if data := hooks.each(ev.Data); data != nil {
 			switch {
 			case batch && bytes.IndexByte(data, '\n') < 0:
+				if size+len(data) > maxBatchBytes {
+					if err := flush(); err != nil {
+						return err
+					}
+				}
 				held, raw, size = append(held, data), append(raw, ev.Data), size+len(data)
 			default:
 				if err := flush(); err != nil {

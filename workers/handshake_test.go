@@ -1,14 +1,17 @@
 package workers
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -302,5 +305,49 @@ func TestWholeAnswerLimit(t *testing.T) {
 		if got := wholeAnswerLimit(tc.endpoint, []byte(tc.body), stall); got != tc.want {
 			t.Errorf("%s %s: %v, want %v", tc.endpoint, tc.body, got, tc.want)
 		}
+	}
+}
+
+// TestRelayStreamBatch: with batching on, every event reaches the reply as
+// soon as the engine stops sending, whatever follows it in the stream
+// (a comment, a block without data, half an event); a chunk with a newline
+// goes alone; [DONE] ends it.
+func TestRelayStreamBatch(t *testing.T) {
+	for _, tc := range []struct {
+		name, first, rest string
+		want              int // chunks out once first is written
+	}{
+		{"two at once", "data: a\n\ndata: b\n\n", "", 2},
+		{"a comment after", "data: a\n\n: ping\n\n", "", 1},
+		{"a block without data after", "data: a\n\nevent: x\n\n", "", 1},
+		{"half an event after", "data: a\n\ndata: b", "\n\n", 1},
+		{"lines joined by a newline", "data: a\ndata: b\n\ndata: c\n\n", "", 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pr, pw := io.Pipe()
+			out := dispatcher.NewReplyWriter(nil, "", 1)
+			done := make(chan error, 1)
+			hooks := eventHooks{each: func(d []byte) []byte { return d }, sent: func([]byte) {}}
+			go func() { done <- relayStream(context.Background(), pr, out, hooks, true) }()
+			go pw.Write([]byte(tc.first))
+			deadline := time.Now().Add(5 * time.Second)
+			for out.Sent() < tc.want && time.Now().Before(deadline) {
+				time.Sleep(5 * time.Millisecond)
+			}
+			if got := out.Sent(); got != tc.want {
+				t.Fatalf("%d chunks out while the engine waits, want %d", got, tc.want)
+			}
+			go func() {
+				pw.Write([]byte(tc.rest + "data: [DONE]\n\n"))
+				pw.Close()
+			}()
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			kept, _ := out.Kept()
+			if tc.name == "lines joined by a newline" && (len(kept) != 2 || string(kept[0]) != "a\nb") {
+				t.Errorf("chunks %q", kept)
+			}
+		})
 	}
 }

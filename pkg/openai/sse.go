@@ -141,14 +141,30 @@ func NewSSEReader(r io.Reader) *SSEReader {
 	return &SSEReader{r: bufio.NewReaderSize(r, 4<<10), max: DefaultMaxEventSize}
 }
 
-// HasEvent reports whether a whole event is already buffered: Next would
-// return without waiting for the stream.
+// HasEvent reports whether a whole event with data is already buffered:
+// Next would return it without waiting for the stream. (Comments and
+// blocks without data, which Next skips, do not count.)
 func (s *SSEReader) HasEvent() bool {
 	b, _ := s.r.Peek(s.r.Buffered())
-	return bytes.Contains(b, eventEnd)
+	hasData := false
+	for {
+		i := bytes.IndexByte(b, '\n')
+		if i < 0 {
+			return false
+		}
+		line := bytes.TrimSuffix(b[:i], []byte("\r"))
+		b = b[i+1:]
+		switch {
+		case len(line) == 0 && hasData:
+			return true
+		case len(line) == 0:
+		case bytes.HasPrefix(line, dataField) && (len(line) == len(dataField) || line[len(dataField)] == ':'):
+			hasData = true
+		}
+	}
 }
 
-var eventEnd = []byte("\n\n")
+var dataField = []byte("data")
 
 // Next returns the next event that has data. It returns io.EOF when the
 // stream ends between events and io.ErrUnexpectedEOF when it ends inside

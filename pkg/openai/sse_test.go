@@ -172,3 +172,28 @@ func TestSSEReaderLongLine(t *testing.T) {
 		}
 	}
 }
+
+func TestSSEReaderHasEvent(t *testing.T) {
+	for _, tc := range []struct {
+		stream string
+		want   bool // after reading the first event
+	}{
+		{"data: a\n\ndata: b\n\n", true},
+		{"data: a\n\ndata: b", false},
+		{"data: a\n\n: ping\n\n", false},
+		{"data: a\n\nevent: x\n\n", false},
+		{"data: a\n\n\n\n", false},
+		{"data: a\r\n\r\ndata: b\r\n\r\n", true},
+		{"data: a\n\n: ping\n\ndata:b\n\n", true},
+		{"data: a\n\ndatum: b\n\n", false},
+	} {
+		r := NewSSEReader(strings.NewReader(tc.stream))
+		if _, err := r.Next(); err != nil {
+			t.Fatalf("%q: %v", tc.stream, err)
+		}
+		// A strings.Reader is read whole into the buffer by the first Next.
+		if got := r.HasEvent(); got != tc.want {
+			t.Errorf("%q: HasEvent = %v, want %v", tc.stream, got, tc.want)
+		}
+	}
+}
