@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
+	"github.com/pdq-dev/pdq/workers"
 )
 
 // Output is what one request gave, vLLM's RequestFuncOutput. Times are in
@@ -257,29 +258,14 @@ func (c *client) message(line []byte, st time.Time, last *time.Time, first *bool
 	return nil
 }
 
-// remoteDecodeParams are the kv_transfer_params a router sends the
-// prefill leg (vLLM's toy_proxy_server.py).
-var remoteDecodeParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
-
-// prefill runs the prefill leg of body as vLLM's toy proxy does and
-// returns the body for the decode leg. The prefill body is body with
-// kv_transfer_params asking for a remote decode, stream false, max_tokens
-// 1 (and max_completion_tokens 1 if it has that), and without
-// stream_options, min_tokens and min_completion_tokens. The decode leg is
-// body with the kv_transfer_params the prefill returned; when it returned
-// none (null or {}) body goes unchanged, as the toy proxy sends it, and
-// the decode engine prefills itself.
+// prefill runs the prefill leg of body as vLLM's toy proxy does, with the
+// bodies pdq's workers send (workers.PrefillBody, workers.DecodeBody), and
+// returns the body for the decode leg: body with the kv_transfer_params
+// the prefill returned; when it returned none (null or {}) body goes
+// unchanged, as the toy proxy sends it, and the decode engine prefills
+// itself.
 func (c *client) prefill(ctx context.Context, body []byte, requestID string) ([]byte, error) {
-	one := []byte("1")
-	pbody, err := jsonobj.Edit(body,
-		jsonobj.Set("kv_transfer_params", remoteDecodeParams),
-		jsonobj.Set("stream", []byte("false")),
-		jsonobj.Set("max_tokens", one),
-		jsonobj.Replace("max_completion_tokens", one),
-		jsonobj.Delete("stream_options"),
-		jsonobj.Delete("min_tokens"),
-		jsonobj.Delete("min_completion_tokens"),
-	)
+	pbody, err := workers.PrefillBody(body)
 	if err != nil {
 		return nil, fmt.Errorf("prefill body: %w", err)
 	}
@@ -303,7 +289,7 @@ func (c *client) prefill(ctx context.Context, body []byte, requestID string) ([]
 	if !ok || json.Unmarshal(params, &m) != nil || len(m) == 0 {
 		return body, nil
 	}
-	dbody, err := jsonobj.Edit(body, jsonobj.Set("kv_transfer_params", params))
+	dbody, err := workers.DecodeBody(body, params)
 	if err != nil {
 		return nil, fmt.Errorf("decode body: %w", err)
 	}
