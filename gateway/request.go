@@ -106,11 +106,7 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, max
 			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
 			maxLen, input).WithParam("prompt")
 	}
-	out, limited := req.OutputLimit(endpoint)
-	if _, set, _ := jsonobj.Get(body, "max_tokens"); !set && endpoint == openai.Completions {
-		// Absent, vLLM's default; null is none.
-		out, limited = defaultCompletionTokens, true
-	}
+	out, limited, _ := openai.OutputLimitOf(endpoint, body) // DecodeRequest read it already
 	if !limited || out <= maxLen-input {
 		return nil
 	}
@@ -122,10 +118,6 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, max
 		"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %s input tokens (%d > %d - %d).",
 		out, maxLen, has, out, maxLen, input).WithParam("max_tokens")
 }
-
-// defaultCompletionTokens is vLLM's max_tokens of a completions request
-// that sets none.
-const defaultCompletionTokens = 16
 
 // promptTokens estimates one completions prompt's length.
 func promptTokens(p openai.Prompt) int {

@@ -3,7 +3,6 @@ package workers
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -11,7 +10,6 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
-	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -177,25 +175,14 @@ func (w *Worker) migration(job *dispatcher.Job, resume dispatcher.Resume, tr *tr
 // wholeAnswerLimit bounds the wait for a response that comes whole (a
 // non-streamed one): there are no chunks to time, so the stall time-out is
 // stretched by 50 ms per requested token, a slow decode's pace. The token
-// limit is read as vLLM reads it (openai.Request.OutputLimit); a
-// completions request without max_tokens gets vLLM's 16. Without a token
+// limit is read as vLLM reads it (openai.OutputLimitOf). Without a token
 // limit the request's deadline alone bounds it.
 func wholeAnswerLimit(endpoint openai.Endpoint, body []byte, stall time.Duration) time.Duration {
-	var limits struct {
-		MaxTokens           *int `json:"max_tokens"`
-		MaxCompletionTokens *int `json:"max_completion_tokens"`
-	}
-	if json.Unmarshal(body, &limits) != nil {
+	n, ok, err := openai.OutputLimitOf(endpoint, body)
+	switch {
+	case err != nil:
 		return stall
-	}
-	req := openai.Request{MaxTokens: limits.MaxTokens, MaxCompletionTokens: limits.MaxCompletionTokens}
-	n, ok := req.OutputLimit(endpoint)
-	if !ok && endpoint == openai.Completions {
-		if _, set, _ := jsonobj.Get(body, "max_tokens"); !set {
-			n, ok = 16, true
-		}
-	}
-	if !ok {
+	case !ok:
 		return 24 * time.Hour
 	}
 	return stall + time.Duration(max(n, 0))*50*time.Millisecond
@@ -291,7 +278,7 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 				hooks.sent(ev.Data)
 			}
 		}
-		if len(held) >= maxBatchChunks || size >= maxBatchBytes || !events.HasEvent() {
+		if len(held) > 0 && (len(held) >= maxBatchChunks || size >= maxBatchBytes || !events.HasEvent()) {
 			if err := flush(); err != nil {
 				return err
 			}

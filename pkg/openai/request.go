@@ -169,6 +169,37 @@ func (r *Request) OutputLimit(endpoint Endpoint) (n int, ok bool) {
 	return 0, false
 }
 
+// DefaultCompletionTokens is vLLM's max_tokens of a completions request
+// that sets none.
+const DefaultCompletionTokens = 16
+
+// OutputLimitOf reads a request body's output limit as vLLM does: as
+// [Request.OutputLimit], and for completions without max_tokens vLLM's
+// default, DefaultCompletionTokens (an explicit null is no limit). ok is
+// false when there is no limit; err is set when body is not a JSON object
+// with integer limits.
+func OutputLimitOf(endpoint Endpoint, body []byte) (n int, ok bool, err error) {
+	var l struct {
+		MaxTokens           json.RawMessage `json:"max_tokens"`
+		MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	}
+	if err := json.Unmarshal(body, &l); err != nil {
+		return 0, false, err
+	}
+	req := Request{MaxCompletionTokens: l.MaxCompletionTokens}
+	if len(l.MaxTokens) > 0 && string(l.MaxTokens) != "null" {
+		req.MaxTokens = new(int)
+		if err := json.Unmarshal(l.MaxTokens, req.MaxTokens); err != nil {
+			return 0, false, err
+		}
+	}
+	n, ok = req.OutputLimit(endpoint)
+	if !ok && endpoint == Completions && l.MaxTokens == nil {
+		n, ok = DefaultCompletionTokens, true
+	}
+	return n, ok, nil
+}
+
 // IncludeUsage reports whether a stream should end with a usage chunk.
 func (r *Request) IncludeUsage() bool {
 	return r.StreamOptions != nil && r.StreamOptions.IncludeUsage
