@@ -4,13 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
 // Engine calls are the vLLM endpoints a client of a P/D deployment expects
@@ -101,8 +103,17 @@ type EngineCalls struct {
 const engineCallWait = 65 * time.Second
 
 // errStopping answers the calls a stopping worker will not run.
-var errStopping = EngineAnswer{Status: 503, ContentType: "application/json",
-	Body: []byte(`{"error":{"message":"the decode worker is stopping; retry","type":"ServiceUnavailableError","param":null,"code":503}}`)}
+var errStopping = ErrorAnswer(openai.NewError(http.StatusServiceUnavailable, "the decode worker is stopping; retry"))
+
+// ErrorAnswer is an engine call's answer that is pdq's error, not the
+// engine's.
+func ErrorAnswer(e *openai.Error) EngineAnswer {
+	body, err := e.Envelope()
+	if err != nil { // plain fields: it always encodes
+		body = []byte(`{"error":{}}`)
+	}
+	return EngineAnswer{Status: e.Status(), ContentType: "application/json", Body: body}
+}
 
 // ServeEngineCalls takes the engine calls sent to workerID and answers
 // each with what do returns. do runs in a goroutine of its own, at most
@@ -124,8 +135,7 @@ func ServeEngineCalls(nc *nats.Conn, workerID string, limit int, do func(context
 		if s.waiting.Add(1) > int64(4*limit) {
 			s.waiting.Add(-1)
 			s.mu.Unlock()
-			respond(m, EngineAnswer{Status: 503, ContentType: "application/json",
-				Body: []byte(`{"error":{"message":"the decode worker has too many engine calls waiting; retry","type":"ServiceUnavailableError","param":null,"code":503}}`)})
+			respond(m, ErrorAnswer(openai.NewError(http.StatusServiceUnavailable, "the decode worker has too many engine calls waiting; retry")))
 			return
 		}
 		s.wg.Add(1)
@@ -189,9 +199,10 @@ func respond(m *nats.Msg, a EngineAnswer) {
 	}
 	r.Data = a.Body
 	if err := m.RespondMsg(r); err != nil {
-		r.Data = []byte(`{"error":{"message":"the engine's answer could not be sent: ` + strings.ReplaceAll(err.Error(), `"`, `'`) + `","type":"BadGatewayError","param":null,"code":502}}`)
-		r.Header.Set(HeaderStatus, "502")
-		r.Header.Set(HeaderContentType, "application/json")
+		a := ErrorAnswer(openai.NewError(http.StatusBadGateway, "the engine's answer could not be sent: %v", err))
+		r.Data = a.Body
+		r.Header.Set(HeaderStatus, strconv.Itoa(a.Status))
+		r.Header.Set(HeaderContentType, a.ContentType)
 		m.RespondMsg(r) // a lost answer is the caller's time-out
 	}
 }

@@ -2,7 +2,6 @@ package workers
 
 import (
 	"context"
-	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
@@ -35,31 +34,26 @@ var engineCallPaths = map[string]string{
 func (w *Worker) engineCall(ctx context.Context, call dispatcher.EngineCall) dispatcher.EngineAnswer {
 	path, _, _ := strings.Cut(call.Path, "?")
 	if method, ok := engineCallPaths[path]; !ok || method != call.Method {
-		return errorAnswer(openai.NewError(http.StatusNotFound, "no engine call %s %s", call.Method, call.Path))
+		return dispatcher.ErrorAnswer(openai.NewError(http.StatusNotFound, "no engine call %s %s", call.Method, call.Path))
 	}
 	resp, err := w.engine.Do(ctx, call.Method, call.Path, call.Body)
 	if err != nil {
 		if ctx.Err() == nil {
 			w.log.Warn("engine call failed", logging.Err(err), "path", path)
 		}
-		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine unreachable"))
+		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine unreachable"))
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode == http.StatusUnauthorized || resp.StatusCode == http.StatusForbidden {
 		// pdq's key, not the client's: the same answer as on generation.
-		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine refused pdq (%d): check PDQ_ENGINE_API_KEY", resp.StatusCode))
+		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine refused pdq (%d): check PDQ_ENGINE_API_KEY", resp.StatusCode))
 	}
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxEngineAnswer+1))
 	switch {
 	case err != nil:
-		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine: reading its answer: %v", err))
+		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine: reading its answer: %v", err))
 	case len(body) > maxEngineAnswer:
-		return errorAnswer(openai.NewError(http.StatusBadGateway, "decode engine answered more than %d bytes", maxEngineAnswer))
+		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine answered more than %d bytes", maxEngineAnswer))
 	}
 	return dispatcher.EngineAnswer{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
-}
-
-func errorAnswer(e *openai.Error) dispatcher.EngineAnswer {
-	body, _ := json.Marshal(openai.ErrorResponse{Error: e})
-	return dispatcher.EngineAnswer{Status: e.Status(), ContentType: "application/json", Body: body}
 }
