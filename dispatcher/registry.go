@@ -330,21 +330,6 @@ func (r *Registry) Status(model string) PoolStatus {
 	return s
 }
 
-// Models lists the models with at least one live decode worker.
-func (r *Registry) Models() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	now := r.now()
-	var out []string
-	for _, e := range r.workers {
-		if e.info.Role == StageDecode && r.live(e.at, now) && !slices.Contains(out, e.info.Model) {
-			out = append(out, e.info.Model)
-		}
-	}
-	slices.Sort(out)
-	return out
-}
-
 // Cards returns, for each model with a live decode worker, the engine's
 // /v1/models entry (nil when the worker sent none): the card of the
 // worker whose entry id sorts first, so that the answer does not change

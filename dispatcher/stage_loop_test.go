@@ -348,8 +348,8 @@ func TestStageLoop(t *testing.T) {
 		if len(w) != 1 || w[0].Slots != 3 || w[0].Pool != lt.pool || w[0].Role != StagePrefill {
 			t.Errorf("registry = %+v", w)
 		}
-		if len(reg.Models()) != 0 {
-			t.Errorf("models %v listed without a decode worker", reg.Models())
+		if len(reg.Cards()) != 0 {
+			t.Errorf("models %v listed without a decode worker", reg.Cards())
 		}
 		lt.stop()
 		waitFor(t, "deregistration", func() bool { return reg.Status("model-7").Prefill == 0 })
