@@ -62,11 +62,9 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, apiErr)
 		return
 	}
-	if in.Model != nil {
-		if _, ok := e.names.resolve(*in.Model); !ok {
-			openai.WriteError(w, unknownModel(*in.Model))
-			return
-		}
+	if apiErr := e.knownModel(in.Model); apiErr != nil {
+		openai.WriteError(w, apiErr)
+		return
 	}
 	var ids []int
 	for i, m := range in.Messages {
@@ -109,6 +107,17 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, resp)
 }
 
+// knownModel refuses a model this engine does not serve; none (nil) is
+// its base model.
+func (e *Engine) knownModel(model *string) *openai.Error {
+	if model != nil {
+		if _, ok := e.names.resolve(*model); !ok {
+			return unknownModel(*model)
+		}
+	}
+	return nil
+}
+
 // detokenize serves POST /detokenize {"model","tokens"} → {"prompt"}.
 func (e *Engine) detokenize(w http.ResponseWriter, r *http.Request) {
 	var in struct {
@@ -119,11 +128,9 @@ func (e *Engine) detokenize(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, apiErr)
 		return
 	}
-	if in.Model != nil {
-		if _, ok := e.names.resolve(*in.Model); !ok {
-			openai.WriteError(w, unknownModel(*in.Model))
-			return
-		}
+	if apiErr := e.knownModel(in.Model); apiErr != nil {
+		openai.WriteError(w, apiErr)
+		return
 	}
 	if in.Tokens == nil {
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "'tokens' is required").WithParam("tokens"))
