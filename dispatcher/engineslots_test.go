@@ -29,7 +29,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 		Release: func(context.Context, *Job) error { released.Add(1); return nil }}
 	records, _ := OpenRecords(ctx, js)
 	job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
-	if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+	if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
 		t.Fatal(err)
 	}
 	pcons, _ := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)

@@ -185,6 +185,31 @@ func (rs *Records) Transition(ctx context.Context, id string, change func(*Recor
 	return nil, fmt.Errorf("write record %s: too many concurrent writes", id)
 }
 
+// TransitionFrom is Transition starting from the record a Submit wrote:
+// when no other write came since, the change is written without reading
+// the record first. A claim whose revision is not known makes it a plain
+// Transition.
+func (rs *Records) TransitionFrom(ctx context.Context, claim *Claim, change func(*Record) error) (*Record, error) {
+	if claim.rev == 0 {
+		return rs.Transition(ctx, claim.rec.ID, change)
+	}
+	r := *claim.rec // the claim stays as it was written
+	if err := change(&r); err != nil {
+		if errors.Is(err, ErrNoChange) {
+			return &r, nil
+		}
+		return &r, err
+	}
+	_, err := rs.update(ctx, &r, claim.rev)
+	switch {
+	case err == nil:
+		return &r, nil
+	case isWrongRevision(err):
+		return rs.Transition(ctx, claim.rec.ID, change) // written since: start from what is there
+	}
+	return nil, fmt.Errorf("write record %s: %w", r.ID, err)
+}
+
 // End moves id's generation to an ended state, unless the record has moved
 // on to a later generation or already ended. The record may still name an
 // earlier generation: a new generation's job is stored before it is

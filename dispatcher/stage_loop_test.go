@@ -93,7 +93,7 @@ func (lt *loopTest) submit(id string) *ReplyStream {
 	if err != nil {
 		lt.t.Fatal(err)
 	}
-	if err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), StagePrefill, job); err != nil {
+	if _, err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), StagePrefill, job); err != nil {
 		lt.t.Fatal(err)
 	}
 	return s
@@ -455,7 +455,7 @@ func TestLifecycle(t *testing.T) {
 		records, _ := OpenRecords(ctx, js)
 		job := &Job{ID: "raw-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
 			ReplyTo: lt.replies.Subject("raw-1"), Deadline: time.Now().Add(time.Minute)}
-		if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+		if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -507,10 +507,10 @@ func TestLifecycle(t *testing.T) {
 		defer pings.Unsubscribe()
 		live := mk()
 		live.ReplyTo = ReplySubject("gw-alive", "same-1")
-		if err := sub.Submit(ctx, StagePrefill, live); err != nil {
+		if _, err := sub.Submit(ctx, StagePrefill, live); err != nil {
 			t.Fatal(err)
 		}
-		if err := sub.Submit(ctx, StageDecode, mk()); !errors.Is(err, ErrDuplicate) {
+		if _, err := sub.Submit(ctx, StageDecode, mk()); !errors.Is(err, ErrDuplicate) {
 			t.Fatalf("a decode-only request with a live P/D request's id: %v, want ErrDuplicate", err)
 		}
 		pings.Unsubscribe()      // the first request's gateway dies
@@ -519,7 +519,7 @@ func TestLifecycle(t *testing.T) {
 		other.silent["gw-alive"] = silence{first: time.Now().Add(-goneAfter), last: time.Now()}
 		sub = NewSubmitter(js, records, other)
 		retry := mk()
-		if err := sub.Submit(ctx, StageDecode, retry); err != nil {
+		if _, err := sub.Submit(ctx, StageDecode, retry); err != nil {
 			t.Fatalf("a retry after the gateway died: %v", err)
 		}
 		if retry.Generation != 2 {
@@ -528,7 +528,7 @@ func TestLifecycle(t *testing.T) {
 		if err := records.End(ctx, "same-1", 2, StateDone, nil); err != nil {
 			t.Fatal(err)
 		}
-		if err := sub.Submit(ctx, StagePrefill, mk()); !errors.Is(err, ErrDuplicate) {
+		if _, err := sub.Submit(ctx, StagePrefill, mk()); !errors.Is(err, ErrDuplicate) {
 			t.Fatalf("an id that delivered: %v, want ErrDuplicate", err)
 		}
 	})
@@ -561,7 +561,7 @@ func TestHandoffGenerations(t *testing.T) {
 			records, _ := OpenRecords(ctx, js)
 			job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 				Deadline: time.Now().Add(time.Minute)}
-			if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+			if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
 				t.Fatal(err)
 			}
 			// The prefill stage's work, done by hand: the handoff, and the
@@ -866,7 +866,7 @@ func TestQueues(t *testing.T) {
 	}
 	job := &Job{ID: "q-1", Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
 		Submitted: time.Now(), Deadline: time.Now().Add(time.Minute)}
-	if err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+	if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)

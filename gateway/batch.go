@@ -33,6 +33,7 @@ const maxBatch = 256
 // batchJob is one prompt's job of a batch.
 type batchJob struct {
 	job     *dispatcher.Job
+	claim   *dispatcher.Claim
 	replies *dispatcher.ReplyStream
 	log     *slog.Logger
 	// settled is set once the job's record holds its end: a worker's
@@ -90,7 +91,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 	for i, body := range bodies {
 		sub := id + "-" + strconv.Itoa(i)
 		jlog := h.log.With(logging.KeyRequestID, sub)
-		replies, job, apiErr := h.submit(c, endpoint, sub, in.req, body, in.batchTokens[i], pool, jlog)
+		replies, job, claim, apiErr := h.submit(c, endpoint, sub, in.req, body, in.batchTokens[i], pool, jlog)
 		if apiErr != nil {
 			// The prompts queued so far must not run for nobody.
 			for _, b := range jobs {
@@ -98,7 +99,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 			}
 			return writeError(c, apiErr)
 		}
-		jobs = append(jobs, &batchJob{job: job, replies: replies, log: jlog})
+		jobs = append(jobs, &batchJob{job: job, claim: claim, replies: replies, log: jlog})
 	}
 	return h.relayBatch(c, id, in.req, jobs, log)
 }
@@ -261,7 +262,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		}
 	}
 	for _, b := range jobs {
-		h.delivered(b.job, b.done, b.log)
+		h.delivered(b.job, b.claim, b.done, b.log)
 	}
 	t.whole = true
 	return nil

@@ -60,20 +60,21 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, id, in, pool, log)
 		}
-		replies, job, apiErr := h.submit(c, endpoint, id, in.req, in.body, in.promptTokens, pool, log)
+		replies, job, claim, apiErr := h.submit(c, endpoint, id, in.req, in.body, in.promptTokens, pool, log)
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
 		defer replies.Close()
-		return h.relay(c, replies, job, log.With("generation", job.Generation))
+		return h.relay(c, replies, job, claim, log.With("generation", job.Generation))
 	}
 }
 
 // submit queues one job for body, through prefill or decode-only as the
 // prompt's length and the pool's health decide, with its reply stream
-// open before it is queued. The caller closes the stream.
+// open before it is queued. The caller closes the stream. The claim is
+// the request's record as written, for delivered.
 func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, req *openai.Request, body []byte,
-	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*dispatcher.ReplyStream, *dispatcher.Job, *openai.Error) {
+	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*dispatcher.ReplyStream, *dispatcher.Job, *dispatcher.Claim, *openai.Error) {
 	model := req.Model
 	stage := dispatcher.StagePrefill
 	fallback := false
@@ -82,13 +83,13 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, r
 	} else if fallback = h.prefillDown(model, pool); fallback {
 		if h.cfg.PrefillFallback == config.FallbackFail {
 			c.Response().Header().Set("Retry-After", "5")
-			return nil, nil, openai.NewError(http.StatusServiceUnavailable, "no healthy prefill workers for model %s", model)
+			return nil, nil, nil, openai.NewError(http.StatusServiceUnavailable, "no healthy prefill workers for model %s", model)
 		}
 		stage = dispatcher.StageDecode
 	}
 	replies, err := h.replies.Open(id)
 	if err != nil {
-		return nil, nil, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id)
+		return nil, nil, nil, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id)
 	}
 	now := time.Now()
 	job := &dispatcher.Job{
@@ -98,11 +99,12 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, r
 	}
 	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {
 		replies.Close()
-		return nil, nil, h.submitFailed(c, err, log)
+		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
-	if err := h.submitter.Submit(c.Request().Context(), stage, job); err != nil {
+	claim, err := h.submitter.Submit(c.Request().Context(), stage, job)
+	if err != nil {
 		replies.Close()
-		return nil, nil, h.submitFailed(c, err, log)
+		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
 	log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
 		"prompt_tokens_estimate", promptTokens, "generation", job.Generation)
@@ -113,7 +115,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, r
 	case stage == dispatcher.StageDecode:
 		h.cfg.Counters.DecodeOnly("short_prompt")
 	}
-	return replies, job, nil
+	return replies, job, claim, nil
 }
 
 // prefillDown reports whether model's pool has no healthy prefill worker
@@ -160,7 +162,7 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) *op
 // events flushed one by one. An error that comes before any output keeps
 // its HTTP status; after that it can only be an in-stream error. Whatever
 // ends the relay early, the workers are told to stop.
-func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, log *slog.Logger) error {
+func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, claim *dispatcher.Claim, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), job.Deadline, errDeadline)
 	defer cancel()
@@ -192,7 +194,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 			return nil
 		}
-		h.delivered(job, end, log)
+		h.delivered(job, claim, end, log)
 		t.whole = true
 		return nil
 	}
@@ -214,7 +216,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			if err := sse.Done(); err != nil {
 				log.Debug("client went away before [DONE]", logging.Err(err))
 			}
-			h.delivered(job, msg, log)
+			h.delivered(job, claim, msg, log)
 			t.whole = true
 			return nil
 		case dispatcher.KindError:
@@ -275,11 +277,12 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 // errDeadline is the cause of a relay stopped by the request's deadline.
 var errDeadline = errors.New("the request's deadline passed")
 
-// delivered records a request whose answer went out whole.
-func (h *handlers) delivered(job *dispatcher.Job, done dispatcher.Reply, log *slog.Logger) {
+// delivered records a request whose answer went out whole, starting from
+// the record its claim wrote.
+func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done dispatcher.Reply, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
+	if _, err := h.records.TransitionFrom(ctx, claim, func(r *dispatcher.Record) error {
 		if r.Gateway != h.id {
 			return dispatcher.ErrNoChange
 		}

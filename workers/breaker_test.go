@@ -158,7 +158,7 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 	submit := func(id string, life time.Duration) {
 		job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
 			Submitted: time.Now(), Deadline: time.Now().Add(life)}
-		if err := submitter.Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+		if _, err := submitter.Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 			t.Fatal(err)
 		}
 	}

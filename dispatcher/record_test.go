@@ -1,0 +1,74 @@
+package dispatcher
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// TestTransitionFrom checks the gateway's write of a request's end from
+// its claim: straight over the claimed revision when nothing wrote since,
+// and from the record as it is when something did (a worker's failure, a
+// retry's takeover), which the claim must not overwrite.
+func TestTransitionFrom(t *testing.T) {
+	ctx := context.Background()
+	nc, js := startJetStream(t)
+	records, err := OpenRecords(ctx, js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub := NewSubmitter(js, records, NewLiveness(nc))
+	done := func(r *Record) error {
+		if r.Gateway != "gw-1" {
+			return ErrNoChange
+		}
+		r.State = StateDone
+		return nil
+	}
+	for _, tc := range []struct {
+		name      string
+		between   func(id string) error // a write after the claim
+		wantState State
+		wantGW    string
+	}{
+		{name: "nothing wrote since", wantState: StateDone, wantGW: "gw-1"},
+		{name: "a worker wrote since", wantState: StateDone, wantGW: "gw-1", between: func(id string) error {
+			_, err := records.Transition(ctx, id, func(r *Record) error { r.Replays = 7; return nil })
+			return err
+		}},
+		{name: "a retry took the id over", wantState: StateQueued, wantGW: "gw-2", between: func(id string) error {
+			_, err := records.Transition(ctx, id, func(r *Record) error { r.Gateway = "gw-2"; return nil })
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			id := "tf-" + randomID()
+			job := &Job{ID: id, Model: "m", Pool: "p", Endpoint: openai.Chat, Body: []byte(`{}`),
+				ReplyTo: ReplySubject("gw-1", id), Deadline: time.Now().Add(time.Minute)}
+			claim, err := sub.Submit(ctx, StagePrefill, job)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.between != nil {
+				if err := tc.between(id); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := records.TransitionFrom(ctx, claim, done); err != nil {
+				t.Fatal(err)
+			}
+			r, _, err := records.Get(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.State != tc.wantState || r.Gateway != tc.wantGW {
+				t.Errorf("record %s by %s, want %s by %s", r.State, r.Gateway, tc.wantState, tc.wantGW)
+			}
+			if tc.between != nil && tc.wantGW == "gw-1" && r.Replays != 7 {
+				t.Errorf("the write in between was lost: replays %d, want 7", r.Replays)
+			}
+		})
+	}
+}
