@@ -78,9 +78,7 @@ func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
 	}
 	n := 0
 	if cons, err := a.js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool)); err == nil {
-		if info, err := cons.Info(ctx); err == nil {
-			n = int(info.NumPending)
-		}
+		n = int(cons.CachedInfo().NumPending) // fresh: Consumer just fetched it
 	}
 	a.mu.Lock()
 	a.depth[key] = depthLook{n: n, at: time.Now()}
