@@ -106,7 +106,14 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, max
 			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
 			maxLen, input).WithParam("prompt")
 	}
-	out, limited, _ := openai.OutputLimitOf(endpoint, body) // DecodeRequest read it already
+	out, limited := req.OutputLimit(endpoint)
+	if !limited && endpoint == openai.Completions {
+		// vLLM's default, unless max_tokens is an explicit null (no limit);
+		// DecodeRequest read both as nil.
+		if _, set, _ := jsonobj.Get(body, "max_tokens"); !set {
+			out, limited = openai.DefaultCompletionTokens, true
+		}
+	}
 	if !limited || out <= maxLen-input {
 		return nil
 	}

@@ -353,7 +353,7 @@ func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 		}
 		in.taken = n
 	}
-	body, err := io.ReadAll(in)
+	body, err := readAll(in, r.ContentLength)
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		switch {
@@ -365,6 +365,29 @@ func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 		return nil, release, openai.NewError(http.StatusBadRequest, "could not read the request body: %v", err)
 	}
 	return body, release, nil
+}
+
+// readAll is io.ReadAll sized by the request's Content-Length when it
+// has one: a long prompt is read into one buffer, not grown into it
+// through a dozen copies.
+func readAll(r io.Reader, size int64) ([]byte, error) {
+	if size <= 0 {
+		return io.ReadAll(r)
+	}
+	b := make([]byte, 0, size+1) // +1: EOF is seen without growing
+	for {
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return b, err
+		}
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)] // longer than announced: grow as ReadAll would
+		}
+	}
 }
 
 // errOverBudget ends the read of a body that does not fit the budget.

@@ -120,11 +120,11 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 			if m.Role == "" {
 				return nil, NewError(http.StatusBadRequest, "messages[%d].role is required", i).WithParam("messages")
 			}
-			text, err := m.Text()
+			n, err := m.textBytes()
 			if err != nil {
 				return nil, NewError(http.StatusBadRequest, "messages[%d].content: %v", i, err).WithParam("messages")
 			}
-			req.textBytes += len(text)
+			req.textBytes += n
 		}
 	case Completions:
 		if _, err := ParsePrompts(req.Prompt); err != nil {
@@ -251,6 +251,19 @@ func (m Message) Parts() ([]Part, error) {
 		}
 	}
 	return parts, nil
+}
+
+// textBytes is the length of a message's text, for the prompt-length
+// estimate. A string's is the length of its JSON form less the quotes:
+// unescaping a long prompt only to count it cost a full copy and a scan.
+// Content parts are read as Text reads them.
+func (m Message) textBytes() (int, error) {
+	c := bytes.TrimSpace(m.Content)
+	if len(c) >= 2 && c[0] == '"' {
+		return len(c) - 2, nil // json.Unmarshal checked it is a valid string
+	}
+	text, err := m.Text()
+	return len(text), err
 }
 
 // Text returns the text of a message: the string, or its text parts joined
