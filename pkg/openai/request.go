@@ -8,6 +8,8 @@ import (
 	"io"
 	"net/http"
 	"strings"
+
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 )
 
 // Request holds the fields of a chat or completions request that pdq reads.
@@ -259,11 +261,53 @@ func (m Message) Parts() ([]Part, error) {
 // Content parts are read as Text reads them.
 func (m Message) textBytes() (int, error) {
 	c := bytes.TrimSpace(m.Content)
-	if len(c) >= 2 && c[0] == '"' {
+	switch {
+	case len(c) >= 2 && c[0] == '"':
 		return len(c) - 2, nil // json.Unmarshal checked it is a valid string
+	case len(c) > 0 && c[0] == '[':
+		return partsTextBytes(c)
 	}
 	text, err := m.Text()
 	return len(text), err
+}
+
+// partsTextBytes is textBytes of a list of content parts, with the checks
+// of Parts. The parts are read with jsonobj's scanner, which skips over a
+// long text; decoding it as Parts does scanned it about six times (18 ms
+// for a 330 KB prompt).
+func partsTextBytes(c []byte) (int, error) {
+	spans, err := jsonobj.Elements(c)
+	if err != nil {
+		return 0, errors.New("must be a string or a list of content parts")
+	}
+	isNull := func(v []byte) bool { return v == nil || string(v) == "null" }
+	n, texts := 0, 0
+	for i, sp := range spans {
+		v, err := jsonobj.Lookup(c[sp.Start:sp.End], "type", "text")
+		if err != nil {
+			return 0, fmt.Errorf("part %d must be an object", i)
+		}
+		var typ string
+		if !isNull(v[0]) && json.Unmarshal(v[0], &typ) != nil {
+			return 0, fmt.Errorf("part %d must be an object", i)
+		}
+		if !isNull(v[1]) && v[1][0] != '"' {
+			return 0, fmt.Errorf("part %d must be an object", i)
+		}
+		switch {
+		case typ == "":
+			return 0, fmt.Errorf("part %d has no type", i)
+		case typ == "text" && isNull(v[1]):
+			return 0, fmt.Errorf("part %d: a text part needs 'text'", i)
+		case typ == "text":
+			n += len(v[1]) - 2
+			texts++
+		}
+	}
+	if texts > 1 {
+		n += texts - 1 // Text joins them with newlines
+	}
+	return n, nil
 }
 
 // Text returns the text of a message: the string, or its text parts joined

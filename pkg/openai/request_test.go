@@ -171,3 +171,44 @@ func FuzzDecodeRequest(f *testing.F) {
 		}
 	})
 }
+
+// TestTextBytes checks the quick count of a message's text against the
+// length of Text, which decodes it, and that it refuses what Parts
+// refuses, with the same message.
+func TestTextBytes(t *testing.T) {
+	for _, content := range []string{
+		`"hello world"`,
+		`""`,
+		` "spaced" `,
+		`null`,
+		`[]`,
+		`[{"type":"text","text":"one"}]`,
+		`[{"type":"text","text":"one"},{"type":"image_url","image_url":{"url":"data:x"}},{"type":"text","text":"two"}]`,
+		`[{"text":"x","type":"text","extra":[1,{"a":"b"}]}]`,
+		`[{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}]`,
+		`[{"type":"text","text":"a","text":"longer"}]`,
+		`5`,
+		`{"type":"text"}`,
+		`[5]`,
+		`["text"]`,
+		`[{"text":"x"}]`,
+		`[{"type":null,"text":"x"}]`,
+		`[{"type":"text"}]`,
+		`[{"type":"text","text":null}]`,
+		`[{"type":"text","text":5}]`,
+		`[{"type":7,"text":"x"}]`,
+		`[{"type":"image_url","text":5}]`,
+	} {
+		m := Message{Role: "user", Content: []byte(content)}
+		text, werr := m.Text()
+		n, err := m.textBytes()
+		switch {
+		case (err == nil) != (werr == nil):
+			t.Errorf("%s: textBytes error %v, Text error %v", content, err, werr)
+		case err != nil && err.Error() != werr.Error():
+			t.Errorf("%s: textBytes says %q, Text %q", content, err, werr)
+		case err == nil && n != len(text):
+			t.Errorf("%s: textBytes %d, want %d", content, n, len(text))
+		}
+	}
+}
