@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
 // Metrics are the stage loops' counters. One set serves every loop of a
@@ -115,7 +116,11 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0.5 on trial (half-open), 0 while its breaker is open.",
 	}, []string{"stage", "engine"})
-	for _, c := range m.collectors() {
+	// The Go runtime's and the process's own series (go_*, process_*), as
+	// every Go service exports them: memory, GC, CPU seconds, open files.
+	// make bench reads go_memstats_alloc_bytes_total for the bytes a
+	// request allocates.
+	for _, c := range append(m.collectors(), collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})) {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
