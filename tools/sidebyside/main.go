@@ -35,13 +35,20 @@ func main() {
 	}
 }
 
-// profile is a set of engine latencies.
+// profile is a set of engine latencies, and the load run against them.
 type profile struct {
 	name string
 	sim  []string // pdq sim latency flags
 	// prompts per run, by concurrency: enough for stable percentiles, few
 	// enough to keep make bench within minutes.
 	prompts func(concurrency int) int
+	// The rest are set by the profiles that run a load of their own
+	// instead of -concurrency, -input-len and -output-len.
+	concurrency         []int
+	inputLen, outputLen int
+	upEnv               []string // more pdq up settings
+	pdqOnly             bool     // run the pdq targets only
+	noWarmUp            bool
 }
 
 var profiles = map[string]profile{
@@ -59,6 +66,26 @@ var profiles = map[string]profile{
 			return map[int]int{1: 20, 16: 64, 64: 256, 256: 512}[c]
 		},
 	},
+	// A 400 KB prompt: 65,000 words of about five bytes each, one at a
+	// time. pdq's own cost of a long body (reading, checking, two queue
+	// hops, two engine bodies) shows as added TTFT and bytes allocated.
+	"long": {
+		name:        "400 KB prompts, zero-latency engines",
+		sim:         []string{"--prefill-overhead", "0s", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "0s", "--max-model-len", "200000"},
+		prompts:     func(int) int { return 30 },
+		concurrency: []int{1},
+		inputLen:    65000, outputLen: 8,
+	},
+	// 1,000 streams in flight at once: pdq's peak RSS with a fresh start.
+	"streams": {
+		name:        "1,000 streams in flight (ITL 10 ms, 300 tokens each)",
+		sim:         []string{"--prefill-overhead", "0s", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "10ms", "--max-num-seqs", "2048"},
+		prompts:     func(int) int { return 1000 },
+		concurrency: []int{1000},
+		inputLen:    256, outputLen: 300,
+		upEnv:   []string{"PDQ_ENGINE_SLOTS=1024", "PDQ_MAX_QUEUE=4096"},
+		pdqOnly: true, noWarmUp: true,
+	},
 }
 
 type options struct {
@@ -75,7 +102,7 @@ func run() error {
 	var o options
 	var profs, conc string
 	flag.StringVar(&o.base, "base", "62e80c5", "baseline commit to build pdq from")
-	flag.StringVar(&profs, "profiles", "zero,realistic", "engine latency profiles: zero, realistic")
+	flag.StringVar(&profs, "profiles", "zero,realistic,long,streams", "engine latency profiles: zero, realistic, long (400 KB prompts), streams (1,000 in flight)")
 	flag.StringVar(&conc, "concurrency", "1,16,64,256", "concurrencies, one table each")
 	flag.IntVar(&o.inputLen, "input-len", 256, "prompt words (tokens for pdq sim)")
 	flag.IntVar(&o.outputLen, "output-len", 32, "streamed tokens per request")
@@ -130,6 +157,7 @@ type result struct {
 	bench bench
 	cpu   time.Duration // pdq's user and system CPU
 	rss   int64         // pdq's peak RSS, bytes
+	alloc float64       // bytes pdq allocated over the run; 0: not known
 }
 
 func runProfile(o options, p profile, head, base string) error {
@@ -152,14 +180,24 @@ func runProfile(o options, p profile, head, base string) error {
 		{name: "pdq " + o.base, pdq: base},
 		{name: "pdq HEAD", pdq: head},
 	}
-	for _, c := range o.concurrency {
+	if p.pdqOnly {
+		targets = targets[2:]
+	}
+	conc := o.concurrency
+	if p.concurrency != nil {
+		conc = p.concurrency
+	}
+	if p.inputLen > 0 {
+		o.inputLen, o.outputLen = p.inputLen, p.outputLen
+	}
+	for _, c := range conc {
 		n := p.prompts(c)
 		if n == 0 {
 			n = 4 * c
 		}
 		results := make([]result, len(targets))
 		for i, t := range targets {
-			r, err := runTarget(ctx, o, t, head, prefill, decode, c, n)
+			r, err := runTarget(ctx, o, p, t, head, prefill, decode, c, n)
 			if err != nil {
 				return fmt.Errorf("%s at concurrency %d: %w", t.name, c, err)
 			}
@@ -170,12 +208,12 @@ func runProfile(o options, p profile, head, base string) error {
 	return nil
 }
 
-func runTarget(ctx context.Context, o options, t target, head, prefill, decode string, concurrency, n int) (result, error) {
+func runTarget(ctx context.Context, o options, p profile, t target, head, prefill, decode string, concurrency, n int) (result, error) {
 	url := decode
 	var up *exec.Cmd
 	if t.pdq != "" {
 		var err error
-		if up, url, err = startUp(ctx, t.pdq, o.work, prefill, decode); err != nil {
+		if up, url, err = startUp(ctx, t.pdq, o.work, prefill, decode, p.upEnv); err != nil {
 			return result{}, err
 		}
 		defer stop(up)
@@ -195,12 +233,16 @@ func runTarget(ctx context.Context, o options, t target, head, prefill, decode s
 		return a
 	}
 	// A warm-up: connections, JIT-free but cache-warm.
-	if out, err := exec.CommandContext(ctx, head, args(min(n, 2*concurrency), "")...).CombinedOutput(); err != nil {
-		return result{}, fmt.Errorf("warm-up: %w\n%s", err, out)
+	if !p.noWarmUp {
+		if out, err := exec.CommandContext(ctx, head, args(min(n, 2*concurrency), "")...).CombinedOutput(); err != nil {
+			return result{}, fmt.Errorf("warm-up: %w\n%s", err, out)
+		}
 	}
 	var cpu0 time.Duration
+	var alloc0 float64
 	if up != nil {
 		cpu0, _, _ = procStats(up.Process.Pid)
+		alloc0 = allocated(url)
 	}
 	file := filepath.Join(o.work, "result.json")
 	if out, err := exec.CommandContext(ctx, head, args(n, file)...).CombinedOutput(); err != nil {
@@ -220,8 +262,33 @@ func runTarget(ctx context.Context, o options, t target, head, prefill, decode s
 			return result{}, err
 		}
 		r.cpu, r.rss = cpu1-cpu0, rss
+		if alloc0 > 0 {
+			r.alloc = allocated(url) - alloc0
+		}
 	}
 	return r, nil
+}
+
+// allocated reads the bytes pdq up has allocated so far from its
+// /metrics (go_memstats_alloc_bytes_total); 0 when it exports none (a
+// baseline from before the Go collector).
+func allocated(url string) float64 {
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "go_memstats_alloc_bytes_total "); ok {
+			f, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return f
+		}
+	}
+	return 0
 }
 
 // bench holds the fields of pdq bench's result file (vLLM's names).
@@ -239,18 +306,24 @@ type bench struct {
 
 func printTable(concurrency, n int, targets []target, rs []result) {
 	fmt.Printf("\nconcurrency %d, %d requests\n\n", concurrency, n)
-	fmt.Println("| target | ok | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s | tok/s | CPU s / 1k req | peak RSS MB |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| target | ok | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s | tok/s | CPU s / 1k req | peak RSS MB | alloc KB / req |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
 	for i, t := range targets {
 		r := rs[i]
-		cpu, rss := "-", "-"
+		cpu, rss, alloc := "-", "-", "-"
 		if t.pdq != "" && r.bench.Completed > 0 {
 			cpu = fmt.Sprintf("%.2f", r.cpu.Seconds()*1000/float64(r.bench.Completed))
 			rss = fmt.Sprintf("%.0f", float64(r.rss)/(1<<20))
+			if r.alloc > 0 {
+				alloc = fmt.Sprintf("%.0f", r.alloc/1024/float64(r.bench.Completed))
+			}
 		}
-		fmt.Printf("| %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f | %.0f | %s | %s |\n", t.name, r.bench.Completed,
+		fmt.Printf("| %s | %d/%d | %.2f | %.2f | %.2f | %.2f | %.1f | %.0f | %s | %s | %s |\n", t.name, r.bench.Completed,
 			r.bench.Completed+r.bench.Failed, r.bench.P50TTFT, r.bench.P99TTFT, r.bench.P50ITL, r.bench.P99ITL,
-			r.bench.RequestThroughput, r.bench.OutputThroughput, cpu, rss)
+			r.bench.RequestThroughput, r.bench.OutputThroughput, cpu, rss, alloc)
+	}
+	if len(rs) < 4 {
+		return // no floor to compare with
 	}
 	floor, base, head := rs[1].bench, rs[2], rs[3]
 	if floor.RequestThroughput == 0 {
@@ -326,7 +399,7 @@ func startSim(ctx context.Context, bin string, latency []string) (string, *exec.
 }
 
 // startUp runs pdq up in front of the engines and returns its URL.
-func startUp(ctx context.Context, bin, work, prefill, decode string) (*exec.Cmd, string, error) {
+func startUp(ctx context.Context, bin, work, prefill, decode string, env []string) (*exec.Cmd, string, error) {
 	port, err := freePort()
 	if err != nil {
 		return nil, "", err
@@ -339,6 +412,7 @@ func startUp(ctx context.Context, bin, work, prefill, decode string) (*exec.Cmd,
 	cmd.Env = append(os.Environ(), "PDQ_HTTP_ADDR=127.0.0.1:"+strconv.Itoa(port), "PDQ_DATA_DIR="+data,
 		"PDQ_PREFILL_ENGINES="+prefill, "PDQ_DECODE_ENGINES="+decode, "PDQ_LOG_LEVEL=warn", "PDQ_LOG_FORMAT=json",
 		"PDQ_ENGINE_SLOTS=256")
+	cmd.Env = append(cmd.Env, env...) // later settings win
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
 		return nil, "", err
