@@ -196,8 +196,13 @@ func OutputLimitOf(endpoint Endpoint, body []byte) (n int, ok bool, err error) {
 		}
 	}
 	n, ok = req.OutputLimit(endpoint)
-	if !ok && endpoint == Completions && l.MaxTokens == nil {
-		n, ok = DefaultCompletionTokens, true
+	if !ok && endpoint == Completions {
+		// vLLM's default unless max_tokens is there, as an explicit null.
+		// Its key is matched exactly, as vLLM matches it (Go's decoder
+		// above takes any letter case).
+		if _, set, _ := jsonobj.Get(body, "max_tokens"); !set {
+			n, ok = DefaultCompletionTokens, true
+		}
 	}
 	return n, ok, nil
 }
@@ -258,6 +263,8 @@ func (m Message) Parts() ([]Part, error) {
 // textBytes is the length of a message's text, for the prompt-length
 // estimate. A string's is the length of its JSON form less the quotes:
 // unescaping a long prompt only to count it cost a full copy and a scan.
+// Escapes make it an upper bound ("\u00e9" counts 6 for 2 bytes), which
+// is close enough to tell a short prompt from a long one.
 // Content parts are read as Text reads them.
 func (m Message) textBytes() (int, error) {
 	c := bytes.TrimSpace(m.Content)
@@ -271,11 +278,23 @@ func (m Message) textBytes() (int, error) {
 	return len(text), err
 }
 
-// partsTextBytes is textBytes of a list of content parts, with the checks
-// of Parts. The parts are read with jsonobj's scanner, which skips over a
-// long text; decoding it as Parts does scanned it about six times (18 ms
-// for a 330 KB prompt).
+// partsTextBytes is textBytes of a list of content parts. The parts are
+// read with jsonobj's scanner, which skips over a long text; decoding it as
+// Parts does scanned it about six times (18 ms for a 330 KB prompt). The
+// scanner matches keys exactly, as vLLM does; whatever it cannot count
+// (a part it would refuse, or one with "Type" in another letter case,
+// which Go's decoder reads) is left to Text, so that what is refused, and
+// how, is Parts' decision. Only a part whose duplicate keys Parts would
+// refuse for an earlier copy is counted here by its last.
 func partsTextBytes(c []byte) (int, error) {
+	if n, err := scanPartsText(c); err == nil {
+		return n, nil
+	}
+	text, err := Message{Content: c}.Text()
+	return len(text), err
+}
+
+func scanPartsText(c []byte) (int, error) {
 	spans, err := jsonobj.Elements(c)
 	if err != nil {
 		return 0, errors.New("must be a string or a list of content parts")

@@ -173,8 +173,9 @@ func FuzzDecodeRequest(f *testing.F) {
 }
 
 // TestTextBytes checks the quick count of a message's text against the
-// length of Text, which decodes it, and that it refuses what Parts
-// refuses, with the same message.
+// length of Text, which decodes it (for text without escapes, which make
+// the count an upper bound), and that it refuses what Parts refuses, with
+// the same message.
 func TestTextBytes(t *testing.T) {
 	for _, content := range []string{
 		`"hello world"`,
@@ -198,6 +199,10 @@ func TestTextBytes(t *testing.T) {
 		`[{"type":"text","text":5}]`,
 		`[{"type":7,"text":"x"}]`,
 		`[{"type":"image_url","text":5}]`,
+		`[null]`,
+		`[{"Type":"image_url","image_url":{}}]`,
+		`[{"TYPE":"text","text":"x"}]`,
+		`[{"type":"text","TEXT":"x"}]`,
 	} {
 		m := Message{Role: "user", Content: []byte(content)}
 		text, werr := m.Text()
@@ -209,6 +214,30 @@ func TestTextBytes(t *testing.T) {
 			t.Errorf("%s: textBytes says %q, Text %q", content, err, werr)
 		case err == nil && n != len(text):
 			t.Errorf("%s: textBytes %d, want %d", content, n, len(text))
+		}
+	}
+}
+
+// TestOutputLimitOf checks a completions body's limit as vLLM reads it:
+// its default when max_tokens is absent (its key matched exactly), none
+// for an explicit null.
+func TestOutputLimitOf(t *testing.T) {
+	for _, tc := range []struct {
+		endpoint Endpoint
+		body     string
+		n        int
+		ok       bool
+	}{
+		{Completions, `{"prompt":"x"}`, DefaultCompletionTokens, true},
+		{Completions, `{"prompt":"x","max_tokens":null}`, 0, false},
+		{Completions, `{"prompt":"x","Max_Tokens":null}`, DefaultCompletionTokens, true},
+		{Completions, `{"prompt":"x","max_tokens":7}`, 7, true},
+		{Chat, `{"messages":[],"max_tokens":7,"max_completion_tokens":9}`, 9, true},
+		{Chat, `{"messages":[]}`, 0, false},
+	} {
+		n, ok, err := OutputLimitOf(tc.endpoint, []byte(tc.body))
+		if err != nil || n != tc.n || ok != tc.ok {
+			t.Errorf("%s %s: %d, %v, %v; want %d, %v", tc.endpoint, tc.body, n, ok, err, tc.n, tc.ok)
 		}
 	}
 }
