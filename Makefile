@@ -48,6 +48,7 @@ lint: fmt-check vet ## gofmt, go vet and staticcheck
 
 fuzz: ## fuzz request parsing for 60s each
 	$(GO) test -run '^$$' -fuzz FuzzDecodeRequest -fuzztime 60s ./pkg/openai
+	$(GO) test -run '^$$' -fuzz FuzzDecodeFast -fuzztime 60s ./pkg/openai
 	$(GO) test -run '^$$' -fuzz FuzzParseRequest -fuzztime 60s ./gateway
 
 clean: ## remove build output, local data and installed test packages

@@ -345,6 +345,38 @@ func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
 	return values, nil
 }
 
+// CountFold counts the top-level members of the JSON object obj named
+// keys[i] in any letter case, as encoding/json matches struct fields
+// (after unescaping the names). A reader that takes a key as it is spelled
+// can tell from it whether encoding/json would read another member.
+func CountFold(obj []byte, keys ...string) (counts []int, err error) {
+	m := members{s: obj}
+	if err := m.begin(); err != nil {
+		return nil, err
+	}
+	counts = make([]int, len(keys))
+	for {
+		more, err := m.next()
+		if err != nil {
+			return nil, err
+		}
+		if !more {
+			break
+		}
+		raw := obj[m.key+1 : m.keyEnd-1]
+		isPlain := plain(raw)
+		for i, key := range keys {
+			if keyIs(raw, isPlain, key, true) {
+				counts[i]++
+			}
+		}
+	}
+	if err := m.finish(); err != nil {
+		return nil, err
+	}
+	return counts, nil
+}
+
 // Span is where a value lies in a document: doc[Start:End].
 type Span struct{ Start, End int }
 

@@ -3,6 +3,7 @@ package jsonobj
 import (
 	"encoding/json"
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -195,5 +196,25 @@ func TestAppendString(t *testing.T) {
 		if strings.ContainsAny(s, "<>&") && strings.Contains(string(got), `\u00`) && !strings.ContainsAny(s, "\x00\x1f") {
 			t.Errorf("AppendString(%q) = %s escapes HTML", s, got)
 		}
+	}
+}
+
+func TestCountFold(t *testing.T) {
+	for _, tc := range []struct {
+		obj  string
+		want []int
+	}{
+		{`{"role":"a","content":"b"}`, []int{1, 1}},
+		{`{"role":"a","Role":"b","CONTENT":1}`, []int{2, 1}},
+		{`{"r\u006fle":"a","x":{"role":1}}`, []int{1, 0}},
+		{`{}`, []int{0, 0}},
+	} {
+		got, err := CountFold([]byte(tc.obj), "role", "content")
+		if err != nil || !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("%s: %v, %v; want %v", tc.obj, got, err, tc.want)
+		}
+	}
+	if _, err := CountFold([]byte(`[1]`), "role"); err == nil {
+		t.Error("an array: no error")
 	}
 }

@@ -101,14 +101,17 @@ func (e Endpoint) IDPrefix() string {
 // DecodeRequest parses body as a request for endpoint and checks the fields
 // every engine needs. Problems come back as a 400 *Error naming the field.
 func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
-	var req Request
-	// Unmarshal, not a Decoder: it also refuses anything after the object,
-	// which engines would refuse later and less clearly.
 	if len(bytes.TrimSpace(body)) == 0 {
 		return nil, NewError(http.StatusBadRequest, "request body is empty")
 	}
-	if err := json.Unmarshal(body, &req); err != nil {
-		return nil, decodeError(err)
+	req, ok := decodeFast(body)
+	if !ok {
+		// Unmarshal, not a Decoder: it also refuses anything after the
+		// object, which engines would refuse later and less clearly.
+		req = &Request{}
+		if err := json.Unmarshal(body, req); err != nil {
+			return nil, decodeError(err)
+		}
 	}
 	if req.Model == "" {
 		return nil, NewError(http.StatusBadRequest, "'model' is required").WithParam("model")
@@ -154,7 +157,57 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 	if len(req.KVTransferParams) > 0 && !isJSONObjectOrNull(req.KVTransferParams) {
 		return nil, NewError(http.StatusBadRequest, "'kv_transfer_params' must be an object").WithParam("kv_transfer_params")
 	}
-	return &req, nil
+	return req, nil
+}
+
+// decodeFast reads body as json.Unmarshal reads it into a Request, but
+// leaves the long members, messages and prompt, to jsonobj's scanner.
+// encoding/json scans a body twice (for validity, then for values), at
+// about a tenth of the scanner's speed, and copies every RawMessage: a
+// 330 KB prompt cost 5.8 ms and a copy. Here the body is scanned once,
+// the short members are decoded by encoding/json from what is left, and
+// the messages' contents and the prompt stay slices of body. ok is false
+// for anything it would not read exactly as json.Unmarshal does (invalid
+// JSON, a message without "role" or "content", one of the keys it reads
+// there in another letter case, or twice): the caller then decodes body
+// the slow way, which also words the errors.
+func decodeFast(body []byte) (req *Request, ok bool) {
+	long, err := jsonobj.Lookup(body, "messages", "prompt")
+	if err != nil {
+		return nil, false
+	}
+	rest := body
+	if long[0] != nil || long[1] != nil {
+		if rest, err = jsonobj.Edit(body, jsonobj.Delete("messages"), jsonobj.Delete("prompt")); err != nil {
+			return nil, false
+		}
+	}
+	req = &Request{}
+	if json.Unmarshal(rest, req) != nil || req.Messages != nil || req.Prompt != nil {
+		return nil, false // an error to word, or "Messages" in another case
+	}
+	req.Prompt = long[1]
+	if m := long[0]; m != nil && string(m) != "null" {
+		spans, err := jsonobj.Elements(m)
+		if err != nil {
+			return nil, false
+		}
+		req.Messages = make([]Message, len(spans))
+		for i, sp := range spans {
+			el := m[sp.Start:sp.End]
+			v, err := jsonobj.Lookup(el, "role", "content")
+			if err != nil || v[0] == nil || v[1] == nil || json.Unmarshal(v[0], &req.Messages[i].Role) != nil {
+				return nil, false
+			}
+			// Only when no "Role" or "CONTENT" is there too, which
+			// encoding/json would read in its place.
+			if n, err := jsonobj.CountFold(el, "role", "content"); err != nil || n[0] != 1 || n[1] != 1 {
+				return nil, false
+			}
+			req.Messages[i].Content = v[1]
+		}
+	}
+	return req, true
 }
 
 // OutputLimit is the output limit the client asked for, as vLLM reads it

@@ -3,6 +3,7 @@ package openai
 import (
 	"encoding/json"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -240,4 +241,78 @@ func TestOutputLimitOf(t *testing.T) {
 			t.Errorf("%s %s: %d, %v, %v; want %d, %v", tc.endpoint, tc.body, n, ok, err, tc.n, tc.ok)
 		}
 	}
+}
+
+// TestDecodeFast checks the scanner's reading of a request against
+// json.Unmarshal's, and that what it cannot read exactly so is left to
+// json.Unmarshal.
+func TestDecodeFast(t *testing.T) {
+	for _, tc := range []struct {
+		body string
+		fast bool // decodeFast reads it
+	}{
+		{`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"stream":true}`, true},
+		{`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"}],"name":"x"},{"role":"assistant","content":null}]}`, true},
+		{` { "messages" : [ { "content" : "é\u2028<b>" , "role" : "system" } ] , "model" : "m" } `, true},
+		{`{"model":"m","prompt":"once upon","max_tokens":null,"stream_options":{"include_usage":true}}`, true},
+		{`{"model":"m","prompt":[1,2,3],"kv_transfer_params":{"a":1}}`, true},
+		{`{"model":"m","prompt":null,"messages":null}`, true},
+		{`{"model":"m","messages":[]}`, true},
+		{`{"model":"m","messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}`, true},
+		{`{"model":"m"}`, true},
+		{`{"model":"m","Messages":[{"role":"user","content":"hi"}]}`, false},
+		{`{"model":"m","messages":[{"Role":"user","content":"hi"}]}`, false},
+		{`{"model":"m","messages":[{"role":"user"}]}`, false},
+		{`{"model":"m","messages":[{"role":"a","content":1,"Role":"b"}]}`, false},
+		{`{"model":"m","messages":[{"role":"a","content":1,"role":"b"}]}`, false},
+		{`{"model":"m","messages":[{"role":5,"content":"x"}]}`, false},
+		{`{"model":"m","messages":"hi"}`, false},
+		{`{"model":"m","messages":[5]}`, false},
+		{`{"model":"m","stream":"yes","messages":[]}`, false},
+		{`{"model":"m"} x`, false},
+		{`[1]`, false},
+		{`{"model":"m","prompt":"x",}`, false},
+	} {
+		got, ok := decodeFast([]byte(tc.body))
+		if ok != tc.fast {
+			t.Errorf("%s: read by the scanner %v, want %v", tc.body, ok, tc.fast)
+		}
+		if !ok {
+			continue
+		}
+		var want Request
+		if err := json.Unmarshal([]byte(tc.body), &want); err != nil {
+			t.Errorf("%s: the scanner read what json.Unmarshal refuses: %v", tc.body, err)
+			continue
+		}
+		if !reflect.DeepEqual(*got, want) {
+			t.Errorf("%s:\n got %+v\nwant %+v", tc.body, *got, want)
+		}
+	}
+}
+
+// FuzzDecodeFast: whatever the scanner reads, json.Unmarshal reads the
+// same, and accepts.
+func FuzzDecodeFast(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5}`,
+		`{"model":"m","prompt":[1,2],"messages":null,"Prompt":1}`,
+		`{"messages":[{"role":"a","content":[{"type":"text","text":"\u00e9"}]}],"n":2}`,
+		`{"messages":[{"role":"a","content":1,"Role":"b","CONTENT":2}]}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		got, ok := decodeFast(body)
+		if !ok {
+			return
+		}
+		var want Request
+		if err := json.Unmarshal(body, &want); err != nil {
+			t.Fatalf("%q: the scanner read what json.Unmarshal refuses: %v", body, err)
+		}
+		if !reflect.DeepEqual(*got, want) {
+			t.Fatalf("%q:\n got %+v\nwant %+v", body, *got, want)
+		}
+	})
 }
