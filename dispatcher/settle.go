@@ -186,9 +186,13 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 			return
 		}
 	}
-	if err := s.msg.DoubleAck(ctx); err != nil {
-		// The job will be redelivered: a prefill's handoff is
-		// deduplicated, a decode's request has ended and is dropped.
+	// A plain ack, not one JetStream confirms: every job succeeds through
+	// here, and waiting for the confirmation cost a round trip and two
+	// messages each time. A lost ack only brings the job back after the
+	// ack wait, and admit settles it then without running it: a prefill
+	// whose handoff is stored is acked, a decode whose request has ended
+	// is dropped.
+	if err := s.msg.Ack(); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
 	}
 	s.log.Debug("job done", logging.Ms("duration_ms", took))
