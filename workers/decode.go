@@ -18,11 +18,15 @@ import (
 func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
-	body, err := DecodeBody(job.Body, job.KV)
+	body, err := decodeParts(job.Body, job.KV)
 	if err == nil && job.ReplyTo == "" {
 		// A replay has no client to stream to: its answer is kept whole in
 		// the request record.
-		body, err = OneResponse(body)
+		var whole []byte
+		if whole, err = join(body, nil); err == nil {
+			whole, err = OneResponse(whole)
+			body = [][]byte{whole}
+		}
 	}
 	if err != nil {
 		return badBody(err)
@@ -97,9 +101,9 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 
 // relay posts the decode leg and sends its output to the gateway, calling
 // alive at each sign of progress from the engine.
-func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body []byte, out *dispatcher.ReplyWriter, streamed bool,
+func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, out *dispatcher.ReplyWriter, streamed bool,
 	alive func(), events eventHooks) error {
-	resp, err := w.call(ctx, job, body)
+	resp, err := w.call(ctx, job, body...)
 	if err != nil {
 		return err
 	}

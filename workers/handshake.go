@@ -59,6 +59,13 @@ func PrefillBody(client json.RawMessage) ([]byte, error) {
 	return edit(client, ops[:]...)
 }
 
+// prefillParts is PrefillBody as the pieces it is made of, for the
+// worker to send without joining them (see jsonobj.EditParts).
+func prefillParts(client json.RawMessage) ([][]byte, error) {
+	ops := oneToken(prefillParams)
+	return editParts(client, ops[:]...)
+}
+
 // DecodeBody builds the decode leg's body: the client's body, with the
 // prefill's kv_transfer_params when there are any. Without params (a
 // decode-only job) the client's bytes go out untouched.
@@ -67,6 +74,14 @@ func DecodeBody(client, params json.RawMessage) ([]byte, error) {
 		return client, nil
 	}
 	return edit(client, jsonobj.Set(keyKVTransferParams, params))
+}
+
+// decodeParts is DecodeBody as the pieces it is made of.
+func decodeParts(client, params json.RawMessage) ([][]byte, error) {
+	if len(params) == 0 {
+		return [][]byte{client}, nil
+	}
+	return editParts(client, jsonobj.Set(keyKVTransferParams, params))
 }
 
 // ReleaseBody builds a decode call whose only purpose is to read, and so
@@ -100,6 +115,26 @@ func oneToken(params json.RawMessage) [7]jsonobj.Op {
 // in one JSON response, not a stream.
 func OneResponse(body []byte) ([]byte, error) {
 	return edit(body, jsonobj.Set(keyStream, jsonFalse), jsonobj.Delete(keyStreamOptions))
+}
+
+// editParts is [jsonobj.EditParts] with the error a bad request body gets.
+func editParts(body []byte, ops ...jsonobj.Op) ([][]byte, error) {
+	parts, err := jsonobj.EditParts(body, ops...)
+	if err != nil {
+		return nil, fmt.Errorf("not a JSON object: %w", err)
+	}
+	return parts, nil
+}
+
+// join makes one body of parts; one part is returned as it is.
+func join(parts [][]byte, err error) ([]byte, error) {
+	if err != nil || len(parts) == 1 {
+		if len(parts) == 1 {
+			return parts[0], err
+		}
+		return nil, err
+	}
+	return bytes.Join(parts, nil), nil
 }
 
 // edit is [jsonobj.Edit] with the error a bad request body gets.

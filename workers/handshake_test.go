@@ -1,12 +1,14 @@
 package workers
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -349,5 +351,41 @@ func TestRelayStreamBatch(t *testing.T) {
 				t.Errorf("chunks %q", kept)
 			}
 		})
+	}
+}
+
+// The worker sends a large prompt's legs as pieces: the prompt is not
+// copied at all, and the pieces join to PrefillBody's and DecodeBody's
+// bytes.
+func TestBodyPartsDoNotCopy(t *testing.T) {
+	body := chatBody(400 << 10)
+	params := json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"do_remote_prefill":true}`)
+	for _, tc := range []struct {
+		name  string
+		parts func() ([][]byte, error)
+		whole func() ([]byte, error)
+	}{
+		{"prefill", func() ([][]byte, error) { return prefillParts(body) }, func() ([]byte, error) { return PrefillBody(body) }},
+		{"decode", func() ([][]byte, error) { return decodeParts(body, params) }, func() ([]byte, error) { return DecodeBody(body, params) }},
+	} {
+		var parts [][]byte
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		const runs = 20
+		for range runs {
+			var err error
+			if parts, err = tc.parts(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		runtime.ReadMemStats(&after)
+		bytesPerRun := (after.TotalAlloc - before.TotalAlloc) / runs
+		if bytesPerRun > 4096 {
+			t.Errorf("%s: %d bytes allocated for the pieces of a %d-byte body", tc.name, bytesPerRun, len(body))
+		}
+		whole, err := tc.whole()
+		if err != nil || !bytes.Equal(bytes.Join(parts, nil), whole) {
+			t.Errorf("%s: the pieces join to %.80q, want %.80q (%v)", tc.name, bytes.Join(parts, nil), whole, err)
+		}
 	}
 }

@@ -19,7 +19,7 @@ import (
 func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
-	body, err := PrefillBody(job.Body)
+	body, err := prefillParts(job.Body)
 	if err != nil {
 		return badBody(err)
 	}
@@ -82,8 +82,8 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 }
 
 // prefillCall posts the prefill leg and reads its whole answer.
-func (w *Worker) prefillCall(ctx context.Context, job *dispatcher.Job, body []byte) ([]byte, error) {
-	resp, err := w.call(ctx, job, body)
+func (w *Worker) prefillCall(ctx context.Context, job *dispatcher.Job, body [][]byte) ([]byte, error) {
+	resp, err := w.call(ctx, job, body...)
 	if err != nil {
 		return nil, err
 	}

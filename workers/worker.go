@@ -345,8 +345,8 @@ func (w *Worker) discover(ctx context.Context) ([]vllm.Model, error) {
 // call sends one leg of a job to the engine. Both legs go through here, so
 // both carry the job's id as X-Request-Id. It returns the response of a 200;
 // any other answer, or none, comes back classified for the ack policy.
-func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body []byte) (*http.Response, error) {
-	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
+func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body ...[]byte) (*http.Response, error) {
+	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body...)
 	if err != nil {
 		return nil, unreachable(ctx, w.cfg.Role, err)
 	}

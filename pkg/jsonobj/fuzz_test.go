@@ -58,8 +58,12 @@ func FuzzEdit(f *testing.F) {
 		}
 		orig := bytes.Clone(in)
 		out, err := Edit(in, ops...)
+		parts, perr := EditParts(in, ops...)
 		if !bytes.Equal(in, orig) {
 			t.Fatal("Edit changed its input")
+		}
+		if (err == nil) != (perr == nil) || err == nil && !bytes.Equal(bytes.Join(parts, nil), out) {
+			t.Fatalf("EditParts(%q) = %q, %v; Edit = %q, %v", in, parts, perr, out, err)
 		}
 		isObject := json.Valid(in) && bytes.TrimLeft(in, " \t\r\n")[0] == '{'
 		if !isObject {

@@ -84,32 +84,153 @@ func DeleteFold(key string) Op { return Op{kind: opDeleteFold, key: key} }
 // value is not one JSON value is an error wrapping [ErrInvalidValue]. The
 // result is valid JSON.
 func Edit(obj []byte, ops ...Op) ([]byte, error) {
+	var smallDone [16]bool
+	var smallChanges [16]change
+	p, err := scan(obj, ops, smallDone[:], smallChanges[:0])
+	if err != nil {
+		return nil, err
+	}
+	if len(p.changes) == 0 && p.appends == 0 {
+		return obj, nil
+	}
+	size := len(obj)
+	for _, c := range p.changes {
+		size += len(c.value(ops, p.lead)) - (c.to - c.from)
+	}
+	kept := p.kept
+	for j, op := range ops {
+		if op.kind != opSet || p.done[j] {
+			continue
+		}
+		if kept == 0 {
+			size += len(p.lead)
+		} else {
+			size++ // ,
+		}
+		size += quotedLen(op.key) + 1 + len(op.value)
+		kept++
+	}
+	out := make([]byte, 0, size)
+	from := 0
+	for _, c := range p.changes {
+		out = append(out, obj[from:c.from]...)
+		out = append(out, c.value(ops, p.lead)...)
+		from = c.to
+	}
+	// Appended members go after the last member, or the brace.
+	out = append(out, obj[from:p.end]...)
+	kept = p.kept
+	for j, op := range ops {
+		if op.kind != opSet || p.done[j] {
+			continue
+		}
+		if kept == 0 {
+			out = append(out, p.lead...)
+		} else {
+			out = append(out, ',')
+		}
+		out = AppendString(out, op.key)
+		out = append(out, ':')
+		out = append(out, op.value...)
+		kept++
+	}
+	return append(out, obj[p.end:]...), nil
+}
+
+// EditParts is [Edit] without the copy: the result as the pieces it is
+// made of, in order, whose concatenation is what Edit returns. They are
+// slices of obj and of the ops' values, and one small slice of the keys
+// and punctuation of appended members. A caller that only writes the
+// result out (an HTTP request's body, say) so sends a long obj on without
+// copying it. When the ops change nothing, the one piece is obj.
+func EditParts(obj []byte, ops ...Op) ([][]byte, error) {
+	var smallDone [16]bool
+	var smallChanges [16]change
+	p, err := scan(obj, ops, smallDone[:], smallChanges[:0])
+	if err != nil {
+		return nil, err
+	}
+	if len(p.changes) == 0 && p.appends == 0 {
+		return [][]byte{obj}, nil
+	}
+	parts := make([][]byte, 0, 2*len(p.changes)+2*p.appends+2)
+	add := func(b []byte) {
+		if len(b) > 0 {
+			parts = append(parts, b)
+		}
+	}
+	from := 0
+	for _, c := range p.changes {
+		add(obj[from:c.from])
+		add(c.value(ops, p.lead))
+		from = c.to
+	}
+	add(obj[from:p.end])
+	if p.appends > 0 {
+		// The keys and commas of the appended members, in one buffer
+		// sized up front, so that its slices stay put.
+		size := 0
+		for j, op := range ops {
+			if op.kind == opSet && !p.done[j] {
+				size += 1 + quotedLen(op.key) + 1
+			}
+		}
+		extra := make([]byte, 0, size)
+		kept := p.kept
+		for j, op := range ops {
+			if op.kind != opSet || p.done[j] {
+				continue
+			}
+			at := len(extra)
+			if kept == 0 {
+				add(p.lead)
+			} else {
+				extra = append(extra, ',')
+			}
+			extra = AppendString(extra, op.key)
+			extra = append(extra, ':')
+			add(extra[at:len(extra):len(extra)])
+			add(op.value)
+			kept++
+		}
+	}
+	add(obj[p.end:])
+	return parts, nil
+}
+
+// edits is what a scan of an object found for a set of ops.
+type edits struct {
+	changes []change // in the order of obj
+	done    []bool   // done[j]: the Set or Replace ops[j] has its member
+	lead    []byte   // whitespace before the first member
+	kept    int      // members kept
+	appends int      // Set ops with no member, appended after end
+	end     int      // just past the last member, or the brace
+}
+
+// scan notes the changes ops make to obj, in order, for Edit and
+// EditParts to write. done and changes are their room to note them in.
+func scan(obj []byte, ops []Op, done []bool, changes []change) (edits, error) {
 	for _, op := range ops {
 		if (op.kind == opSet || op.kind == opReplace) && !validValue(op.value) {
 			// Copies: the ops' values and keys must not escape, or callers
 			// would allocate them.
-			return nil, fmt.Errorf("%w: %s: %q", ErrInvalidValue, strings.Clone(op.key), string(op.value[:min(len(op.value), 40)]))
+			return edits{}, fmt.Errorf("%w: %s: %q", ErrInvalidValue, strings.Clone(op.key), string(op.value[:min(len(op.value), 40)]))
 		}
 	}
-	var smallDone [16]bool
-	done := smallDone[:] // done[j]: the Set or Replace ops[j] has its member
-	if len(ops) > len(smallDone) {
+	if len(ops) > len(done) {
 		done = make([]bool, len(ops))
 	}
-	// The scan notes the changes, in order; the output is then sized and
-	// written in one go.
-	var smallChanges [16]change
-	changes := smallChanges[:0]
 	m := members{s: obj}
 	if err := m.begin(); err != nil {
-		return nil, err
+		return edits{}, err
 	}
-	var lead []byte // whitespace before the first member
-	kept := 0       // members kept
+	var lead []byte
+	kept := 0
 	for {
 		more, err := m.next()
 		if err != nil {
-			return nil, err
+			return edits{}, err
 		}
 		if !more {
 			break
@@ -152,52 +273,15 @@ func Edit(obj []byte, ops ...Op) ([]byte, error) {
 		kept++
 	}
 	if err := m.finish(); err != nil {
-		return nil, err
-	}
-	size := len(obj)
-	for _, c := range changes {
-		size += len(c.value(ops, lead)) - (c.to - c.from)
+		return edits{}, err
 	}
 	appends := 0
 	for j, op := range ops {
-		if op.kind != opSet || done[j] {
-			continue
+		if op.kind == opSet && !done[j] {
+			appends++
 		}
-		if kept+appends == 0 {
-			size += len(lead)
-		} else {
-			size++ // ,
-		}
-		size += quotedLen(op.key) + 1 + len(op.value)
-		appends++
 	}
-	if len(changes) == 0 && appends == 0 {
-		return obj, nil
-	}
-	out := make([]byte, 0, size)
-	from := 0
-	for _, c := range changes {
-		out = append(out, obj[from:c.from]...)
-		out = append(out, c.value(ops, lead)...)
-		from = c.to
-	}
-	// Appended members go after the last member, or the brace.
-	out = append(out, obj[from:m.end]...)
-	for j, op := range ops {
-		if op.kind != opSet || done[j] {
-			continue
-		}
-		if kept == 0 {
-			out = append(out, lead...)
-		} else {
-			out = append(out, ',')
-		}
-		out = AppendString(out, op.key)
-		out = append(out, ':')
-		out = append(out, op.value...)
-		kept++
-	}
-	return append(out, obj[m.end:]...), nil
+	return edits{changes: changes, done: done, lead: lead, kept: kept, appends: appends, end: m.end}, nil
 }
 
 // A change puts a value in place of obj[from:to]: ops[with].value, or

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -64,12 +65,26 @@ func (c *Client) URL() string { return c.base.String() }
 // Host is the host part of the engine's URL, without the port.
 func (c *Client) Host() string { return c.base.Hostname() }
 
-// Post sends a generation request with X-Request-Id set to requestID. The
-// caller reads and closes the response body whatever its status.
-func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID string, body []byte) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base.String()+endpoint.Path(), bytes.NewReader(body))
+// Post sends a generation request with X-Request-Id set to requestID, its
+// body the concatenation of body. The caller reads and closes the response
+// body whatever its status.
+func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID string, body ...[]byte) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base.String()+endpoint.Path(), http.NoBody)
 	if err != nil {
 		return nil, err
+	}
+	// The body goes out as the pieces it is made of (a long prompt is
+	// not copied into one buffer first), as often as the transport needs
+	// it (a retry on a stale keep-alive connection).
+	for _, b := range body {
+		req.ContentLength += int64(len(b))
+	}
+	if req.ContentLength > 0 {
+		req.GetBody = func() (io.ReadCloser, error) {
+			bufs := net.Buffers(slices.Clone(body))
+			return io.NopCloser(&bufs), nil
+		}
+		req.Body, _ = req.GetBody()
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", requestID)
