@@ -137,6 +137,10 @@ var newline = []byte{'\n'}
 
 // Beats sends a heartbeat every interval until stopped, so that the
 // gateway knows the decode runs and learns how many chunks it should have.
+// The first goes out after one interval, not at once: a decode that
+// streams is heard by its chunks, most end before a beat is due, and the
+// interval is well within the gateway's stall time-out (see beatEvery).
+// An immediate beat cost every request a round trip.
 func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func()) {
 	if w.subject == "" {
 		return func() {}
@@ -148,12 +152,12 @@ func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func
 		t := time.NewTicker(every)
 		defer t.Stop()
 		for {
-			w.beat(bctx)
 			select {
 			case <-bctx.Done():
 				return
 			case <-t.C:
 			}
+			w.beat(bctx)
 		}
 	}()
 	return func() {
