@@ -188,10 +188,13 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 	}
 	// A plain ack, not one JetStream confirms: every job succeeds through
 	// here, and waiting for the confirmation cost a round trip and two
-	// messages each time. A lost ack only brings the job back after the
-	// ack wait, and admit settles it then without running it: a prefill
-	// whose handoff is stored is acked, a decode whose request has ended
-	// is dropped.
+	// messages each time, while a failed confirmation changed nothing. A
+	// lost ack brings the job back after the ack wait, and admit mostly
+	// settles it then without running it: a prefill whose handoff is
+	// stored is acked, a decode whose request has ended is dropped. Not a
+	// prompt of a batch, though, whose record ends with the whole batch:
+	// if another prompt outlives the ack wait, the prompt runs again, and
+	// nobody reads that second answer.
 	if err := s.msg.Ack(); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
 	}

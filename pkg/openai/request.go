@@ -183,8 +183,11 @@ func decodeFast(body []byte) (req *Request, ok bool) {
 		}
 	}
 	req = &Request{}
-	if json.Unmarshal(rest, req) != nil || req.Messages != nil || req.Prompt != nil {
-		return nil, false // an error to word, or "Messages" in another case
+	if json.Unmarshal(rest, req) != nil {
+		return nil, false // an error to word
+	}
+	if n, err := jsonobj.CountFold(rest, "messages", "prompt"); err != nil || n[0] != 0 || n[1] != 0 {
+		return nil, false // "Messages" or "PROMPT" is there too, and encoding/json would read it
 	}
 	req.Prompt = long[1]
 	if m := long[0]; m != nil && string(m) != "null" {

@@ -261,6 +261,8 @@ func TestDecodeFast(t *testing.T) {
 		{`{"model":"m","messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}`, true},
 		{`{"model":"m"}`, true},
 		{`{"model":"m","Messages":[{"role":"user","content":"hi"}]}`, false},
+		{`{"model":"m","messages":[{"role":"user","content":"hi"}],"Messages":null}`, false},
+		{`{"model":"m","prompt":"x","PROMPT":null}`, false},
 		{`{"model":"m","messages":[{"Role":"user","content":"hi"}]}`, false},
 		{`{"model":"m","messages":[{"role":"user"}]}`, false},
 		{`{"model":"m","messages":[{"role":"a","content":1,"Role":"b"}]}`, false},

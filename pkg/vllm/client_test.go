@@ -1,7 +1,9 @@
 package vllm
 
 import (
+	"bytes"
 	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"sync"
@@ -48,6 +50,44 @@ func TestAPIKey(t *testing.T) {
 	for _, path := range []string{"/v1/models", "/health", "/v1/completions", "/version", "/v1/chat/completions"} {
 		if seen[path] != "Bearer k3y" {
 			t.Errorf("%s: Authorization %q", path, seen[path])
+		}
+	}
+}
+
+// TestPostPieces checks that a body given as pieces reaches the engine as
+// their concatenation, with its length, short (joined) or long (sent as
+// the pieces).
+func TestPostPieces(t *testing.T) {
+	type got struct {
+		body   []byte
+		length int64
+	}
+	bodies := make(chan got, 4)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		bodies <- got{b, r.ContentLength}
+	}))
+	defer srv.Close()
+	c, err := New(srv.URL, 1, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := bytes.Repeat([]byte("x"), 100<<10)
+	for _, pieces := range [][][]byte{
+		{[]byte(`{"a":1}`)},
+		{[]byte(`{"a":1`), []byte(`,"b":2`), []byte(`}`)},
+		{[]byte(`{"p":"`), long, []byte(`","k":1}`)},
+		{},
+	} {
+		resp, err := c.Post(context.Background(), openai.Chat, "id-1", pieces...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		want := bytes.Join(pieces, nil)
+		g := <-bodies
+		if !bytes.Equal(g.body, want) || g.length != int64(len(want)) {
+			t.Errorf("engine got %d bytes (Content-Length %d), want %d", len(g.body), g.length, len(want))
 		}
 	}
 }
