@@ -593,9 +593,11 @@ func TestHandoffGenerations(t *testing.T) {
 			defer func() { cancel(); <-done }()
 			st, _ := js.Stream(ctx, StreamPrefill)
 			var m *jetstream.RawStreamMsg
+			// The first generation's job goes when its ack, sent above
+			// without waiting, is processed: until then it is the last.
 			waitFor(t, "the next generation's prefill job", func() bool {
 				m, err = st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, id))
-				return err == nil
+				return err == nil && m.Header.Get(HeaderGeneration) != "1"
 			})
 			if m.Header.Get(HeaderGeneration) != "2" || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || m.Header.Get(HeaderKV) != "" {
 				t.Errorf("prefill job headers %v, want generation 2 without KV params", m.Header)
