@@ -377,23 +377,12 @@ func (m *members) finish() error {
 // The whole of obj is read, and must be one JSON object (else the error
 // wraps [ErrInvalid]).
 func Get(obj []byte, key string) (value json.RawMessage, ok bool, err error) {
-	m := members{s: obj}
-	if err := m.begin(); err != nil {
-		return nil, false, err
-	}
-	for {
-		more, err := m.next()
-		if err != nil {
-			return nil, false, err
+	err = eachMember(obj, func(raw []byte, isPlain bool, val, end int) {
+		if keyIs(raw, isPlain, key, false) {
+			value, ok = obj[val:end:end], true
 		}
-		if !more {
-			break
-		}
-		if raw := obj[m.key+1 : m.keyEnd-1]; keyIs(raw, plain(raw), key, false) {
-			value, ok = obj[m.val:m.end:m.end], true
-		}
-	}
-	if err := m.finish(); err != nil {
+	})
+	if err != nil {
 		return nil, false, err
 	}
 	return value, ok, nil
@@ -402,28 +391,15 @@ func Get(obj []byte, key string) (value json.RawMessage, ok bool, err error) {
 // Lookup is [Get] for several keys in one scan: values[i] is the value of
 // keys[i], nil when obj has no such member.
 func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
-	m := members{s: obj}
-	if err := m.begin(); err != nil {
-		return nil, err
-	}
 	values = make([]json.RawMessage, len(keys))
-	for {
-		more, err := m.next()
-		if err != nil {
-			return nil, err
-		}
-		if !more {
-			break
-		}
-		raw := obj[m.key+1 : m.keyEnd-1]
-		isPlain := plain(raw)
+	err = eachMember(obj, func(raw []byte, isPlain bool, val, end int) {
 		for i, key := range keys {
 			if keyIs(raw, isPlain, key, false) {
-				values[i] = obj[m.val:m.end:m.end]
+				values[i] = obj[val:end:end]
 			}
 		}
-	}
-	if err := m.finish(); err != nil {
+	})
+	if err != nil {
 		return nil, err
 	}
 	return values, nil
@@ -434,31 +410,41 @@ func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
 // (after unescaping the names). A reader that takes a key as it is spelled
 // can tell from it whether encoding/json would read another member.
 func CountFold(obj []byte, keys ...string) (counts []int, err error) {
-	m := members{s: obj}
-	if err := m.begin(); err != nil {
-		return nil, err
-	}
 	counts = make([]int, len(keys))
-	for {
-		more, err := m.next()
-		if err != nil {
-			return nil, err
-		}
-		if !more {
-			break
-		}
-		raw := obj[m.key+1 : m.keyEnd-1]
-		isPlain := plain(raw)
+	err = eachMember(obj, func(raw []byte, isPlain bool, _, _ int) {
 		for i, key := range keys {
 			if keyIs(raw, isPlain, key, true) {
 				counts[i]++
 			}
 		}
-	}
-	if err := m.finish(); err != nil {
+	})
+	if err != nil {
 		return nil, err
 	}
 	return counts, nil
+}
+
+// eachMember calls f with each top-level member of the JSON object obj:
+// its name as written (without the quotes), whether that needs no
+// unescaping, and where its value lies, obj[val:end]. The whole of obj is
+// read, and must be one JSON object.
+func eachMember(obj []byte, f func(raw []byte, isPlain bool, val, end int)) error {
+	m := members{s: obj}
+	if err := m.begin(); err != nil {
+		return err
+	}
+	for {
+		more, err := m.next()
+		if err != nil {
+			return err
+		}
+		if !more {
+			break
+		}
+		raw := obj[m.key+1 : m.keyEnd-1]
+		f(raw, plain(raw), m.val, m.end)
+	}
+	return m.finish()
 }
 
 // Span is where a value lies in a document: doc[Start:End].
