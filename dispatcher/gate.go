@@ -33,6 +33,8 @@ type decodeGate struct {
 	registry *Registry
 	log      *slog.Logger
 
+	fresh time.Duration // how long a look serves: gateFresh
+
 	mu     sync.Mutex
 	open   bool      // the last answer, for the log
 	looked time.Time // when the backlog was last looked at
@@ -46,7 +48,7 @@ func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl
 	if err != nil {
 		return nil, err
 	}
-	return &decodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log}, nil
+	return &decodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh}, nil
 }
 
 // wait returns once a prefill may start, or when ctx ends.
@@ -66,7 +68,7 @@ func (g *decodeGate) wait(ctx context.Context) error {
 func (g *decodeGate) isOpen(ctx context.Context) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if time.Since(g.looked) >= gateFresh {
+	if time.Since(g.looked) >= g.fresh {
 		cons, err := g.js.Consumer(ctx, StreamDecode, ConsumerName(StageDecode, g.pool))
 		if err != nil {
 			g.open = true
