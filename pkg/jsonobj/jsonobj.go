@@ -93,56 +93,25 @@ func Edit(obj []byte, ops ...Op) ([]byte, error) {
 	if len(p.changes) == 0 && p.appends == 0 {
 		return obj, nil
 	}
-	size := len(obj)
-	for _, c := range p.changes {
-		size += len(c.value(ops, p.lead)) - (c.to - c.from)
-	}
-	kept := p.kept
-	for j, op := range ops {
-		if op.kind != opSet || p.done[j] {
-			continue
-		}
-		if kept == 0 {
-			size += len(p.lead)
-		} else {
-			size++ // ,
-		}
-		size += quotedLen(op.key) + 1 + len(op.value)
-		kept++
+	var small [40]piece
+	pieces := p.pieces(ops, small[:0])
+	size := 0
+	for _, pc := range pieces {
+		size += pc.len(ops)
 	}
 	out := make([]byte, 0, size)
-	from := 0
-	for _, c := range p.changes {
-		out = append(out, obj[from:c.from]...)
-		out = append(out, c.value(ops, p.lead)...)
-		from = c.to
+	for _, pc := range pieces {
+		out = pc.append(out, obj, ops)
 	}
-	// Appended members go after the last member, or the brace.
-	out = append(out, obj[from:p.end]...)
-	kept = p.kept
-	for j, op := range ops {
-		if op.kind != opSet || p.done[j] {
-			continue
-		}
-		if kept == 0 {
-			out = append(out, p.lead...)
-		} else {
-			out = append(out, ',')
-		}
-		out = AppendString(out, op.key)
-		out = append(out, ':')
-		out = append(out, op.value...)
-		kept++
-	}
-	return append(out, obj[p.end:]...), nil
+	return out, nil
 }
 
 // EditParts is [Edit] without the copy: the result as the pieces it is
 // made of, in order, whose concatenation is what Edit returns. They are
-// slices of obj and of the ops' values, and one small slice of the keys
-// and punctuation of appended members. A caller that only writes the
-// result out (an HTTP request's body, say) so sends a long obj on without
-// copying it. When the ops change nothing, the one piece is obj.
+// slices of obj and of the ops' values, commas, and a small slice for the
+// key of each appended member. A caller that only writes the result out
+// (an HTTP request's body, say) so sends a long obj on without copying
+// it. When the ops change nothing, the one piece is obj.
 func EditParts(obj []byte, ops ...Op) ([][]byte, error) {
 	var smallDone [16]bool
 	var smallChanges [16]change
@@ -153,59 +122,105 @@ func EditParts(obj []byte, ops ...Op) ([][]byte, error) {
 	if len(p.changes) == 0 && p.appends == 0 {
 		return [][]byte{obj}, nil
 	}
-	parts := make([][]byte, 0, 2*len(p.changes)+2*p.appends+2)
-	add := func(b []byte) {
-		if len(b) > 0 {
-			parts = append(parts, b)
+	var small [40]piece
+	pieces := p.pieces(ops, small[:0])
+	parts := make([][]byte, 0, len(pieces)+p.appends)
+	for _, pc := range pieces {
+		switch {
+		case pc.comma:
+			parts = append(parts, comma)
+		case pc.op < 0:
+			if pc.to > pc.from {
+				parts = append(parts, obj[pc.from:pc.to])
+			}
+		case pc.key:
+			parts = append(parts, append(AppendString(nil, ops[pc.op].key), ':'), ops[pc.op].value)
+		default:
+			parts = append(parts, ops[pc.op].value)
 		}
 	}
+	return parts, nil
+}
+
+var comma = []byte{','}
+
+// A piece of an edit's result: obj[from:to] when op < 0, else the value of
+// ops[op], after its key (quoted, and a colon) when key is set; or a comma
+// alone. It holds offsets and indexes, not slices: an op's value must not
+// be reachable from the heap, or every caller's value would escape to it.
+type piece struct {
+	from, to, op int
+	key, comma   bool
+}
+
+func (pc piece) len(ops []Op) int {
+	switch {
+	case pc.comma:
+		return 1
+	case pc.op < 0:
+		return pc.to - pc.from
+	case pc.key:
+		return quotedLen(ops[pc.op].key) + 1 + len(ops[pc.op].value)
+	}
+	return len(ops[pc.op].value)
+}
+
+func (pc piece) append(out, obj []byte, ops []Op) []byte {
+	switch {
+	case pc.comma:
+		return append(out, ',')
+	case pc.op < 0:
+		return append(out, obj[pc.from:pc.to]...)
+	case pc.key:
+		out = append(AppendString(out, ops[pc.op].key), ':')
+	}
+	return append(out, ops[pc.op].value...)
+}
+
+// pieces appends to out the pieces of the result, in order.
+func (p *edits) pieces(ops []Op, out []piece) []piece {
+	span := func(from, to int) piece { return piece{from: from, to: to, op: -1} }
 	from := 0
 	for _, c := range p.changes {
-		add(obj[from:c.from])
-		add(c.value(ops, p.lead))
+		out = append(out, span(from, c.from))
+		switch c.with {
+		case dropped:
+		case toLead:
+			out = append(out, span(p.lead, p.leadEnd))
+		default:
+			out = append(out, piece{op: c.with})
+		}
 		from = c.to
 	}
-	add(obj[from:p.end])
-	if p.appends > 0 {
-		// The keys and commas of the appended members, in one buffer
-		// sized up front, so that its slices stay put.
-		size := 0
-		for j, op := range ops {
-			if op.kind == opSet && !p.done[j] {
-				size += 1 + quotedLen(op.key) + 1
-			}
+	// Appended members go after the last member, or the brace.
+	out = append(out, span(from, p.end))
+	kept := p.kept
+	for j, op := range ops {
+		if op.kind != opSet || p.done[j] {
+			continue
 		}
-		extra := make([]byte, 0, size)
-		kept := p.kept
-		for j, op := range ops {
-			if op.kind != opSet || p.done[j] {
-				continue
-			}
-			at := len(extra)
-			if kept == 0 {
-				add(p.lead)
-			} else {
-				extra = append(extra, ',')
-			}
-			extra = AppendString(extra, op.key)
-			extra = append(extra, ':')
-			add(extra[at:len(extra):len(extra)])
-			add(op.value)
-			kept++
+		if kept == 0 {
+			out = append(out, span(p.lead, p.leadEnd))
+		} else {
+			out = append(out, piece{comma: true})
 		}
+		out = append(out, piece{op: j, key: true})
+		kept++
 	}
-	add(obj[p.end:])
-	return parts, nil
+	return append(out, span(p.end, p.size))
 }
 
 // edits is what a scan of an object found for a set of ops.
 type edits struct {
 	changes []change // in the order of obj
 	done    []bool   // done[j]: the Set or Replace ops[j] has its member
-	lead    []byte   // whitespace before the first member
-	kept    int      // members kept
-	appends int      // Set ops with no member, appended after end
-	end     int      // just past the last member, or the brace
+	// obj[lead:leadEnd] is the whitespace before the first member: held
+	// as offsets, as pieces are, not as a slice.
+	lead, leadEnd int
+	kept          int // members kept
+	appends       int // Set ops with no member, appended after end
+	end           int // just past the last member, or the brace
+	size          int // len(obj)
 }
 
 // scan notes the changes ops make to obj, in order, for Edit and
@@ -225,7 +240,7 @@ func scan(obj []byte, ops []Op, done []bool, changes []change) (edits, error) {
 	if err := m.begin(); err != nil {
 		return edits{}, err
 	}
-	var lead []byte
+	lead, leadEnd := 0, 0
 	kept := 0
 	for {
 		more, err := m.next()
@@ -236,7 +251,7 @@ func scan(obj []byte, ops []Op, done []bool, changes []change) (edits, error) {
 			break
 		}
 		if m.n == 1 {
-			lead = obj[m.sep:m.key]
+			lead, leadEnd = m.sep, m.key
 		}
 		raw := obj[m.key+1 : m.keyEnd-1]
 		isPlain := plain(raw)
@@ -281,7 +296,7 @@ func scan(obj []byte, ops []Op, done []bool, changes []change) (edits, error) {
 			appends++
 		}
 	}
-	return edits{changes: changes, done: done, lead: lead, kept: kept, appends: appends, end: m.end}, nil
+	return edits{changes: changes, done: done, lead: lead, leadEnd: leadEnd, size: len(obj), kept: kept, appends: appends, end: m.end}, nil
 }
 
 // A change puts a value in place of obj[from:to]: ops[with].value, or
@@ -294,16 +309,6 @@ const (
 	dropped = -1 - iota
 	toLead
 )
-
-func (c change) value(ops []Op, lead []byte) []byte {
-	switch c.with {
-	case dropped:
-		return nil
-	case toLead:
-		return lead
-	}
-	return ops[c.with].value
-}
 
 // members reads the top-level members of an object, one at a time.
 type members struct {
