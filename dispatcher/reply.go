@@ -521,15 +521,18 @@ func (s *ReplyStream) Rearm() { s.heard = false }
 // the caller decides by Heard whether that is a silent decode or a queue),
 // or when ctx ends.
 func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
-	if s.stall == nil {
-		s.stall = time.NewTimer(stall)
-	}
-	s.stall.Reset(stall) // Go 1.23+: no stale tick can be left in the channel
 	if len(s.pending) > 0 {
 		data := s.pending[0]
 		s.pending = s.pending[1:]
 		return Reply{Kind: KindChunk, Data: data}, nil
 	}
+	if s.stall == nil {
+		s.stall = time.NewTimer(stall)
+	}
+	// The stall window starts with this call, and again at each sign of
+	// progress; the timer is set only when Next is about to wait, not at
+	// each of those (once per token, not three times).
+	owed := true
 	for {
 		msg, ok := s.q.pop()
 		if !ok {
@@ -541,7 +544,11 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 				}
 				// A flush to a slow client is no silence of the decode's:
 				// the wait starts now.
-				s.stall.Reset(stall)
+				owed = true
+			}
+			if owed {
+				s.stall.Reset(stall) // Go 1.23+: no stale tick can be left in the channel
+				owed = false
 			}
 			select {
 			case <-s.q.ready:
@@ -584,7 +591,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			s.attempt, s.moved = attempt, false
 		}
 		if !s.heard || kind == KindBeat || (kind == KindChunk && seq <= s.next && s.next < seq+count) {
-			s.stall.Reset(stall) // a sign of life, or progress
+			owed = true // a sign of life, or progress
 		}
 		s.heard = true
 		switch kind {
