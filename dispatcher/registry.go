@@ -305,6 +305,10 @@ type PoolStatus struct {
 	// PrefillHealthy counts the live prefill workers whose breaker is not
 	// open: the ones a prefill job can expect to run on.
 	PrefillHealthy int
+	// MaxModelLen is the smallest context length the live decode workers
+	// report, 0 when none does: the longest request every decode engine
+	// of the model accepts.
+	MaxModelLen int
 }
 
 // Status reports the live workers of model.
@@ -325,6 +329,9 @@ func (r *Registry) Status(model string) PoolStatus {
 			}
 		case StageDecode:
 			s.Decode++
+			if n := e.info.MaxModelLen; n > 0 && (s.MaxModelLen == 0 || n < s.MaxModelLen) {
+				s.MaxModelLen = n
+			}
 		}
 	}
 	return s
@@ -349,23 +356,6 @@ func (r *Registry) Cards() map[string]json.RawMessage {
 		}
 	}
 	return out
-}
-
-// MaxModelLen is the smallest context length the live decode workers of
-// model report, 0 when none does: the longest request every decode engine
-// of the model accepts.
-func (r *Registry) MaxModelLen(model string) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	now := r.now()
-	n := 0
-	for _, e := range r.workers {
-		if e.info.Role == StageDecode && e.info.Model == model && e.info.MaxModelLen > 0 && r.live(e.at, now) &&
-			(n == 0 || e.info.MaxModelLen < n) {
-			n = e.info.MaxModelLen
-		}
-	}
-	return n
 }
 
 // Decoders lists the live decode workers of model whose engines take
