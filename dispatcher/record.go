@@ -163,10 +163,30 @@ var ErrNoChange = errors.New("no change")
 // returns ErrNoChange to leave the record alone. It returns the record as
 // written (or as left).
 func (rs *Records) Transition(ctx context.Context, id string, change func(*Record) error) (*Record, error) {
+	return rs.transition(ctx, id, nil, 0, change)
+}
+
+// TransitionFrom is Transition starting from the record a Submit wrote:
+// when no other write came since, the change is written without reading
+// the record first. A claim whose revision is not known makes it a plain
+// Transition.
+func (rs *Records) TransitionFrom(ctx context.Context, claim *Claim, change func(*Record) error) (*Record, error) {
+	return rs.transition(ctx, claim.rec.ID, claim.rec, claim.rev, change)
+}
+
+// transition is Transition whose first try, when rev is not 0, starts
+// from a copy of from, taken to be the record at revision rev.
+func (rs *Records) transition(ctx context.Context, id string, from *Record, rev uint64, change func(*Record) error) (*Record, error) {
 	for range 5 {
-		r, rev, err := rs.Get(ctx, id)
-		if err != nil {
-			return nil, err
+		var r *Record
+		if rev != 0 {
+			cp := *from // the claim stays as it was written
+			r = &cp
+		} else {
+			var err error
+			if r, rev, err = rs.Get(ctx, id); err != nil {
+				return nil, err
+			}
 		}
 		if err := change(r); err != nil {
 			if errors.Is(err, ErrNoChange) {
@@ -176,6 +196,7 @@ func (rs *Records) Transition(ctx context.Context, id string, change func(*Recor
 		}
 		if _, err := rs.update(ctx, r, rev); err != nil {
 			if isWrongRevision(err) {
+				rev = 0 // written since: read what is there
 				continue
 			}
 			return nil, fmt.Errorf("write record %s: %w", id, err)
@@ -183,31 +204,6 @@ func (rs *Records) Transition(ctx context.Context, id string, change func(*Recor
 		return r, nil
 	}
 	return nil, fmt.Errorf("write record %s: too many concurrent writes", id)
-}
-
-// TransitionFrom is Transition starting from the record a Submit wrote:
-// when no other write came since, the change is written without reading
-// the record first. A claim whose revision is not known makes it a plain
-// Transition.
-func (rs *Records) TransitionFrom(ctx context.Context, claim *Claim, change func(*Record) error) (*Record, error) {
-	if claim.rev == 0 {
-		return rs.Transition(ctx, claim.rec.ID, change)
-	}
-	r := *claim.rec // the claim stays as it was written
-	if err := change(&r); err != nil {
-		if errors.Is(err, ErrNoChange) {
-			return &r, nil
-		}
-		return &r, err
-	}
-	_, err := rs.update(ctx, &r, claim.rev)
-	switch {
-	case err == nil:
-		return &r, nil
-	case isWrongRevision(err):
-		return rs.Transition(ctx, claim.rec.ID, change) // written since: start from what is there
-	}
-	return nil, fmt.Errorf("write record %s: %w", r.ID, err)
 }
 
 // End moves id's generation to an ended state, unless the record has moved
