@@ -22,10 +22,14 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	ctx := context.Background()
 	pool := PoolName(t.Name())
 	id := "slot-wait"
-	var ran, released atomic.Int32
+	var ran, released, handBacks atomic.Int32
 	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
-		Grace:   time.Second,
-		Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
+		Grace: time.Second,
+		Handler: func(_ context.Context, d *Delivery) error {
+			ran.Add(1)
+			handBacks.Store(int32(d.Job.HandBacks))
+			return nil
+		},
 		Release: func(context.Context, *Job) error { released.Add(1); return nil }}
 	records, _ := OpenRecords(ctx, js)
 	job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
@@ -73,6 +77,9 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	})
 	if r, _, _ := records.Get(ctx, id); ran.Load() != 1 || r.Generation != 1 {
 		t.Errorf("the unread handoff was not decoded: record generation %d state %s, decode ran %d times", r.Generation, r.State, ran.Load())
+	}
+	if n := handBacks.Load(); n != 0 {
+		t.Errorf("the handoff was handed back %d times: the busy worker pulled it", n)
 	}
 }
 

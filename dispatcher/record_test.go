@@ -51,6 +51,9 @@ func TestTransitionFrom(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			if claim.rev == 0 {
+				t.Fatal("the claim does not know the revision it wrote: every end would read the record first")
+			}
 			if tc.between != nil {
 				if err := tc.between(id); err != nil {
 					t.Fatal(err)
