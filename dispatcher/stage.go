@@ -537,13 +537,13 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 			permit.release()
 		}
 	}()
-	if engineHeld {
-		defer func() {
-			if engineHeld {
-				l.cfg.EngineSlots.release()
-			}
-		}()
-	}
+	// The engine slot, when held (from the pull, or taken below), is given
+	// back once, however process ends.
+	defer func() {
+		if engineHeld {
+			l.cfg.EngineSlots.release()
+		}
+	}()
 	attempt := 1
 	var stored time.Time // when the job's message was stored
 	if meta, err := msg.Metadata(); err == nil {
@@ -591,11 +591,6 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		switch cause := context.Cause(jctx); {
 		case err == nil:
 			engineHeld = true
-			defer func() {
-				if engineHeld {
-					e.release()
-				}
-			}()
 		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
 			// Settled below, without a slot: it will not run.
 		case attempt == 1 && job.HandBacks < maxHandBacks:
