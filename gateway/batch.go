@@ -78,7 +78,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 	}
 	bodies := make([][]byte, len(in.batch))
 	for i, prompt := range in.batch {
-		if bodies[i], err = setMember(in.body, "prompt", prompt); err != nil {
+		if bodies[i], err = jsonobj.Edit(in.body, jsonobj.Set("prompt", prompt)); err != nil {
 			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
 		}
 	}
@@ -141,7 +141,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 	if req.N != nil {
 		n = *req.N
 	}
-	m := &batchMerge{id: openai.Completions.IDPrefix() + id, n: n}
+	m := newBatchMerge(openai.Completions.IDPrefix()+id, n)
 	// stop ends every prompt not settled yet, the ones that finished
 	// included: their answers never went out.
 	stop := func(state dispatcher.State, status int, why string) {
@@ -270,30 +270,27 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 
 // batchMerge rewrites the answers of a batch's jobs into one.
 type batchMerge struct {
-	id string // the batch's response id
+	id []byte // the batch's response id, as JSON
 	n  int    // choices per prompt
 	// usage is the last usage-only chunk of the streams, held back to be
-	// summed into one; usages counts them.
-	usage  []byte
-	sum    usage
-	usages int
+	// summed into one.
+	usage []byte
+	sum   openai.Usage
 }
 
-// usage is the part of vLLM's usage object that a batch sums.
-type usage struct {
-	PromptTokens     int `json:"prompt_tokens"`
-	TotalTokens      int `json:"total_tokens"`
-	CompletionTokens int `json:"completion_tokens"`
+func newBatchMerge(id string, n int) *batchMerge {
+	return &batchMerge{id: jsonobj.AppendString(nil, id), n: n}
 }
 
-func (u *usage) add(raw json.RawMessage) error {
-	var v usage
+// addUsage adds the counts of a usage object to the batch's sum.
+func (m *batchMerge) addUsage(raw json.RawMessage) error {
+	var v openai.Usage
 	if err := json.Unmarshal(raw, &v); err != nil {
 		return fmt.Errorf("usage: %w", err)
 	}
-	u.PromptTokens += v.PromptTokens
-	u.TotalTokens += v.TotalTokens
-	u.CompletionTokens += v.CompletionTokens
+	m.sum.PromptTokens += v.PromptTokens
+	m.sum.TotalTokens += v.TotalTokens
+	m.sum.CompletionTokens += v.CompletionTokens
 	return nil
 }
 
@@ -309,10 +306,10 @@ func (m *batchMerge) chunk(i int, data []byte) (out []byte, held bool, err error
 		return nil, false, fmt.Errorf("a chunk of prompt %d is not JSON: %w", i, err)
 	}
 	if len(c.Choices) == 0 && len(c.Usage) > 0 && string(c.Usage) != "null" {
-		if err := m.sum.add(c.Usage); err != nil {
+		if err := m.addUsage(c.Usage); err != nil {
 			return nil, false, err
 		}
-		m.usage, m.usages = data, m.usages+1
+		m.usage = data
 		return nil, true, nil
 	}
 	return m.rewrite(i, data, c.Choices)
@@ -321,18 +318,15 @@ func (m *batchMerge) chunk(i int, data []byte) (out []byte, held bool, err error
 // rewrite sets a response's or chunk's id to the batch's, and its choices'
 // indexes to their place in the batch.
 func (m *batchMerge) rewrite(i int, data []byte, choices []json.RawMessage) ([]byte, bool, error) {
-	out, err := setMember(data, "id", mustJSON(m.id))
-	if err != nil {
-		return nil, false, err
+	ops := []jsonobj.Op{jsonobj.Set("id", m.id)}
+	if len(choices) > 0 {
+		list, err := m.reindex(nil, i, choices)
+		if err != nil {
+			return nil, false, err
+		}
+		ops = append(ops, jsonobj.Set("choices", array(list)))
 	}
-	if len(choices) == 0 {
-		return out, false, nil
-	}
-	list, err := m.reindex(nil, i, choices)
-	if err != nil {
-		return nil, false, err
-	}
-	out, err = setMember(out, "choices", array(list))
+	out, err := jsonobj.Edit(data, ops...)
 	return out, false, err
 }
 
@@ -346,7 +340,7 @@ func (m *batchMerge) reindex(list []byte, i int, choices []json.RawMessage) ([]b
 		if err := json.Unmarshal(ch, &c); err != nil {
 			return nil, fmt.Errorf("a choice of prompt %d: %w", i, err)
 		}
-		ch, err := setMember(ch, "index", mustJSON(i*m.n+c.Index))
+		ch, err := jsonobj.Edit(ch, jsonobj.Set("index", strconv.AppendInt(nil, int64(i*m.n+c.Index), 10)))
 		if err != nil {
 			return nil, err
 		}
@@ -364,7 +358,7 @@ func (m *batchMerge) usageChunk() []byte {
 	if m.usage == nil {
 		return nil
 	}
-	out, err := setMember(m.usage, "id", mustJSON(m.id))
+	out, err := jsonobj.Edit(m.usage, jsonobj.Set("id", m.id))
 	if err == nil {
 		out, err = m.withUsage(out)
 	}
@@ -386,17 +380,13 @@ func (m *batchMerge) withUsage(obj []byte) ([]byte, error) {
 	if len(c.Usage) == 0 || string(c.Usage) == "null" {
 		return obj, nil
 	}
-	u := []byte(c.Usage)
-	var err error
-	for _, f := range []struct {
-		key string
-		v   int
-	}{{"prompt_tokens", m.sum.PromptTokens}, {"total_tokens", m.sum.TotalTokens}, {"completion_tokens", m.sum.CompletionTokens}} {
-		if u, err = setMember(u, f.key, mustJSON(f.v)); err != nil {
-			return nil, err
-		}
+	num := func(n int) []byte { return strconv.AppendInt(nil, int64(n), 10) }
+	u, err := jsonobj.Edit(c.Usage, jsonobj.Set("prompt_tokens", num(m.sum.PromptTokens)),
+		jsonobj.Set("total_tokens", num(m.sum.TotalTokens)), jsonobj.Set("completion_tokens", num(m.sum.CompletionTokens)))
+	if err != nil {
+		return nil, err
 	}
-	return setMember(obj, "usage", u)
+	return jsonobj.Edit(obj, jsonobj.Set("usage", u))
 }
 
 // responses merges the non-streamed responses of a batch: the first
@@ -413,7 +403,7 @@ func (m *batchMerge) responses(whole [][]byte) ([]byte, error) {
 			return nil, fmt.Errorf("the response of prompt %d: %w", i, err)
 		}
 		if len(r.Usage) > 0 && string(r.Usage) != "null" {
-			if err := m.sum.add(r.Usage); err != nil {
+			if err := m.addUsage(r.Usage); err != nil {
 				return nil, err
 			}
 		}
@@ -422,10 +412,7 @@ func (m *batchMerge) responses(whole [][]byte) ([]byte, error) {
 			return nil, err
 		}
 	}
-	out, err := setMember(whole[0], "id", mustJSON(m.id))
-	if err == nil {
-		out, err = setMember(out, "choices", array(list))
-	}
+	out, err := jsonobj.Edit(whole[0], jsonobj.Set("id", m.id), jsonobj.Set("choices", array(list)))
 	if err == nil {
 		out, err = m.withUsage(out)
 	}
@@ -438,16 +425,4 @@ func array(members []byte) []byte {
 	out = append(out, '[')
 	out = append(out, members...)
 	return append(out, ']')
-}
-
-// mustJSON encodes a string or an int, which cannot fail.
-func mustJSON(v any) []byte {
-	b, _ := json.Marshal(v)
-	return b
-}
-
-// setMember sets key to value in a JSON object, keeping the object's other
-// bytes as they are.
-func setMember(obj []byte, key string, value []byte) ([]byte, error) {
-	return jsonobj.Edit(obj, jsonobj.Set(key, value))
 }

@@ -6,7 +6,7 @@ import (
 
 func TestBatchMerge(t *testing.T) {
 	t.Run("responses", func(t *testing.T) {
-		m := &batchMerge{id: "cmpl-b", n: 1}
+		m := newBatchMerge("cmpl-b", 1)
 		out, err := m.responses([][]byte{
 			[]byte(`{"id":"cmpl-b-0","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"<a>","finish_reason":"length"}],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":null},"kv_transfer_params":null}`),
 			[]byte(`{"id":"cmpl-b-1","object":"text_completion","created":8,"model":"m","choices":[{"index":0,"text":"b","finish_reason":"stop"}],"usage":{"prompt_tokens":4,"total_tokens":5,"completion_tokens":1,"prompt_tokens_details":null},"kv_transfer_params":null}`),
@@ -17,7 +17,7 @@ func TestBatchMerge(t *testing.T) {
 		}
 	})
 	t.Run("chunks", func(t *testing.T) {
-		m := &batchMerge{id: "cmpl-b", n: 2}
+		m := newBatchMerge("cmpl-b", 2)
 		for _, tc := range []struct {
 			i        int
 			in, want string
@@ -39,7 +39,7 @@ func TestBatchMerge(t *testing.T) {
 		}
 	})
 	t.Run("not JSON", func(t *testing.T) {
-		m := &batchMerge{id: "cmpl-b", n: 1}
+		m := newBatchMerge("cmpl-b", 1)
 		if _, _, err := m.chunk(0, []byte(`{"id":`)); err == nil {
 			t.Error("a broken chunk was merged")
 		}
