@@ -37,7 +37,7 @@ func parseRequest(endpoint openai.Endpoint, body []byte) (*incoming, *openai.Err
 	}
 	in := &incoming{req: req, body: body, promptTokens: estimateTokens(endpoint, req)}
 	if endpoint == openai.Completions {
-		if prompts, _ := openai.ParsePrompts(req.Prompt); len(prompts) > 1 {
+		if prompts := req.Prompts(); len(prompts) > 1 {
 			if err := json.Unmarshal(req.Prompt, &in.batch); err != nil {
 				return nil, openai.NewError(http.StatusBadRequest, "'prompt': %v", err).WithParam("prompt")
 			}
@@ -65,11 +65,10 @@ func parseRequest(endpoint openai.Endpoint, body []byte) (*incoming, *openai.Err
 // from a long one.
 func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 	if endpoint == openai.Completions {
-		p, err := openai.ParsePrompt(req.Prompt)
-		if err != nil {
-			return 0 // a batch: each prompt is estimated on its own
+		if prompts := req.Prompts(); len(prompts) == 1 {
+			return promptTokens(prompts[0])
 		}
-		return promptTokens(p)
+		return 0 // a batch: each prompt is estimated on its own
 	}
 	chars := req.TextBytes()
 	return (chars + 3) / 4
@@ -87,7 +86,7 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, max
 	}
 	input, exact := 1, false // every prompt has at least one token
 	if endpoint == openai.Completions {
-		prompts, _ := openai.ParsePrompts(req.Prompt)
+		prompts := req.Prompts()
 		exact = len(prompts) > 0
 		for _, p := range prompts {
 			input = max(input, len(p.Tokens))

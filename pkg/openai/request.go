@@ -52,7 +52,14 @@ type Request struct {
 	// textBytes is the length of the messages' text, counted as
 	// DecodeRequest checks them.
 	textBytes int
+	// prompts are a completions request's prompts, as DecodeRequest read
+	// them.
+	prompts []Prompt
 }
+
+// Prompts are a completions request's prompts, as DecodeRequest read them
+// (one, or a batch): what its callers need without parsing them again.
+func (r *Request) Prompts() []Prompt { return r.prompts }
 
 // TextBytes is the length of a chat request's text (its messages' text
 // parts), as read by DecodeRequest: what a prompt-length estimate needs,
@@ -132,9 +139,11 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 			req.textBytes += n
 		}
 	case Completions:
-		if _, err := ParsePrompts(req.Prompt); err != nil {
+		prompts, err := ParsePrompts(req.Prompt)
+		if err != nil {
 			return nil, NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
 		}
+		req.prompts = prompts
 	}
 	completionTokens := req.MaxCompletionTokens
 	if endpoint == Completions {
@@ -409,20 +418,6 @@ func (m Message) Text() (string, error) {
 type Prompt struct {
 	Text   string
 	Tokens []int
-}
-
-// ParsePrompt reads a completions prompt that holds one prompt: a string,
-// a list of token ids, or a list holding exactly one of those. A batch is
-// refused; ParsePrompts reads one.
-func ParsePrompt(raw json.RawMessage) (Prompt, error) {
-	ps, err := ParsePrompts(raw)
-	if err != nil {
-		return Prompt{}, err
-	}
-	if len(ps) != 1 {
-		return Prompt{}, fmt.Errorf("'prompt' holds %d prompts, where one is expected", len(ps))
-	}
-	return ps[0], nil
 }
 
 // ParsePrompts reads a completions prompt as vLLM does: a string, a list
