@@ -54,7 +54,7 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		case pool.Decode == 0:
 			return h.unavailable(c, "no live decode workers for model %s", model)
 		}
-		if apiErr := checkLength(endpoint, in.req, in.body, pool.MaxModelLen); apiErr != nil {
+		if apiErr := checkLength(endpoint, in.req, pool.MaxModelLen); apiErr != nil {
 			return writeError(c, apiErr)
 		}
 		if in.batch != nil {

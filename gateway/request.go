@@ -80,7 +80,7 @@ func estimateTokens(endpoint openai.Endpoint, req *openai.Request) int {
 // the decode engine's 400. Text prompts are counted by the engine only, so
 // for them this catches an output limit that leaves no room for even one
 // prompt token; token-id prompts are checked exactly.
-func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, maxLen int) *openai.Error {
+func checkLength(endpoint openai.Endpoint, req *openai.Request, maxLen int) *openai.Error {
 	if maxLen <= 0 {
 		return nil
 	}
@@ -105,14 +105,7 @@ func checkLength(endpoint openai.Endpoint, req *openai.Request, body []byte, max
 			"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
 			maxLen, input).WithParam("prompt")
 	}
-	out, limited := req.OutputLimit(endpoint)
-	if !limited && endpoint == openai.Completions {
-		// vLLM's default, unless max_tokens is an explicit null (no limit);
-		// DecodeRequest read both as nil.
-		if _, set, _ := jsonobj.Get(body, "max_tokens"); !set {
-			out, limited = openai.DefaultCompletionTokens, true
-		}
-	}
+	out, limited := req.EngineLimit(endpoint)
 	if !limited || out <= maxLen-input {
 		return nil
 	}

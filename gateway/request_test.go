@@ -156,7 +156,7 @@ func TestCheckLength(t *testing.T) {
 			if apiErr != nil {
 				t.Fatal(apiErr)
 			}
-			got := checkLength(tc.endpoint, req, []byte(tc.body), 100)
+			got := checkLength(tc.endpoint, req, 100)
 			switch {
 			case tc.want == "" && got != nil:
 				t.Errorf("refused: %s", got.Message)
@@ -165,7 +165,7 @@ func TestCheckLength(t *testing.T) {
 			}
 		})
 	}
-	if checkLength(openai.Chat, &openai.Request{MaxTokens: new(int)}, []byte(`{}`), 0) != nil {
+	if checkLength(openai.Chat, &openai.Request{MaxTokens: new(int)}, 0) != nil {
 		t.Error("refused with no known context length")
 	}
 }

@@ -410,23 +410,27 @@ func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
 	return values, nil
 }
 
-// CountFold counts the top-level members of the JSON object obj named
-// keys[i] in any letter case, as encoding/json matches struct fields
-// (after unescaping the names). A reader that takes a key as it is spelled
-// can tell from it whether encoding/json would read another member.
-func CountFold(obj []byte, keys ...string) (counts []int, err error) {
-	counts = make([]int, len(keys))
-	err = eachMember(obj, func(raw []byte, isPlain bool, _, _ int) {
+// LookupFold is [Lookup] that also counts, for each key, the members
+// named so in any letter case, as encoding/json matches struct fields
+// (after unescaping the names): a reader that takes keys as they are
+// spelled can tell from folds whether encoding/json would read another
+// member in their place.
+func LookupFold(obj []byte, keys ...string) (values []json.RawMessage, folds []int, err error) {
+	values, folds = make([]json.RawMessage, len(keys)), make([]int, len(keys))
+	err = eachMember(obj, func(raw []byte, isPlain bool, val, end int) {
 		for i, key := range keys {
 			if keyIs(raw, isPlain, key, true) {
-				counts[i]++
+				folds[i]++
+				if keyIs(raw, isPlain, key, false) {
+					values[i] = obj[val:end:end]
+				}
 			}
 		}
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return counts, nil
+	return values, folds, nil
 }
 
 // eachMember calls f with each top-level member of the JSON object obj:

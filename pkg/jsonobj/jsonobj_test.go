@@ -199,22 +199,24 @@ func TestAppendString(t *testing.T) {
 	}
 }
 
-func TestCountFold(t *testing.T) {
+func TestLookupFold(t *testing.T) {
 	for _, tc := range []struct {
-		obj  string
-		want []int
+		obj   string
+		role  string
+		folds []int
 	}{
-		{`{"role":"a","content":"b"}`, []int{1, 1}},
-		{`{"role":"a","Role":"b","CONTENT":1}`, []int{2, 1}},
-		{`{"r\u006fle":"a","x":{"role":1}}`, []int{1, 0}},
-		{`{}`, []int{0, 0}},
+		{`{"role":"a","content":"b"}`, `"a"`, []int{1, 1}},
+		{`{"role":"a","Role":"b","CONTENT":1}`, `"a"`, []int{2, 1}},
+		{`{"r\u006fle":"a","x":{"role":1}}`, `"a"`, []int{1, 0}},
+		{`{"ROLE":"a"}`, "", []int{1, 0}},
+		{`{}`, "", []int{0, 0}},
 	} {
-		got, err := CountFold([]byte(tc.obj), "role", "content")
-		if err != nil || !reflect.DeepEqual(got, tc.want) {
-			t.Errorf("%s: %v, %v; want %v", tc.obj, got, err, tc.want)
+		v, folds, err := LookupFold([]byte(tc.obj), "role", "content")
+		if err != nil || string(v[0]) != tc.role || !reflect.DeepEqual(folds, tc.folds) {
+			t.Errorf("%s: %s, %v, %v; want %s, %v", tc.obj, v[0], folds, err, tc.role, tc.folds)
 		}
 	}
-	if _, err := CountFold([]byte(`[1]`), "role"); err == nil {
+	if _, _, err := LookupFold([]byte(`[1]`), "role"); err == nil {
 		t.Error("an array: no error")
 	}
 }

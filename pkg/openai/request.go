@@ -55,6 +55,9 @@ type Request struct {
 	// prompts are a completions request's prompts, as DecodeRequest read
 	// them.
 	prompts []Prompt
+	// limits are the max_tokens and max_completion_tokens members, by
+	// their exact names as vLLM reads them (nil: absent), for EngineLimit.
+	limits [2]json.RawMessage
 }
 
 // Prompts are a completions request's prompts, as DecodeRequest read them
@@ -119,6 +122,9 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 		if err := json.Unmarshal(body, req); err != nil {
 			return nil, decodeError(err)
 		}
+		if limits, err := jsonobj.Lookup(body, "max_tokens", "max_completion_tokens"); err == nil {
+			req.limits = [2]json.RawMessage{limits[0], limits[1]}
+		}
 	}
 	if req.Model == "" {
 		return nil, NewError(http.StatusBadRequest, "'model' is required").WithParam("model")
@@ -181,7 +187,7 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 // there in another letter case, or twice): the caller then decodes body
 // the slow way, which also words the errors.
 func decodeFast(body []byte) (req *Request, ok bool) {
-	long, err := jsonobj.Lookup(body, "messages", "prompt")
+	long, err := jsonobj.Lookup(body, "messages", "prompt", "max_tokens", "max_completion_tokens")
 	if err != nil {
 		return nil, false
 	}
@@ -195,10 +201,10 @@ func decodeFast(body []byte) (req *Request, ok bool) {
 	if json.Unmarshal(rest, req) != nil {
 		return nil, false // an error to word
 	}
-	if n, err := jsonobj.CountFold(rest, "messages", "prompt"); err != nil || n[0] != 0 || n[1] != 0 {
+	if _, n, err := jsonobj.LookupFold(rest, "messages", "prompt"); err != nil || n[0] != 0 || n[1] != 0 {
 		return nil, false // "Messages" or "PROMPT" is there too, and encoding/json would read it
 	}
-	req.Prompt = long[1]
+	req.Prompt, req.limits = long[1], [2]json.RawMessage{long[2], long[3]}
 	if m := long[0]; m != nil && string(m) != "null" {
 		spans, err := jsonobj.Elements(m)
 		if err != nil {
@@ -207,13 +213,11 @@ func decodeFast(body []byte) (req *Request, ok bool) {
 		req.Messages = make([]Message, len(spans))
 		for i, sp := range spans {
 			el := m[sp.Start:sp.End]
-			v, err := jsonobj.Lookup(el, "role", "content")
-			if err != nil || v[0] == nil || v[1] == nil || json.Unmarshal(v[0], &req.Messages[i].Role) != nil {
-				return nil, false
-			}
-			// Only when no "Role" or "CONTENT" is there too, which
+			// Only when no "Role" or "CONTENT" is there too (folds), which
 			// encoding/json would read in its place.
-			if n, err := jsonobj.CountFold(el, "role", "content"); err != nil || n[0] != 1 || n[1] != 1 {
+			v, folds, err := jsonobj.LookupFold(el, "role", "content")
+			if err != nil || v[0] == nil || v[1] == nil || folds[0] != 1 || folds[1] != 1 ||
+				json.Unmarshal(v[0], &req.Messages[i].Role) != nil {
 				return nil, false
 			}
 			req.Messages[i].Content = v[1]
@@ -246,28 +250,39 @@ const DefaultCompletionTokens = 16
 // false when there is no limit; err is set when body is not a JSON object
 // with integer limits.
 func OutputLimitOf(endpoint Endpoint, body []byte) (n int, ok bool, err error) {
-	var l struct {
-		MaxTokens           json.RawMessage `json:"max_tokens"`
-		MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	}
-	if err := json.Unmarshal(body, &l); err != nil {
+	limits, err := jsonobj.Lookup(body, "max_tokens", "max_completion_tokens")
+	if err != nil {
 		return 0, false, err
 	}
-	req := Request{MaxCompletionTokens: l.MaxCompletionTokens}
-	if len(l.MaxTokens) > 0 && string(l.MaxTokens) != "null" {
-		req.MaxTokens = new(int)
-		if err := json.Unmarshal(l.MaxTokens, req.MaxTokens); err != nil {
-			return 0, false, err
+	return engineLimit(endpoint, limits[0], limits[1])
+}
+
+// EngineLimit is OutputLimitOf of the body the request was decoded from,
+// from the members DecodeRequest found.
+func (r *Request) EngineLimit(endpoint Endpoint) (n int, ok bool) {
+	n, ok, _ = engineLimit(endpoint, r.limits[0], r.limits[1]) // they decoded as integers
+	return n, ok
+}
+
+// engineLimit is OutputLimitOf's rule, on the raw max_tokens and
+// max_completion_tokens members (nil: absent), matched by their exact
+// names as vLLM matches them.
+func engineLimit(endpoint Endpoint, maxTokens, maxCompletionTokens json.RawMessage) (n int, ok bool, err error) {
+	var req Request
+	for _, f := range []struct {
+		raw json.RawMessage
+		v   **int
+	}{{maxTokens, &req.MaxTokens}, {maxCompletionTokens, &req.MaxCompletionTokens}} {
+		if len(f.raw) > 0 && string(f.raw) != "null" {
+			*f.v = new(int)
+			if err := json.Unmarshal(f.raw, *f.v); err != nil {
+				return 0, false, err
+			}
 		}
 	}
 	n, ok = req.OutputLimit(endpoint)
-	if !ok && endpoint == Completions {
-		// vLLM's default unless max_tokens is there, as an explicit null.
-		// Its key is matched exactly, as vLLM matches it (Go's decoder
-		// above takes any letter case).
-		if _, set, _ := jsonobj.Get(body, "max_tokens"); !set {
-			n, ok = DefaultCompletionTokens, true
-		}
+	if !ok && endpoint == Completions && maxTokens == nil {
+		n, ok = DefaultCompletionTokens, true // none given; an explicit null is no limit
 	}
 	return n, ok, nil
 }
