@@ -18,16 +18,9 @@ import (
 func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
-	body, err := decodeParts(job.Body, job.KV)
-	if err == nil && job.ReplyTo == "" {
-		// A replay has no client to stream to: its answer is kept whole in
-		// the request record.
-		var whole []byte
-		if whole, err = join(body, nil); err == nil {
-			whole, err = OneResponse(whole)
-			body = [][]byte{whole}
-		}
-	}
+	// A replay has no client to stream to: its answer is kept whole in the
+	// request record.
+	body, err := decodeParts(job.Body, job.KV, job.ReplyTo == "")
 	if err != nil {
 		return badBody(err)
 	}

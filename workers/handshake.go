@@ -76,12 +76,23 @@ func DecodeBody(client, params json.RawMessage) ([]byte, error) {
 	return edit(client, jsonobj.Set(keyKVTransferParams, params))
 }
 
-// decodeParts is DecodeBody as the pieces it is made of.
-func decodeParts(client, params json.RawMessage) ([][]byte, error) {
-	if len(params) == 0 {
+// decodeParts is DecodeBody as the pieces it is made of; with whole (a
+// replay, which has no client to stream to) it also asks, as OneResponse
+// does, for the whole answer in one response.
+func decodeParts(client, params json.RawMessage, whole bool) ([][]byte, error) {
+	var ops [3]jsonobj.Op
+	n := 0
+	if len(params) > 0 {
+		ops[n] = jsonobj.Set(keyKVTransferParams, params)
+		n++
+	}
+	if whole {
+		n += copy(ops[n:], oneResponse[:])
+	}
+	if n == 0 {
 		return [][]byte{client}, nil
 	}
-	return editParts(client, jsonobj.Set(keyKVTransferParams, params))
+	return editParts(client, ops[:n]...)
 }
 
 // ReleaseBody builds a decode call whose only purpose is to read, and so
@@ -114,8 +125,10 @@ func oneToken(params json.RawMessage) [7]jsonobj.Op {
 // OneResponse turns a request body into one that asks for the whole answer
 // in one JSON response, not a stream.
 func OneResponse(body []byte) ([]byte, error) {
-	return edit(body, jsonobj.Set(keyStream, jsonFalse), jsonobj.Delete(keyStreamOptions))
+	return edit(body, oneResponse[:]...)
 }
+
+var oneResponse = [...]jsonobj.Op{jsonobj.Set(keyStream, jsonFalse), jsonobj.Delete(keyStreamOptions)}
 
 // editParts is [jsonobj.EditParts] with the error a bad request body gets.
 func editParts(body []byte, ops ...jsonobj.Op) ([][]byte, error) {
@@ -124,17 +137,6 @@ func editParts(body []byte, ops ...jsonobj.Op) ([][]byte, error) {
 		return nil, fmt.Errorf("not a JSON object: %w", err)
 	}
 	return parts, nil
-}
-
-// join makes one body of parts; one part is returned as it is.
-func join(parts [][]byte, err error) ([]byte, error) {
-	if err != nil || len(parts) == 1 {
-		if len(parts) == 1 {
-			return parts[0], err
-		}
-		return nil, err
-	}
-	return bytes.Join(parts, nil), nil
 }
 
 // edit is [jsonobj.Edit] with the error a bad request body gets.

@@ -366,7 +366,7 @@ func TestBodyPartsDoNotCopy(t *testing.T) {
 		whole func() ([]byte, error)
 	}{
 		{"prefill", func() ([][]byte, error) { return prefillParts(body) }, func() ([]byte, error) { return PrefillBody(body) }},
-		{"decode", func() ([][]byte, error) { return decodeParts(body, params) }, func() ([]byte, error) { return DecodeBody(body, params) }},
+		{"decode", func() ([][]byte, error) { return decodeParts(body, params, false) }, func() ([]byte, error) { return DecodeBody(body, params) }},
 	} {
 		var parts [][]byte
 		var before, after runtime.MemStats

@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/vllm"
@@ -312,7 +313,7 @@ var errHandedBack = errors.New("engine failing (breaker open): job handed back t
 // when its engine is down and it is alone: a prefill worker with the
 // fallback on.
 func (w *Worker) canForward() bool {
-	return w.cfg.Role == dispatcher.StagePrefill && w.cfg.PrefillFallback != "fail"
+	return w.cfg.Role == dispatcher.StagePrefill && w.cfg.PrefillFallback != config.FallbackFail
 }
 
 // forward sends a job on to decode-only.
