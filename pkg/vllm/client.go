@@ -130,7 +130,7 @@ type Model struct {
 // Models lists the models the engine serves, base models and adapters, in
 // the engine's order.
 func (c *Client) Models(ctx context.Context) ([]Model, error) {
-	resp, err := c.get(ctx, "/v1/models")
+	resp, err := c.Do(ctx, http.MethodGet, "/v1/models", nil)
 	if err != nil {
 		return nil, err
 	}
@@ -189,7 +189,7 @@ func (c *Client) Do(ctx context.Context, method, path string, body []byte) (*htt
 
 // Health returns nil when GET /health answers 200.
 func (c *Client) Health(ctx context.Context) error {
-	resp, err := c.get(ctx, "/health")
+	resp, err := c.Do(ctx, http.MethodGet, "/health", nil)
 	if err != nil {
 		return err
 	}
@@ -219,19 +219,6 @@ func (c *Client) Generate(ctx context.Context, model, requestID string) error {
 		return fmt.Errorf("post %s: status %d", openai.Completions.Path(), resp.StatusCode)
 	}
 	return nil
-}
-
-func (c *Client) get(ctx context.Context, path string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base.String()+path, nil)
-	if err != nil {
-		return nil, err
-	}
-	c.authorize(req)
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("get %s: %w", path, err)
-	}
-	return resp, nil
 }
 
 // authorize sets the engine's API key on req.
