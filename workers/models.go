@@ -22,7 +22,6 @@ const DefaultModelsRefresh = 10 * time.Second
 type modelLoop struct {
 	model vllm.Model
 	stop  context.CancelFunc
-	done  chan struct{}
 }
 
 // serveModels runs a stage loop for each model the engine serves, one pool
@@ -71,11 +70,10 @@ func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
 				return err
 			}
 			lctx, stop := context.WithCancel(ctx)
-			l := &modelLoop{model: m, stop: stop, done: make(chan struct{})}
+			l := &modelLoop{model: m, stop: stop}
 			loops[m.ID] = l
 			atStart := !started
 			wg.Go(func() {
-				defer close(l.done)
 				err := loop.Run(lctx)
 				switch {
 				case err == nil || lctx.Err() != nil:
