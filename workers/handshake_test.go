@@ -9,11 +9,14 @@ import (
 	"io"
 	"reflect"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -315,19 +318,39 @@ func TestWholeAnswerLimit(t *testing.T) {
 // (a comment, a block without data, half an event); a chunk with a newline
 // goes alone; [DONE] ends it.
 func TestRelayStreamBatch(t *testing.T) {
-	for _, tc := range []struct {
+	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := srv.Connect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	for i, tc := range []struct {
 		name, first, rest string
 		want              int // chunks out once first is written
+		msgs              int // NATS messages they went in
 	}{
-		{"two at once", "data: a\n\ndata: b\n\n", "", 2},
-		{"a comment after", "data: a\n\n: ping\n\n", "", 1},
-		{"a block without data after", "data: a\n\nevent: x\n\n", "", 1},
-		{"half an event after", "data: a\n\ndata: b", "\n\n", 1},
-		{"lines joined by a newline", "data: a\ndata: b\n\ndata: c\n\n", "", 2},
+		{"two at once", "data: a\n\ndata: b\n\n", "", 2, 1},
+		{"a comment after", "data: a\n\n: ping\n\n", "", 1, 1},
+		{"a block without data after", "data: a\n\nevent: x\n\n", "", 1, 1},
+		{"half an event after", "data: a\n\ndata: b", "\n\n", 1, 1},
+		{"lines joined by a newline", "data: a\ndata: b\n\ndata: c\n\n", "", 2, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			subject := "test.relay." + strconv.Itoa(i)
+			sub, err := nc.SubscribeSync(subject)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sub.Unsubscribe()
+			if err := nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
 			pr, pw := io.Pipe()
-			out := dispatcher.NewReplyWriter(nil, "", 1)
+			out := dispatcher.NewReplyWriter(nc, subject, 1)
 			done := make(chan error, 1)
 			hooks := eventHooks{each: func(d []byte) []byte { return d }, sent: func([]byte) {}}
 			go func() { done <- relayStream(context.Background(), pr, out, hooks, true) }()
@@ -338,6 +361,12 @@ func TestRelayStreamBatch(t *testing.T) {
 			}
 			if got := out.Sent(); got != tc.want {
 				t.Fatalf("%d chunks out while the engine waits, want %d", got, tc.want)
+			}
+			if err := nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			if n, _, _ := sub.Pending(); n != tc.msgs {
+				t.Errorf("the chunks went out in %d messages, want %d", n, tc.msgs)
 			}
 			go func() {
 				pw.Write([]byte(tc.rest + "data: [DONE]\n\n"))
