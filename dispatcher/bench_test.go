@@ -35,7 +35,7 @@ func BenchmarkJobEnvelope(b *testing.B) {
 }
 
 func BenchmarkReplyChunkMsg(b *testing.B) {
-	w := &ReplyWriter{subject: "pdq.reply.gw123456.bench-0123456789abcdef", attempt: "1"}
+	w := NewReplyWriter(nil, "pdq.reply.gw123456.bench-0123456789abcdef", 1)
 	chunk := []byte(`{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1796000000,"model":"m","choices":[{"index":0,"delta":{"content":" word"},"logprobs":null,"finish_reason":null}]}`)
 	b.ReportAllocs()
 	seq := 0

@@ -27,7 +27,7 @@ import (
 type ReplyWriter struct {
 	nc      *nats.Conn
 	subject string
-	attempt string // formatted once: it goes on every message
+	attempt []string // the attempt header's value, made once: it goes on every message
 	// endWait bounds the wait for the gateway's ack of the end.
 	endWait time.Duration
 
@@ -60,7 +60,7 @@ const ackTimeout = time.Second
 // NewReplyWriter writes to subject as the given attempt (see
 // [ReplyAttempt]); an empty subject keeps the reply instead.
 func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-	return &ReplyWriter{nc: nc, subject: subject, attempt: strconv.Itoa(attempt), endWait: DefaultEndWait}
+	return &ReplyWriter{nc: nc, subject: subject, attempt: []string{strconv.Itoa(attempt)}, endWait: DefaultEndWait}
 }
 
 // ContinueAt makes the writer continue a reply whose first n chunks an
@@ -281,11 +281,30 @@ func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages
 
 func (w *ReplyWriter) msg(kind string, seq int, data []byte) *nats.Msg {
 	msg := nats.NewMsg(w.subject)
-	msg.Header[HeaderKind] = []string{kind}
+	msg.Header[HeaderKind] = kindHeader(kind)
 	msg.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
-	msg.Header[HeaderAttempt] = []string{w.attempt}
+	msg.Header[HeaderAttempt] = w.attempt
 	msg.Data = data
 	return msg
+}
+
+// The kind header's values, made once: a header value is only read (a
+// Set replaces it, an Add copies it, its capacity being its length).
+var (
+	kindChunkHeader = []string{KindChunk}
+	kindBeatHeader  = []string{KindBeat}
+)
+
+// kindHeader is the kind header's value for kind: one made once for the
+// kinds every reply sends many of.
+func kindHeader(kind string) []string {
+	switch kind {
+	case KindChunk:
+		return kindChunkHeader
+	case KindBeat:
+		return kindBeatHeader
+	}
+	return []string{kind}
 }
 
 // Reply is one message of a reply stream, as the gateway reads it.
