@@ -42,6 +42,7 @@ func (h *handlers) engineCall(c echo.Context) error {
 		}
 		body, model = b, req.Model
 	}
+	var workers []dispatcher.WorkerInfo
 	if model == "" {
 		cards := h.registry.Cards()
 		if len(cards) > 1 && c.Request().Method == http.MethodPost {
@@ -49,7 +50,7 @@ func (h *handlers) engineCall(c echo.Context) error {
 		}
 		ids := slices.Sorted(maps.Keys(cards))
 		for _, m := range ids { // any model's engine knows its version
-			if len(h.registry.Decoders(m)) > 0 {
+			if workers = h.registry.Decoders(m); len(workers) > 0 {
 				model = m
 				break
 			}
@@ -57,8 +58,9 @@ func (h *handlers) engineCall(c echo.Context) error {
 		if model == "" {
 			return h.unavailable(c, "no healthy decode workers")
 		}
+	} else {
+		workers = h.registry.Decoders(model)
 	}
-	workers := h.registry.Decoders(model)
 	if len(workers) == 0 {
 		if !h.registry.Status(model).Known {
 			return writeError(c, openai.NewError(http.StatusNotFound, "The model `%s` does not exist.", model).WithParam("model"))
@@ -78,8 +80,8 @@ func (h *handlers) engineCall(c echo.Context) error {
 			}
 		}
 	}()
-	// A worker that does not answer (gone since its last heartbeat) is
-	// skipped for another, up to three.
+	// A call no worker answers (one gone since its last heartbeat) is
+	// tried again on a worker picked at random, up to three tries.
 	var err error
 	for try := 0; try < 3; try++ {
 		w := workers[rand.IntN(len(workers))]
