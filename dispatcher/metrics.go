@@ -93,7 +93,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}, []string{"model"})
 	m.decodeOnly = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "pdq_decode_only_total",
-		Help: "Requests sent decode-only (the decode engine prefills them), by reason: short_prompt, or no_healthy_prefill (the fallback).",
+		Help: "Requests sent decode-only (the decode engine prefills them), by reason: short_prompt, no_healthy_prefill (the fallback), or prefill_refused (the prefill engine answered 4xx).",
 	}, []string{"reason"})
 	m.queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "pdq_queue_wait_seconds", Help: "Time a job waited in its stage's queue before a worker pulled it.",
@@ -136,7 +136,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			m.retries.WithLabelValues(string(stage), reason)
 		}
 	}
-	for _, reason := range []string{"short_prompt", "no_healthy_prefill"} {
+	for _, reason := range []string{"short_prompt", "no_healthy_prefill", "prefill_refused"} {
 		m.decodeOnly.WithLabelValues(reason)
 	}
 	return m, nil
