@@ -360,9 +360,10 @@ func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body ...[]byte) 
 }
 
 // engineFailure classifies a non-2xx engine answer: 429 and 5xx are
-// transient, and retried; so are 401, 403 and 404, which mean a worker set
-// up wrong for its engine; any other 4xx is the client's and goes back to
-// it with the engine's status and message.
+// transient, and retried; 401, 403 and 404 mean a worker set up wrong for
+// its engine, and are retried on prefill but end a decode at once; any
+// other 4xx is the client's and goes back to it with the engine's status
+// and message.
 func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 	apiErr, ok := openai.ParseError(body)
 	if !ok {
