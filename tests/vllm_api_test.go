@@ -643,7 +643,7 @@ func TestEngineSlotsSharedByModels(t *testing.T) {
 			r := post(t, p.chat(), "second-"+second, chatBody(second, longPrompt, body{"max_tokens": 3, "ignore_eos": true}))
 			wg.Wait()
 			r.wantStatus(t, http.StatusOK)
-			if s := p.decode[0].Stats(t); s.KVReadFailures > 0 || s.KVMismatches > 0 || s.Running > 1 {
+			if s := p.decode[0].Stats(t); s.KVReadFailures > 0 || s.KVMismatches > 0 {
 				t.Errorf("decode engine stats %+v: want no failed or mismatched KV read", s)
 			}
 		})
