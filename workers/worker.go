@@ -161,10 +161,14 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 // Run learns the engine's models, then pulls the jobs of each model's pool
 // until ctx ends. It re-reads the engine's models every ModelsRefresh, so
 // that an adapter loaded at run time joins its pool, and one unloaded
-// leaves it.
+// leaves it. A worker stopped while it still waits for its engine stops
+// cleanly: it had taken no job.
 func (w *Worker) Run(ctx context.Context) error {
 	models, err := w.discover(ctx)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
 		return err
 	}
 	w.breaker.life = ctx
