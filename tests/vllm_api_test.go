@@ -61,6 +61,49 @@ func TestEngineAPIKey(t *testing.T) {
 	}
 }
 
+// TestEngineRefusesTheKey: workers whose key the engines refuse serve
+// nothing (api.md): the model is not listed, and a request for it is a
+// 404, not an engine's 401 passed on.
+func TestEngineRefusesTheKey(t *testing.T) {
+	cfg := simtest.FastConfig()
+	cfg.APIKey = "engine-secret"
+	p := startPipeline(t, pipelineOptions{sim: cfg, prefill: -1, decode: -1, worker: workers.Config{EngineAPIKey: "wrong"}})
+	prefill, decode := simtest.Start(t, cfg), simtest.Start(t, cfg)
+	p.startWorker(dispatcher.StagePrefill, prefill.URL, 1)
+	p.startWorker(dispatcher.StageDecode, decode.URL, 1)
+	// The workers asked, and were refused.
+	for _, e := range []*simtest.Engine{prefill, decode} {
+		deadline := time.Now().Add(10 * time.Second)
+		for !asked(t, e, "/v1/models") && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if !asked(t, e, "/v1/models") {
+			t.Fatalf("engine %s was never asked for its models", e.URL)
+		}
+	}
+	var models struct {
+		Data []struct{ ID string } `json:"data"`
+	}
+	get(t, p.url+"/v1/models").decode(t, &models)
+	if len(models.Data) != 0 {
+		t.Errorf("/v1/models = %+v, want none: no engine took the key", models.Data)
+	}
+	post(t, p.chat(), "refused-key-1", chatBody(cfg.Model, longPrompt, body{"max_tokens": 4})).wantStatus(t, http.StatusNotFound)
+	if s := decode.Stats(t); s.Decodes != 0 {
+		t.Errorf("decode engine stats %+v: want no decode", s)
+	}
+}
+
+// asked reports whether the engine got a request for path.
+func asked(t *testing.T, e *simtest.Engine, path string) bool {
+	for _, r := range e.RecentRequests(t) {
+		if r.Path == path {
+			return true
+		}
+	}
+	return false
+}
+
 // TestModelsCarryEngineFields checks that /v1/models lists each model as
 // its engine does, max_model_len and owned_by included.
 func TestModelsCarryEngineFields(t *testing.T) {
