@@ -112,11 +112,8 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 		prefillURL: s.prefillURL,
 		chat:       s.chat,
 		model:      modelName,
-		// vLLM's main_async sets ignore_eos for the random dataset on
-		// every OpenAI-compatible backend.
-		ignoreEOS: true,
-		apiKey:    cfg.APIKey,
-		origin:    start,
+		apiKey:     cfg.APIKey,
+		origin:     start,
 	}
 	var bar *progress
 	if progressTo != nil {

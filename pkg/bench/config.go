@@ -43,10 +43,6 @@ type Config struct {
 	Burstiness  float64
 	// MaxConcurrency caps the requests in flight; 0 means no cap.
 	MaxConcurrency int
-	// IgnoreEOS is --ignore-eos. vLLM sets it anyway for the random
-	// dataset on OpenAI backends, so every pdq bench run sends
-	// ignore_eos: true.
-	IgnoreEOS bool
 	// PercentileMetrics is the comma-separated metrics to print.
 	PercentileMetrics string
 	// MetricPercentiles is the comma-separated percentiles to print.
@@ -120,7 +116,10 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		c.MaxConcurrency = n
 		return nil
 	})
-	fs.BoolVar(&c.IgnoreEOS, "ignore-eos", c.IgnoreEOS, "send ignore_eos (vLLM, and so pdq bench, sends it anyway for the random dataset)")
+	// vLLM's main_async sets ignore_eos for the random dataset on every
+	// OpenAI-compatible backend, so every pdq bench request carries it:
+	// the flag is taken, and changes nothing.
+	fs.Bool("ignore-eos", false, "send ignore_eos (vLLM, and so pdq bench, sends it anyway for the random dataset)")
 	fs.StringVar(&c.PercentileMetrics, "percentile-metrics", c.PercentileMetrics, "comma-separated metrics to report: "+strings.Join(percentileMetricNames, ", "))
 	fs.StringVar(&c.MetricPercentiles, "metric-percentiles", c.MetricPercentiles, "comma-separated percentiles to report, e.g. 25,50,75")
 	fs.Int64Var(&c.Seed, "seed", c.Seed, "seed of the dataset and of the arrival times")

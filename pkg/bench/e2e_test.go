@@ -64,7 +64,6 @@ func TestBenchAgainstSim(t *testing.T) {
 	cfg.NumPrompts = 8
 	cfg.RandomInputLen = 40
 	cfg.RandomOutputLen = 16
-	cfg.IgnoreEOS = true
 	cfg.PercentileMetrics = "ttft,tpot,itl,e2el"
 	cfg.SaveResult = true
 	cfg.ResultDir = dir

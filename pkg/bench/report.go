@@ -78,13 +78,8 @@ func floatLine(label string, v float64) string {
 
 // pyFixed2 is Python's "{:.2f}": Go's %.2f but for "inf", "-inf", "nan".
 func pyFixed2(v float64) string {
-	switch {
-	case math.IsNaN(v):
-		return "nan"
-	case math.IsInf(v, 1):
-		return "inf"
-	case math.IsInf(v, -1):
-		return "-inf"
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return pyRepr(v)
 	}
 	return strconv.FormatFloat(v, 'f', 2, 64)
 }

@@ -49,7 +49,6 @@ type client struct {
 	apiURL, prefillURL string
 	chat               bool
 	model              string
-	ignoreEOS          bool
 	apiKey             string
 	// origin is the start of the run, that StartTime counts from.
 	origin time.Time
@@ -65,7 +64,7 @@ type completionsBody struct {
 	Logprobs          *int          `json:"logprobs"`
 	Stream            bool          `json:"stream"`
 	StreamOptions     streamOptions `json:"stream_options"`
-	IgnoreEOS         bool          `json:"ignore_eos,omitempty"`
+	IgnoreEOS         bool          `json:"ignore_eos"` // always set: see Config's --ignore-eos
 }
 
 // chatBody is vLLM's async_request_openai_chat_completions payload.
@@ -75,7 +74,7 @@ type chatBody struct {
 	MaxCompletionTokens int           `json:"max_completion_tokens"`
 	Stream              bool          `json:"stream"`
 	StreamOptions       streamOptions `json:"stream_options"`
-	IgnoreEOS           bool          `json:"ignore_eos,omitempty"`
+	IgnoreEOS           bool          `json:"ignore_eos"`
 }
 
 type streamOptions struct {
@@ -101,7 +100,7 @@ func (c *client) body(req SampleRequest) ([]byte, error) {
 			MaxCompletionTokens: req.OutputLen,
 			Stream:              true,
 			StreamOptions:       streamOptions{IncludeUsage: true},
-			IgnoreEOS:           c.ignoreEOS,
+			IgnoreEOS:           true,
 		})
 	}
 	return json.Marshal(completionsBody{
@@ -111,7 +110,7 @@ func (c *client) body(req SampleRequest) ([]byte, error) {
 		MaxTokens:         req.OutputLen,
 		Stream:            true,
 		StreamOptions:     streamOptions{IncludeUsage: true},
-		IgnoreEOS:         c.ignoreEOS,
+		IgnoreEOS:         true,
 	})
 }
 

@@ -55,7 +55,7 @@ func (s *sseServer) request(i int) ([]byte, http.Header) {
 }
 
 func testClient(url string, chat bool) *client {
-	return &client{http: http.DefaultClient, apiURL: url, chat: chat, model: "m", ignoreEOS: true, apiKey: "sk-test", origin: time.Now()}
+	return &client{http: http.DefaultClient, apiURL: url, chat: chat, model: "m", apiKey: "sk-test", origin: time.Now()}
 }
 
 func TestStreamTiming(t *testing.T) {
