@@ -257,10 +257,6 @@ func promptOf(ids []int, adapter string, midWord bool) prompt {
 	return prompt{tokens: len(ids), digest: hex.EncodeToString(h.Sum(nil)[:12]), midWord: midWord}
 }
 
-func textPrompt(s string) prompt { return promptOf(textIDs(s), "", endsMidWord(s)) }
-
-func tokenPrompt(ids []int) prompt { return promptOf(ids, "", false) }
-
 func endsMidWord(s string) bool {
 	last, _ := utf8.DecodeLastRuneInString(s)
 	return unicode.IsLetter(last) || unicode.IsDigit(last)

@@ -92,3 +92,7 @@ func TestModel(t *testing.T) {
 		t.Error("digests collide")
 	}
 }
+
+func textPrompt(s string) prompt { return promptOf(textIDs(s), "", endsMidWord(s)) }
+
+func tokenPrompt(ids []int) prompt { return promptOf(ids, "", false) }
