@@ -88,8 +88,14 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		ids = text.ids(e.cfg.MMTokens)
+		for _, s := range text.segs {
+			if s.media == nil {
+				rememberLongTokens(s.text)
+			}
+		}
 	case in.Prompt != nil:
 		ids = textIDs(*in.Prompt)
+		rememberLongTokens(*in.Prompt)
 	default:
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "'prompt' or 'messages' is required"))
 		return

@@ -55,8 +55,8 @@ var vocabIDs = func() map[string]int {
 	return m
 }()
 
-// longTokens decodes hashed ids: the long tokens the process has
-// tokenized. It is bounded; when full it starts again.
+// longTokens decodes hashed ids: the long tokens /tokenize has handed
+// out (see rememberLongTokens). It is bounded; when full it starts again.
 var longTokens = struct {
 	sync.Mutex
 	m map[int]string
@@ -120,14 +120,23 @@ func tokenID(tok string) int {
 	}
 	h := fnv.New64a()
 	h.Write([]byte(tok))
-	id := hashedBase + int(h.Sum64()&hashedMask)
+	return hashedBase + int(h.Sum64()&hashedMask)
+}
+
+// rememberLongTokens keeps the hashed tokens of s in longTokens, so that
+// /detokenize decodes the ids /tokenize gives them. Only /tokenize calls
+// it: generation needs no table, nor a lock per long token.
+func rememberLongTokens(s string) {
 	longTokens.Lock()
-	if len(longTokens.m) >= longTokensMax {
-		longTokens.m = map[int]string{}
+	defer longTokens.Unlock()
+	for _, tok := range splitTokens(s) {
+		if id := tokenID(tok); id >= hashedBase && id <= hashedBase+hashedMask {
+			if len(longTokens.m) >= longTokensMax {
+				longTokens.m = map[int]string{}
+			}
+			longTokens.m[id] = tok
+		}
 	}
-	longTokens.m[id] = tok
-	longTokens.Unlock()
-	return id
 }
 
 // textIDs tokenizes a text.
