@@ -175,12 +175,26 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		return writeError(c, apiErr)
 	}
 	whole := make([][]byte, len(jobs)) // the non-streamed responses
+	unflushed := false                 // chunks written, not flushed yet
 	for left := len(jobs); left > 0; {
 		var br batchReply
 		select {
 		case br = <-in:
-		case <-ctx.Done():
-			br = batchReply{i: -1, err: ctx.Err()}
+		default:
+			// Nothing more at hand: the chunks so far go out before the
+			// wait, one flush per burst, as relay does.
+			if unflushed {
+				if err := sse.Flush(); err != nil {
+					end(dispatcher.StateCancelled, 499, "client went away")
+					return nil
+				}
+				unflushed = false
+			}
+			select {
+			case br = <-in:
+			case <-ctx.Done():
+				br = batchReply{i: -1, err: ctx.Err()}
+			}
 		}
 		if br.err != nil {
 			// replyFailed ends (and logs) the request as one job would;
@@ -234,10 +248,11 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 				continue
 			}
 			t.wrote(h.cfg.Counters)
-			if err := sse.Data(out); err != nil {
+			if err := sse.Write(out); err != nil {
 				end(dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}
+			unflushed = true
 		}
 	}
 	if !req.Stream {
