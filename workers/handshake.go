@@ -234,14 +234,3 @@ func IsLocalHost(host string) bool {
 	ip := net.ParseIP(h)
 	return ip != nil && (ip.IsLoopback() || ip.IsUnspecified())
 }
-
-func fields(obj json.RawMessage) (map[string]json.RawMessage, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(obj, &m); err != nil {
-		return nil, fmt.Errorf("not a JSON object: %w", err)
-	}
-	if m == nil {
-		return nil, errors.New("not a JSON object: null")
-	}
-	return m, nil
-}

@@ -131,14 +131,15 @@ func continuable(endpoint openai.Endpoint, body []byte) error {
 	if err := json.Unmarshal(body, &r); err != nil {
 		return fmt.Errorf("%w: %w", errNotContinuable, err)
 	}
-	m, err := fields(body)
+	// Constrained output: the grammar would start again mid-answer.
+	guided := []string{"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+	vals, err := jsonobj.Lookup(body, guided...)
 	if err != nil {
 		return fmt.Errorf("%w: %w", errNotContinuable, err)
 	}
-	// Constrained output: the grammar would start again mid-answer.
-	for _, key := range []string{"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"} {
-		if !empty(m[key]) {
-			return fmt.Errorf("%w: %s", errNotContinuable, key)
+	for i, v := range vals {
+		if !empty(v) {
+			return fmt.Errorf("%w: %s", errNotContinuable, guided[i])
 		}
 	}
 	if r.ResponseFormat != nil && r.ResponseFormat.Type != "" && r.ResponseFormat.Type != "text" {
