@@ -13,7 +13,11 @@ import (
 // stage (PDQ_MAX_QUEUE).
 const DefaultMaxQueue = 1024
 
-// depthTTL is how long the gateway trusts one look at a queue's depth.
+// depthTTL is how long the gateway trusts one look at a queue's depth. A
+// look is a JetStream API request: past half its life it is renewed in
+// the background, so that under steady traffic no request waits for one;
+// a request waits only for a look that would otherwise be served past
+// depthTTL (the first, or after a lull).
 const depthTTL = 100 * time.Millisecond
 
 // QueueFullError is ErrQueueFull with what a client should hear: how long
@@ -44,8 +48,9 @@ type Admission struct {
 }
 
 type depthLook struct {
-	n  int
-	at time.Time
+	n        int
+	at       time.Time
+	renewing bool // a background look is under way
 }
 
 // NewAdmission bounds each pool's stage queue at max jobs.
@@ -72,10 +77,23 @@ func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
 	key := string(stage) + "/" + pool
 	a.mu.Lock()
 	look, ok := a.depth[key]
-	a.mu.Unlock()
-	if ok && time.Since(look.at) < depthTTL {
+	age := time.Since(look.at)
+	if ok && age < depthTTL {
+		if age >= depthTTL/2 && !look.renewing {
+			look.renewing = true
+			a.depth[key] = look
+			go a.store(context.WithoutCancel(ctx), key, stage, pool)
+		}
+		a.mu.Unlock()
 		return look.n
 	}
+	a.mu.Unlock()
+	return a.store(ctx, key, stage, pool)
+}
+
+// store looks at the depth of the stage's queue for pool, and keeps the
+// look under key.
+func (a *Admission) store(ctx context.Context, key string, stage Stage, pool string) int {
 	n := 0
 	if cons, err := a.js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool)); err == nil {
 		n = int(cons.CachedInfo().NumPending) // fresh: Consumer just fetched it
