@@ -21,7 +21,7 @@ import (
 // timeout, NATS down) counts as alive.
 const (
 	pingTimeout = time.Second
-	aliveFor    = time.Second // how long an answer is trusted
+	aliveFor    = time.Second // how old an answer gets before it is renewed
 	goneAfter   = 4 * time.Second
 	silenceGap  = 2*HeartbeatInterval + time.Second
 )
@@ -32,6 +32,7 @@ type Liveness struct {
 
 	mu         sync.Mutex
 	seen       map[string]time.Time // gateway id -> when it last answered
+	asking     map[string]bool      // gateway ids pinged in the background
 	silent     map[string]silence
 	pruned     time.Time
 	reconnects uint64
@@ -43,7 +44,7 @@ type silence struct{ first, last time.Time }
 
 // NewLiveness pings over nc.
 func NewLiveness(nc *nats.Conn) *Liveness {
-	return &Liveness{nc: nc, seen: make(map[string]time.Time), silent: make(map[string]silence),
+	return &Liveness{nc: nc, seen: make(map[string]time.Time), asking: make(map[string]bool), silent: make(map[string]silence),
 		reconnects: nc.Stats().Reconnects, stable: time.Now()}
 }
 
@@ -55,17 +56,31 @@ func (l *Liveness) Alive(ctx context.Context, gatewayID string) bool {
 	}
 	now := time.Now()
 	l.mu.Lock()
-	if t, ok := l.seen[gatewayID]; ok && now.Sub(t) < aliveFor {
+	if t, ok := l.seen[gatewayID]; ok && now.Sub(t) < goneAfter {
+		// A gateway that answered within goneAfter is alive whatever a
+		// ping says now: gone takes goneAfter of silence since its last
+		// answer. Past aliveFor the ping that keeps the answer fresh goes
+		// out behind the caller, which does not wait for it.
+		if now.Sub(t) >= aliveFor && !l.asking[gatewayID] {
+			l.asking[gatewayID] = true
+			go l.ping(context.WithoutCancel(ctx), gatewayID)
+		}
 		l.mu.Unlock()
 		return true
 	}
 	l.mu.Unlock()
+	return l.ping(ctx, gatewayID)
+}
 
+// ping asks the gateway whether it runs, and judges its silence.
+func (l *Liveness) ping(ctx context.Context, gatewayID string) bool {
+	now := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
 	_, err := l.nc.RequestWithContext(ctx, GatewaySubject(gatewayID), nil)
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	delete(l.asking, gatewayID)
 	l.prune(now)
 	if n := l.nc.Stats().Reconnects; n != l.reconnects {
 		l.reconnects, l.stable = n, now

@@ -648,6 +648,41 @@ func TestLiveness(t *testing.T) {
 	}
 }
 
+// TestLivenessRenewsBehind checks that a gateway's answer past aliveFor is
+// renewed by a ping the caller does not wait for: the answer below comes
+// only after Alive has returned, and still counts.
+func TestLivenessRenewsBehind(t *testing.T) {
+	nc, _ := startJetStream(t)
+	ctx := context.Background()
+	got, release := make(chan struct{}, 1), make(chan struct{})
+	slow, err := nc.Subscribe(GatewaySubject("gw-slow"), func(m *nats.Msg) {
+		got <- struct{}{}
+		<-release
+		_ = m.Respond(nil)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer slow.Unsubscribe()
+	l := NewLiveness(nc)
+	old := time.Now().Add(-aliveFor - time.Millisecond)
+	l.seen["gw-slow"] = old
+	if !l.Alive(ctx, "gw-slow") {
+		t.Fatal("a gateway that answered within goneAfter counted as gone")
+	}
+	select {
+	case <-got:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no ping went out for an answer past aliveFor")
+	}
+	close(release)
+	waitFor(t, "the late answer taken", func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return l.seen["gw-slow"].After(old)
+	})
+}
+
 func TestDecodeRoom(t *testing.T) {
 	const ttl = 25 * time.Second
 	for _, tc := range []struct {
