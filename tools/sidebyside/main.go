@@ -190,16 +190,23 @@ func runProfile(o options, p profile, head, base string) error {
 	if p.inputLen > 0 {
 		o.inputLen, o.outputLen = p.inputLen, p.outputLen
 	}
-	for _, c := range conc {
+	for k, c := range conc {
 		n := p.prompts(c)
 		if n == 0 {
 			n = 4 * c
 		}
 		results := make([]result, len(targets))
-		for i, t := range targets {
-			r, err := runTarget(ctx, o, p, t, head, prefill, decode, c, n)
+		// Every other concurrency runs the targets in reverse, so that
+		// none of them always runs first on a cold engine, or last on a
+		// warm machine.
+		for j := range targets {
+			i := j
+			if k%2 == 1 {
+				i = len(targets) - 1 - j
+			}
+			r, err := runTarget(ctx, o, p, targets[i], head, prefill, decode, c, n)
 			if err != nil {
-				return fmt.Errorf("%s at concurrency %d: %w", t.name, c, err)
+				return fmt.Errorf("%s at concurrency %d: %w", targets[i].name, c, err)
 			}
 			results[i] = r
 		}
