@@ -24,7 +24,7 @@ func CountTokens(s string) int {
 	prev := 0
 	for _, r := range s {
 		class := charClass(r)
-		if class != 0 && (class != prev || class == 3) {
+		if startsToken(class, prev) {
 			n++
 		}
 		prev = class

@@ -86,17 +86,15 @@ func splitTokens(s string) []string {
 	for i, r := range s {
 		class := charClass(r)
 		switch {
-		case class == 0:
-			if inRun {
-				out = append(out, s[cur:i])
-				cur, inRun = i, false
-			}
-		case class != prev || class == 3:
+		case startsToken(class, prev):
 			if inRun {
 				out = append(out, s[cur:i])
 				cur = i
 			}
 			inRun = true
+		case class == 0 && inRun:
+			out = append(out, s[cur:i])
+			cur, inRun = i, false
 		}
 		prev = class
 	}
@@ -104,6 +102,12 @@ func splitTokens(s string) []string {
 		out = append(out, s[cur:])
 	}
 	return out
+}
+
+// startsToken reports whether a character of class starts a token after
+// one of class prev: the one rule that CountTokens and splitTokens share.
+func startsToken(class, prev int) bool {
+	return class != 0 && (class != prev || class == 3)
 }
 
 // tokenID is the id of one token.
