@@ -10,11 +10,11 @@ import (
 	"reflect"
 	"runtime"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/internal/testbody"
 	"github.com/pdq-dev/pdq/nats/embedded"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -252,7 +252,7 @@ func TestFixRemoteHostKeepsBytes(t *testing.T) {
 // A large prompt is copied once: the body's edit allocates its output and
 // nothing else.
 func TestPrefillBodyAllocs(t *testing.T) {
-	body := chatBody(400 << 10)
+	body := testbody.Chat(400 << 10)
 	var out []byte
 	allocs := testing.AllocsPerRun(10, func() {
 		var err error
@@ -265,23 +265,9 @@ func TestPrefillBodyAllocs(t *testing.T) {
 	}
 }
 
-// chatBody is a chat request of about size bytes, most of it one user
-// message with markup, quotes, newlines and non-ASCII text.
-func chatBody(size int) []byte {
-	const line = "The <b>quick</b> brown fox & \"friends\" jump over the lazy dog: ünïcödé, 漢字.\n"
-	head := `{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":`
-	tail := `}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":256,"temperature":0.7}`
-	text := strings.Repeat(line, size/len(line)+1)
-	content, _ := json.Marshal(text)
-	for n := len(text); len(head)+len(content)+len(tail) > size && n > 0; n -= max(1, (len(head)+len(content)+len(tail)-size)/2) {
-		content, _ = json.Marshal(strings.ToValidUTF8(text[:n], ""))
-	}
-	return []byte(head + string(content) + tail)
-}
-
 func BenchmarkPrefillBody(b *testing.B) {
 	for _, size := range []int{1 << 10, 400 << 10} {
-		body := chatBody(size)
+		body := testbody.Chat(size)
 		b.Run(fmt.Sprintf("%dKB", size>>10), func(b *testing.B) {
 			b.SetBytes(int64(len(body)))
 			b.ReportAllocs()
@@ -387,7 +373,7 @@ func TestRelayStreamBatch(t *testing.T) {
 // copied at all, and the pieces join to PrefillBody's and DecodeBody's
 // bytes.
 func TestBodyPartsDoNotCopy(t *testing.T) {
-	body := chatBody(400 << 10)
+	body := testbody.Chat(400 << 10)
 	params := json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"do_remote_prefill":true}`)
 	for _, tc := range []struct {
 		name  string

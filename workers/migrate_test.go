@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/internal/testbody"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -186,7 +187,7 @@ func TestContinuationRewrite(t *testing.T) {
 }
 
 func BenchmarkContinueBody(b *testing.B) {
-	body := chatBody(400 << 10)
+	body := testbody.Chat(400 << 10)
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
 	for b.Loop() {

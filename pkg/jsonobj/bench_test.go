@@ -3,25 +3,10 @@ package jsonobj
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
 	"testing"
-)
 
-// chatBody is a chat request of about size bytes, most of it one user
-// message with markup, quotes, newlines and non-ASCII text.
-func chatBody(size int) []byte {
-	const line = "The <b>quick</b> brown fox & \"friends\" jump over the lazy dog: ünïcödé, 漢字.\n"
-	text := strings.Repeat(line, size/len(line)+1)
-	content, _ := json.Marshal(text)
-	head := `{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":`
-	tail := `}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":256,"temperature":0.7}`
-	// Cut the text so that the whole body is size bytes, at a rune and
-	// escape boundary: re-encode a shorter text until it fits.
-	for n := len(text); len(head)+len(content)+len(tail) > size && n > 0; n -= max(1, (len(head)+len(content)+len(tail)-size)/2) {
-		content, _ = json.Marshal(strings.ToValidUTF8(text[:n], ""))
-	}
-	return []byte(head + string(content) + tail)
-}
+	"github.com/pdq-dev/pdq/internal/testbody"
+)
 
 var prefillOps = []Op{
 	Set("kv_transfer_params", []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)),
@@ -35,7 +20,7 @@ var prefillOps = []Op{
 
 func sizes(b *testing.B, fn func(b *testing.B, body []byte)) {
 	for _, size := range []int{1 << 10, 400 << 10} {
-		body := chatBody(size)
+		body := testbody.Chat(size)
 		if !json.Valid(body) {
 			b.Fatal("invalid body")
 		}
