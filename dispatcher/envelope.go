@@ -62,6 +62,10 @@ type Job struct {
 	// ReplyBatch says the gateway reads reply messages that carry several
 	// chunks (HeaderCount); a worker sends one chunk per message otherwise.
 	ReplyBatch bool
+	// ReplyFramed says the gateway reads chunk messages framed in their
+	// payload, without NATS headers (see [ReplyWriter]); a worker sends
+	// them with headers otherwise.
+	ReplyFramed bool
 	// HandBacks counts the times a worker whose engine was failing gave
 	// the job back unrun; each copy has its own message id.
 	HandBacks int
@@ -167,6 +171,8 @@ const (
 	HeaderHandBacks = "Pdq-Hand-Backs"
 	// HeaderReplyBatch is set on jobs whose gateway reads batched replies.
 	HeaderReplyBatch = "Pdq-Reply-Batch"
+	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
+	HeaderReplyFrame = "Pdq-Reply-Frame"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -204,6 +210,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	if j.ReplyBatch {
 		h[HeaderReplyBatch] = []string{"1"}
+	}
+	if j.ReplyFramed {
+		h[HeaderReplyFrame] = []string{"1"}
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
@@ -246,6 +255,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.PromptTokens = int(num(HeaderPromptTokens))
 	j.HandBacks = int(num(HeaderHandBacks))
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
+	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
 	if kv := h.Get(HeaderKV); kv != "" {
 		j.KV = json.RawMessage(kv)
 	}

@@ -24,10 +24,19 @@ import (
 // each beat and the end with the number of chunks it has; the writer sends
 // again whatever is missing. A writer without a subject (a replay, which
 // has no client) keeps the chunks for the request record instead.
+//
+// A chunk message carries its kind, number and attempt in NATS headers, or,
+// for a gateway that reads them (Job.ReplyFramed), in a frame line before
+// its data and no headers at all: "<attempt> <seq> <count>\n". Chunks are
+// most of a reply's messages, one per token or burst, and a gateway's NATS
+// client parses every message's headers into a map; the frame costs a
+// few bytes to write and nothing to skip. Other kinds keep their headers.
 type ReplyWriter struct {
-	nc      *nats.Conn
-	subject string
-	attempt []string // the attempt header's value, made once: it goes on every message
+	nc       *nats.Conn
+	subject  string
+	attempt  []string // the attempt header's value, made once: it goes on every message
+	attemptN int
+	framed   bool
 	// endWait bounds the wait for the gateway's ack of the end.
 	endWait time.Duration
 
@@ -60,8 +69,13 @@ const ackTimeout = time.Second
 // NewReplyWriter writes to subject as the given attempt (see
 // [ReplyAttempt]); an empty subject keeps the reply instead.
 func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-	return &ReplyWriter{nc: nc, subject: subject, attempt: []string{strconv.Itoa(attempt)}, endWait: DefaultEndWait}
+	return &ReplyWriter{nc: nc, subject: subject, attempt: []string{strconv.Itoa(attempt)}, attemptN: attempt,
+		endWait: DefaultEndWait}
 }
+
+// Frame makes the writer send chunks framed, for a gateway that reads them
+// (Job.ReplyFramed).
+func (w *ReplyWriter) Frame() { w.framed = true }
 
 // ContinueAt makes the writer continue a reply whose first n chunks an
 // earlier generation sent (a migrated decode).
@@ -103,7 +117,7 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.subject != "" {
-		if err := w.nc.PublishMsg(w.msg(KindChunk, w.seq, data)); err != nil {
+		if err := w.nc.PublishMsg(w.chunkMsg(w.seq, data)); err != nil {
 			return fmt.Errorf("send chunk to %s: %w", w.subject, err)
 		}
 	}
@@ -122,8 +136,13 @@ func (w *ReplyWriter) Chunks(data [][]byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.subject != "" {
-		msg := w.msg(KindChunk, w.seq, bytes.Join(data, newline))
-		msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
+		var msg *nats.Msg
+		if w.framed {
+			msg = &nats.Msg{Subject: w.subject, Data: w.frame(w.seq, data...)}
+		} else {
+			msg = w.msg(KindChunk, w.seq, bytes.Join(data, newline))
+			msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
+		}
 		if err := w.nc.PublishMsg(msg); err != nil {
 			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
 		}
@@ -194,7 +213,7 @@ func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
 	w.kept = w.kept[n-w.base:]
 	w.base = n
 	for i := n; i < upto; i++ {
-		if err := w.nc.PublishMsg(w.msg(KindChunk, i, w.kept[i-n])); err != nil {
+		if err := w.nc.PublishMsg(w.chunkMsg(i, w.kept[i-n])); err != nil {
 			break // the next ack asks again
 		}
 	}
@@ -278,6 +297,60 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 // Kept is what a writer without a subject kept: the chunks, and the stage
 // runs.
 func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages }
+
+// chunkMsg is chunk seq's message, framed or with headers.
+func (w *ReplyWriter) chunkMsg(seq int, data []byte) *nats.Msg {
+	if w.framed {
+		return &nats.Msg{Subject: w.subject, Data: w.frame(seq, data)}
+	}
+	return w.msg(KindChunk, seq, data)
+}
+
+// frame is the framed payload of chunks from seq on: the frame line, then
+// the chunks separated by newlines.
+func (w *ReplyWriter) frame(seq int, chunks ...[]byte) []byte {
+	size := 32 + len(chunks)
+	for _, c := range chunks {
+		size += len(c)
+	}
+	b := make([]byte, 0, size)
+	b = strconv.AppendInt(b, int64(w.attemptN), 10)
+	b = append(b, ' ')
+	b = strconv.AppendInt(b, int64(seq), 10)
+	b = append(b, ' ')
+	b = strconv.AppendInt(b, int64(len(chunks)), 10)
+	for _, c := range chunks {
+		b = append(b, '\n')
+		b = append(b, c...)
+	}
+	return b
+}
+
+// parseFrame reads a framed chunk message's payload: the inverse of frame,
+// with data the chunks as they were joined. ok is false for a payload that
+// is not a frame.
+func parseFrame(payload []byte) (attempt, seq, count int, data []byte, ok bool) {
+	line, data, found := bytes.Cut(payload, newline)
+	if !found {
+		return 0, 0, 0, nil, false
+	}
+	var n [3]int
+	for i := range n {
+		field := line
+		if i < 2 {
+			var more bool
+			if field, line, more = bytes.Cut(line, []byte{' '}); !more {
+				return 0, 0, 0, nil, false
+			}
+		}
+		v, err := strconv.Atoi(string(field))
+		if err != nil || v < 0 {
+			return 0, 0, 0, nil, false
+		}
+		n[i] = v
+	}
+	return n[0], n[1], n[2], data, n[2] >= 1
+}
 
 func (w *ReplyWriter) msg(kind string, seq int, data []byte) *nats.Msg {
 	msg := nats.NewMsg(w.subject)
@@ -584,17 +657,9 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 		if s.overflow.Load() {
 			return Reply{}, fmt.Errorf("%w: the client reads slower than the engine writes", ErrReplyGap)
 		}
-		kind := msg.Header.Get(HeaderKind)
-		attempt, _ := strconv.Atoi(msg.Header.Get(HeaderAttempt))
-		seq, err := strconv.Atoi(msg.Header.Get(HeaderSeq))
+		kind, attempt, seq, count, data, err := replyOf(msg)
 		if err != nil {
-			return Reply{}, fmt.Errorf("%w: reply without a sequence number", ErrReplyGap)
-		}
-		count := 1
-		if c := msg.Header.Get(HeaderCount); c != "" && kind == KindChunk {
-			if count, err = strconv.Atoi(c); err != nil || count < 1 {
-				return Reply{}, fmt.Errorf("%w: chunk count %q", ErrReplyGap, c)
-			}
+			return Reply{}, err
 		}
 		switch {
 		case attempt < s.attempt:
@@ -623,9 +688,9 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			}
 			if count == 1 {
 				s.next++
-				return Reply{Kind: KindChunk, Data: msg.Data}, nil
+				return Reply{Kind: KindChunk, Data: data}, nil
 			}
-			parts := bytes.Split(msg.Data, newline)
+			parts := bytes.Split(data, newline)
 			if len(parts) != count {
 				return Reply{}, fmt.Errorf("%w: %d chunks in a message that says %d", ErrReplyGap, len(parts), count)
 			}
@@ -653,8 +718,33 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 		case KindError:
 			ack(msg, strconv.Itoa(seq))
 			status, _ := strconv.Atoi(msg.Header.Get(HeaderStatus))
-			return Reply{Kind: KindError, Data: msg.Data, Status: status}, nil
+			return Reply{Kind: KindError, Data: data, Status: status}, nil
 		}
 		return Reply{}, fmt.Errorf("%w: unknown reply kind %q", ErrReplyGap, kind)
 	}
+}
+
+// replyOf reads what a reply message says of itself, from its headers or,
+// for a framed chunk (one without headers), from its frame; data is its
+// payload after the frame.
+func replyOf(msg *nats.Msg) (kind string, attempt, seq, count int, data []byte, err error) {
+	if len(msg.Header) == 0 {
+		attempt, seq, count, data, ok := parseFrame(msg.Data)
+		if !ok {
+			return "", 0, 0, 0, nil, fmt.Errorf("%w: a reply with neither headers nor a frame", ErrReplyGap)
+		}
+		return KindChunk, attempt, seq, count, data, nil
+	}
+	kind = msg.Header.Get(HeaderKind)
+	attempt, _ = strconv.Atoi(msg.Header.Get(HeaderAttempt))
+	if seq, err = strconv.Atoi(msg.Header.Get(HeaderSeq)); err != nil {
+		return "", 0, 0, 0, nil, fmt.Errorf("%w: reply without a sequence number", ErrReplyGap)
+	}
+	count = 1
+	if c := msg.Header.Get(HeaderCount); c != "" && kind == KindChunk {
+		if count, err = strconv.Atoi(c); err != nil || count < 1 {
+			return "", 0, 0, 0, nil, fmt.Errorf("%w: chunk count %q", ErrReplyGap, c)
+		}
+	}
+	return kind, attempt, seq, count, msg.Data, nil
 }

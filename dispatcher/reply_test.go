@@ -12,6 +12,8 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
+// TestReplies runs the reply protocol both ways a chunk can travel: with
+// headers, and framed (Job.ReplyFramed).
 func TestReplies(t *testing.T) {
 	nc, _ := startJetStream(t)
 	replies, err := NewReplies(nc, "gw1")
@@ -19,6 +21,23 @@ func TestReplies(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer replies.Close()
+	for _, framed := range []bool{false, true} {
+		p := "headers-"
+		if framed {
+			p = "framed-"
+		}
+		t.Run(p[:len(p)-1], func(t *testing.T) { testReplies(t, nc, replies, p, framed) })
+	}
+}
+
+func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, framed bool) {
+	newWriter := func(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
+		w := NewReplyWriter(nc, subject, attempt)
+		if framed {
+			w.Frame()
+		}
+		return w
+	}
 	ctx := context.Background()
 	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
 
@@ -58,9 +77,9 @@ func TestReplies(t *testing.T) {
 	}
 
 	t.Run("chunks in order, then done", func(t *testing.T) {
-		s, _ := replies.Open("r1")
+		s, _ := replies.Open(p + "r1")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r1"), 1)
+		w := newWriter(nc, replies.Subject(p+"r1"), 1)
 		for _, c := range []string{"a", "b", "c"} {
 			w.Chunk([]byte(c))
 		}
@@ -70,9 +89,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("batched chunks", func(t *testing.T) {
-		s, _ := replies.Open("rb1")
+		s, _ := replies.Open(p + "rb1")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("rb1"), 1)
+		w := newWriter(nc, replies.Subject(p+"rb1"), 1)
 		w.Chunks([][]byte{[]byte("a"), []byte("b"), []byte("c")})
 		w.Chunk([]byte("d"))
 		w.Chunks([][]byte{[]byte("e"), []byte("f")})
@@ -82,9 +101,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a batch partly received before is not repeated", func(t *testing.T) {
-		s, _ := replies.Open("rb2")
+		s, _ := replies.Open(p + "rb2")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("rb2"), 1)
+		w := newWriter(nc, replies.Subject(p+"rb2"), 1)
 		w.Chunks([][]byte{[]byte("a"), []byte("b")})
 		// The same chunks again, and one more: as a resend overlapping a
 		// later batch would come.
@@ -97,9 +116,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a lost batch is sent again", func(t *testing.T) {
-		s, _ := replies.Open("rb3")
+		s, _ := replies.Open(p + "rb3")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("rb3"), 1)
+		w := newWriter(nc, replies.Subject(p+"rb3"), 1)
 		w.Chunk([]byte("a"))
 		lose(w, "b")
 		lose(w, "c")
@@ -110,9 +129,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a lost chunk is sent again", func(t *testing.T) {
-		s, _ := replies.Open("r2")
+		s, _ := replies.Open(p + "r2")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r2"), 1)
+		w := newWriter(nc, replies.Subject(p+"r2"), 1)
 		w.Chunk([]byte("a"))
 		lose(w, "b")
 		w.Chunk([]byte("c"))
@@ -122,9 +141,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a lost tail is sent again", func(t *testing.T) {
-		s, _ := replies.Open("r3")
+		s, _ := replies.Open(p + "r3")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r3"), 1)
+		w := newWriter(nc, replies.Subject(p+"r3"), 1)
 		w.Chunk([]byte("a"))
 		lose(w, "b")
 		lose(w, "c")
@@ -134,9 +153,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("beats fill a gap while the decode runs", func(t *testing.T) {
-		s, _ := replies.Open("r3b")
+		s, _ := replies.Open(p + "r3b")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r3b"), 1)
+		w := newWriter(nc, replies.Subject(p+"r3b"), 1)
 		w.Chunk([]byte("a"))
 		lose(w, "b")
 		stop := w.Beats(ctx, 20*time.Millisecond)
@@ -148,22 +167,22 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a restart before any output is followed", func(t *testing.T) {
-		s, _ := replies.Open("r4")
+		s, _ := replies.Open(p + "r4")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r4"), 2)
+		w := newWriter(nc, replies.Subject(p+"r4"), 2)
 		w.Chunk([]byte("second"))
 		// a late message from the superseded attempt is ignored
-		NewReplyWriter(nc, replies.Subject("r4"), 1).Chunk([]byte("first"))
+		newWriter(nc, replies.Subject(p+"r4"), 1).Chunk([]byte("first"))
 		end(t, w.Done)
 		want(t, s, "second")
 		wantKind(t, s, KindDone)
 	})
 
 	t.Run("a restart after output is an error", func(t *testing.T) {
-		s, _ := replies.Open("r5")
+		s, _ := replies.Open(p + "r5")
 		defer s.Close()
-		NewReplyWriter(nc, replies.Subject("r5"), 1).Chunk([]byte("a"))
-		NewReplyWriter(nc, replies.Subject("r5"), 2).Chunk([]byte("a"))
+		newWriter(nc, replies.Subject(p+"r5"), 1).Chunk([]byte("a"))
+		newWriter(nc, replies.Subject(p+"r5"), 2).Chunk([]byte("a"))
 		next(s)
 		if _, err := next(s); !errors.Is(err, ErrReplyRestarted) {
 			t.Fatalf("err = %v, want ErrReplyRestarted", err)
@@ -171,15 +190,15 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a moved reply continues in the next attempt", func(t *testing.T) {
-		s, _ := replies.Open("r5b")
+		s, _ := replies.Open(p + "r5b")
 		defer s.Close()
-		first := NewReplyWriter(nc, replies.Subject("r5b"), ReplyAttempt(1, 1))
+		first := newWriter(nc, replies.Subject(p+"r5b"), ReplyAttempt(1, 1))
 		first.Chunk([]byte("a"))
 		lose(first, "b")
 		moved := make(chan error, 1)
 		go func() { moved <- first.Moved() }()
 		want(t, s, "a", "b")
-		second := NewReplyWriter(nc, replies.Subject("r5b"), ReplyAttempt(2, 1))
+		second := newWriter(nc, replies.Subject(p+"r5b"), ReplyAttempt(2, 1))
 		second.ContinueAt(2)
 		end(t, func() error {
 			if err := <-moved; err != nil {
@@ -193,10 +212,10 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("errors carry their status", func(t *testing.T) {
-		s, _ := replies.Open("r6")
+		s, _ := replies.Open(p + "r6")
 		defer s.Close()
 		end(t, func() error {
-			return NewReplyWriter(nc, replies.Subject("r6"), 0).Error(openai.NewError(400, "too long"))
+			return newWriter(nc, replies.Subject(p+"r6"), 0).Error(openai.NewError(400, "too long"))
 		})
 		r := wantKind(t, s, KindError)
 		e, ok := openai.ParseError(r.Data)
@@ -206,7 +225,7 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a request that ended here acks its late writers", func(t *testing.T) {
-		w := NewReplyWriter(nc, replies.Subject("gone"), 1)
+		w := newWriter(nc, replies.Subject(p+"gone"), 1)
 		w.Chunk([]byte("a"))
 		w.SetEndWait(5 * time.Second)
 		if err := w.Done(); err != nil {
@@ -215,7 +234,7 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("an end nobody acknowledges gives up", func(t *testing.T) {
-		w := NewReplyWriter(nc, ReplySubject("no-gateway", "x"), 1)
+		w := newWriter(nc, ReplySubject("no-gateway", p+"x"), 1)
 		w.SetEndWait(300 * time.Millisecond)
 		if err := w.Done(); !errors.Is(err, ErrReplyUnacked) {
 			t.Fatalf("done = %v, want ErrReplyUnacked", err)
@@ -223,15 +242,15 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("in flight ids are refused", func(t *testing.T) {
-		s, err := replies.Open("r7")
+		s, err := replies.Open(p + "r7")
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := replies.Open("r7"); !errors.Is(err, ErrInFlight) {
+		if _, err := replies.Open(p + "r7"); !errors.Is(err, ErrInFlight) {
 			t.Fatalf("second Open = %v, want ErrInFlight", err)
 		}
 		s.Close()
-		if s2, err := replies.Open("r7"); err != nil {
+		if s2, err := replies.Open(p + "r7"); err != nil {
 			t.Fatalf("Open after Close = %v", err)
 		} else {
 			s2.Close()
@@ -239,7 +258,7 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("silence before a decode starts is no stall", func(t *testing.T) {
-		s, _ := replies.Open("r8")
+		s, _ := replies.Open(p + "r8")
 		defer s.Close()
 		if _, err := s.Next(ctx, 50*time.Millisecond); !errors.Is(err, ErrReplyStalled) || s.Heard() {
 			t.Fatalf("err = %v, heard %v; want a stall with no decode heard: a queued request is silent", err, s.Heard())
@@ -247,9 +266,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("a running decode that goes silent stalls", func(t *testing.T) {
-		s, _ := replies.Open("r8b")
+		s, _ := replies.Open(p + "r8b")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r8b"), 1)
+		w := newWriter(nc, replies.Subject(p+"r8b"), 1)
 		w.Chunk([]byte("a"))
 		if _, err := s.Next(ctx, 100*time.Millisecond); err != nil {
 			t.Fatal(err)
@@ -260,9 +279,9 @@ func TestReplies(t *testing.T) {
 	})
 
 	t.Run("overflow is a gap", func(t *testing.T) {
-		s, _ := replies.Open("r9")
+		s, _ := replies.Open(p + "r9")
 		defer s.Close()
-		w := NewReplyWriter(nc, replies.Subject("r9"), 1)
+		w := newWriter(nc, replies.Subject(p+"r9"), 1)
 		for i := range replyBuffer + 10 {
 			w.Chunk([]byte(strconv.Itoa(i)))
 		}
@@ -333,6 +352,43 @@ func TestSlowFlushIsNotAStall(t *testing.T) {
 		})
 		if _, err := s.Next(context.Background(), 50*time.Millisecond); err != nil {
 			t.Fatalf("run %d: %v, with a chunk waiting", i, err)
+		}
+	}
+}
+
+// TestReplyFrame checks the framed chunk: what a writer sends carries no
+// headers and reads back as it was sent, a chunk with newlines included;
+// a payload that is not a frame is a gap, not a chunk.
+func TestReplyFrame(t *testing.T) {
+	nc, _ := startJetStream(t)
+	raw, err := nc.SubscribeSync("frames")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := NewReplyWriter(nc, "frames", ReplyAttempt(3, 2))
+	w.Frame()
+	w.Chunk([]byte("one\nline, two"))
+	w.Chunks([][]byte{[]byte(`{"a":1}`), nil, []byte("z")})
+	for _, want := range []struct {
+		seq, count int
+		data       string
+	}{{0, 1, "one\nline, two"}, {1, 3, "{\"a\":1}\n\nz"}} {
+		m, err := raw.NextMsg(5 * time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(m.Header) != 0 {
+			t.Errorf("a framed chunk came with headers %v", m.Header)
+		}
+		kind, attempt, seq, count, data, err := replyOf(m)
+		if err != nil || kind != KindChunk || attempt != ReplyAttempt(3, 2) || seq != want.seq || count != want.count || string(data) != want.data {
+			t.Errorf("read %q as %s attempt %d seq %d count %d data %q (%v); want chunk attempt %d seq %d count %d data %q",
+				m.Data, kind, attempt, seq, count, data, err, ReplyAttempt(3, 2), want.seq, want.count, want.data)
+		}
+	}
+	for _, bad := range []string{"", "no frame", "1 2 3", "1 2\nx", "1 2 0\nx", "1 -2 1\nx", "a 2 1\nx", "1  2 1\nx", "1 2 1 4\nx"} {
+		if _, _, _, _, _, err := replyOf(&nats.Msg{Data: []byte(bad)}); !errors.Is(err, ErrReplyGap) {
+			t.Errorf("%q read as a reply (%v); want ErrReplyGap", bad, err)
 		}
 	}
 }

@@ -216,6 +216,9 @@ func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
 		attempt = 0
 	}
 	w := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
+	if job.ReplyFramed {
+		w.Frame()
+	}
 	if job.Resume != nil && l.cfg.Stage == StageDecode {
 		w.ContinueAt(job.Resume.Chunks)
 	}

@@ -1,0 +1,55 @@
+package tests
+
+import (
+	"regexp"
+	"testing"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// TestReplyWireFramed checks the reply stream on the wire between real
+// processes: a gateway and a decode worker of this build pass chunks
+// framed, every chunk message without NATS headers, and still end the
+// reply with a done message in headers.
+func TestReplyWireFramed(t *testing.T) {
+	c := startCluster(t, clusterOptions{})
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	sub, err := c.nc.SubscribeSync(dispatcher.ReplySubject("*", "wire-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if o := c.one("wire-1", 0, chatBody(model, "hello there", body{"stream": true, "max_tokens": 8})); !o.ok {
+		t.Fatalf("the request failed: %+v", o)
+	}
+	// The server sent every reply message to this connection before the
+	// flush's answer.
+	if err := c.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	frame := regexp.MustCompile(`^[0-9]+ [0-9]+ [1-9][0-9]*\n`)
+	var framed, done int
+	for {
+		m, err := sub.NextMsg(0)
+		if err != nil {
+			break
+		}
+		switch kind := m.Header.Get(dispatcher.HeaderKind); {
+		case len(m.Header) == 0 && frame.Match(m.Data):
+			framed++
+		case kind == dispatcher.KindDone:
+			done++
+		case kind == dispatcher.KindChunk:
+			t.Errorf("a chunk went with headers %v", m.Header)
+		case len(m.Header) == 0:
+			t.Errorf("a message with neither headers nor a frame: %q", m.Data)
+		}
+	}
+	if framed == 0 || done == 0 {
+		t.Errorf("%d framed chunk messages and %d done; want some of each", framed, done)
+	}
+}
