@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -31,14 +32,17 @@ type scaledObject struct {
 		ScaleTargetRef struct {
 			Name string `json:"name"`
 		} `json:"scaleTargetRef"`
-		MinReplicaCount *int32 `json:"minReplicaCount,omitempty"`
-		MaxReplicaCount *int32 `json:"maxReplicaCount,omitempty"`
-		CooldownPeriod  *int32 `json:"cooldownPeriod,omitempty"`
-		Triggers        []struct {
-			Type     string            `json:"type"`
-			Metadata map[string]string `json:"metadata"`
-		} `json:"triggers"`
+		MinReplicaCount *int32        `json:"minReplicaCount,omitempty"`
+		MaxReplicaCount *int32        `json:"maxReplicaCount,omitempty"`
+		CooldownPeriod  *int32        `json:"cooldownPeriod,omitempty"`
+		Triggers        []kedaTrigger `json:"triggers"`
 	} `json:"spec"`
+}
+
+// kedaTrigger is one trigger of a ScaledObject.
+type kedaTrigger struct {
+	Type     string            `json:"type"`
+	Metadata map[string]string `json:"metadata"`
 }
 
 // manifests holds every object of deploy/k8s, by kind.
@@ -118,7 +122,8 @@ func stripComments(doc string) string {
 // running pdq on them needs: real pdq command lines and variables, probes
 // on /health and /ready, a termination grace longer than pdq's 30 s, a
 // disruption budget for every Deployment, KEDA scaling of every worker
-// pool on the consumer its workers share, and NIXL set up on the engines.
+// pool, and of the engines it calls through a Service, on the consumer its
+// workers share, and NIXL set up on the engines.
 func TestKubernetesManifests(t *testing.T) {
 	m := readManifests(t)
 	known, err := config.Names()
@@ -192,6 +197,7 @@ func TestKubernetesManifests(t *testing.T) {
 	pool := dispatcher.PoolName(model)
 
 	workers := map[dispatcher.Stage]string{} // stage -> the Deployment that runs its workers
+	engines := map[dispatcher.Stage]string{} // stage -> its workers' PDQ_ENGINE_URL
 	for _, d := range m.deployments {
 		spec := d.Spec.Template.Spec
 		for _, c := range spec.Containers {
@@ -235,6 +241,11 @@ func TestKubernetesManifests(t *testing.T) {
 			}
 			if stage := dispatcher.Stage(c.Args[0]); stage == dispatcher.StagePrefill || stage == dispatcher.StageDecode {
 				workers[stage] = d.Name
+				for _, e := range c.Env {
+					if e.Name == "PDQ_ENGINE_URL" {
+						engines[stage] = e.Value
+					}
+				}
 				if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == "PDQ_METRICS_ADDR" }) {
 					t.Errorf("%s/%s: a worker serves its probes on PDQ_METRICS_ADDR, which is not set", d.Name, c.Name)
 				}
@@ -255,22 +266,51 @@ func TestKubernetesManifests(t *testing.T) {
 		}
 	}
 	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
-		target, ok := workers[stage]
+		worker, ok := workers[stage]
 		if !ok {
 			t.Errorf("no Deployment runs %s workers", stage)
 			continue
 		}
+		// The workers scale on their consumer's lag, and so do the engines
+		// they call when those run in a Deployment of their own (behind a
+		// Service), as the prefill engines do.
+		targets := []string{worker}
+		engine, err := url.Parse(engines[stage])
+		if err != nil || engine.Hostname() == "" {
+			t.Errorf("%s: PDQ_ENGINE_URL %q is not an engine URL", worker, engines[stage])
+			continue
+		}
+		if host := engine.Hostname(); host != "127.0.0.1" && host != "localhost" {
+			// A Service's name, maybe with its namespace and domain.
+			name, _, _ := strings.Cut(host, ".")
+			i := slices.IndexFunc(m.services, func(s corev1.Service) bool { return s.Name == name })
+			if i < 0 {
+				t.Errorf("%s: PDQ_ENGINE_URL %s names no Service", worker, engine)
+				continue
+			}
+			var vllm []string
+			for _, d := range m.deployments {
+				if labels.SelectorFromSet(m.services[i].Spec.Selector).Matches(labels.Set(d.Spec.Template.Labels)) &&
+					slices.ContainsFunc(d.Spec.Template.Spec.Containers, func(c corev1.Container) bool { return strings.HasPrefix(c.Image, "vllm/") }) {
+					vllm = append(vllm, d.Name)
+				}
+			}
+			if len(vllm) == 0 {
+				t.Errorf("%s: the Service %s of its PDQ_ENGINE_URL selects no vLLM Deployment", worker, name)
+			}
+			targets = append(targets, vllm...)
+		}
 		stream := map[dispatcher.Stage]string{dispatcher.StagePrefill: dispatcher.StreamPrefill, dispatcher.StageDecode: dispatcher.StreamDecode}[stage]
-		if !slices.ContainsFunc(m.scaled, func(so scaledObject) bool {
-			return so.Spec.ScaleTargetRef.Name == target && slices.ContainsFunc(so.Spec.Triggers, func(tr struct {
-				Type     string            `json:"type"`
-				Metadata map[string]string `json:"metadata"`
-			}) bool {
-				return tr.Type == "nats-jetstream" && tr.Metadata["stream"] == stream &&
-					tr.Metadata["consumer"] == dispatcher.ConsumerName(stage, pool) && tr.Metadata["lagThreshold"] != ""
-			})
-		}) {
-			t.Errorf("no ScaledObject scales %s on stream %s, consumer %s", target, stream, dispatcher.ConsumerName(stage, pool))
+		consumer := dispatcher.ConsumerName(stage, pool)
+		for _, target := range targets {
+			if !slices.ContainsFunc(m.scaled, func(so scaledObject) bool {
+				return so.Spec.ScaleTargetRef.Name == target && slices.ContainsFunc(so.Spec.Triggers, func(tr kedaTrigger) bool {
+					return tr.Type == "nats-jetstream" && tr.Metadata["stream"] == stream &&
+						tr.Metadata["consumer"] == consumer && tr.Metadata["lagThreshold"] != ""
+				})
+			}) {
+				t.Errorf("no ScaledObject scales %s on stream %s, consumer %s", target, stream, consumer)
+			}
 		}
 	}
 }
