@@ -116,7 +116,7 @@ type batchReply struct {
 // records each hold it.
 func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, log *slog.Logger) error {
 	t := trackOf(c)
-	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), jobs[0].job.Deadline, errDeadline)
+	ctx, cancel := h.relayContext(c, jobs[0].job.Deadline)
 	defer cancel()
 	in := make(chan batchReply)
 	var wg sync.WaitGroup
@@ -207,6 +207,8 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 				stop(dispatcher.StateCancelled, 499, "client went away")
 			case errors.Is(context.Cause(ctx), errDeadline):
 				stop(dispatcher.StateExpired, http.StatusGatewayTimeout, errDeadline.Error())
+			case errors.Is(context.Cause(ctx), errShutdown):
+				stop(dispatcher.StateCancelled, http.StatusServiceUnavailable, errShutdown.Error())
 			default:
 				stop(dispatcher.StateCancelled, http.StatusBadGateway, "another prompt of its batch failed")
 			}

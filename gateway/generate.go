@@ -164,7 +164,7 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) *op
 // ends the relay early, the workers are told to stop.
 func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, claim *dispatcher.Claim, log *slog.Logger) error {
 	t := trackOf(c)
-	ctx, cancel := context.WithDeadlineCause(c.Request().Context(), job.Deadline, errDeadline)
+	ctx, cancel := h.relayContext(c, job.Deadline)
 	defer cancel()
 	first, err := h.next(ctx, replies, job)
 	if err != nil {
@@ -277,6 +277,24 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 // errDeadline is the cause of a relay stopped by the request's deadline.
 var errDeadline = errors.New("the request's deadline passed")
 
+// errShutdown ends the relays still running when the gateway's shutdown
+// grace period runs out.
+var errShutdown = errors.New("the gateway shut down before the answer was complete")
+
+// relayContext is a relay's context: it ends with the client's request,
+// at the request's deadline (cause errDeadline), or when the gateway's
+// grace period runs out (cause errShutdown).
+func (h *handlers) relayContext(c echo.Context, deadline time.Time) (context.Context, context.CancelFunc) {
+	ctx, cancelDeadline := context.WithDeadlineCause(c.Request().Context(), deadline, errDeadline)
+	ctx, cancel := context.WithCancelCause(ctx)
+	unhook := context.AfterFunc(h.graceOver, func() { cancel(errShutdown) })
+	return ctx, func() {
+		unhook()
+		cancel(nil)
+		cancelDeadline()
+	}
+}
+
 // delivered records a request whose answer went out whole, starting from
 // the record its claim wrote.
 func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done dispatcher.Reply, log *slog.Logger) {
@@ -301,9 +319,11 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 		return nil
 	}
 	status, state := http.StatusBadGateway, dispatcher.StateFailed
-	switch {
-	case errors.Is(context.Cause(ctx), errDeadline):
+	switch cause := context.Cause(ctx); {
+	case errors.Is(cause, errDeadline):
 		status, state, err = http.StatusGatewayTimeout, dispatcher.StateExpired, errDeadline
+	case errors.Is(cause, errShutdown):
+		status, err = http.StatusServiceUnavailable, errShutdown
 	case errors.Is(err, dispatcher.ErrReplyStalled):
 		status, err = http.StatusGatewayTimeout, fmt.Errorf("%w for %v", err, h.cfg.StallTimeout)
 	}

@@ -159,7 +159,11 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		return fmt.Errorf("gateway: answer liveness pings: %w", err)
 	}
 	defer pings.Unsubscribe()
-	h := &handlers{Server: s, registry: registry, replies: replies, records: records,
+	// graceOver ends the running relays when the grace period runs out,
+	// so that each client gets an error instead of a cut connection.
+	graceOver, endGrace := context.WithCancel(context.Background())
+	defer endGrace()
+	h := &handlers{Server: s, registry: registry, replies: replies, records: records, graceOver: graceOver,
 		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
 		budget:    newByteBudget(s.cfg.MaxInflightBytes),
 		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
@@ -179,16 +183,28 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.Grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		s.log.Warn("grace period over: closing the connections of running requests", logging.Err(err))
-		srv.Close()
+		s.log.Warn("grace period over: ending the running requests with an error", logging.Err(err))
+		endGrace()
+		fctx, fcancel := context.WithTimeout(context.Background(), lastWords)
+		if err := srv.Shutdown(fctx); err != nil {
+			s.log.Warn("closing the connections of requests still running", logging.Err(err))
+			srv.Close()
+		}
+		fcancel()
 	}
 	s.log.Info("gateway stopped")
 	return nil
 }
 
+// lastWords bounds the wait, once the grace period is over, for the
+// running requests to record their end and write their error.
+const lastWords = 3 * time.Second
+
 // handlers hold what the routes share once the gateway is serving.
 type handlers struct {
 	*Server
+	// graceOver ends when the shutdown grace period runs out.
+	graceOver context.Context
 	registry  *dispatcher.Registry
 	replies   *dispatcher.Replies
 	records   *dispatcher.Records

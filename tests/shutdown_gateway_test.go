@@ -1,0 +1,37 @@
+package tests
+
+import (
+	"testing"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// TestShutdownGraceCutsGatewayStream is TestShutdownGraceCutsDecodeStream
+// with SIGTERM sent to the gateway that holds the client (docs/deploy.md:
+// the gateway's grace is PDQ_SHUTDOWN_GRACE too), and to pdq up, which
+// runs the gateway and the workers in one process.
+func TestShutdownGraceCutsGatewayStream(t *testing.T) {
+	t.Run("gateway", func(t *testing.T) {
+		c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "50ms"}, env: []string{"PDQ_SHUTDOWN_GRACE=1s"}})
+		c.worker(dispatcher.StagePrefill, 2)
+		c.worker(dispatcher.StageDecode, 4)
+		c.ready()
+		before := c.decode.Stats(t)
+		r := startCutStream(t, c.url, "grace-gateway")
+		sigterm(t, c.gateway)
+		s := readCut(r)
+		s.check(t)
+		engineStopped(t, c.decode, before)
+	})
+	t.Run("pdq up", func(t *testing.T) {
+		_, pe := startSimProcess(t)
+		_, de := startSimProcess(t, "--itl", "50ms")
+		up, url := startUp(t, "PDQ_PREFILL_ENGINES="+pe.URL, "PDQ_DECODE_ENGINES="+de.URL, "PDQ_SHUTDOWN_GRACE=1s")
+		before := de.Stats(t)
+		r := startCutStream(t, url, "grace-up")
+		sigterm(t, up)
+		s := readCut(r)
+		s.check(t)
+		engineStopped(t, de, before)
+	})
+}
