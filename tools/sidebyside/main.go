@@ -63,7 +63,7 @@ var profiles = map[string]profile{
 		name: "realistic engines (TTFT 200 ms, ITL 10 ms)",
 		sim:  []string{"--prefill-overhead", "200ms", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "10ms"},
 		prompts: func(c int) int {
-			return map[int]int{1: 20, 16: 64, 64: 256, 256: 512}[c]
+			return map[int]int{1: 20, 16: 128, 64: 512, 256: 512}[c]
 		},
 	},
 	// A 400 KB prompt: 65,000 words of about five bytes each, one at a
@@ -72,7 +72,7 @@ var profiles = map[string]profile{
 	"long": {
 		name:        "400 KB prompts, zero-latency engines",
 		sim:         []string{"--prefill-overhead", "0s", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "0s", "--max-model-len", "200000"},
-		prompts:     func(int) int { return 30 },
+		prompts:     func(int) int { return 60 },
 		concurrency: []int{1},
 		inputLen:    65000, outputLen: 8,
 	},
