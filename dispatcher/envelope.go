@@ -62,6 +62,10 @@ type Job struct {
 	// ReplyBatch says the gateway reads reply messages that carry several
 	// chunks (HeaderCount); a worker sends one chunk per message otherwise.
 	ReplyBatch bool
+	// Batch marks a prompt of a batched completions request: its record
+	// ends with the whole batch's, so its success is acked with
+	// JetStream's confirmation (see settle.succeeded).
+	Batch bool
 	// ReplyFramed says the gateway reads chunk messages framed in their
 	// payload, without NATS headers (see [ReplyWriter]); a worker sends
 	// them with headers otherwise.
@@ -173,6 +177,8 @@ const (
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
 	HeaderReplyFrame = "Pdq-Reply-Frame"
+	// HeaderBatch is set on the jobs of a batched request's prompts.
+	HeaderBatch = "Pdq-Batch"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -213,6 +219,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	if j.ReplyFramed {
 		h[HeaderReplyFrame] = []string{"1"}
+	}
+	if j.Batch {
+		h[HeaderBatch] = []string{"1"}
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
@@ -256,6 +265,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.HandBacks = int(num(HeaderHandBacks))
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
+	j.Batch = h.Get(HeaderBatch) == "1"
 	if kv := h.Get(HeaderKV); kv != "" {
 		j.KV = json.RawMessage(kv)
 	}

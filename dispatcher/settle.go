@@ -189,16 +189,32 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 	// A plain ack, not one JetStream confirms: every job succeeds through
 	// here, and waiting for the confirmation cost a round trip and two
 	// messages each time, while a failed confirmation changed nothing. A
-	// lost ack brings the job back after the ack wait, and admit mostly
-	// settles it then without running it: a prefill whose handoff is
-	// stored is acked, a decode whose request has ended is dropped. Not a
-	// prompt of a batch, though, whose record ends with the whole batch:
-	// if another prompt outlives the ack wait, the prompt runs again, and
-	// nobody reads that second answer.
-	if err := s.msg.Ack(); err != nil {
+	// lost ack brings the job back after the ack wait, and admit settles
+	// it then without running it: a prefill whose handoff is stored is
+	// acked, a job whose request has ended is dropped.
+	//
+	// Not a prompt of a batch, whose record ends with the whole batch's:
+	// brought back while another prompt still runs, it would run again,
+	// for nobody. Its ack is confirmed, and sent again if the
+	// confirmation does not come.
+	if s.job.Batch {
+		s.confirmAck(ctx)
+	} else if err := s.msg.Ack(); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
 	}
 	s.log.Debug("job done", logging.Ms("duration_ms", took))
+}
+
+// confirmAck acks the job with JetStream's confirmation, up to three
+// times.
+func (s *settle) confirmAck(ctx context.Context) {
+	var err error
+	for range 3 {
+		if err = s.msg.DoubleAck(ctx); err == nil {
+			return
+		}
+	}
+	s.log.Warn("ack unconfirmed; a prompt of a batch may run again", logging.Err(err))
 }
 
 // storeHandoff publishes a prefill's result, retrying the publish (never

@@ -3,6 +3,7 @@ package dispatcher
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -87,8 +88,14 @@ func (lt *loopTest) submit(id string) *ReplyStream {
 		lt.t.Fatal(err)
 	}
 	lt.t.Cleanup(s.Close)
-	job := &Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), ReplyTo: lt.replies.Subject(id),
-		Deadline: time.Now().Add(time.Minute)}
+	lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), ReplyTo: lt.replies.Subject(id),
+		Deadline: time.Now().Add(time.Minute)})
+	return s
+}
+
+// submitJob queues job, as the gateway does.
+func (lt *loopTest) submitJob(job *Job) {
+	lt.t.Helper()
 	records, err := OpenRecords(context.Background(), lt.js)
 	if err != nil {
 		lt.t.Fatal(err)
@@ -96,7 +103,6 @@ func (lt *loopTest) submit(id string) *ReplyStream {
 	if _, err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), StagePrefill, job); err != nil {
 		lt.t.Fatal(err)
 	}
-	return s
 }
 
 // record reads a request's record.
@@ -645,6 +651,42 @@ func TestLiveness(t *testing.T) {
 	l.reconnects-- // as if this connection had just come back
 	if !l.Alive(ctx, "gw-never") {
 		t.Error("right after this process's own reconnect, silence was taken for a gone gateway")
+	}
+}
+
+// TestBatchPromptAckConfirmed checks how a job that succeeded is acked: a
+// prompt of a batch, whose record ends only with the whole batch's, with
+// JetStream's confirmation (a lost ack would run it again while another
+// prompt runs); any other job plainly, its redelivery dropped by admit.
+func TestBatchPromptAckConfirmed(t *testing.T) {
+	nc, js := startJetStream(t)
+	acks, err := nc.SubscribeSync("$JS.ACK.>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
+	for _, batch := range []bool{false, true} {
+		id := fmt.Sprintf("ack-batch-%v", batch)
+		s, err := lt.replies.Open(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: []byte(`{}`),
+			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), Batch: batch})
+		for {
+			m, err := acks.NextMsg(10 * time.Second)
+			if err != nil {
+				t.Fatalf("batch %v: no ack: %v", batch, err)
+			}
+			if string(m.Data) != "+ACK" {
+				continue // progress, not the end
+			}
+			if confirmed := m.Reply != ""; confirmed != batch {
+				t.Errorf("batch %v: ack confirmed %v, want %v", batch, confirmed, batch)
+			}
+			break
+		}
 	}
 }
 

@@ -91,7 +91,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 	for i, body := range bodies {
 		sub := id + "-" + strconv.Itoa(i)
 		jlog := h.log.With(logging.KeyRequestID, sub)
-		replies, job, claim, apiErr := h.submit(c, endpoint, sub, in.req, body, in.batchTokens[i], pool, jlog)
+		replies, job, claim, apiErr := h.submit(c, endpoint, sub, true, in.req, body, in.batchTokens[i], pool, jlog)
 		if apiErr != nil {
 			// The prompts queued so far must not run for nobody.
 			for _, b := range jobs {

@@ -60,7 +60,7 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, id, in, pool, log)
 		}
-		replies, job, claim, apiErr := h.submit(c, endpoint, id, in.req, in.body, in.promptTokens, pool, log)
+		replies, job, claim, apiErr := h.submit(c, endpoint, id, false, in.req, in.body, in.promptTokens, pool, log)
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
@@ -72,8 +72,9 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 // submit queues one job for body, through prefill or decode-only as the
 // prompt's length and the pool's health decide, with its reply stream
 // open before it is queued. The caller closes the stream. The claim is
-// the request's record as written, for delivered.
-func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, req *openai.Request, body []byte,
+// the request's record as written, for delivered. batch marks a prompt of
+// a batched request.
+func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, batch bool, req *openai.Request, body []byte,
 	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*dispatcher.ReplyStream, *dispatcher.Job, *dispatcher.Claim, *openai.Error) {
 	model := req.Model
 	stage := dispatcher.StagePrefill
@@ -94,7 +95,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, r
 	now := time.Now()
 	job := &dispatcher.Job{
 		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,
-		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true,
+		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, Batch: batch,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
 	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {

@@ -53,3 +53,46 @@ func TestReplyWireFramed(t *testing.T) {
 		t.Errorf("%d framed chunk messages and %d done; want some of each", framed, done)
 	}
 }
+
+// TestBatchPromptsMarked checks, on the wire, that the gateway marks the
+// jobs of a batch's prompts (Pdq-Batch), whose acks workers confirm, and
+// no other job.
+func TestBatchPromptsMarked(t *testing.T) {
+	c := startCluster(t, clusterOptions{})
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	jobs, err := c.nc.SubscribeSync(dispatcher.JobSubject(dispatcher.StageDecode, "*", "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if o := c.one("marked-batch", 0, completionBody(model, "", body{"prompt": []string{"one", "two"}, "max_tokens": 2})); o.status != 200 {
+		t.Fatalf("the batch failed: %+v", o)
+	}
+	if o := c.one("marked-single", 0, completionBody(model, "three", body{"max_tokens": 2})); !o.ok {
+		t.Fatalf("the request failed: %+v", o)
+	}
+	if err := c.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	marked := map[string]bool{}
+	for {
+		m, err := jobs.NextMsg(0)
+		if err != nil {
+			break
+		}
+		marked[m.Header.Get(dispatcher.HeaderID)] = m.Header.Get(dispatcher.HeaderBatch) == "1"
+	}
+	want := map[string]bool{"marked-batch-0": true, "marked-batch-1": true, "marked-single": false}
+	if len(marked) != len(want) {
+		t.Fatalf("decode jobs %v, want %v", marked, want)
+	}
+	for id, w := range want {
+		if got, ok := marked[id]; !ok || got != w {
+			t.Errorf("job %s marked %v (seen %v), want %v", id, got, ok, w)
+		}
+	}
+}
