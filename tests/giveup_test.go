@@ -52,10 +52,10 @@ func TestGatewayGivesUpAndCancels(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			seen := atoi(first.Header.Get(dispatcher.HeaderAttempt))
+			seen, seq := chunkNumbers(t, first)
 			bad := nats.NewMsg(first.Subject)
 			bad.Header.Set(dispatcher.HeaderKind, tc.kind)
-			bad.Header.Set(dispatcher.HeaderSeq, itoa(tc.seq(atoi(first.Header.Get(dispatcher.HeaderSeq)))))
+			bad.Header.Set(dispatcher.HeaderSeq, itoa(tc.seq(seq)))
 			bad.Header.Set(dispatcher.HeaderAttempt, itoa(tc.attempt(seen)))
 			bad.Data = []byte(`{"choices":[]}`)
 			if err := p.nc.PublishMsg(bad); err != nil {
@@ -78,6 +78,22 @@ func TestGatewayGivesUpAndCancels(t *testing.T) {
 			}
 		})
 	}
+}
+
+// chunkNumbers reads a chunk message's attempt and first sequence number,
+// from its frame ("<attempt> <seq> <count>\n", which this build's workers
+// send) or its headers.
+func chunkNumbers(t *testing.T, m *nats.Msg) (attempt, seq int) {
+	t.Helper()
+	if len(m.Header) > 0 {
+		return atoi(m.Header.Get(dispatcher.HeaderAttempt)), atoi(m.Header.Get(dispatcher.HeaderSeq))
+	}
+	line, _, _ := strings.Cut(string(m.Data), "\n")
+	f := strings.Fields(line)
+	if len(f) != 3 {
+		t.Fatalf("a chunk with neither headers nor a frame: %q", m.Data)
+	}
+	return atoi(f[0]), atoi(f[1])
 }
 
 func atoi(s string) int {
