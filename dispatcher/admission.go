@@ -42,6 +42,7 @@ func (e *QueueFullError) Unwrap() error { return ErrQueueFull }
 type Admission struct {
 	js  jetstream.StreamConsumerManager
 	max int
+	now func() time.Time
 
 	mu    sync.Mutex
 	depth map[string]depthLook
@@ -55,7 +56,7 @@ type depthLook struct {
 
 // NewAdmission bounds each pool's stage queue at max jobs.
 func NewAdmission(js jetstream.StreamConsumerManager, max int) *Admission {
-	return &Admission{js: js, max: max, depth: make(map[string]depthLook)}
+	return &Admission{js: js, max: max, now: time.Now, depth: make(map[string]depthLook)}
 }
 
 // Check refuses a job for stage and pool with a *QueueFullError when the
@@ -77,29 +78,36 @@ func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
 	key := string(stage) + "/" + pool
 	a.mu.Lock()
 	look, ok := a.depth[key]
-	age := time.Since(look.at)
+	age := a.now().Sub(look.at)
 	if ok && age < depthTTL {
 		if age >= depthTTL/2 && !look.renewing {
 			look.renewing = true
 			a.depth[key] = look
-			go a.store(context.WithoutCancel(ctx), key, stage, pool)
+			go a.look(context.WithoutCancel(ctx), key, stage, pool)
 		}
 		a.mu.Unlock()
 		return look.n
 	}
 	a.mu.Unlock()
-	return a.store(ctx, key, stage, pool)
+	return a.look(ctx, key, stage, pool)
 }
 
-// store looks at the depth of the stage's queue for pool, and keeps the
-// look under key.
-func (a *Admission) store(ctx context.Context, key string, stage Stage, pool string) int {
-	n := 0
-	if cons, err := a.js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool)); err == nil {
+// look reads the depth of the stage's queue for pool and keeps it under
+// key, unless a look begun later is kept already. A depth it cannot read
+// is the last one read, or 0 (admit: the stream's own bound still holds).
+func (a *Admission) look(ctx context.Context, key string, stage Stage, pool string) int {
+	at := a.now()
+	cons, err := a.js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool))
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	kept := a.depth[key]
+	n := kept.n
+	if err == nil {
 		n = int(cons.CachedInfo().NumPending) // fresh: Consumer just fetched it
 	}
-	a.mu.Lock()
-	a.depth[key] = depthLook{n: n, at: time.Now()}
-	a.mu.Unlock()
+	if kept.at.After(at) {
+		return n // a later look is kept: this one is only the caller's
+	}
+	a.depth[key] = depthLook{n: n, at: at}
 	return n
 }

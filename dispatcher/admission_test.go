@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 )
@@ -20,6 +21,11 @@ func TestAdmissionBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := NewAdmission(js, 2)
+	// The clock moves only when the test moves it.
+	var mu sync.Mutex
+	now := time.Now()
+	a.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
 	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
 		t.Fatalf("an empty queue refused a job: %v", err)
 	}
@@ -30,22 +36,31 @@ func TestAdmissionBound(t *testing.T) {
 	}
 	key := string(StagePrefill) + "/" + pool
 
-	// A look past half its life is served, and renewed behind the request.
+	// The first look (depth 0) is served while it is young; past half its
+	// life it is still served, and renewed behind the request.
+	advance(depthTTL/2 - time.Millisecond)
+	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
+		t.Fatalf("a young look was not served: %v", err)
+	}
 	a.mu.Lock()
-	a.depth[key] = depthLook{n: 0, at: time.Now().Add(-depthTTL/2 - time.Millisecond)}
+	renewing := a.depth[key].renewing
 	a.mu.Unlock()
+	if renewing {
+		t.Fatal("a look younger than half its life is being renewed")
+	}
+	advance(time.Millisecond)
 	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
 		t.Fatalf("a look within its life was not served: %v", err)
 	}
 	waitFor(t, "the look renewed in the background", func() bool {
 		a.mu.Lock()
 		defer a.mu.Unlock()
-		return a.depth[key].n == 2
+		return a.depth[key].n == 2 && !a.depth[key].renewing
 	})
 
 	// An expired look is not served: the request waits for a new one.
 	a.mu.Lock()
-	a.depth[key] = depthLook{n: 0, at: time.Now().Add(-depthTTL)}
+	a.depth[key] = depthLook{n: 0, at: now.Add(-depthTTL)}
 	a.mu.Unlock()
 	err := a.Check(ctx, StagePrefill, pool, 1)
 	var full *QueueFullError

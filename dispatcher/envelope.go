@@ -62,10 +62,10 @@ type Job struct {
 	// ReplyBatch says the gateway reads reply messages that carry several
 	// chunks (HeaderCount); a worker sends one chunk per message otherwise.
 	ReplyBatch bool
-	// Batch marks a prompt of a batched completions request: its record
+	// BatchPrompt marks a prompt of a batched completions request: its record
 	// ends with the whole batch's, so its success is acked with
 	// JetStream's confirmation (see settle.succeeded).
-	Batch bool
+	BatchPrompt bool
 	// ReplyFramed says the gateway reads chunk messages framed in their
 	// payload, without NATS headers (see [ReplyWriter]); a worker sends
 	// them with headers otherwise.
@@ -177,8 +177,8 @@ const (
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
 	HeaderReplyFrame = "Pdq-Reply-Frame"
-	// HeaderBatch is set on the jobs of a batched request's prompts.
-	HeaderBatch = "Pdq-Batch"
+	// HeaderBatchPrompt is set on the jobs of a batched request's prompts.
+	HeaderBatchPrompt = "Pdq-Batch-Prompt"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -220,8 +220,8 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	if j.ReplyFramed {
 		h[HeaderReplyFrame] = []string{"1"}
 	}
-	if j.Batch {
-		h[HeaderBatch] = []string{"1"}
+	if j.BatchPrompt {
+		h[HeaderBatchPrompt] = []string{"1"}
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
@@ -265,7 +265,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.HandBacks = int(num(HeaderHandBacks))
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
-	j.Batch = h.Get(HeaderBatch) == "1"
+	j.BatchPrompt = h.Get(HeaderBatchPrompt) == "1"
 	if kv := h.Get(HeaderKV); kv != "" {
 		j.KV = json.RawMessage(kv)
 	}

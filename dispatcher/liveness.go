@@ -63,24 +63,27 @@ func (l *Liveness) Alive(ctx context.Context, gatewayID string) bool {
 		// out behind the caller, which does not wait for it.
 		if now.Sub(t) >= aliveFor && !l.asking[gatewayID] {
 			l.asking[gatewayID] = true
-			go l.ping(context.WithoutCancel(ctx), gatewayID)
+			go l.ping(context.WithoutCancel(ctx), gatewayID, true)
 		}
 		l.mu.Unlock()
 		return true
 	}
 	l.mu.Unlock()
-	return l.ping(ctx, gatewayID)
+	return l.ping(ctx, gatewayID, false)
 }
 
-// ping asks the gateway whether it runs, and judges its silence.
-func (l *Liveness) ping(ctx context.Context, gatewayID string) bool {
+// ping asks the gateway whether it runs, and judges its silence; behind
+// marks the ping Alive sent out without waiting for it.
+func (l *Liveness) ping(ctx context.Context, gatewayID string, behind bool) bool {
 	now := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
 	_, err := l.nc.RequestWithContext(ctx, GatewaySubject(gatewayID), nil)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	delete(l.asking, gatewayID)
+	if behind {
+		delete(l.asking, gatewayID)
+	}
 	l.prune(now)
 	if n := l.nc.Stats().Reconnects; n != l.reconnects {
 		l.reconnects, l.stable = n, now

@@ -105,7 +105,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}, []string{"stage"})
 	m.retries = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "pdq_retries_total",
-		Help: "Jobs run again, by stage and reason: retry (a failure, after back-off), regenerate (sent back to prefill), hand_back (its worker's engine was failing), running_elsewhere (redelivered while a delivery ran).",
+		Help: "Jobs run again, by stage and reason: retry (a failure, after back-off), regenerate (sent back to prefill), hand_back (its worker's engine was failing), running_elsewhere (redelivered while a delivery ran), ack_unconfirmed (a batch prompt's ack JetStream did not confirm: it may run again).",
 	}, []string{"stage", "reason"})
 	m.inflight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_inflight", Help: "Jobs this process's workers run now, by stage.",
@@ -132,7 +132,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.deadLettersRefused.WithLabelValues(string(stage))
 		m.breakerOpens.WithLabelValues(string(stage))
 		m.inflight.WithLabelValues(string(stage))
-		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere"} {
+		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere", "ack_unconfirmed"} {
 			m.retries.WithLabelValues(string(stage), reason)
 		}
 	}

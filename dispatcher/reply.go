@@ -725,10 +725,11 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 }
 
 // replyOf reads what a reply message says of itself, from its headers or,
-// for a framed chunk (one without headers), from its frame; data is its
-// payload after the frame.
+// for a framed chunk (one without a kind header: any header NATS adds on
+// the way is no kind), from its frame; data is its payload after the
+// frame.
 func replyOf(msg *nats.Msg) (kind string, attempt, seq, count int, data []byte, err error) {
-	if len(msg.Header) == 0 {
+	if msg.Header.Get(HeaderKind) == "" {
 		attempt, seq, count, data, ok := parseFrame(msg.Data)
 		if !ok {
 			return "", 0, 0, 0, nil, fmt.Errorf("%w: a reply with neither headers nor a frame", ErrReplyGap)

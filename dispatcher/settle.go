@@ -197,7 +197,7 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 	// brought back while another prompt still runs, it would run again,
 	// for nobody. Its ack is confirmed, and sent again if the
 	// confirmation does not come.
-	if s.job.Batch {
+	if s.job.BatchPrompt {
 		s.confirmAck(ctx)
 	} else if err := s.msg.Ack(); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
@@ -205,16 +205,26 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 	s.log.Debug("job done", logging.Ms("duration_ms", took))
 }
 
-// confirmAck acks the job with JetStream's confirmation, up to three
-// times.
+// confirmAck acks the job with JetStream's confirmation, sent again (up
+// to three times in all) while no answer comes: an ack that landed is
+// confirmed again, a refusal is final.
 func (s *settle) confirmAck(ctx context.Context) {
 	var err error
-	for range 3 {
-		if err = s.msg.DoubleAck(ctx); err == nil {
-			return
+	for try := range 3 {
+		if try > 0 && sleepCtx(ctx, 100*time.Millisecond) != nil {
+			break
+		}
+		actx, cancel := context.WithTimeout(ctx, ackTimeout)
+		err = s.msg.DoubleAck(actx)
+		cancel()
+		if err == nil || !noAnswer(err) {
+			break
 		}
 	}
-	s.log.Warn("ack unconfirmed; a prompt of a batch may run again", logging.Err(err))
+	if err != nil {
+		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "ack_unconfirmed")
+		s.log.Warn("ack unconfirmed; this prompt of a batch may run again if the ack was lost", logging.Err(err))
+	}
 }
 
 // storeHandoff publishes a prefill's result, retrying the publish (never

@@ -673,7 +673,7 @@ func TestBatchPromptAckConfirmed(t *testing.T) {
 		}
 		defer s.Close()
 		lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: []byte(`{}`),
-			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), Batch: batch})
+			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), BatchPrompt: batch})
 		for {
 			m, err := acks.NextMsg(10 * time.Second)
 			if err != nil {

@@ -95,7 +95,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 	now := time.Now()
 	job := &dispatcher.Job{
 		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,
-		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, Batch: batch,
+		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, BatchPrompt: batch,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
 	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {

@@ -55,7 +55,7 @@ func TestReplyWireFramed(t *testing.T) {
 }
 
 // TestBatchPromptsMarked checks, on the wire, that the gateway marks the
-// jobs of a batch's prompts (Pdq-Batch), whose acks workers confirm, and
+// jobs of a batch's prompts (Pdq-Batch-Prompt), whose acks workers confirm, and
 // no other job.
 func TestBatchPromptsMarked(t *testing.T) {
 	c := startCluster(t, clusterOptions{})
@@ -84,7 +84,7 @@ func TestBatchPromptsMarked(t *testing.T) {
 		if err != nil {
 			break
 		}
-		marked[m.Header.Get(dispatcher.HeaderID)] = m.Header.Get(dispatcher.HeaderBatch) == "1"
+		marked[m.Header.Get(dispatcher.HeaderID)] = m.Header.Get(dispatcher.HeaderBatchPrompt) == "1"
 	}
 	want := map[string]bool{"marked-batch-0": true, "marked-batch-1": true, "marked-single": false}
 	if len(marked) != len(want) {
