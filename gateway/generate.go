@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -288,12 +289,61 @@ var errShutdown = errors.New("the gateway shut down before the answer was comple
 func (h *handlers) relayContext(c echo.Context, deadline time.Time) (context.Context, context.CancelFunc) {
 	ctx, cancelDeadline := context.WithDeadlineCause(c.Request().Context(), deadline, errDeadline)
 	ctx, cancel := context.WithCancelCause(ctx)
-	unhook := context.AfterFunc(h.graceOver, func() { cancel(errShutdown) })
+	remove := h.relays.add(cancel)
 	return ctx, func() {
-		unhook()
+		remove()
 		cancel(nil)
 		cancelDeadline()
 	}
+}
+
+// relays holds the cancel functions of the relays running, so that the
+// end of the grace period can stop them all with errShutdown.
+type relays struct {
+	mu      sync.Mutex
+	over    bool
+	next    uint64
+	cancels map[uint64]context.CancelCauseFunc
+}
+
+func newRelays() *relays { return &relays{cancels: make(map[uint64]context.CancelCauseFunc)} }
+
+// add registers a relay's cancel, and returns its removal. A relay that
+// starts after the end is stopped at once.
+func (r *relays) add(cancel context.CancelCauseFunc) (remove func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.over {
+		cancel(errShutdown)
+		return func() {}
+	}
+	r.next++
+	id := r.next
+	r.cancels[id] = cancel
+	return func() {
+		r.mu.Lock()
+		delete(r.cancels, id)
+		r.mu.Unlock()
+	}
+}
+
+// end stops every relay running, and any that starts later.
+func (r *relays) end() {
+	r.mu.Lock()
+	r.over = true
+	cancels := r.cancels
+	r.cancels = make(map[uint64]context.CancelCauseFunc)
+	r.mu.Unlock()
+	for _, cancel := range cancels {
+		cancel(errShutdown)
+	}
+}
+
+// ended reports whether the grace period is over.
+func (r *relays) ended() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.over
 }
 
 // delivered records a request whose answer went out whole, starting from
@@ -369,7 +419,13 @@ func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatche
 // stop is cancel without its log line: for the other prompts of a batch,
 // whose request has logged its end once.
 func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	// Past the grace period the client is told only after this, and the
+	// gateway closes its connection lastWords later.
+	wait := 5 * time.Second
+	if h.relays.ended() {
+		wait = lastWords / 2
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
 	ours := false
 	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {

@@ -159,11 +159,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		return fmt.Errorf("gateway: answer liveness pings: %w", err)
 	}
 	defer pings.Unsubscribe()
-	// graceOver ends the running relays when the grace period runs out,
-	// so that each client gets an error instead of a cut connection.
-	graceOver, endGrace := context.WithCancel(context.Background())
-	defer endGrace()
-	h := &handlers{Server: s, registry: registry, replies: replies, records: records, graceOver: graceOver,
+	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(),
 		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
 		budget:    newByteBudget(s.cfg.MaxInflightBytes),
 		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
@@ -183,8 +179,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.Grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		s.log.Warn("grace period over: ending the running requests with an error", logging.Err(err))
-		endGrace()
+		// The relays still running end with an error, so that each client
+		// hears why instead of having its connection cut.
+		s.log.Warn("shutdown grace over: ending the running requests with an error", logging.Err(err))
+		h.relays.end()
 		fctx, fcancel := context.WithTimeout(context.Background(), lastWords)
 		if err := srv.Shutdown(fctx); err != nil {
 			s.log.Warn("closing the connections of requests still running", logging.Err(err))
@@ -203,8 +201,9 @@ const lastWords = 3 * time.Second
 // handlers hold what the routes share once the gateway is serving.
 type handlers struct {
 	*Server
-	// graceOver ends when the shutdown grace period runs out.
-	graceOver context.Context
+	// relays are the relays running, ended when the shutdown grace
+	// period runs out.
+	relays    *relays
 	registry  *dispatcher.Registry
 	replies   *dispatcher.Replies
 	records   *dispatcher.Records
