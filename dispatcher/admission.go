@@ -14,11 +14,15 @@ import (
 const DefaultMaxQueue = 1024
 
 // depthTTL is how long the gateway trusts one look at a queue's depth. A
-// look is a JetStream API request: past half its life it is renewed in
-// the background, so that under steady traffic no request waits for one;
-// a request waits only for a look that would otherwise be served past
+// look is a JetStream API request: from depthRenew on it is renewed in
+// the background, so that under steady traffic no request waits for one
+// (and the looks come about as often as when each was waited for); a
+// request waits only for a look that would otherwise be served past
 // depthTTL (the first, or after a lull).
-const depthTTL = 100 * time.Millisecond
+const (
+	depthTTL   = 100 * time.Millisecond
+	depthRenew = depthTTL * 3 / 4
+)
 
 // QueueFullError is ErrQueueFull with what a client should hear: how long
 // to wait before it retries, derived from the depth.
@@ -80,7 +84,7 @@ func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
 	look, ok := a.depth[key]
 	age := a.now().Sub(look.at)
 	if ok && age < depthTTL {
-		if age >= depthTTL/2 && !look.renewing {
+		if age >= depthRenew && !look.renewing {
 			look.renewing = true
 			a.depth[key] = look
 			go a.look(context.WithoutCancel(ctx), key, stage, pool)

@@ -11,7 +11,7 @@ import (
 
 // TestAdmissionBound checks the queue bound against a real consumer: past
 // max jobs waiting a job is refused, with a wait to suggest; and a look
-// past half its life is renewed in the background, so that steady traffic
+// past depthRenew is renewed in the background, so that steady traffic
 // never waits for one.
 func TestAdmissionBound(t *testing.T) {
 	_, js := startJetStream(t)
@@ -36,9 +36,9 @@ func TestAdmissionBound(t *testing.T) {
 	}
 	key := string(StagePrefill) + "/" + pool
 
-	// The first look (depth 0) is served while it is young; past half its
-	// life it is still served, and renewed behind the request.
-	advance(depthTTL/2 - time.Millisecond)
+	// The first look (depth 0) is served while it is young; from
+	// depthRenew on it is still served, and renewed behind the request.
+	advance(depthRenew - time.Millisecond)
 	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
 		t.Fatalf("a young look was not served: %v", err)
 	}
@@ -46,7 +46,7 @@ func TestAdmissionBound(t *testing.T) {
 	renewing := a.depth[key].renewing
 	a.mu.Unlock()
 	if renewing {
-		t.Fatal("a look younger than half its life is being renewed")
+		t.Fatal("a look younger than depthRenew is being renewed")
 	}
 	advance(time.Millisecond)
 	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
