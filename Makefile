@@ -46,10 +46,11 @@ vet: ## go vet
 lint: fmt-check vet ## gofmt, go vet and staticcheck
 	$(GO) run $(STATICCHECK) ./...
 
-fuzz: ## fuzz request parsing for 60s each
+fuzz: ## fuzz request parsing and the reply frame for 60s each
 	$(GO) test -run '^$$' -fuzz FuzzDecodeRequest -fuzztime 60s ./pkg/openai
 	$(GO) test -run '^$$' -fuzz FuzzDecodeFast -fuzztime 60s ./pkg/openai
 	$(GO) test -run '^$$' -fuzz FuzzParseRequest -fuzztime 60s ./gateway
+	$(GO) test -run '^$$' -fuzz FuzzReplyFrame -fuzztime 60s ./dispatcher
 
 clean: ## remove build output, local data and installed test packages
 	rm -rf bin data tests/openai-client/node_modules

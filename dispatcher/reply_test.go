@@ -1,9 +1,12 @@
 package dispatcher
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -391,4 +394,44 @@ func TestReplyFrame(t *testing.T) {
 			t.Errorf("%q read as a reply (%v); want ErrReplyGap", bad, err)
 		}
 	}
+}
+
+// FuzzReplyFrame checks the frame both ways: what a writer frames reads
+// back exactly, and any payload either reads as a frame that writes back
+// to itself or is refused, never misread.
+func FuzzReplyFrame(f *testing.F) {
+	f.Add(257, 3, []byte("a"), []byte(`{"x":1}`), []byte("1 2 1\nz"))
+	f.Add(0, 0, []byte(""), []byte("\n"), []byte("9 9 2\na\nb"))
+	f.Fuzz(func(t *testing.T, attempt, seq int, one, other, payload []byte) {
+		if attempt < 0 || seq < 0 || bytes.IndexByte(one, '\n') >= 0 || bytes.IndexByte(other, '\n') >= 0 {
+			return
+		}
+		w := &ReplyWriter{attemptN: attempt}
+		a, s, c, data, ok := parseFrame(w.frame(seq, one, other))
+		if !ok || a != attempt || s != seq || c != 2 || string(data) != string(one)+"\n"+string(other) {
+			t.Fatalf("frame(%d, %d, %q, %q) read back as %d %d %d %q %v", attempt, seq, one, other, a, s, c, data, ok)
+		}
+		a, s, c, data, ok = parseFrame(payload)
+		if !ok {
+			return
+		}
+		if c < 1 || a < 0 || s < 0 {
+			t.Fatalf("%q read as attempt %d, seq %d, count %d", payload, a, s, c)
+		}
+		// The reader takes a line of exactly three numbers, the ones it
+		// returns, and the data after it.
+		line := string(payload[:len(payload)-len(data)-1])
+		f := strings.Split(line, " ")
+		if len(f) != 3 || fmt.Sprint(atoiOr(f[0]), atoiOr(f[1]), atoiOr(f[2])) != fmt.Sprint(a, s, c) {
+			t.Fatalf("%q read as attempt %d, seq %d, count %d from the line %q", payload, a, s, c, line)
+		}
+	})
+}
+
+func atoiOr(s string) int {
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return -1
+	}
+	return n
 }
