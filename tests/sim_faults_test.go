@@ -111,6 +111,21 @@ func TestFaults(t *testing.T) {
 		checkOff(t, e, b)
 	})
 
+	t.Run("late", func(t *testing.T) {
+		e := simtest.Start(t, simtest.FastConfig())
+		setFault(t, e, `{"rate":1,"kind":"late","delay":"150ms"}`)
+		start := time.Now()
+		r := post(t, e.URL+openai.Chat.Path(), "", b)
+		if elapsed := time.Since(start); elapsed < 150*time.Millisecond {
+			t.Errorf("late answer came after %v, before the 150ms delay", elapsed)
+		}
+		parseResponse(t, r)
+		if s := e.Stats(t); s.Faults != 1 || s.GenerationTokens != 6 {
+			t.Errorf("stats = %+v, want 1 fault and the work done", s)
+		}
+		checkOff(t, e, b)
+	})
+
 	t.Run("from flags, at a rate", func(t *testing.T) {
 		cfg := simtest.FastConfig()
 		cfg.Fault = sim.Fault{Rate: 0.5, Kind: sim.Fault503}

@@ -46,16 +46,21 @@ const (
 	FaultDrop FaultKind = "drop"  // close the connection mid-response
 	FaultNoKV FaultKind = "no-kv" // a prefill answers 200 without kv_transfer_params
 	FaultSlow FaultKind = "slow"  // the first byte comes Delay late
+	// FaultLate is a non-streamed answer that comes Delay late, after the
+	// work: a prefill's KV is held by then, and stays held for its lease
+	// if the client leaves before the answer, as vLLM's would.
+	FaultLate FaultKind = "late"
 )
 
-var faultKinds = []FaultKind{Fault503, Fault500, FaultHang, FaultDrop, FaultNoKV, FaultSlow}
+var faultKinds = []FaultKind{Fault503, Fault500, FaultHang, FaultDrop, FaultNoKV, FaultSlow, FaultLate}
 
 // Fault injects failures into a share of the generation requests.
 type Fault struct {
 	// Rate is the probability, 0 to 1, that a request gets the fault.
 	Rate float64   `json:"rate"`
 	Kind FaultKind `json:"kind"`
-	// Delay is how late the first byte comes with FaultSlow.
+	// Delay is how late the first byte comes with FaultSlow, and the
+	// answer with FaultLate.
 	Delay Duration `json:"delay"`
 }
 

@@ -140,7 +140,7 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 		if jobs[0].req.Stream {
 			e.stream(ctx, w, jobs, kind == FaultDrop)
 		} else {
-			e.respond(ctx, w, jobs, kind)
+			e.respond(ctx, w, jobs, kind, delay)
 		}
 	}
 }
@@ -200,7 +200,7 @@ func sumUsage(jobs []*job, outs []outcome) *openai.Usage {
 // respond runs a non-streaming request and writes its JSON: one choice per
 // prompt (index = prompt index, as n is 1), usage summed, and, as vLLM's
 // completion serving does, the kv_transfer_params of the first prompt only.
-func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job, kind FaultKind) {
+func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job, kind FaultKind, delay time.Duration) {
 	texts := make([]strings.Builder, len(jobs))
 	outs, err := e.runBatch(ctx, jobs, kind == FaultNoKV, func(j *job, t token) error {
 		texts[j.index].WriteString(t.text)
@@ -211,10 +211,19 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job
 		e.finishWithError(ctx, w, first, nil, err)
 		return
 	}
-	if kind == FaultDrop {
+	switch kind {
+	case FaultDrop:
 		e.stats.faults.Add(1)
 		e.dropConnection(w, first)
 		return
+	case FaultLate:
+		e.stats.faults.Add(1)
+		if sleep(ctx, delay) != nil {
+			// The work is done: a prefill's blocks stay held for their
+			// lease, for a read that will not come.
+			first.log.Debug("client went away before the late answer")
+			return
+		}
 	}
 	usage := sumUsage(jobs, outs)
 	var resp any
