@@ -80,16 +80,36 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	return nil
 }
 
-// prefillCall posts the prefill leg and reads its whole answer.
+// answerGrace is how long a prefill call whose context ended waits for
+// an answer already on its way before it is aborted. An engine that has
+// done the prefill holds the prompt's KV for the answer's params: dropped,
+// the KV stays held for its lease (vLLM's NIXL abort timeout, 480 s by
+// default); taken in, it is released like any unread handoff's. An engine
+// still prefilling works that much longer for nobody.
+const answerGrace = 100 * time.Millisecond
+
+// prefillCall posts the prefill leg and reads its whole answer. When ctx
+// ends, the call goes on for up to answerGrace: an answer that comes in
+// that time is returned, with ctx's error for the caller to see.
 func (w *Worker) prefillCall(ctx context.Context, job *dispatcher.Job, body [][]byte) ([]byte, error) {
-	resp, err := w.call(ctx, job, body...)
+	if ctx.Err() != nil {
+		return nil, ctx.Err() // no call for a client already gone
+	}
+	cctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer cancel(nil)
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(answerGrace, func() { cancel(context.Cause(ctx)) })
+		context.AfterFunc(cctx, func() { t.Stop() })
+	})
+	defer stop()
+	resp, err := w.call(cctx, job, body...)
 	if err != nil {
 		return nil, err
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxResponseBytes))
 	if err != nil {
-		return nil, unreachable(ctx, dispatcher.StagePrefill, fmt.Errorf("read prefill response: %w", err))
+		return nil, unreachable(cctx, dispatcher.StagePrefill, fmt.Errorf("read prefill response: %w", err))
 	}
 	return raw, nil
 }
