@@ -653,11 +653,18 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	s.sent = d.sent()
 
 	cause := context.Cause(jctx)
+	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone)
 	switch {
+	case err == nil && d.handoff != nil && stoppedBy:
+		// The prefill's answer came after its client had gone (a prefill
+		// call waits a moment for an answer on its way): its KV is
+		// released, not handed to a decode.
+		s.queueRelease(sctx, d.handoff)
+		s.stopped(sctx, cause)
 	case err == nil:
 		l.recordDuration(time.Since(start))
 		s.succeeded(sctx, d, time.Since(start))
-	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
+	case stoppedBy:
 		s.stopped(sctx, cause)
 	case pullCtx.Err() != nil && jobCtx.Err() != nil:
 		s.interrupted(sctx, err)

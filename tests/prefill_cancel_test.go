@@ -17,10 +17,17 @@ import (
 // KV is released (a one-token read), and no decode must run for the
 // client.
 func TestCancelAsPrefillAnswers(t *testing.T) {
-	c := startCluster(t, clusterOptions{prefillSim: []string{"--fault-kind", "late", "--fault-delay", "80ms", "--fault-rate", "1"}})
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--fault-kind", "late", "--fault-delay", "60ms", "--fault-rate", "1"}})
 	c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()
+	handoffs, err := c.nc.SubscribeSync(dispatcher.JobSubject(dispatcher.StageDecode, "*", "late-answer"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
 	before, decodeBefore := c.prefill.Stats(t), c.decode.Stats(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -31,16 +38,25 @@ func TestCancelAsPrefillAnswers(t *testing.T) {
 		}
 		done <- err
 	}()
-	// The prefill's work is done and its KV held; its answer comes 80 ms
-	// later. The client leaves now.
+	// The prefill's work is done and its KV held; its answer comes 60 ms
+	// later, within the worker's 100 ms wait. The client leaves now.
 	c.prefill.WaitStats(t, 10*time.Second, "the prefill done", func(s sim.Stats) bool { return s.Prefills > before.Prefills })
 	cancel()
 	<-done
 	after := c.prefill.WaitStats(t, 10*time.Second, "the prefill's KV released", func(s sim.Stats) bool { return s.BlocksHeld == 0 })
 	// The release is a one-token decode that reads the KV; anything more
 	// would be a decode for a client that has left.
-	if d := c.decode.Stats(t); d.Decodes-decodeBefore.Decodes > 1 || d.GenerationTokens-decodeBefore.GenerationTokens > 1 {
+	d := c.decode.WaitStats(t, 10*time.Second, "the decode engine idle", func(s sim.Stats) bool { return s.Running == 0 && s.Waiting == 0 })
+	if d.Decodes-decodeBefore.Decodes > 1 || d.GenerationTokens-decodeBefore.GenerationTokens > 1 {
 		t.Errorf("decode engine before %+v, after %+v: more than a one-token release for a client that had left", decodeBefore, d)
+	}
+	// The KV is released from the prefill side: no handoff is queued for a
+	// client that has left.
+	if err := c.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := handoffs.Pending(); n != 0 {
+		t.Errorf("%d handoffs queued for a client that had left", n)
 	}
 	t.Logf("prefill engine after: %+v", after)
 }

@@ -33,7 +33,7 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	case err == nil:
 	case ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut):
 		return timedOut(dispatcher.StagePrefill, "prefill", w.cfg.PrefillTimeout)
-	case errors.As(err, &f) && f.Rejected && w.canForward():
+	case ctx.Err() == nil && errors.As(err, &f) && f.Rejected && w.canForward():
 		// The engine refused the prefill leg's body, whose numbers are not
 		// the client's (one output token, say): the decode engine judges
 		// the client's own body, so its refusal names the client's

@@ -285,7 +285,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		c.Fault.Kind = FaultKind(s)
 		return nil
 	})
-	fs.Func("fault-delay", "how late the first byte comes with --fault-kind slow (default 2s)", func(s string) error {
+	fs.Func("fault-delay", "how late the first byte comes with --fault-kind slow, and the answer with late (default 2s)", func(s string) error {
 		return c.Fault.Delay.Set(s)
 	})
 }
