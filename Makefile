@@ -29,7 +29,7 @@ faults: ## run the fault suite alone and print its table (docs/reliability.md)
 	$(GO) test -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
 
 bench: ## side by side: engine alone, the floor, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines
-	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE))
+	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))
 
 microbench: ## go test -bench of the hot pieces, with allocations
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./dispatcher ./workers

@@ -22,6 +22,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -95,6 +96,7 @@ type options struct {
 	inputLen    int
 	outputLen   int
 	seed        int
+	repeat      int // runs of each target per table; the table shows medians
 	work        string
 }
 
@@ -107,6 +109,7 @@ func run() error {
 	flag.IntVar(&o.inputLen, "input-len", 256, "prompt words (tokens for pdq sim)")
 	flag.IntVar(&o.outputLen, "output-len", 32, "streamed tokens per request")
 	flag.IntVar(&o.seed, "seed", 0, "pdq bench --seed")
+	flag.IntVar(&o.repeat, "repeat", 1, "runs of each target per table, in alternating order; the table shows each column's median")
 	flag.Parse()
 	o.profiles = strings.Split(profs, ",")
 	for _, c := range strings.Split(conc, ",") {
@@ -195,22 +198,28 @@ func runProfile(o options, p profile, head, base string) error {
 		if n == 0 {
 			n = 4 * c
 		}
-		results := make([]result, len(targets))
-		// Every other concurrency runs the targets in reverse, so that
-		// none of them always runs first on a cold engine, or last on a
-		// warm machine.
-		for j := range targets {
-			i := j
-			if k%2 == 1 {
-				i = len(targets) - 1 - j
+		runs := make([][]result, len(targets))
+		// Every other round runs the targets in reverse, so that none of
+		// them always runs first on a cold engine, or last on a warm
+		// machine.
+		for round := range max(o.repeat, 1) {
+			for j := range targets {
+				i := j
+				if (k+round)%2 == 1 {
+					i = len(targets) - 1 - j
+				}
+				r, err := runTarget(ctx, o, p, targets[i], head, prefill, decode, c, n)
+				if err != nil {
+					return fmt.Errorf("%s at concurrency %d: %w", targets[i].name, c, err)
+				}
+				runs[i] = append(runs[i], r)
 			}
-			r, err := runTarget(ctx, o, p, targets[i], head, prefill, decode, c, n)
-			if err != nil {
-				return fmt.Errorf("%s at concurrency %d: %w", targets[i].name, c, err)
-			}
-			results[i] = r
 		}
-		printTable(c, n, targets, results)
+		results := make([]result, len(targets))
+		for i := range targets {
+			results[i] = medianResult(runs[i])
+		}
+		printTable(c, n, len(runs[0]), targets, results)
 	}
 	return nil
 }
@@ -313,8 +322,52 @@ type bench struct {
 	P99ITL            float64 `json:"p99_itl_ms"`
 }
 
-func printTable(concurrency, n int, targets []target, rs []result) {
-	fmt.Printf("\nconcurrency %d, %d requests\n\n", concurrency, n)
+// medianResult is one result made of the median of each column over rs,
+// all runs of one target; the requests completed are the fewest of any
+// run, and those failed the most, so that a run's failures show.
+func medianResult(rs []result) result {
+	if len(rs) == 1 {
+		return rs[0]
+	}
+	med := func(f func(result) float64) float64 {
+		v := make([]float64, len(rs))
+		for i, r := range rs {
+			v[i] = f(r)
+		}
+		slices.Sort(v)
+		if len(v)%2 == 1 {
+			return v[len(v)/2]
+		}
+		return (v[len(v)/2-1] + v[len(v)/2]) / 2
+	}
+	m := result{
+		bench: bench{
+			Completed: rs[0].bench.Completed, Failed: rs[0].bench.Failed,
+			Duration:          med(func(r result) float64 { return r.bench.Duration }),
+			RequestThroughput: med(func(r result) float64 { return r.bench.RequestThroughput }),
+			OutputThroughput:  med(func(r result) float64 { return r.bench.OutputThroughput }),
+			P50TTFT:           med(func(r result) float64 { return r.bench.P50TTFT }),
+			P99TTFT:           med(func(r result) float64 { return r.bench.P99TTFT }),
+			P50ITL:            med(func(r result) float64 { return r.bench.P50ITL }),
+			P99ITL:            med(func(r result) float64 { return r.bench.P99ITL }),
+		},
+		cpu:   time.Duration(med(func(r result) float64 { return float64(r.cpu) })),
+		rss:   int64(med(func(r result) float64 { return float64(r.rss) })),
+		alloc: med(func(r result) float64 { return r.alloc }),
+	}
+	for _, r := range rs[1:] {
+		m.bench.Completed = min(m.bench.Completed, r.bench.Completed)
+		m.bench.Failed = max(m.bench.Failed, r.bench.Failed)
+	}
+	return m
+}
+
+func printTable(concurrency, n, runs int, targets []target, rs []result) {
+	if runs > 1 {
+		fmt.Printf("\nconcurrency %d, %d requests, median of %d runs\n\n", concurrency, n, runs)
+	} else {
+		fmt.Printf("\nconcurrency %d, %d requests\n\n", concurrency, n)
+	}
 	fmt.Println("| target | ok | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s | tok/s | CPU s / 1k req | peak RSS MB | alloc KB / req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
 	for i, t := range targets {
