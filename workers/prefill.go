@@ -84,13 +84,14 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 // an answer already on its way before it is aborted. An engine that has
 // done the prefill holds the prompt's KV for the answer's params: dropped,
 // the KV stays held for its lease (vLLM's NIXL abort timeout, 480 s by
-// default); taken in, it is released like any unread handoff's. An engine
-// still prefilling works that much longer for nobody.
+// default); taken in, it is queued for release (see the stage loop's
+// process). An engine still prefilling works that much longer for nobody.
 const answerGrace = 100 * time.Millisecond
 
 // prefillCall posts the prefill leg and reads its whole answer. When ctx
 // ends, the call goes on for up to answerGrace: an answer that comes in
-// that time is returned, with ctx's error for the caller to see.
+// that time is returned, and the caller learns from its context that the
+// client has gone.
 func (w *Worker) prefillCall(ctx context.Context, job *dispatcher.Job, body [][]byte) ([]byte, error) {
 	if ctx.Err() != nil {
 		return nil, ctx.Err() // no call for a client already gone
