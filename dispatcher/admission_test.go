@@ -17,7 +17,8 @@ func TestAdmissionBound(t *testing.T) {
 	_, js := startJetStream(t)
 	ctx := context.Background()
 	const pool = "m"
-	if _, err := EnsureConsumer(ctx, js, StagePrefill, pool, 0); err != nil {
+	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, 0)
+	if err != nil {
 		t.Fatal(err)
 	}
 	a := NewAdmission(js, 2)
@@ -26,7 +27,7 @@ func TestAdmissionBound(t *testing.T) {
 	now := time.Now()
 	a.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
-	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
+	if err := a.Check(ctx, StagePrefill, pool, oneSlot); err != nil {
 		t.Fatalf("an empty queue refused a job: %v", err)
 	}
 	for i := range 2 {
@@ -34,12 +35,18 @@ func TestAdmissionBound(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The consumer counts a stored message a moment after its publish is
+	// acknowledged: the looks below must find both.
+	waitFor(t, "two jobs pending", func() bool {
+		info, err := cons.Info(ctx)
+		return err == nil && info.NumPending == 2
+	})
 	key := string(StagePrefill) + "/" + pool
 
 	// The first look (depth 0) is served while it is young; from
 	// depthRenew on it is still served, and renewed behind the request.
 	advance(depthRenew - time.Millisecond)
-	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
+	if err := a.Check(ctx, StagePrefill, pool, oneSlot); err != nil {
 		t.Fatalf("a young look was not served: %v", err)
 	}
 	a.mu.Lock()
@@ -49,7 +56,7 @@ func TestAdmissionBound(t *testing.T) {
 		t.Fatal("a look younger than depthRenew is being renewed")
 	}
 	advance(time.Millisecond)
-	if err := a.Check(ctx, StagePrefill, pool, 1); err != nil {
+	if err := a.Check(ctx, StagePrefill, pool, oneSlot); err != nil {
 		t.Fatalf("a look within its life was not served: %v", err)
 	}
 	waitFor(t, "the look renewed in the background", func() bool {
@@ -62,7 +69,7 @@ func TestAdmissionBound(t *testing.T) {
 	a.mu.Lock()
 	a.depth[key] = depthLook{n: 0, at: now.Add(-depthTTL)}
 	a.mu.Unlock()
-	err := a.Check(ctx, StagePrefill, pool, 1)
+	err = a.Check(ctx, StagePrefill, pool, oneSlot)
 	var full *QueueFullError
 	if !errors.As(err, &full) || !errors.Is(err, ErrQueueFull) {
 		t.Fatalf("a full queue admitted a job: %v", err)
@@ -71,3 +78,5 @@ func TestAdmissionBound(t *testing.T) {
 		t.Errorf("refusal %+v, want depth 2 and a 3s wait", full)
 	}
 }
+
+func oneSlot() int { return 1 }
