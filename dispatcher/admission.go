@@ -64,17 +64,17 @@ func NewAdmission(js jetstream.StreamConsumerManager, max int) *Admission {
 }
 
 // Check refuses a job for stage and pool with a *QueueFullError when the
-// queue is at its bound. slots is the pool's worker slots for the stage,
-// which sets the suggested wait. A depth it cannot read admits the job:
-// the stream's own bound still holds.
-func (a *Admission) Check(ctx context.Context, stage Stage, pool string, slots int) error {
+// queue is at its bound. slots gives the pool's worker slots for the
+// stage, which set the suggested wait; it is asked only on a refusal. A
+// depth it cannot read admits the job: the stream's own bound still holds.
+func (a *Admission) Check(ctx context.Context, stage Stage, pool string, slots func() int) error {
 	n := a.read(ctx, stage, pool)
 	if n < a.max {
 		return nil
 	}
 	// Each slot takes one job at a time: the queue moves about a slot's
 	// worth of jobs per job duration, taken as a second.
-	wait := time.Duration(1+n/max(slots, 1)) * time.Second
+	wait := time.Duration(1+n/max(slots(), 1)) * time.Second
 	return &QueueFullError{Pool: pool, Stage: stage, Depth: n, RetryAfter: min(wait, time.Minute)}
 }
 

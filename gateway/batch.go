@@ -117,11 +117,10 @@ type batchReply struct {
 func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := h.relayContext(c, jobs[0].job.Deadline)
-	defer cancel()
 	in := make(chan batchReply)
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	defer cancel()
+	defer cancel() // before the wait: it ends the readers
 	for i, b := range jobs {
 		wg.Go(func() {
 			for {
@@ -175,20 +174,19 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		return writeError(c, apiErr)
 	}
 	whole := make([][]byte, len(jobs)) // the non-streamed responses
-	unflushed := false                 // chunks written, not flushed yet
 	for left := len(jobs); left > 0; {
 		var br batchReply
 		select {
 		case br = <-in:
 		default:
 			// Nothing more at hand: the chunks so far go out before the
-			// wait, one flush per burst, as relay does.
-			if unflushed {
+			// wait, one flush per burst, as relay does (a flush with
+			// nothing written is none).
+			if sse != nil {
 				if err := sse.Flush(); err != nil {
 					end(dispatcher.StateCancelled, 499, "client went away")
 					return nil
 				}
-				unflushed = false
 			}
 			select {
 			case br = <-in:
@@ -254,7 +252,6 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 				end(dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}
-			unflushed = true
 		}
 	}
 	if !req.Stream {

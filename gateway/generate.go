@@ -99,7 +99,8 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, BatchPrompt: batch,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
-	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, h.registry.Slots(stage, job.Pool)); err != nil {
+	slots := func() int { return h.registry.Slots(stage, job.Pool) }
+	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, slots); err != nil {
 		replies.Close()
 		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
@@ -301,7 +302,7 @@ func (h *handlers) relayContext(c echo.Context, deadline time.Time) (context.Con
 // end of the grace period can stop them all with errShutdown.
 type relays struct {
 	mu      sync.Mutex
-	over    bool
+	endedAt time.Time // zero while the grace period runs
 	next    uint64
 	cancels map[uint64]context.CancelCauseFunc
 }
@@ -313,7 +314,7 @@ func newRelays() *relays { return &relays{cancels: make(map[uint64]context.Cance
 func (r *relays) add(cancel context.CancelCauseFunc) (remove func()) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.over {
+	if !r.endedAt.IsZero() {
 		cancel(errShutdown)
 		return func() {}
 	}
@@ -330,7 +331,7 @@ func (r *relays) add(cancel context.CancelCauseFunc) (remove func()) {
 // end stops every relay running, and any that starts later.
 func (r *relays) end() {
 	r.mu.Lock()
-	r.over = true
+	r.endedAt = time.Now()
 	cancels := r.cancels
 	r.cancels = make(map[uint64]context.CancelCauseFunc)
 	r.mu.Unlock()
@@ -339,11 +340,11 @@ func (r *relays) end() {
 	}
 }
 
-// ended reports whether the grace period is over.
-func (r *relays) ended() bool {
+// ended reports whether the grace period is over, and since when.
+func (r *relays) ended() (time.Time, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.over
+	return r.endedAt, !r.endedAt.IsZero()
 }
 
 // delivered records a request whose answer went out whole, starting from
@@ -420,12 +421,13 @@ func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatche
 // whose request has logged its end once.
 func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
 	// Past the grace period the client is told only after this, and the
-	// gateway closes its connection lastWords later.
-	wait := 5 * time.Second
-	if h.relays.ended() {
-		wait = lastWords / 2
+	// gateway closes its connection lastWords later: every stop then shares
+	// one deadline, however many prompts a batch stops one by one.
+	deadline := time.Now().Add(5 * time.Second)
+	if end, over := h.relays.ended(); over {
+		deadline = end.Add(lastWords / 2)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	ours := false
 	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {

@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"net/http"
 	"testing"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -21,6 +22,9 @@ func TestShutdownGraceCutsGatewayStream(t *testing.T) {
 		sigterm(t, c.gateway)
 		s := readCut(r)
 		s.check(t)
+		if s.apiErr.Code != http.StatusServiceUnavailable {
+			t.Errorf("in-stream error %+v, want the gateway's 503", s.apiErr)
+		}
 		engineStopped(t, c.decode, before)
 	})
 	t.Run("pdq up", func(t *testing.T) {
