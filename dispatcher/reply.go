@@ -136,14 +136,7 @@ func (w *ReplyWriter) Chunks(data [][]byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.subject != "" {
-		var msg *nats.Msg
-		if w.framed {
-			msg = &nats.Msg{Subject: w.subject, Data: w.frame(w.seq, data...)}
-		} else {
-			msg = w.msg(KindChunk, w.seq, bytes.Join(data, newline))
-			msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
-		}
-		if err := w.nc.PublishMsg(msg); err != nil {
+		if err := w.nc.PublishMsg(w.chunkMsg(w.seq, data...)); err != nil {
 			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
 		}
 	}
@@ -298,12 +291,18 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 // runs.
 func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages }
 
-// chunkMsg is chunk seq's message, framed or with headers.
-func (w *ReplyWriter) chunkMsg(seq int, data []byte) *nats.Msg {
-	if w.framed {
-		return &nats.Msg{Subject: w.subject, Data: w.frame(seq, data)}
+// chunkMsg is the message of the chunks from seq on, framed or with
+// headers.
+func (w *ReplyWriter) chunkMsg(seq int, data ...[]byte) *nats.Msg {
+	switch {
+	case w.framed:
+		return &nats.Msg{Subject: w.subject, Data: w.frame(seq, data...)}
+	case len(data) == 1:
+		return w.msg(KindChunk, seq, data[0])
 	}
-	return w.msg(KindChunk, seq, data)
+	msg := w.msg(KindChunk, seq, bytes.Join(data, newline))
+	msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
+	return msg
 }
 
 // frame is the framed payload of chunks from seq on: the frame line, then
@@ -729,14 +728,13 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 // the way is no kind), from its frame; data is its payload after the
 // frame.
 func replyOf(msg *nats.Msg) (kind string, attempt, seq, count int, data []byte, err error) {
-	if msg.Header.Get(HeaderKind) == "" {
+	if kind = msg.Header.Get(HeaderKind); kind == "" {
 		attempt, seq, count, data, ok := parseFrame(msg.Data)
 		if !ok {
 			return "", 0, 0, 0, nil, fmt.Errorf("%w: a reply with neither headers nor a frame", ErrReplyGap)
 		}
 		return KindChunk, attempt, seq, count, data, nil
 	}
-	kind = msg.Header.Get(HeaderKind)
 	attempt, _ = strconv.Atoi(msg.Header.Get(HeaderAttempt))
 	if seq, err = strconv.Atoi(msg.Header.Get(HeaderSeq)); err != nil {
 		return "", 0, 0, 0, nil, fmt.Errorf("%w: reply without a sequence number", ErrReplyGap)
