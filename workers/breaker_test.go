@@ -10,7 +10,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
-	"github.com/pdq-dev/pdq/nats/embedded"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -108,16 +107,7 @@ func TestBreaker(t *testing.T) {
 // job that is dropped before it runs (its deadline is too near). The trial
 // must be given back, or the worker would never pull again.
 func TestBreakerTrialDroppedUnrun(t *testing.T) {
-	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := srv.Connect()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := startNATS(t)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

@@ -77,8 +77,8 @@ func DecodeBody(client, params json.RawMessage) ([]byte, error) {
 }
 
 // decodeParts is DecodeBody as the pieces it is made of; with whole (a
-// replay, which has no client to stream to) it also asks, as OneResponse
-// does, for the whole answer in one response.
+// replay, which has no client to stream to) it also asks, with
+// oneResponse, for the whole answer in one response.
 func decodeParts(client, params json.RawMessage, whole bool) ([][]byte, error) {
 	var ops [3]jsonobj.Op
 	n := 0
@@ -122,12 +122,8 @@ func oneToken(params json.RawMessage) [7]jsonobj.Op {
 	}
 }
 
-// OneResponse turns a request body into one that asks for the whole answer
-// in one JSON response, not a stream.
-func OneResponse(body []byte) ([]byte, error) {
-	return edit(body, oneResponse[:]...)
-}
-
+// oneResponse are the edits that make a body ask for the whole answer in
+// one response: what a replay's decode sends.
 var oneResponse = [...]jsonobj.Op{jsonobj.Set(keyStream, jsonFalse), jsonobj.Delete(keyStreamOptions)}
 
 // editParts is [jsonobj.EditParts] with the error a bad request body gets.

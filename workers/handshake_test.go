@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/testbody"
 	"github.com/pdq-dev/pdq/nats/embedded"
@@ -209,7 +211,10 @@ func TestBodiesKeepClientBytes(t *testing.T) {
 			`{ "model": "m",
   "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
   "temperature": 0.70, "stream": false, "max_tokens": 1, "zzz": null,"kv_transfer_params":` + params + ` }`},
-		{"one response", OneResponse,
+		{"one response, as a replay's decode sends it", func(b []byte) ([]byte, error) {
+			parts, err := decodeParts(b, nil, true)
+			return bytes.Join(parts, nil), err
+		},
 			`{ "model": "m",
   "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
   "temperature": 0.70, "stream": false, "max_tokens": 1e2, "zzz": null }`},
@@ -304,16 +309,7 @@ func TestWholeAnswerLimit(t *testing.T) {
 // (a comment, a block without data, half an event); a chunk with a newline
 // goes alone; [DONE] ends it.
 func TestRelayStreamBatch(t *testing.T) {
-	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := srv.Connect()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := startNATS(t)
 	for i, tc := range []struct {
 		name, first, rest string
 		want              int // chunks out once first is written
@@ -403,4 +399,21 @@ func TestBodyPartsDoNotCopy(t *testing.T) {
 			t.Errorf("%s: the pieces join to %.80q, want %.80q (%v)", tc.name, bytes.Join(parts, nil), whole, err)
 		}
 	}
+}
+
+// startNATS starts an embedded JetStream server for the test and connects
+// to it.
+func startNATS(t *testing.T) *nats.Conn {
+	t.Helper()
+	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Shutdown)
+	nc, err := srv.Connect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
 }

@@ -125,11 +125,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		}
 		prompts = append(prompts, promptOf(text.ids(e.cfg.MMTokens), tgt.adapter, text.midWord()))
 	case openai.Completions:
-		ps, err := openai.ParsePrompts(req.Prompt)
-		if err != nil {
-			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("prompt")
-		}
-		for _, p := range ps {
+		for _, p := range req.Prompts() { // parsed, and judged, by DecodeRequest
 			if p.Tokens != nil {
 				prompts = append(prompts, promptOf(p.Tokens, tgt.adapter, false))
 			} else {
