@@ -101,6 +101,27 @@ func (c *cluster) ready() {
 	waitServing(c.t, c.url)
 }
 
+// tap subscribes the test's own connection to subject, and returns once
+// the server has the subscription: nothing published after is missed.
+func (c *cluster) tap(subject string) *nats.Subscription {
+	c.t.Helper()
+	sub, err := c.nc.SubscribeSync(subject)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.flush()
+	return sub
+}
+
+// flush returns once the server has processed everything this connection
+// sent, and so has sent it every message published to its taps before.
+func (c *cluster) flush() {
+	c.t.Helper()
+	if err := c.nc.Flush(); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
 // kill9 ends a process at once, as a crash would.
 func kill9(t *testing.T, p *process) {
 	t.Helper()

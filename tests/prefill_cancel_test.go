@@ -21,13 +21,7 @@ func TestCancelAsPrefillAnswers(t *testing.T) {
 	c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()
-	handoffs, err := c.nc.SubscribeSync(dispatcher.JobSubject(dispatcher.StageDecode, "*", "late-answer"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	handoffs := c.tap(dispatcher.JobSubject(dispatcher.StageDecode, "*", "late-answer"))
 	before, decodeBefore := c.prefill.Stats(t), c.decode.Stats(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -52,9 +46,7 @@ func TestCancelAsPrefillAnswers(t *testing.T) {
 	}
 	// The KV is released from the prefill side: no handoff is queued for a
 	// client that has left.
-	if err := c.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	c.flush()
 	if n, _, _ := handoffs.Pending(); n != 0 {
 		t.Errorf("%d handoffs queued for a client that had left", n)
 	}

@@ -16,21 +16,11 @@ func TestReplyWireFramed(t *testing.T) {
 	c.worker(dispatcher.StagePrefill, 4)
 	c.worker(dispatcher.StageDecode, 4)
 	c.ready()
-	sub, err := c.nc.SubscribeSync(dispatcher.ReplySubject("*", "wire-1"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	sub := c.tap(dispatcher.ReplySubject("*", "wire-1"))
 	if o := c.one("wire-1", 0, chatBody(model, "hello there", body{"stream": true, "max_tokens": 8})); !o.ok {
 		t.Fatalf("the request failed: %+v", o)
 	}
-	// The server sent every reply message to this connection before the
-	// flush's answer.
-	if err := c.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	c.flush() // the server sent every reply message here before the flush's answer
 	frame := regexp.MustCompile(`^[0-9]+ [0-9]+ [1-9][0-9]*\n`)
 	var framed, done int
 	for {
@@ -62,22 +52,14 @@ func TestBatchPromptsMarked(t *testing.T) {
 	c.worker(dispatcher.StagePrefill, 4)
 	c.worker(dispatcher.StageDecode, 4)
 	c.ready()
-	jobs, err := c.nc.SubscribeSync(dispatcher.JobSubject(dispatcher.StageDecode, "*", "*"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	jobs := c.tap(dispatcher.JobSubject(dispatcher.StageDecode, "*", "*"))
 	if o := c.one("marked-batch", 0, completionBody(model, "", body{"prompt": []string{"one", "two"}, "max_tokens": 2})); o.status != 200 {
 		t.Fatalf("the batch failed: %+v", o)
 	}
 	if o := c.one("marked-single", 0, completionBody(model, "three", body{"max_tokens": 2})); !o.ok {
 		t.Fatalf("the request failed: %+v", o)
 	}
-	if err := c.nc.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	c.flush()
 	marked := map[string]bool{}
 	for {
 		m, err := jobs.NextMsg(0)

@@ -113,11 +113,20 @@ func TestFaults(t *testing.T) {
 
 	t.Run("late", func(t *testing.T) {
 		e := simtest.Start(t, simtest.FastConfig())
-		setFault(t, e, `{"rate":1,"kind":"late","delay":"150ms"}`)
+		setFault(t, e, `{"rate":1,"kind":"late","delay":"1s"}`)
 		start := time.Now()
-		r := post(t, e.URL+openai.Chat.Path(), "", b)
-		if elapsed := time.Since(start); elapsed < 150*time.Millisecond {
-			t.Errorf("late answer came after %v, before the 150ms delay", elapsed)
+		answer := make(chan response, 1)
+		go func() { answer <- post(t, e.URL+openai.Chat.Path(), "", b) }()
+		// The work is done while the answer waits (slow waits before it).
+		e.WaitStats(t, 10*time.Second, "the work done", func(s sim.Stats) bool { return s.GenerationTokens == 6 })
+		select {
+		case <-answer:
+			t.Errorf("the answer came with the work, %v after the request, not 1s late", time.Since(start))
+		default:
+		}
+		r := <-answer
+		if elapsed := time.Since(start); elapsed < time.Second {
+			t.Errorf("late answer came after %v, before the 1s delay", elapsed)
 		}
 		parseResponse(t, r)
 		if s := e.Stats(t); s.Faults != 1 || s.GenerationTokens != 6 {
