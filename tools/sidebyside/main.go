@@ -4,8 +4,9 @@
 // front of the same `pdq sim` engines, and prints a table per concurrency.
 //
 // The load generator is `pdq bench` (vLLM's bench serve flags); pdq's
-// processes are measured from /proc: CPU seconds (user and system) and
-// peak RSS, per 1,000 requests. Each run starts a fresh pdq up, so its
+// processes are measured from /proc: CPU seconds (the scheduler's
+// nanoseconds, or user and system ticks where it has none) and peak RSS,
+// per 1,000 requests. Each run starts a fresh pdq up, so its
 // peak RSS is its own.
 package main
 
