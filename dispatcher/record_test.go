@@ -59,6 +59,9 @@ func TestTransitionFrom(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
+			// A mark on the claim's own copy, never stored: only a write that
+			// starts from the claim, without reading the record, stores it.
+			claim.rec.Replays = 9
 			if _, err := records.TransitionFrom(ctx, claim, done); err != nil {
 				t.Fatal(err)
 			}
@@ -71,6 +74,9 @@ func TestTransitionFrom(t *testing.T) {
 			}
 			if tc.between != nil && tc.wantGW == "gw-1" && r.Replays != 7 {
 				t.Errorf("the write in between was lost: replays %d, want 7", r.Replays)
+			}
+			if tc.between == nil && r.Replays != 9 {
+				t.Errorf("replays %d, want the claim's 9: the end read the record first instead of writing over the claim's revision", r.Replays)
 			}
 		})
 	}
