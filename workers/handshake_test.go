@@ -417,3 +417,45 @@ func startNATS(t *testing.T) *nats.Conn {
 	t.Cleanup(nc.Close)
 	return nc
 }
+
+// TestEngineFailure checks how an engine's non-2xx answer is taken, as
+// docs/api.md and docs/reliability.md promise: 429 and 5xx are retried
+// (503 and 5xx count against the engine's health, 429 does not); 401, 403
+// and 404 mean a worker set up wrong, retried on prefill and ending a
+// decode at once with a 502; any other 4xx is the client's, passed on
+// with the engine's status and message.
+func TestEngineFailure(t *testing.T) {
+	refusal := []byte(`{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}`)
+	for _, tc := range []struct {
+		stage     dispatcher.Stage
+		status    int
+		permanent bool
+		fault     bool // counts against the engine
+		client    int  // the status the client would get
+	}{
+		{dispatcher.StagePrefill, 429, false, false, 503},
+		{dispatcher.StagePrefill, 503, false, true, 503},
+		{dispatcher.StagePrefill, 500, false, true, 502},
+		{dispatcher.StagePrefill, 401, false, false, 502},
+		{dispatcher.StagePrefill, 404, false, false, 502},
+		{dispatcher.StagePrefill, 400, true, false, 400},
+		{dispatcher.StageDecode, 429, false, false, 503},
+		{dispatcher.StageDecode, 502, false, true, 502},
+		{dispatcher.StageDecode, 403, true, false, 502},
+		{dispatcher.StageDecode, 404, true, false, 502},
+		{dispatcher.StageDecode, 400, true, false, 400},
+	} {
+		t.Run(fmt.Sprintf("%s %d", tc.stage, tc.status), func(t *testing.T) {
+			err := engineFailure(tc.stage, tc.status, refusal)
+			var f *dispatcher.Failure
+			if !errors.As(err, &f) {
+				t.Fatalf("%v is not a dispatcher.Failure", err)
+			}
+			var fault *engineFault
+			if f.Permanent != tc.permanent || errors.As(err, &fault) != tc.fault || f.Client == nil || f.Client.Status() != tc.client {
+				t.Errorf("%+v (engine fault %v, client %+v), want permanent %v, fault %v, client status %d",
+					f, errors.As(err, &fault), f.Client, tc.permanent, tc.fault, tc.client)
+			}
+		})
+	}
+}
