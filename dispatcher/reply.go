@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -32,8 +33,11 @@ import (
 // client parses every message's headers into a map; the frame costs a
 // few bytes to write and nothing to skip. Other kinds keep their headers.
 type ReplyWriter struct {
-	nc       *nats.Conn
-	subject  string
+	nc      *nats.Conn
+	subject string
+	// local is the gateway of subject when it runs in this process: chunks
+	// are put in its queue, not published (see [LocalReplies]).
+	local    *Replies
 	attempt  []string // the attempt header's value, made once: it goes on every message
 	attemptN int
 	framed   bool
@@ -77,6 +81,23 @@ func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
 // (Job.ReplyFramed).
 func (w *ReplyWriter) Frame() { w.framed = true }
 
+// Local makes a framed writer hand its chunks straight to its gateway when
+// that gateway is one of local's.
+func (w *ReplyWriter) Local(local *LocalReplies) {
+	if w.framed {
+		w.local = local.gateway(w.subject)
+	}
+}
+
+// send sends one chunk message.
+func (w *ReplyWriter) send(msg *nats.Msg) error {
+	if w.local != nil {
+		w.local.dispatch(msg)
+		return nil
+	}
+	return w.nc.PublishMsg(msg)
+}
+
 // ContinueAt makes the writer continue a reply whose first n chunks an
 // earlier generation sent (a migrated decode).
 func (w *ReplyWriter) ContinueAt(n int) {
@@ -117,7 +138,7 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.subject != "" {
-		if err := w.nc.PublishMsg(w.chunkMsg(w.seq, data)); err != nil {
+		if err := w.send(w.chunkMsg(w.seq, data)); err != nil {
 			return fmt.Errorf("send chunk to %s: %w", w.subject, err)
 		}
 	}
@@ -136,7 +157,7 @@ func (w *ReplyWriter) Chunks(data [][]byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.subject != "" {
-		if err := w.nc.PublishMsg(w.chunkMsg(w.seq, data...)); err != nil {
+		if err := w.send(w.chunkMsg(w.seq, data...)); err != nil {
 			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
 		}
 	}
@@ -206,7 +227,7 @@ func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
 	w.kept = w.kept[n-w.base:]
 	w.base = n
 	for i := n; i < upto; i++ {
-		if err := w.nc.PublishMsg(w.chunkMsg(i, w.kept[i-n])); err != nil {
+		if err := w.send(w.chunkMsg(i, w.kept[i-n])); err != nil {
 			break // the next ack asks again
 		}
 	}
@@ -469,6 +490,54 @@ func (q *replyQueue) len() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return len(q.msgs) - q.head
+}
+
+// LocalReplies holds the gateways of this process (`pdq up`) for its
+// workers: a chunk for one of them goes straight into the request's reply
+// queue instead of through the NATS server. A token over NATS is a message
+// written, routed and parsed, and five goroutine hand-offs; here it is one
+// hand-off. Only chunks take this path, from framed writers: beats and
+// ends wait for the gateway's answer and go over NATS, and a chunk queued
+// here is in place before any later message is sent, so the gateway's
+// checks of order and count hold as they are. A nil *LocalReplies holds
+// none.
+type LocalReplies struct {
+	mu       sync.RWMutex
+	gateways map[string]*Replies // by reply subject prefix
+}
+
+// NewLocalReplies returns an empty set.
+func NewLocalReplies() *LocalReplies {
+	return &LocalReplies{gateways: make(map[string]*Replies)}
+}
+
+// Add makes r's reply streams reachable by the workers of this process
+// until the returned function is called.
+func (l *LocalReplies) Add(r *Replies) (remove func()) {
+	if l == nil {
+		return func() {}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.gateways[r.prefix] = r
+	return func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if l.gateways[r.prefix] == r {
+			delete(l.gateways, r.prefix)
+		}
+	}
+}
+
+// gateway is the local gateway of a reply subject, or nil.
+func (l *LocalReplies) gateway(subject string) *Replies {
+	i := strings.LastIndexByte(subject, '.')
+	if l == nil || i < 0 {
+		return nil
+	}
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.gateways[subject[:i+1]]
 }
 
 // Replies is the gateway's end of the reply streams: one wildcard

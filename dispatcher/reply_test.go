@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,8 +16,9 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// TestReplies runs the reply protocol both ways a chunk can travel: with
-// headers, and framed (Job.ReplyFramed).
+// TestReplies runs the reply protocol every way a chunk can travel: with
+// headers, framed (Job.ReplyFramed), and framed to a gateway in the same
+// process (LocalReplies), where beats and ends still go over NATS.
 func TestReplies(t *testing.T) {
 	nc, _ := startJetStream(t)
 	replies, err := NewReplies(nc, "gw1")
@@ -24,23 +26,96 @@ func TestReplies(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer replies.Close()
-	for _, framed := range []bool{false, true} {
-		p := "headers-"
-		if framed {
-			p = "framed-"
+	local := NewLocalReplies()
+	defer local.Add(replies)()
+	for _, tc := range []struct {
+		name          string
+		framed, local bool
+	}{{"headers", false, false}, {"framed", true, false}, {"local", true, true}} {
+		newWriter := func(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
+			w := NewReplyWriter(nc, subject, attempt)
+			if tc.framed {
+				w.Frame()
+			}
+			if tc.local {
+				w.Local(local)
+			}
+			return w
 		}
-		t.Run(p[:len(p)-1], func(t *testing.T) { testReplies(t, nc, replies, p, framed) })
+		t.Run(tc.name, func(t *testing.T) { testReplies(t, nc, replies, tc.name+"-", newWriter) })
 	}
 }
 
-func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, framed bool) {
-	newWriter := func(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-		w := NewReplyWriter(nc, subject, attempt)
+// TestLocalReplies checks that a writer in the gateway's process queues its
+// chunks without publishing them, and publishes them again once the
+// gateway has left the set, or when it is not framed.
+func TestLocalReplies(t *testing.T) {
+	nc, _ := startJetStream(t)
+	replies, err := NewReplies(nc, "gw-local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer replies.Close()
+	local := NewLocalReplies()
+	remove := local.Add(replies)
+	// published counts the chunk messages that went through the server.
+	var published atomic.Int32
+	sub, err := nc.Subscribe(ReplySubject("gw-local", "*"), func(m *nats.Msg) {
+		if kind, _, _, _, _, err := replyOf(m); err == nil && kind == KindChunk {
+			published.Add(1)
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	ctx := context.Background()
+	run := func(t *testing.T, id string, framed bool) int {
+		t.Helper()
+		s, err := replies.Open(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		published.Store(0)
+		w := NewReplyWriter(nc, replies.Subject(id), 1)
 		if framed {
 			w.Frame()
 		}
-		return w
+		w.Local(local)
+		w.Chunk([]byte("a"))
+		w.Chunks([][]byte{[]byte("b"), []byte("c")})
+		done := make(chan error, 1)
+		go func() { done <- w.Done() }()
+		for _, c := range []string{"a", "b", "c"} {
+			if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != KindChunk || string(r.Data) != c {
+				t.Fatalf("got %+v, %v; want chunk %q", r, err, c)
+			}
+		}
+		if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != KindDone {
+			t.Fatalf("got %+v, %v; want done", r, err)
+		}
+		if err := <-done; err != nil {
+			t.Fatalf("done: %v", err)
+		}
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		return int(published.Load())
 	}
+	if n := run(t, "in-process", true); n != 0 {
+		t.Errorf("%d chunk messages went through NATS to a gateway in the same process; want 0", n)
+	}
+	if n := run(t, "unframed", false); n != 2 {
+		t.Errorf("an unframed writer published %d chunk messages; want 2", n)
+	}
+	remove()
+	if n := run(t, "removed", true); n != 2 {
+		t.Errorf("after the gateway left the set, %d chunk messages were published; want 2", n)
+	}
+}
+
+func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *ReplyWriter) {
 	ctx := context.Background()
 	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
 

@@ -218,6 +218,7 @@ func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
 	w := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
 	if job.ReplyFramed {
 		w.Frame()
+		w.Local(l.cfg.LocalReplies)
 	}
 	if job.Resume != nil && l.cfg.Stage == StageDecode {
 		w.ContinueAt(job.Resume.Chunks)
@@ -288,6 +289,9 @@ type StageConfig struct {
 	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
+	// LocalReplies are the gateways in this process, which take reply
+	// chunks without NATS; nil sends every chunk over NATS.
+	LocalReplies *LocalReplies
 }
 
 // Permit is what StageConfig.Ready grants a pull.

@@ -74,6 +74,9 @@ type Config struct {
 	Metrics prometheus.Gatherer
 	// Counters counts the gateway's prefill fallbacks; nil counts nothing.
 	Counters *dispatcher.Metrics
+	// LocalReplies, when set, lets the workers of this process (pdq up)
+	// hand this gateway reply chunks without NATS.
+	LocalReplies *dispatcher.LocalReplies
 }
 
 func (c *Config) setDefaults() {
@@ -152,6 +155,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		return fmt.Errorf("gateway: %w", err)
 	}
 	defer replies.Close()
+	unshare := s.cfg.LocalReplies.Add(replies)
+	defer unshare()
 	// Workers ask whether this gateway still holds its clients; once it
 	// stops answering, they stop working for them.
 	pings, err := dispatcher.AnswerPings(s.nc, s.id)

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -169,5 +171,51 @@ func TestUpConfigErrors(t *testing.T) {
 	<-up.exited
 	if up.err == nil || !strings.Contains(up.output(), "set both PDQ_PREFILL_ENGINES and PDQ_DECODE_ENGINES") {
 		t.Errorf("exit %v, output %s", up.err, up.output())
+	}
+}
+
+// TestUpRepliesInProcess checks that `pdq up` streams a reply from its own
+// decode worker to its own gateway without a chunk message through NATS
+// (dispatcher.LocalReplies), while the end still goes over NATS for the
+// gateway's ack, and the client gets the whole stream.
+func TestUpRepliesInProcess(t *testing.T) {
+	up, url := startUp(t, "PDQ_NATS_LISTEN=127.0.0.1:0")
+	natsURL, _ := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)
+	nc, err := nats.Connect(natsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	const id = "in-process-1"
+	sub, err := nc.SubscribeSync(dispatcher.ReplySubject("*", id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	s := postStream(t, url+"/v1/chat/completions", id, chatBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true}))
+	res, err := checkStream(s, openai.Chat, false)
+	if err != nil || res.text == "" || res.finish != "length" {
+		t.Fatalf("stream: %+v, %v; want 16 tokens ending in length", res, err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var chunks, done int
+	for {
+		m, err := sub.NextMsg(100 * time.Millisecond)
+		if err != nil {
+			break
+		}
+		switch m.Header.Get(dispatcher.HeaderKind) {
+		case dispatcher.KindDone:
+			done++
+		case "", dispatcher.KindChunk:
+			chunks++
+		}
+	}
+	if chunks != 0 || done == 0 {
+		t.Errorf("%d chunk messages and %d done went through NATS; want no chunk and the done", chunks, done)
 	}
 }

@@ -89,6 +89,9 @@ type Config struct {
 	ModelsRefresh time.Duration
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
+	// LocalReplies are the gateways in this process (pdq up), which take
+	// reply chunks without NATS; nil sends them all over NATS.
+	LocalReplies *dispatcher.LocalReplies
 }
 
 // Worker runs one stage on one engine.
@@ -225,6 +228,7 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) dispatcher.StageConfig {
 		StallTimeout:   w.cfg.StallTimeout,
 		Replicas:       w.cfg.Replicas,
 		Metrics:        w.cfg.Metrics,
+		LocalReplies:   w.cfg.LocalReplies,
 		Worker: dispatcher.WorkerInfo{
 			ID: entry, Worker: w.id, Model: m.ID, Engine: w.engine.URL(), Started: time.Now(),
 			MaxModelLen: m.MaxModelLen, Card: m.Card,

@@ -76,6 +76,8 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		gwLn.Close()
 		return err
 	}
+	// The workers hand the gateway their reply chunks in memory.
+	local := dispatcher.NewLocalReplies()
 	g, gctx := errgroup.WithContext(ctx)
 	prefill, decode := cfg.PrefillEngines, cfg.DecodeEngines
 	simulated := len(prefill) == 0
@@ -98,7 +100,9 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		urls []string
 	}{{dispatcher.StagePrefill, prefill}, {dispatcher.StageDecode, decode}} {
 		for _, url := range eng.urls {
-			w, err := workers.New(nc, js, workerConfig(cfg, eng.role, url, metrics), log)
+			wcfg := workerConfig(cfg, eng.role, url, metrics)
+			wcfg.LocalReplies = local
+			w, err := workers.New(nc, js, wcfg, log)
 			if err != nil {
 				gwLn.Close()
 				return err
@@ -106,7 +110,9 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			g.Go(func() error { return w.Run(gctx) })
 		}
 	}
-	gw := gateway.New(nc, js, gatewayConfig(cfg, reg, metrics), log)
+	gcfg := gatewayConfig(cfg, reg, metrics)
+	gcfg.LocalReplies = local
+	gw := gateway.New(nc, js, gcfg, log)
 	g.Go(func() error { return gw.Serve(gctx, gwLn) })
 
 	// Say "up" once the workers can take requests, so the curl line works
