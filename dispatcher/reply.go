@@ -32,11 +32,14 @@ import (
 // most of a reply's messages, one per token or burst, and a gateway's NATS
 // client parses every message's headers into a map; the frame costs a
 // few bytes to write and nothing to skip. Other kinds keep their headers.
+//
+// A writer whose gateway runs in the same process hands it the messages
+// instead (see [LocalReplies]).
 type ReplyWriter struct {
 	nc      *nats.Conn
 	subject string
-	// local is the gateway of subject when it runs in this process: chunks
-	// are put in its queue, not published (see [LocalReplies]).
+	// local is the gateway of subject when it runs in this process: the
+	// messages are put in its queue, not published (see [LocalReplies]).
 	local    *Replies
 	attempt  []string // the attempt header's value, made once: it goes on every message
 	attemptN int
@@ -81,7 +84,7 @@ func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
 // (Job.ReplyFramed).
 func (w *ReplyWriter) Frame() { w.framed = true }
 
-// Local makes a framed writer hand its chunks straight to its gateway when
+// Local makes a framed writer hand its reply straight to its gateway when
 // that gateway is one of local's.
 func (w *ReplyWriter) Local(local *LocalReplies) {
 	if w.framed {
@@ -142,7 +145,9 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 			return fmt.Errorf("send chunk to %s: %w", w.subject, err)
 		}
 	}
-	w.kept = append(w.kept, data)
+	if w.local == nil { // a local gateway has it already
+		w.kept = append(w.kept, data)
+	}
 	w.seq++
 	return nil
 }
@@ -161,7 +166,9 @@ func (w *ReplyWriter) Chunks(data [][]byte) error {
 			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
 		}
 	}
-	w.kept = append(w.kept, data...)
+	if w.local == nil {
+		w.kept = append(w.kept, data...)
+	}
 	w.seq += len(data)
 	return nil
 }
@@ -205,6 +212,11 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 	w.mu.Lock()
 	upto := w.seq
 	msg := w.msg(KindBeat, upto, nil)
+	if w.local != nil {
+		w.local.dispatch(msg) // nothing was lost: no ack to wait for
+		w.mu.Unlock()
+		return
+	}
 	w.mu.Unlock()
 	ctx, cancel := context.WithTimeout(ctx, ackTimeout)
 	defer cancel()
@@ -286,6 +298,12 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 		}
 		if stages != nil {
 			msg.Header[HeaderStages] = []string{string(stages)}
+		}
+		if w.local != nil {
+			// Every chunk is in the gateway's queue already, and the end
+			// goes after them: there is nothing to wait for.
+			w.local.dispatch(msg)
+			return nil
 		}
 		upto := w.Sent()
 		resp, err := w.nc.RequestMsg(msg, min(ackTimeout, max(time.Until(deadline), time.Millisecond)))
@@ -493,14 +511,13 @@ func (q *replyQueue) len() int {
 }
 
 // LocalReplies holds the gateways of this process (`pdq up`) for its
-// workers: a chunk for one of them goes straight into the request's reply
-// queue instead of through the NATS server. A token over NATS is a message
-// written, routed and parsed, and five goroutine hand-offs; here it is one
-// hand-off. Only chunks take this path, from framed writers: beats and
-// ends wait for the gateway's answer and go over NATS, and a chunk queued
-// here is in place before any later message is sent, so the gateway's
-// checks of order and count hold as they are. A nil *LocalReplies holds
-// none.
+// workers: a framed writer's reply to one of them goes straight into the
+// request's reply queue instead of through the NATS server. A token over
+// NATS is a message written, routed and parsed, and five goroutine
+// hand-offs; here it is one hand-off. The messages are the same, in the
+// order they are sent, and the gateway checks them as it does any; but
+// none is lost on the way, so a beat or an end waits for no ack (a queue
+// that overflows still shows as a gap). A nil *LocalReplies holds none.
 type LocalReplies struct {
 	mu       sync.RWMutex
 	gateways map[string]*Replies // by reply subject prefix

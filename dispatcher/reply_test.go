@@ -42,12 +42,12 @@ func TestReplies(t *testing.T) {
 			}
 			return w
 		}
-		t.Run(tc.name, func(t *testing.T) { testReplies(t, nc, replies, tc.name+"-", newWriter) })
+		t.Run(tc.name, func(t *testing.T) { testReplies(t, nc, replies, tc.name+"-", newWriter, !tc.local) })
 	}
 }
 
 // TestLocalReplies checks that a writer in the gateway's process queues its
-// chunks without publishing them, and publishes them again once the
+// reply without publishing any of it, and publishes it again once the
 // gateway has left the set, or when it is not framed.
 func TestLocalReplies(t *testing.T) {
 	nc, _ := startJetStream(t)
@@ -58,13 +58,9 @@ func TestLocalReplies(t *testing.T) {
 	defer replies.Close()
 	local := NewLocalReplies()
 	remove := local.Add(replies)
-	// published counts the chunk messages that went through the server.
+	// published counts the reply messages that went through the server.
 	var published atomic.Int32
-	sub, err := nc.Subscribe(ReplySubject("gw-local", "*"), func(m *nats.Msg) {
-		if kind, _, _, _, _, err := replyOf(m); err == nil && kind == KindChunk {
-			published.Add(1)
-		}
-	})
+	sub, err := nc.Subscribe(ReplySubject("gw-local", "*"), func(*nats.Msg) { published.Add(1) })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,18 +100,21 @@ func TestLocalReplies(t *testing.T) {
 		return int(published.Load())
 	}
 	if n := run(t, "in-process", true); n != 0 {
-		t.Errorf("%d chunk messages went through NATS to a gateway in the same process; want 0", n)
+		t.Errorf("%d reply messages went through NATS to a gateway in the same process; want 0", n)
 	}
-	if n := run(t, "unframed", false); n != 2 {
-		t.Errorf("an unframed writer published %d chunk messages; want 2", n)
+	// Two chunk messages and the end.
+	if n := run(t, "unframed", false); n != 3 {
+		t.Errorf("an unframed writer published %d reply messages; want 3", n)
 	}
 	remove()
-	if n := run(t, "removed", true); n != 2 {
-		t.Errorf("after the gateway left the set, %d chunk messages were published; want 2", n)
+	if n := run(t, "removed", true); n != 3 {
+		t.Errorf("after the gateway left the set, %d reply messages were published; want 3", n)
 	}
 }
 
-func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *ReplyWriter) {
+// testReplies runs the protocol's cases; lossy says the chunks travel over
+// NATS, which may lose them.
+func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *ReplyWriter, lossy bool) {
 	ctx := context.Background()
 	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
 
@@ -131,8 +130,12 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		})
 	}
 	// lose makes the writer count a chunk as sent without sending it, as if
-	// NATS lost it in transit.
+	// NATS lost it in transit. In memory nothing is lost: it is sent.
 	lose := func(w *ReplyWriter, data string) {
+		if !lossy {
+			w.Chunk([]byte(data))
+			return
+		}
 		w.kept = append(w.kept, []byte(data))
 		w.seq++
 	}
@@ -353,6 +356,22 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 		if _, err := s.Next(ctx, 100*time.Millisecond); !errors.Is(err, ErrReplyStalled) || !s.Heard() {
 			t.Fatalf("err = %v, heard %v; want ErrReplyStalled from a decode heard", err, s.Heard())
+		}
+	})
+
+	t.Run("beats keep a silent decode alive", func(t *testing.T) {
+		s, _ := replies.Open(p + "r8c")
+		defer s.Close()
+		w := newWriter(nc, replies.Subject(p+"r8c"), 1)
+		w.Chunk([]byte("a"))
+		if _, err := s.Next(ctx, 150*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		stop := w.Beats(ctx, 20*time.Millisecond)
+		defer stop()
+		time.AfterFunc(time.Second, func() { w.Chunk([]byte("b")) })
+		if r, err := s.Next(ctx, 300*time.Millisecond); err != nil || string(r.Data) != "b" {
+			t.Fatalf("got %+v, %v; want chunk b after 1 s of beats, with no stall", r, err)
 		}
 	})
 
