@@ -102,7 +102,7 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 		}
 	}
 	var rows []row
-	kinds := []sim.FaultKind{sim.Fault503, sim.Fault500, sim.FaultHang, sim.FaultDrop, sim.FaultNoKV, sim.FaultSlow}
+	kinds := []sim.FaultKind{sim.Fault503, sim.Fault500, sim.Fault429, sim.FaultHang, sim.FaultDrop, sim.FaultNoKV, sim.FaultSlow}
 	if stage == dispatcher.StageDecode {
 		kinds = slices.DeleteFunc(kinds, func(k sim.FaultKind) bool { return k == sim.FaultNoKV }) // a prefill's fault
 	}

@@ -38,6 +38,17 @@ func TestFaults(t *testing.T) {
 		checkOff(t, e, b)
 	})
 
+	t.Run("429", func(t *testing.T) {
+		e := simtest.Start(t, simtest.FastConfig())
+		setFault(t, e, `{"rate":1,"kind":"429"}`)
+		r := post(t, e.URL+openai.Chat.Path(), "", b)
+		r.wantStatus(t, http.StatusTooManyRequests)
+		if r.apiError(t).Type != "RateLimitError" {
+			t.Errorf("body = %s", r.body)
+		}
+		checkOff(t, e, b)
+	})
+
 	t.Run("500", func(t *testing.T) {
 		e := simtest.Start(t, simtest.FastConfig())
 		setFault(t, e, `{"rate":1,"kind":"500"}`)

@@ -42,6 +42,7 @@ const (
 	FaultNone FaultKind = ""
 	Fault503  FaultKind = "503"   // answer 503 at once
 	Fault500  FaultKind = "500"   // answer 500 at once
+	Fault429  FaultKind = "429"   // answer 429 at once, as a rate limiter in front of an engine does
 	FaultHang FaultKind = "hang"  // accept, never answer
 	FaultDrop FaultKind = "drop"  // close the connection mid-response
 	FaultNoKV FaultKind = "no-kv" // a prefill answers 200 without kv_transfer_params
@@ -52,7 +53,7 @@ const (
 	FaultLate FaultKind = "late"
 )
 
-var faultKinds = []FaultKind{Fault503, Fault500, FaultHang, FaultDrop, FaultNoKV, FaultSlow, FaultLate}
+var faultKinds = []FaultKind{Fault503, Fault500, Fault429, FaultHang, FaultDrop, FaultNoKV, FaultSlow, FaultLate}
 
 // Fault injects failures into a share of the generation requests.
 type Fault struct {

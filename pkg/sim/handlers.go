@@ -124,6 +124,10 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			e.stats.faults.Add(1)
 			e.fail(w, openai.NewError(http.StatusInternalServerError, "injected fault: internal engine error"))
 			return
+		case Fault429:
+			e.stats.faults.Add(1)
+			e.fail(w, openai.NewError(http.StatusTooManyRequests, "injected fault: too many requests"))
+			return
 		case FaultHang:
 			e.stats.faults.Add(1)
 			jobs[0].log.Debug("injected fault: hanging until the client goes away")
