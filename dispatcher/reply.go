@@ -50,7 +50,8 @@ type ReplyWriter struct {
 	mu sync.Mutex
 	// seq is the number of chunks sent; kept holds the ones from base on,
 	// which the gateway has not acknowledged (all of them without a
-	// subject). The first start were sent by earlier generations.
+	// subject; none for a local gateway, which has them all, so base is
+	// seq). The first start were sent by earlier generations.
 	seq, base, start int
 	kept             [][]byte
 	// stages go on the done message, for the gateway's request record.
@@ -85,11 +86,23 @@ func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
 func (w *ReplyWriter) Frame() { w.framed = true }
 
 // Local makes a framed writer hand its reply straight to its gateway when
-// that gateway is one of local's.
+// that gateway is one of local's. Call it after Frame: the gateway reads a
+// chunk's number from its frame, whichever way it came, and a writer of
+// header chunks is one an older gateway asked for, never a local one.
 func (w *ReplyWriter) Local(local *LocalReplies) {
 	if w.framed {
 		w.local = local.gateway(w.subject)
 	}
+}
+
+// keep holds the chunks just sent (w.seq counts them already) until the
+// gateway acknowledges them. A local gateway has them already.
+func (w *ReplyWriter) keep(chunks ...[]byte) {
+	if w.local != nil {
+		w.base = w.seq
+		return
+	}
+	w.kept = append(w.kept, chunks...)
 }
 
 // send sends one chunk message.
@@ -145,10 +158,8 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 			return fmt.Errorf("send chunk to %s: %w", w.subject, err)
 		}
 	}
-	if w.local == nil { // a local gateway has it already
-		w.kept = append(w.kept, data)
-	}
 	w.seq++
+	w.keep(data)
 	return nil
 }
 
@@ -166,10 +177,8 @@ func (w *ReplyWriter) Chunks(data [][]byte) error {
 			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
 		}
 	}
-	if w.local == nil {
-		w.kept = append(w.kept, data...)
-	}
 	w.seq += len(data)
+	w.keep(data...)
 	return nil
 }
 
@@ -248,7 +257,8 @@ func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
 
 // Done ends the reply after the chunks sent, once the gateway has them
 // all. It fails with ErrReplyUnacked if the gateway does not say so in
-// time.
+// time. A local gateway has them all, in its queue, ahead of the end: the
+// end is queued, and Done returns.
 func (w *ReplyWriter) Done() error {
 	var stages []byte
 	if n := len(w.stages); n > 0 {
@@ -263,7 +273,8 @@ func (w *ReplyWriter) Done() error {
 }
 
 // Moved ends this writer's part of a reply that a later generation
-// continues: it returns once the gateway has every chunk sent so far.
+// continues: it returns once the gateway has every chunk sent so far (a
+// local gateway, at once: they are in its queue, ahead of this end).
 func (w *ReplyWriter) Moved() error {
 	if w.subject == "" {
 		return nil
@@ -528,8 +539,10 @@ func NewLocalReplies() *LocalReplies {
 	return &LocalReplies{gateways: make(map[string]*Replies)}
 }
 
-// Add makes r's reply streams reachable by the workers of this process
-// until the returned function is called.
+// Add makes r's reply streams reachable by the writers made in this
+// process until the returned function is called. A writer made before
+// keeps r: what it hands r then goes nowhere, as it would over NATS to a
+// gateway that has unsubscribed.
 func (l *LocalReplies) Add(r *Replies) (remove func()) {
 	if l == nil {
 		return func() {}
@@ -565,7 +578,9 @@ type Replies struct {
 	prefix    string // ReplySubject(gatewayID, ""), cut off every message
 	sub       *nats.Subscription
 
-	mu      sync.Mutex
+	// mu is read-locked once per reply message, by the subscription and,
+	// in pdq up, by every worker goroutine that relays a stream.
+	mu      sync.RWMutex
 	streams map[string]*ReplyStream
 }
 
@@ -606,9 +621,9 @@ func (r *Replies) Open(id string) (*ReplyStream, error) {
 
 func (r *Replies) dispatch(msg *nats.Msg) {
 	id := msg.Subject[len(r.prefix):]
-	r.mu.Lock()
+	r.mu.RLock()
 	s := r.streams[id]
-	r.mu.Unlock()
+	r.mu.RUnlock()
 	if s == nil {
 		// The request has ended here (answered, or given up). Its worker
 		// waits for an ack of its beat or end: say it has nothing to send.

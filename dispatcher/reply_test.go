@@ -18,7 +18,7 @@ import (
 
 // TestReplies runs the reply protocol every way a chunk can travel: with
 // headers, framed (Job.ReplyFramed), and framed to a gateway in the same
-// process (LocalReplies), where beats and ends still go over NATS.
+// process (LocalReplies), where the whole reply goes in memory.
 func TestReplies(t *testing.T) {
 	nc, _ := startJetStream(t)
 	replies, err := NewReplies(nc, "gw1")
@@ -114,6 +114,79 @@ func TestLocalReplies(t *testing.T) {
 
 // testReplies runs the protocol's cases; lossy says the chunks travel over
 // NATS, which may lose them.
+// TestLocalRepliesMigrate moves a reply between a writer in the gateway's
+// process and one in another (over NATS), both ways, with beats running
+// and a reader that falls behind: the gateway gets every chunk once, in
+// order, then the end.
+func TestLocalRepliesMigrate(t *testing.T) {
+	nc, _ := startJetStream(t)
+	replies, err := NewReplies(nc, "gw-migrate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer replies.Close()
+	local := NewLocalReplies()
+	defer local.Add(replies)()
+	ctx := context.Background()
+	const n = 100 // chunks per writer
+	for _, firstLocal := range []bool{true, false} {
+		name := map[bool]string{true: "from local to NATS", false: "from NATS to local"}[firstLocal]
+		t.Run(name, func(t *testing.T) {
+			id := fmt.Sprintf("migrate-%v", firstLocal)
+			s, err := replies.Open(id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			writer := func(generation int, inProcess bool) *ReplyWriter {
+				w := NewReplyWriter(nc, replies.Subject(id), ReplyAttempt(generation, 1))
+				w.Frame()
+				if inProcess {
+					w.Local(local)
+				}
+				return w
+			}
+			ended := make(chan error, 1)
+			go func() {
+				first := writer(1, firstLocal)
+				stop := first.Beats(ctx, 2*time.Millisecond)
+				for i := range n {
+					first.Chunk([]byte(strconv.Itoa(i)))
+				}
+				err := first.Moved()
+				stop()
+				if err != nil {
+					ended <- fmt.Errorf("moved: %w", err)
+					return
+				}
+				second := writer(2, !firstLocal)
+				second.ContinueAt(n)
+				stop = second.Beats(ctx, 2*time.Millisecond)
+				defer stop()
+				for i := n; i < 2*n; i++ {
+					second.Chunk([]byte(strconv.Itoa(i)))
+				}
+				ended <- second.Done()
+			}()
+			for i := range 2 * n {
+				r, err := s.Next(ctx, 5*time.Second)
+				if err != nil || r.Kind != KindChunk || string(r.Data) != strconv.Itoa(i) {
+					t.Fatalf("reply %d: got %+v, %v; want chunk %d", i, r, err, i)
+				}
+				if i%20 == 0 {
+					time.Sleep(5 * time.Millisecond) // fall behind the writers
+				}
+			}
+			if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != KindDone {
+				t.Fatalf("got %+v, %v; want done", r, err)
+			}
+			if err := <-ended; err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
 func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *ReplyWriter, lossy bool) {
 	ctx := context.Background()
 	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
@@ -130,7 +203,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		})
 	}
 	// lose makes the writer count a chunk as sent without sending it, as if
-	// NATS lost it in transit. In memory nothing is lost: it is sent.
+	// NATS lost it in transit. In memory nothing is lost: it is sent (for
+	// the cases that are not about the loss).
 	lose := func(w *ReplyWriter, data string) {
 		if !lossy {
 			w.Chunk([]byte(data))
@@ -197,6 +271,9 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	})
 
 	t.Run("a lost batch is sent again", func(t *testing.T) {
+		if !lossy {
+			t.Skip("nothing is lost in memory")
+		}
 		s, _ := replies.Open(p + "rb3")
 		defer s.Close()
 		w := newWriter(nc, replies.Subject(p+"rb3"), 1)
@@ -210,6 +287,9 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	})
 
 	t.Run("a lost chunk is sent again", func(t *testing.T) {
+		if !lossy {
+			t.Skip("nothing is lost in memory")
+		}
 		s, _ := replies.Open(p + "r2")
 		defer s.Close()
 		w := newWriter(nc, replies.Subject(p+"r2"), 1)
@@ -222,6 +302,9 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	})
 
 	t.Run("a lost tail is sent again", func(t *testing.T) {
+		if !lossy {
+			t.Skip("nothing is lost in memory")
+		}
 		s, _ := replies.Open(p + "r3")
 		defer s.Close()
 		w := newWriter(nc, replies.Subject(p+"r3"), 1)
@@ -234,6 +317,9 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	})
 
 	t.Run("beats fill a gap while the decode runs", func(t *testing.T) {
+		if !lossy {
+			t.Skip("nothing is lost in memory")
+		}
 		s, _ := replies.Open(p + "r3b")
 		defer s.Close()
 		w := newWriter(nc, replies.Subject(p+"r3b"), 1)

@@ -139,11 +139,16 @@ func TestGatewayRequestIDs(t *testing.T) {
 }
 
 // TestGatewayCancel checks that a client who leaves a stream stops the
-// engine's work.
+// engine's work, with the replies over NATS and in memory (pdq up).
 func TestGatewayCancel(t *testing.T) {
+	t.Run("over NATS", func(t *testing.T) { testGatewayCancel(t, false) })
+	t.Run("in process", func(t *testing.T) { testGatewayCancel(t, true) })
+}
+
+func testGatewayCancel(t *testing.T, local bool) {
 	cfg := simtest.FastConfig()
 	cfg.ITL = 5 * time.Millisecond
-	p := startPipeline(t, pipelineOptions{sim: cfg})
+	p := startPipeline(t, pipelineOptions{sim: cfg, local: local})
 	ctx, cancel := context.WithCancel(context.Background())
 	resp, err := send(ctx, p.chat(), "", chatBody(model, longPrompt, body{"max_tokens": 5000, "ignore_eos": true, "stream": true}))
 	if err != nil {

@@ -20,12 +20,18 @@ import (
 // a request whose legs carry different X-Request-Ids kills the decode
 // engine. Every answer must be what a plain engine says for the prompt,
 // and the engines' counters must show a clean handshake for every request.
+// It runs with the replies over NATS, and in memory as in pdq up.
 func TestPipelineUnderLoad(t *testing.T) {
+	t.Run("over NATS", func(t *testing.T) { testPipelineUnderLoad(t, false) })
+	t.Run("in process", func(t *testing.T) { testPipelineUnderLoad(t, true) })
+}
+
+func testPipelineUnderLoad(t *testing.T, inProcess bool) {
 	cfg := simtest.FastConfig()
 	cfg.Protocol = sim.ProtocolV1
 	cfg.ITL = time.Millisecond
 	cfg.PrefillOverhead = 2 * time.Millisecond
-	p := startPipeline(t, pipelineOptions{prefill: 2, decode: 2, sim: cfg})
+	p := startPipeline(t, pipelineOptions{prefill: 2, decode: 2, sim: cfg, local: inProcess})
 	ref := simtest.Start(t, cfg) // a plain engine: the expected answers
 
 	var prompts []string

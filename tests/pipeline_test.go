@@ -43,6 +43,9 @@ type pipelineOptions struct {
 	gateway         gateway.Config
 	slots           int            // per worker; 0 takes the role's default
 	worker          workers.Config // settings of every worker beyond the defaults
+	// local hands replies from the workers to the gateway in memory, as
+	// pdq up does (dispatcher.LocalReplies); they go over NATS otherwise.
+	local bool
 }
 
 // testLogger writes logs to stderr when PDQ_TEST_LOG is set; tests are
@@ -88,6 +91,11 @@ func startPipeline(t testing.TB, o pipelineOptions) *pipeline {
 		t.Fatal(err)
 	}
 	p := &pipeline{nc: nc, js: js, log: log, ctx: ctx, wg: &sync.WaitGroup{}, t: t, worker: o.worker}
+	gcfg := o.gateway
+	if o.local {
+		p.worker.LocalReplies = dispatcher.NewLocalReplies()
+		gcfg.LocalReplies = p.worker.LocalReplies
+	}
 	t.Cleanup(func() {
 		cancel()
 		p.wg.Wait()
@@ -108,7 +116,6 @@ func startPipeline(t testing.TB, o pipelineOptions) *pipeline {
 	for _, e := range p.decode {
 		p.startWorker(dispatcher.StageDecode, e.URL, o.slots)
 	}
-	gcfg := o.gateway
 	if gcfg.MinPromptTokens == 0 {
 		gcfg.MinPromptTokens = gateway.DefaultMinPromptTokens
 	}

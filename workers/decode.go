@@ -60,8 +60,9 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 			}
 			return data
 		},
-		// Only what reached NATS is in the transcript: a continuation
-		// must not skip text the client never got.
+		// Only what was sent to the gateway (over NATS, or into its queue
+		// in pdq up) is in the transcript: a continuation must not skip
+		// text the client never got.
 		sent: func(data []byte) {
 			if tr != nil {
 				tr.add(data)
