@@ -370,37 +370,37 @@ func (m Message) textBytes() (int, error) {
 // how, is Parts' decision. Only a part whose duplicate keys Parts would
 // refuse for an earlier copy is counted here by its last.
 func partsTextBytes(c []byte) (int, error) {
-	if n, err := scanPartsText(c); err == nil {
+	if n, ok := scanPartsText(c); ok {
 		return n, nil
 	}
 	text, err := Message{Content: c}.Text()
 	return len(text), err
 }
 
-func scanPartsText(c []byte) (int, error) {
+// scanPartsText counts the text bytes of a list of content parts, or
+// reports that it cannot: Text then decides, and words the refusal.
+func scanPartsText(c []byte) (int, bool) {
 	spans, err := jsonobj.Elements(c)
 	if err != nil {
-		return 0, errors.New("must be a string or a list of content parts")
+		return 0, false
 	}
 	isNull := func(v []byte) bool { return v == nil || string(v) == "null" }
 	n, texts := 0, 0
-	for i, sp := range spans {
+	for _, sp := range spans {
 		v, err := jsonobj.Lookup(c[sp.Start:sp.End], "type", "text")
 		if err != nil {
-			return 0, fmt.Errorf("part %d must be an object", i)
+			return 0, false
 		}
 		var typ string
 		if !isNull(v[0]) && json.Unmarshal(v[0], &typ) != nil {
-			return 0, fmt.Errorf("part %d must be an object", i)
+			return 0, false
 		}
 		if !isNull(v[1]) && v[1][0] != '"' {
-			return 0, fmt.Errorf("part %d must be an object", i)
+			return 0, false
 		}
 		switch {
-		case typ == "":
-			return 0, fmt.Errorf("part %d has no type", i)
-		case typ == "text" && isNull(v[1]):
-			return 0, fmt.Errorf("part %d: a text part needs 'text'", i)
+		case typ == "", typ == "text" && isNull(v[1]):
+			return 0, false
 		case typ == "text":
 			n += len(v[1]) - 2
 			texts++
@@ -409,7 +409,7 @@ func scanPartsText(c []byte) (int, error) {
 	if texts > 1 {
 		n += texts - 1 // Text joins them with newlines
 	}
-	return n, nil
+	return n, true
 }
 
 // Text returns the text of a message: the string, or its text parts joined
