@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -250,4 +251,89 @@ func modelMembers(in []member, ops []Op) []member {
 		}
 	}
 	return out
+}
+
+// fuzzKeys are the keys FuzzCut and FuzzLookupEach pick from.
+var fuzzKeys = []string{"a", "b", "A", "messages", "prompt", "é", "", "\ufffd", "s", "kv_transfer_params"}
+
+// FuzzCut checks Cut against Lookup and an Edit that deletes the keys:
+// the same values, and a rest that reads the same.
+func FuzzCut(f *testing.F) {
+	for i, s := range fuzzSeeds {
+		f.Add([]byte(s), []byte{byte(i), byte(2 * i)})
+	}
+	f.Add([]byte(`{"a":1, "messages":[{"x":"y"}] ,"b":2,"a":3}`), []byte{0, 3})
+	f.Fuzz(func(t *testing.T, in, sel []byte) {
+		if len(sel) > 4 {
+			sel = sel[:4]
+		}
+		keys := make([]string, len(sel))
+		ops := make([]Op, len(sel))
+		for i, b := range sel {
+			keys[i] = fuzzKeys[int(b)%len(fuzzKeys)]
+			ops[i] = Delete(keys[i])
+		}
+		values, rest, err := Cut(in, keys...)
+		want, werr := Lookup(in, keys...)
+		edited, eerr := Edit(in, ops...)
+		if (err == nil) != (werr == nil) || (err == nil) != (eerr == nil) {
+			t.Fatalf("Cut(%q, %q): %v; Lookup: %v; Edit: %v", in, keys, err, werr, eerr)
+		}
+		if err != nil {
+			return
+		}
+		if !reflect.DeepEqual(values, want) {
+			t.Fatalf("Cut(%q, %q) values %q, Lookup %q", in, keys, values, want)
+		}
+		var got, wantRest bytes.Buffer
+		if json.Compact(&got, rest) != nil || json.Compact(&wantRest, edited) != nil || got.String() != wantRest.String() {
+			t.Fatalf("Cut(%q, %q) rest %q, Edit %q", in, keys, rest, edited)
+		}
+	})
+}
+
+// FuzzLookupEach checks LookupEach against Elements and LookupFold of each
+// element.
+func FuzzLookupEach(f *testing.F) {
+	for i, s := range fuzzSeeds {
+		f.Add([]byte(s), []byte{byte(i), byte(2 * i)})
+	}
+	f.Add([]byte(` [ {"role":"u","content":"x","Role":1} , {"a":[{"b":1}],"A":2} ] `), []byte{0, 2})
+	f.Fuzz(func(t *testing.T, in, sel []byte) {
+		if len(sel) > 4 {
+			sel = sel[:4]
+		}
+		keys := make([]string, len(sel))
+		for i, b := range sel {
+			keys[i] = fuzzKeys[int(b)%len(fuzzKeys)]
+		}
+		type found struct {
+			values []json.RawMessage
+			folds  []int
+		}
+		var got []found
+		err := LookupEach(in, keys, func(i int, values []json.RawMessage, folds []int) error {
+			if i != len(got) {
+				t.Fatalf("element %d after %d", i, len(got))
+			}
+			got = append(got, found{slices.Clone(values), slices.Clone(folds)})
+			return nil
+		})
+		var want []found
+		spans, werr := Elements(in)
+		for _, sp := range spans {
+			if werr != nil {
+				break
+			}
+			var fd found
+			fd.values, fd.folds, werr = LookupFold(in[sp.Start:sp.End], keys...)
+			want = append(want, fd)
+		}
+		if (err == nil) != (werr == nil) {
+			t.Fatalf("LookupEach(%q, %q): %v; Elements and LookupFold: %v", in, keys, err, werr)
+		}
+		if err == nil && len(got)+len(want) > 0 && !reflect.DeepEqual(got, want) {
+			t.Fatalf("LookupEach(%q, %q) = %+v, want %+v", in, keys, got, want)
+		}
+	})
 }

@@ -310,11 +310,14 @@ const (
 	toLead
 )
 
-// members reads the top-level members of an object, one at a time.
+// members reads the members of an object, one at a time.
 type members struct {
 	s []byte
 	i int // where the scan is
 	n int // members read
+	// outer is the number of arrays and objects around the object: 0 for
+	// a document's top level.
+	outer int
 	// The member read last: the separator from the one before (or from
 	// the brace) at s[sep:key], its key with quotes at s[key:keyEnd], its
 	// value at s[val:end]. Before the first member, end is just past the
@@ -322,8 +325,11 @@ type members struct {
 	sep, key, keyEnd, val, end int
 }
 
-func (m *members) begin() error {
-	i := skipSpace(m.s, 0)
+func (m *members) begin() error { return m.beginAt(0) }
+
+// beginAt starts reading the object at m.s[i], after any whitespace.
+func (m *members) beginAt(i int) error {
+	i = skipSpace(m.s, i)
 	if at(m.s, i) != '{' {
 		return syntaxError(m.s, i, "object expected")
 	}
@@ -359,12 +365,26 @@ func (m *members) next() (bool, error) {
 		return false, syntaxError(s, i, "':' expected")
 	}
 	m.val = skipSpace(s, i+1)
-	if m.end, err = skipValue(s, m.val, 1); err != nil {
+	if m.end, err = skipValue(s, m.val, 1+m.outer); err != nil {
 		return false, err
 	}
 	m.i = m.end
 	m.n++
 	return true, nil
+}
+
+// each reads the members left, calling f with each one's name as written
+// (without the quotes) and whether that needs no unescaping; the rest of
+// the member is in m's fields when f runs. It stops at the closing brace.
+func (m *members) each(f func(raw []byte, isPlain bool)) error {
+	for {
+		more, err := m.next()
+		if err != nil || !more {
+			return err
+		}
+		raw := m.s[m.key+1 : m.keyEnd-1]
+		f(raw, plain(raw))
+	}
 }
 
 // finish checks that nothing but whitespace follows the closing brace,
@@ -398,11 +418,7 @@ func Get(obj []byte, key string) (value json.RawMessage, ok bool, err error) {
 func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
 	values = make([]json.RawMessage, len(keys))
 	err = eachMember(obj, func(raw []byte, isPlain bool, val, end int) {
-		for i, key := range keys {
-			if keyIs(raw, isPlain, key, false) {
-				values[i] = obj[val:end:end]
-			}
-		}
+		match(keys, values, nil, raw, isPlain, obj[val:end:end])
 	})
 	if err != nil {
 		return nil, err
@@ -418,19 +434,121 @@ func Lookup(obj []byte, keys ...string) (values []json.RawMessage, err error) {
 func LookupFold(obj []byte, keys ...string) (values []json.RawMessage, folds []int, err error) {
 	values, folds = make([]json.RawMessage, len(keys)), make([]int, len(keys))
 	err = eachMember(obj, func(raw []byte, isPlain bool, val, end int) {
-		for i, key := range keys {
-			if keyIs(raw, isPlain, key, true) {
-				folds[i]++
-				if keyIs(raw, isPlain, key, false) {
-					values[i] = obj[val:end:end]
-				}
-			}
-		}
+		match(keys, values, folds, raw, isPlain, obj[val:end:end])
 	})
 	if err != nil {
 		return nil, nil, err
 	}
 	return values, folds, nil
+}
+
+// match takes in one member, named raw, for Lookup (folds nil) or
+// LookupFold: values[i] becomes value when it is named keys[i], and
+// folds[i] counts it when it is so named in any letter case. It reports
+// whether the member is one of keys.
+func match(keys []string, values []json.RawMessage, folds []int, raw []byte, isPlain bool, value []byte) (hit bool) {
+	for i, key := range keys {
+		if folds != nil && keyIs(raw, isPlain, key, true) {
+			folds[i]++
+		}
+		if keyIs(raw, isPlain, key, false) {
+			values[i], hit = value, true
+		}
+	}
+	return hit
+}
+
+// Cut is [Lookup] and an [Edit] that deletes those keys, in one scan:
+// values[i] is the value of keys[i] (the last one if the key is there
+// twice, nil when obj has none), and rest is obj without any member of
+// those names, a new object of the other members as written, joined by
+// commas; obj itself when it has none of them. obj must be one JSON
+// object (else the error wraps [ErrInvalid]).
+func Cut(obj []byte, keys ...string) (values []json.RawMessage, rest []byte, err error) {
+	values = make([]json.RawMessage, len(keys))
+	var kept []Span // the other members, key to value
+	cut := false
+	m := members{s: obj}
+	if err := m.begin(); err != nil {
+		return nil, nil, err
+	}
+	err = m.each(func(raw []byte, isPlain bool) {
+		if match(keys, values, nil, raw, isPlain, obj[m.val:m.end:m.end]) {
+			cut = true
+		} else {
+			kept = append(kept, Span{m.key, m.end})
+		}
+	})
+	if err == nil {
+		err = m.finish()
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	if !cut {
+		return values, obj, nil
+	}
+	size := 2 + len(kept)
+	for _, sp := range kept {
+		size += sp.End - sp.Start
+	}
+	rest = make([]byte, 0, size)
+	rest = append(rest, '{')
+	for i, sp := range kept {
+		if i > 0 {
+			rest = append(rest, ',')
+		}
+		rest = append(rest, obj[sp.Start:sp.End]...)
+	}
+	return values, append(rest, '}'), nil
+}
+
+// LookupEach is [LookupFold] of every element of the JSON array arr, in
+// one scan: f gets each element's index, the values of keys and their
+// folds. The slices are reused from one element to the next; f must copy
+// what it keeps. Every element must be an object, and arr one JSON array
+// with nothing but whitespace around it (else the error wraps
+// [ErrInvalid]). LookupEach stops at f's first error, and returns it.
+func LookupEach(arr []byte, keys []string, f func(i int, values []json.RawMessage, folds []int) error) error {
+	i := skipSpace(arr, 0)
+	if at(arr, i) != '[' {
+		return syntaxError(arr, i, "array expected")
+	}
+	i = skipSpace(arr, i+1)
+	values, folds := make([]json.RawMessage, len(keys)), make([]int, len(keys))
+	if at(arr, i) == ']' {
+		i++
+	} else {
+		for n := 0; ; n++ {
+			clear(values)
+			clear(folds)
+			m := members{s: arr, outer: 1}
+			if err := m.beginAt(i); err != nil {
+				return err
+			}
+			err := m.each(func(raw []byte, isPlain bool) {
+				match(keys, values, folds, raw, isPlain, arr[m.val:m.end:m.end])
+			})
+			if err != nil {
+				return err
+			}
+			if err := f(n, values, folds); err != nil {
+				return err
+			}
+			i = skipSpace(arr, m.i+1) // past the element's closing brace
+			if c := at(arr, i); c == ']' {
+				i++
+				break
+			} else if c != ',' {
+				return syntaxError(arr, i, "',' or ']' expected")
+			}
+			i = skipSpace(arr, i+1)
+		}
+	}
+	if i = skipSpace(arr, i); i != len(arr) {
+		return syntaxError(arr, i, "end of input expected after the array")
+	}
+	return nil
 }
 
 // eachMember calls f with each top-level member of the JSON object obj:
@@ -442,16 +560,8 @@ func eachMember(obj []byte, f func(raw []byte, isPlain bool, val, end int)) erro
 	if err := m.begin(); err != nil {
 		return err
 	}
-	for {
-		more, err := m.next()
-		if err != nil {
-			return err
-		}
-		if !more {
-			break
-		}
-		raw := obj[m.key+1 : m.keyEnd-1]
-		f(raw, plain(raw), m.val, m.end)
+	if err := m.each(func(raw []byte, isPlain bool) { f(raw, isPlain, m.val, m.end) }); err != nil {
+		return err
 	}
 	return m.finish()
 }

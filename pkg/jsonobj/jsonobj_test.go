@@ -3,6 +3,7 @@ package jsonobj
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -218,5 +219,59 @@ func TestLookupFold(t *testing.T) {
 	}
 	if _, _, err := LookupFold([]byte(`[1]`), "role"); err == nil {
 		t.Error("an array: no error")
+	}
+}
+
+func TestCut(t *testing.T) {
+	for _, tc := range []struct {
+		in, rest string
+		values   []string // of "messages", "prompt"; "" for absent
+		same     bool     // rest is the input itself
+	}{
+		{in: `{"model":"m","messages":[{"a":1}],"stream":true}`, rest: `{"model":"m","stream":true}`, values: []string{`[{"a":1}]`, ""}},
+		{in: ` { "prompt" : "x" , "n" : 2 , "prompt" : "y" } `, rest: `{"n" : 2}`, values: []string{"", `"y"`}},
+		{in: `{"messages":1,"prompt":2}`, rest: `{}`, values: []string{"1", "2"}},
+		{in: `{"Messages":1}`, rest: `{"Messages":1}`, values: []string{"", ""}, same: true},
+	} {
+		values, rest, err := Cut([]byte(tc.in), "messages", "prompt")
+		if err != nil {
+			t.Fatalf("Cut(%s): %v", tc.in, err)
+		}
+		for i, want := range tc.values {
+			if got := string(values[i]); got != want || (want == "") != (values[i] == nil) {
+				t.Errorf("Cut(%s) value %d = %q, want %q", tc.in, i, got, want)
+			}
+		}
+		if string(rest) != tc.rest && !(tc.same && string(rest) == tc.in) {
+			t.Errorf("Cut(%s) rest = %s, want %s", tc.in, rest, tc.rest)
+		}
+	}
+	for _, bad := range []string{`[]`, `{"a":}`, `{"messages":1} x`, ``} {
+		if _, _, err := Cut([]byte(bad), "messages"); !errors.Is(err, ErrInvalid) {
+			t.Errorf("Cut(%q) = %v, want ErrInvalid", bad, err)
+		}
+	}
+}
+
+func TestLookupEach(t *testing.T) {
+	in := ` [ {"role":"user","content":"hi","Role":"x"} , {"content":[{"type":"text"}]} , {} ] `
+	var got []string
+	err := LookupEach([]byte(in), []string{"role", "content"}, func(i int, v []json.RawMessage, folds []int) error {
+		got = append(got, fmt.Sprintf("%d %s %s %v", i, v[0], v[1], folds))
+		return nil
+	})
+	want := []string{`0 "user" "hi" [2 1]`, `1  [{"type":"text"}] [0 1]`, `2   [0 0]`}
+	if err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("LookupEach = %q, %v; want %q", got, err, want)
+	}
+	stop := errors.New("stop")
+	calls := 0
+	if err := LookupEach([]byte(in), []string{"role"}, func(int, []json.RawMessage, []int) error { calls++; return stop }); err != stop || calls != 1 {
+		t.Errorf("LookupEach = %v after %d calls; want f's error after one", err, calls)
+	}
+	for _, bad := range []string{`{}`, `[1]`, `[{"a":1},]`, `[{}] x`, `[{"a":}]`} {
+		if err := LookupEach([]byte(bad), []string{"a"}, func(int, []json.RawMessage, []int) error { return nil }); !errors.Is(err, ErrInvalid) {
+			t.Errorf("LookupEach(%q) = %v, want ErrInvalid", bad, err)
+		}
 	}
 }

@@ -179,55 +179,51 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 // leaves the long members, messages and prompt, to jsonobj's scanner.
 // encoding/json scans a body twice (for validity, then for values), at
 // about a tenth of the scanner's speed, and copies every RawMessage: a
-// 330 KB prompt cost 5.8 ms and a copy. Here jsonobj's scanner finds the
-// long members (and passes over them again to cut them out, and to walk
-// the messages and their parts: a few scans in all, each about ten times
-// encoding/json's speed, without copying), the short members are decoded
-// by encoding/json from what is left, and
-// the messages' contents and the prompt stay slices of body. ok is false
-// for anything it would not read exactly as json.Unmarshal does (invalid
-// JSON, a message without "role" or "content", one of the keys it reads
-// there in another letter case, or twice): the caller then decodes body
-// the slow way, which also words the errors.
+// 330 KB prompt cost 5.8 ms and a copy. Here one scan cuts the long
+// members out (jsonobj.Cut), one more walks the messages (LookupEach),
+// and textBytes a third their parts; the short members are decoded by
+// encoding/json from what is left, and the messages' contents and the
+// prompt stay slices of body. ok is false for anything it would not read
+// exactly as json.Unmarshal does (invalid JSON, a message without "role"
+// or "content", one of the keys it reads there in another letter case, or
+// twice): the caller then decodes body the slow way, which also words the
+// errors.
 func decodeFast(body []byte) (req *Request, ok bool) {
-	long, err := jsonobj.Lookup(body, "messages", "prompt", "max_tokens", "max_completion_tokens")
+	long, rest, err := jsonobj.Cut(body, "messages", "prompt")
 	if err != nil {
 		return nil, false
-	}
-	rest := body
-	if long[0] != nil || long[1] != nil {
-		if rest, err = jsonobj.Edit(body, jsonobj.Delete("messages"), jsonobj.Delete("prompt")); err != nil {
-			return nil, false
-		}
 	}
 	req = &Request{}
 	if json.Unmarshal(rest, req) != nil {
 		return nil, false // an error to word
 	}
-	if _, n, err := jsonobj.LookupFold(rest, "messages", "prompt"); err != nil || n[0] != 0 || n[1] != 0 {
+	short, n, err := jsonobj.LookupFold(rest, "messages", "prompt", "max_tokens", "max_completion_tokens")
+	if err != nil || n[0] != 0 || n[1] != 0 {
 		return nil, false // "Messages" or "PROMPT" is there too, and encoding/json would read it
 	}
-	req.Prompt, req.limits = long[1], [2]json.RawMessage{long[2], long[3]}
+	req.Prompt, req.limits = long[1], [2]json.RawMessage{short[2], short[3]}
 	if m := long[0]; m != nil && string(m) != "null" {
-		spans, err := jsonobj.Elements(m)
-		if err != nil {
-			return nil, false
-		}
-		req.Messages = make([]Message, len(spans))
-		for i, sp := range spans {
-			el := m[sp.Start:sp.End]
+		req.Messages = make([]Message, 0, 1)
+		err := jsonobj.LookupEach(m, []string{"role", "content"}, func(_ int, v []json.RawMessage, folds []int) error {
 			// Only when no "Role" or "CONTENT" is there too (folds), which
 			// encoding/json would read in its place.
-			v, folds, err := jsonobj.LookupFold(el, "role", "content")
-			if err != nil || v[0] == nil || v[1] == nil || folds[0] != 1 || folds[1] != 1 ||
-				json.Unmarshal(v[0], &req.Messages[i].Role) != nil {
-				return nil, false
+			var msg Message
+			if v[0] == nil || v[1] == nil || folds[0] != 1 || folds[1] != 1 || json.Unmarshal(v[0], &msg.Role) != nil {
+				return errSlowPath
 			}
-			req.Messages[i].Content = v[1]
+			msg.Content = v[1]
+			req.Messages = append(req.Messages, msg)
+			return nil
+		})
+		if err != nil {
+			return nil, false
 		}
 	}
 	return req, true
 }
+
+// errSlowPath stops a scan that found what only encoding/json should read.
+var errSlowPath = errors.New("left to encoding/json")
 
 // OutputLimit is the output limit the client asked for, as vLLM reads it
 // for endpoint: for chat, max_completion_tokens when set (the newer name),
@@ -380,31 +376,27 @@ func partsTextBytes(c []byte) (int, error) {
 // scanPartsText counts the text bytes of a list of content parts, or
 // reports that it cannot: Text then decides, and words the refusal.
 func scanPartsText(c []byte) (int, bool) {
-	spans, err := jsonobj.Elements(c)
-	if err != nil {
-		return 0, false
-	}
 	isNull := func(v []byte) bool { return v == nil || string(v) == "null" }
 	n, texts := 0, 0
-	for _, sp := range spans {
-		v, err := jsonobj.Lookup(c[sp.Start:sp.End], "type", "text")
-		if err != nil {
-			return 0, false
-		}
+	err := jsonobj.LookupEach(c, []string{"type", "text"}, func(_ int, v []json.RawMessage, _ []int) error {
 		var typ string
 		if !isNull(v[0]) && json.Unmarshal(v[0], &typ) != nil {
-			return 0, false
+			return errSlowPath
 		}
 		if !isNull(v[1]) && v[1][0] != '"' {
-			return 0, false
+			return errSlowPath
 		}
 		switch {
 		case typ == "", typ == "text" && isNull(v[1]):
-			return 0, false
+			return errSlowPath
 		case typ == "text":
 			n += len(v[1]) - 2
 			texts++
 		}
+		return nil
+	})
+	if err != nil {
+		return 0, false
 	}
 	if texts > 1 {
 		n += texts - 1 // Text joins them with newlines
