@@ -273,7 +273,7 @@ func FuzzCut(f *testing.F) {
 			keys[i] = fuzzKeys[int(b)%len(fuzzKeys)]
 			ops[i] = Delete(keys[i])
 		}
-		values, rest, err := Cut(in, keys...)
+		values, counts, rest, err := Cut(in, keys...)
 		want, werr := Lookup(in, keys...)
 		edited, eerr := Edit(in, ops...)
 		if (err == nil) != (werr == nil) || (err == nil) != (eerr == nil) {
@@ -284,6 +284,17 @@ func FuzzCut(f *testing.F) {
 		}
 		if !reflect.DeepEqual(values, want) {
 			t.Fatalf("Cut(%q, %q) values %q, Lookup %q", in, keys, values, want)
+		}
+		for i, k := range keys {
+			n := 0
+			eachMember(in, func(raw []byte, isPlain bool, _, _ int) {
+				if keyIs(raw, isPlain, k, false) {
+					n++
+				}
+			})
+			if counts[i] != n {
+				t.Fatalf("Cut(%q, %q) counts %d of %q, want %d", in, keys, counts[i], k, n)
+			}
 		}
 		var got, wantRest bytes.Buffer
 		if json.Compact(&got, rest) != nil || json.Compact(&wantRest, edited) != nil || got.String() != wantRest.String() {

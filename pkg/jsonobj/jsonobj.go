@@ -444,36 +444,41 @@ func LookupFold(obj []byte, keys ...string) (values []json.RawMessage, folds []i
 
 // match takes in one member, named raw, for Lookup (folds nil) or
 // LookupFold: values[i] becomes value when it is named keys[i], and
-// folds[i] counts it when it is so named in any letter case. It reports
-// whether the member is one of keys.
-func match(keys []string, values []json.RawMessage, folds []int, raw []byte, isPlain bool, value []byte) (hit bool) {
+// folds[i] counts it when it is so named in any letter case.
+func match(keys []string, values []json.RawMessage, folds []int, raw []byte, isPlain bool, value []byte) {
 	for i, key := range keys {
 		if folds != nil && keyIs(raw, isPlain, key, true) {
 			folds[i]++
 		}
 		if keyIs(raw, isPlain, key, false) {
-			values[i], hit = value, true
+			values[i] = value
 		}
 	}
-	return hit
 }
 
 // Cut is [Lookup] and an [Edit] that deletes those keys, in one scan:
 // values[i] is the value of keys[i] (the last one if the key is there
-// twice, nil when obj has none), and rest is obj without any member of
-// those names, a new object of the other members as written, joined by
-// commas; obj itself when it has none of them. obj must be one JSON
-// object (else the error wraps [ErrInvalid]).
-func Cut(obj []byte, keys ...string) (values []json.RawMessage, rest []byte, err error) {
-	values = make([]json.RawMessage, len(keys))
+// twice, nil when obj has none), counts[i] how many members are so named,
+// and rest is obj without any of them, a new object of the other members
+// as written, joined by commas; obj itself when it has none of them. obj
+// must be one JSON object (else the error wraps [ErrInvalid]).
+func Cut(obj []byte, keys ...string) (values []json.RawMessage, counts []int, rest []byte, err error) {
+	values, counts = make([]json.RawMessage, len(keys)), make([]int, len(keys))
 	var kept []Span // the other members, key to value
 	cut := false
 	m := members{s: obj}
 	if err := m.begin(); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	err = m.each(func(raw []byte, isPlain bool) {
-		if match(keys, values, nil, raw, isPlain, obj[m.val:m.end:m.end]) {
+		hit := false
+		for i, key := range keys {
+			if keyIs(raw, isPlain, key, false) {
+				values[i], hit = obj[m.val:m.end:m.end], true
+				counts[i]++
+			}
+		}
+		if hit {
 			cut = true
 		} else {
 			kept = append(kept, Span{m.key, m.end})
@@ -483,12 +488,12 @@ func Cut(obj []byte, keys ...string) (values []json.RawMessage, rest []byte, err
 		err = m.finish()
 	}
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	if !cut {
-		return values, obj, nil
+		return values, counts, obj, nil
 	}
-	size := 2 + len(kept)
+	size := 1 + len(kept)
 	for _, sp := range kept {
 		size += sp.End - sp.Start
 	}
@@ -500,15 +505,18 @@ func Cut(obj []byte, keys ...string) (values []json.RawMessage, rest []byte, err
 		}
 		rest = append(rest, obj[sp.Start:sp.End]...)
 	}
-	return values, append(rest, '}'), nil
+	return values, counts, append(rest, '}'), nil
 }
 
 // LookupEach is [LookupFold] of every element of the JSON array arr, in
 // one scan: f gets each element's index, the values of keys and their
-// folds. The slices are reused from one element to the next; f must copy
-// what it keeps. Every element must be an object, and arr one JSON array
-// with nothing but whitespace around it (else the error wraps
-// [ErrInvalid]). LookupEach stops at f's first error, and returns it.
+// folds. The two slices are reused from one element to the next (copy
+// them to keep them; the values are slices of arr, and can be kept).
+// Every element must be an object, and arr one JSON array with nothing but
+// whitespace around it (else the error wraps [ErrInvalid]); f has run for
+// the elements before an error is found, so a caller drops what f
+// gathered when LookupEach fails. It stops at f's first error, and
+// returns it.
 func LookupEach(arr []byte, keys []string, f func(i int, values []json.RawMessage, folds []int) error) error {
 	i := skipSpace(arr, 0)
 	if at(arr, i) != '[' {

@@ -226,16 +226,20 @@ func TestCut(t *testing.T) {
 	for _, tc := range []struct {
 		in, rest string
 		values   []string // of "messages", "prompt"; "" for absent
-		same     bool     // rest is the input itself
+		counts   []int
+		same     bool // rest is the input itself
 	}{
-		{in: `{"model":"m","messages":[{"a":1}],"stream":true}`, rest: `{"model":"m","stream":true}`, values: []string{`[{"a":1}]`, ""}},
-		{in: ` { "prompt" : "x" , "n" : 2 , "prompt" : "y" } `, rest: `{"n" : 2}`, values: []string{"", `"y"`}},
-		{in: `{"messages":1,"prompt":2}`, rest: `{}`, values: []string{"1", "2"}},
-		{in: `{"Messages":1}`, rest: `{"Messages":1}`, values: []string{"", ""}, same: true},
+		{in: `{"model":"m","messages":[{"a":1}],"stream":true}`, rest: `{"model":"m","stream":true}`, values: []string{`[{"a":1}]`, ""}, counts: []int{1, 0}},
+		{in: ` { "prompt" : "x" , "n" : 2 , "prompt" : "y" } `, rest: `{"n" : 2}`, values: []string{"", `"y"`}, counts: []int{0, 2}},
+		{in: `{"messages":1,"prompt":2}`, rest: `{}`, values: []string{"1", "2"}, counts: []int{1, 1}},
+		{in: `{"Messages":1}`, rest: `{"Messages":1}`, values: []string{"", ""}, counts: []int{0, 0}, same: true},
 	} {
-		values, rest, err := Cut([]byte(tc.in), "messages", "prompt")
+		values, counts, rest, err := Cut([]byte(tc.in), "messages", "prompt")
 		if err != nil {
 			t.Fatalf("Cut(%s): %v", tc.in, err)
+		}
+		if !reflect.DeepEqual(counts, tc.counts) {
+			t.Errorf("Cut(%s) counts = %v, want %v", tc.in, counts, tc.counts)
 		}
 		for i, want := range tc.values {
 			if got := string(values[i]); got != want || (want == "") != (values[i] == nil) {
@@ -247,7 +251,7 @@ func TestCut(t *testing.T) {
 		}
 	}
 	for _, bad := range []string{`[]`, `{"a":}`, `{"messages":1} x`, ``} {
-		if _, _, err := Cut([]byte(bad), "messages"); !errors.Is(err, ErrInvalid) {
+		if _, _, _, err := Cut([]byte(bad), "messages"); !errors.Is(err, ErrInvalid) {
 			t.Errorf("Cut(%q) = %v, want ErrInvalid", bad, err)
 		}
 	}

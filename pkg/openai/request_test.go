@@ -206,6 +206,9 @@ func TestTextBytes(t *testing.T) {
 		`[{"Type":"image_url","image_url":{}}]`,
 		`[{"TYPE":"text","text":"x"}]`,
 		`[{"type":"text","TEXT":"x"}]`,
+		`[{"type":"text","text":"a","Text":5}]`,
+		`[{"type":"text","TYPE":"image_url","text":"abc"}]`,
+		`[{"type":"image_url","Type":"text","Text":"abc"}]`,
 	} {
 		m := Message{Role: "user", Content: []byte(content)}
 		text, werr := m.Text()
@@ -260,7 +263,10 @@ func TestDecodeFast(t *testing.T) {
 		{`{"model":"m","prompt":[1,2,3],"kv_transfer_params":{"a":1}}`, true},
 		{`{"model":"m","prompt":null,"messages":null}`, true},
 		{`{"model":"m","messages":[]}`, true},
-		{`{"model":"m","messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}`, true},
+		// Messages twice: encoding/json fills the first list's structs
+		// again, and a null role keeps the first one's.
+		{`{"model":"m","messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}`, false},
+		{`{"model":"m","messages":[{"role":"user","content":"a"}],"messages":[{"role":null,"content":"b"}]}`, false},
 		{`{"model":"m"}`, true},
 		{`{"model":"m","Messages":[{"role":"user","content":"hi"}]}`, false},
 		{`{"model":"m","messages":[{"role":"user","content":"hi"}],"Messages":null}`, false},
