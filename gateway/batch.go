@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -312,28 +313,26 @@ func (m *batchMerge) addUsage(raw json.RawMessage) error {
 // choices' indexes. A usage-only chunk (the end of a stream asked with
 // include_usage) is held back (held), to be summed into one.
 func (m *batchMerge) chunk(i int, data []byte) (out []byte, held bool, err error) {
-	var c struct {
-		Choices []json.RawMessage `json:"choices"`
-		Usage   json.RawMessage   `json:"usage"`
-	}
-	if err := json.Unmarshal(data, &c); err != nil {
+	v, err := jsonobj.Lookup(data, "choices", "usage")
+	if err != nil {
 		return nil, false, fmt.Errorf("a chunk of prompt %d is not JSON: %w", i, err)
 	}
-	if len(c.Choices) == 0 && len(c.Usage) > 0 && string(c.Usage) != "null" {
-		if err := m.addUsage(c.Usage); err != nil {
+	choices, usage := v[0], v[1]
+	if none(choices) && !isNull(usage) {
+		if err := m.addUsage(usage); err != nil {
 			return nil, false, err
 		}
 		m.usage = data
 		return nil, true, nil
 	}
-	return m.rewrite(i, data, c.Choices)
+	return m.rewrite(i, data, choices)
 }
 
 // rewrite sets a response's or chunk's id to the batch's, and its choices'
 // indexes to their place in the batch.
-func (m *batchMerge) rewrite(i int, data []byte, choices []json.RawMessage) ([]byte, bool, error) {
+func (m *batchMerge) rewrite(i int, data, choices []byte) ([]byte, bool, error) {
 	ops := []jsonobj.Op{jsonobj.Set("id", m.id)}
-	if len(choices) > 0 {
+	if !none(choices) {
 		list, err := m.reindex(nil, i, choices)
 		if err != nil {
 			return nil, false, err
@@ -344,27 +343,39 @@ func (m *batchMerge) rewrite(i int, data []byte, choices []json.RawMessage) ([]b
 	return out, false, err
 }
 
-// reindex renumbers prompt i's choices, choice j becoming i*n+j, and
-// appends them to list, a JSON array's members.
-func (m *batchMerge) reindex(list []byte, i int, choices []json.RawMessage) ([]byte, error) {
-	for _, ch := range choices {
-		var c struct {
-			Index int `json:"index"`
+// reindex renumbers prompt i's choices, a JSON array, choice j becoming
+// i*n+j, and appends them to list, a JSON array's members.
+func (m *batchMerge) reindex(list []byte, i int, choices []byte) ([]byte, error) {
+	err := jsonobj.LookupEach(choices, []string{"index"}, func(_ int, ch []byte, v []json.RawMessage, _ []int) error {
+		var index int
+		if v[0] != nil {
+			if err := json.Unmarshal(v[0], &index); err != nil {
+				return err
+			}
 		}
-		if err := json.Unmarshal(ch, &c); err != nil {
-			return nil, fmt.Errorf("a choice of prompt %d: %w", i, err)
-		}
-		ch, err := jsonobj.Edit(ch, jsonobj.Set("index", strconv.AppendInt(nil, int64(i*m.n+c.Index), 10)))
+		ch, err := jsonobj.Edit(ch, jsonobj.Set("index", strconv.AppendInt(nil, int64(i*m.n+index), 10)))
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if len(list) > 0 {
 			list = append(list, ',')
 		}
 		list = append(list, ch...)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("the choices of prompt %d: %w", i, err)
 	}
 	return list, nil
 }
+
+// none reports whether a choices member is absent, null or empty.
+func none(choices []byte) bool {
+	return isNull(choices) || choices[0] == '[' && len(bytes.TrimSpace(choices[1:len(choices)-1])) == 0
+}
+
+// isNull reports whether a member is absent or null.
+func isNull(v []byte) bool { return v == nil || string(v) == "null" }
 
 // usageChunk is the one usage chunk of a merged stream, or nil when the
 // streams sent none.
@@ -385,17 +396,15 @@ func (m *batchMerge) usageChunk() []byte {
 // withUsage puts the summed usage into obj's usage object, keeping the
 // object's other fields (prompt_tokens_details, ...).
 func (m *batchMerge) withUsage(obj []byte) ([]byte, error) {
-	var c struct {
-		Usage json.RawMessage `json:"usage"`
-	}
-	if err := json.Unmarshal(obj, &c); err != nil {
+	usage, _, err := jsonobj.Get(obj, "usage")
+	if err != nil {
 		return nil, err
 	}
-	if len(c.Usage) == 0 || string(c.Usage) == "null" {
+	if isNull(usage) {
 		return obj, nil
 	}
 	num := func(n int) []byte { return strconv.AppendInt(nil, int64(n), 10) }
-	u, err := jsonobj.Edit(c.Usage, jsonobj.Set("prompt_tokens", num(m.sum.PromptTokens)),
+	u, err := jsonobj.Edit(usage, jsonobj.Set("prompt_tokens", num(m.sum.PromptTokens)),
 		jsonobj.Set("total_tokens", num(m.sum.TotalTokens)), jsonobj.Set("completion_tokens", num(m.sum.CompletionTokens)))
 	if err != nil {
 		return nil, err
@@ -409,21 +418,19 @@ func (m *batchMerge) withUsage(obj []byte) ([]byte, error) {
 func (m *batchMerge) responses(whole [][]byte) ([]byte, error) {
 	var list []byte
 	for i, data := range whole {
-		var r struct {
-			Choices []json.RawMessage `json:"choices"`
-			Usage   json.RawMessage   `json:"usage"`
-		}
-		if err := json.Unmarshal(data, &r); err != nil {
+		v, err := jsonobj.Lookup(data, "choices", "usage")
+		if err != nil {
 			return nil, fmt.Errorf("the response of prompt %d: %w", i, err)
 		}
-		if len(r.Usage) > 0 && string(r.Usage) != "null" {
-			if err := m.addUsage(r.Usage); err != nil {
+		if !isNull(v[1]) {
+			if err := m.addUsage(v[1]); err != nil {
 				return nil, err
 			}
 		}
-		var err error
-		if list, err = m.reindex(list, i, r.Choices); err != nil {
-			return nil, err
+		if !none(v[0]) {
+			if list, err = m.reindex(list, i, v[0]); err != nil {
+				return nil, err
+			}
 		}
 	}
 	out, err := jsonobj.Edit(whole[0], jsonobj.Set("id", m.id), jsonobj.Set("choices", array(list)))

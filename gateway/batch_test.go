@@ -38,6 +38,25 @@ func TestBatchMerge(t *testing.T) {
 			t.Errorf("usage chunk = %s, want %s", got, want)
 		}
 	})
+	t.Run("odd choices", func(t *testing.T) {
+		m := newBatchMerge("cmpl-b", 2)
+		for _, tc := range []struct {
+			in, want string
+			fails    bool
+		}{
+			{in: `{"id":"x","choices":null}`, want: `{"id":"cmpl-b","choices":null}`},
+			{in: `{"id":"x","choices":[ ]}`, want: `{"id":"cmpl-b","choices":[ ]}`},
+			{in: `{"id":"x","choices":[{"text":"a"}]}`, want: `{"id":"cmpl-b","choices":[{"text":"a","index":2}]}`},
+			{in: `{"id":"x","choices":[5]}`, fails: true},
+			{in: `{"id":"x","choices":[{"index":"0"}]}`, fails: true},
+			{in: `{"id":"x","choices":{}}`, fails: true},
+		} {
+			out, held, err := m.chunk(1, []byte(tc.in))
+			if (err != nil) != tc.fails || held || string(out) != tc.want {
+				t.Errorf("chunk(1, %s) = %s, %v, %v; want %s, fails %v", tc.in, out, held, err, tc.want, tc.fails)
+			}
+		}
+	})
 	t.Run("not JSON", func(t *testing.T) {
 		m := newBatchMerge("cmpl-b", 1)
 		if _, _, err := m.chunk(0, []byte(`{"id":`)); err == nil {

@@ -323,9 +323,15 @@ func FuzzLookupEach(f *testing.F) {
 			folds  []int
 		}
 		var got []found
-		err := LookupEach(in, keys, func(i int, values []json.RawMessage, folds []int) error {
+		spans, _ := Elements(in)
+		err := LookupEach(in, keys, func(i int, el []byte, values []json.RawMessage, folds []int) error {
 			if i != len(got) {
 				t.Fatalf("element %d after %d", i, len(got))
+			}
+			// Elements finds no spans in an invalid array, for whose first
+			// elements f may still run.
+			if i < len(spans) && !bytes.Equal(el, in[spans[i].Start:spans[i].End]) || !json.Valid(el) {
+				t.Fatalf("LookupEach(%q): element %d is %q, not Elements' span", in, i, el)
 			}
 			got = append(got, found{slices.Clone(values), slices.Clone(folds)})
 			return nil

@@ -509,15 +509,15 @@ func Cut(obj []byte, keys ...string) (values []json.RawMessage, counts []int, re
 }
 
 // LookupEach is [LookupFold] of every element of the JSON array arr, in
-// one scan: f gets each element's index, the values of keys and their
-// folds. The two slices are reused from one element to the next (copy
+// one scan: f gets each element's index, the element (a slice of arr),
+// the values of keys and their folds. The two slices are reused from one element to the next (copy
 // them to keep them; the values are slices of arr, and can be kept).
 // Every element must be an object, and arr one JSON array with nothing but
 // whitespace around it (else the error wraps [ErrInvalid]); f has run for
 // the elements before an error is found, so a caller drops what f
 // gathered when LookupEach fails. It stops at f's first error, and
 // returns it.
-func LookupEach(arr []byte, keys []string, f func(i int, values []json.RawMessage, folds []int) error) error {
+func LookupEach(arr []byte, keys []string, f func(i int, el []byte, values []json.RawMessage, folds []int) error) error {
 	i := skipSpace(arr, 0)
 	if at(arr, i) != '[' {
 		return syntaxError(arr, i, "array expected")
@@ -530,8 +530,9 @@ func LookupEach(arr []byte, keys []string, f func(i int, values []json.RawMessag
 		for n := 0; ; n++ {
 			clear(values)
 			clear(folds)
+			start := skipSpace(arr, i)
 			m := members{s: arr, outer: 1}
-			if err := m.beginAt(i); err != nil {
+			if err := m.beginAt(start); err != nil {
 				return err
 			}
 			err := m.each(func(raw []byte, isPlain bool) {
@@ -540,7 +541,7 @@ func LookupEach(arr []byte, keys []string, f func(i int, values []json.RawMessag
 			if err != nil {
 				return err
 			}
-			if err := f(n, values, folds); err != nil {
+			if err := f(n, arr[start:m.i+1:m.i+1], values, folds); err != nil {
 				return err
 			}
 			i = skipSpace(arr, m.i+1) // past the element's closing brace

@@ -260,21 +260,21 @@ func TestCut(t *testing.T) {
 func TestLookupEach(t *testing.T) {
 	in := ` [ {"role":"user","content":"hi","Role":"x"} , {"content":[{"type":"text"}]} , {} ] `
 	var got []string
-	err := LookupEach([]byte(in), []string{"role", "content"}, func(i int, v []json.RawMessage, folds []int) error {
-		got = append(got, fmt.Sprintf("%d %s %s %v", i, v[0], v[1], folds))
+	err := LookupEach([]byte(in), []string{"role", "content"}, func(i int, el []byte, v []json.RawMessage, folds []int) error {
+		got = append(got, fmt.Sprintf("%d %s %s %s %v", i, el, v[0], v[1], folds))
 		return nil
 	})
-	want := []string{`0 "user" "hi" [2 1]`, `1  [{"type":"text"}] [0 1]`, `2   [0 0]`}
+	want := []string{`0 {"role":"user","content":"hi","Role":"x"} "user" "hi" [2 1]`, `1 {"content":[{"type":"text"}]}  [{"type":"text"}] [0 1]`, `2 {}   [0 0]`}
 	if err != nil || !reflect.DeepEqual(got, want) {
 		t.Fatalf("LookupEach = %q, %v; want %q", got, err, want)
 	}
 	stop := errors.New("stop")
 	calls := 0
-	if err := LookupEach([]byte(in), []string{"role"}, func(int, []json.RawMessage, []int) error { calls++; return stop }); err != stop || calls != 1 {
+	if err := LookupEach([]byte(in), []string{"role"}, func(int, []byte, []json.RawMessage, []int) error { calls++; return stop }); err != stop || calls != 1 {
 		t.Errorf("LookupEach = %v after %d calls; want f's error after one", err, calls)
 	}
 	for _, bad := range []string{`{}`, `[1]`, `[{"a":1},]`, `[{}] x`, `[{"a":}]`} {
-		if err := LookupEach([]byte(bad), []string{"a"}, func(int, []json.RawMessage, []int) error { return nil }); !errors.Is(err, ErrInvalid) {
+		if err := LookupEach([]byte(bad), []string{"a"}, func(int, []byte, []json.RawMessage, []int) error { return nil }); !errors.Is(err, ErrInvalid) {
 			t.Errorf("LookupEach(%q) = %v, want ErrInvalid", bad, err)
 		}
 	}

@@ -207,7 +207,7 @@ func decodeFast(body []byte) (req *Request, ok bool) {
 	req.Prompt, req.limits = long[1], [2]json.RawMessage{short[2], short[3]}
 	if m := long[0]; m != nil && string(m) != "null" {
 		req.Messages = make([]Message, 0, 1)
-		err := jsonobj.LookupEach(m, []string{"role", "content"}, func(_ int, v []json.RawMessage, folds []int) error {
+		err := jsonobj.LookupEach(m, []string{"role", "content"}, func(_ int, _ []byte, v []json.RawMessage, folds []int) error {
 			// Only when no "Role" or "CONTENT" is there too (folds), which
 			// encoding/json would read in its place.
 			var msg Message
@@ -380,7 +380,7 @@ func partsTextBytes(c []byte) (int, error) {
 func scanPartsText(c []byte) (int, bool) {
 	isNull := func(v []byte) bool { return v == nil || string(v) == "null" }
 	n, texts := 0, 0
-	err := jsonobj.LookupEach(c, []string{"type", "text"}, func(_ int, v []json.RawMessage, folds []int) error {
+	err := jsonobj.LookupEach(c, []string{"type", "text"}, func(_ int, _ []byte, v []json.RawMessage, folds []int) error {
 		// Only when each key is there once, in this letter case: Parts
 		// (encoding/json) would read another spelling, or refuse it.
 		for k := range v {
