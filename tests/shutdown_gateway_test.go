@@ -1,6 +1,8 @@
 package tests
 
 import (
+	"context"
+	"fmt"
 	"net/http"
 	"testing"
 	"time"
@@ -57,6 +59,58 @@ func TestShutdownGraceCutsGatewayStream(t *testing.T) {
 			t.Errorf("error %+v, want a message", e)
 		}
 		engineStopped(t, c.decode, before)
+	})
+	t.Run("gateway, a streamed batch", func(t *testing.T) {
+		c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "50ms"}, env: []string{"PDQ_SHUTDOWN_GRACE=1s"}})
+		c.worker(dispatcher.StagePrefill, 2)
+		c.worker(dispatcher.StageDecode, 4)
+		c.ready()
+		before := c.decode.Stats(t)
+		const id = "grace-batch"
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		resp, err := send(ctx, c.url+openai.Completions.Path(), id, completionBody(model, "",
+			body{"prompt": []string{longPrompt, longPrompt + " again"}, "max_tokens": graceStreamTokens, "ignore_eos": true, "stream": true}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+		r := openai.NewSSEReader(resp.Body)
+		for i := range cutFirst {
+			if _, err := r.Next(); err != nil {
+				t.Fatalf("event %d: %v", i, err)
+			}
+		}
+		c.decode.WaitStats(t, 15*time.Second, "both prompts decoding", func(s sim.Stats) bool { return s.Running == 2 })
+		sigterm(t, c.gateway)
+		cut := readCut(r)
+		cut.check(t)
+		if cut.apiErr.Code != http.StatusServiceUnavailable {
+			t.Errorf("in-stream error %+v, want the gateway's 503", cut.apiErr)
+		}
+		// Both prompts' records end, with the gateway's 503 (read through
+		// a new gateway): the one whose reply failed is failed, the other
+		// cancelled, as docs/reliability.md says. And no engine works on
+		// for either.
+		c.startGateway()
+		states := map[dispatcher.State]int{}
+		for i := range 2 {
+			pid := fmt.Sprintf("%s-%d", id, i)
+			states[c.state(pid)]++
+			if rec := c.record(pid); rec.Error == nil || rec.Error.Status != http.StatusServiceUnavailable {
+				t.Errorf("record of prompt %d: %+v, want the gateway's 503", i, rec)
+			}
+		}
+		if states[dispatcher.StateFailed] != 1 || states[dispatcher.StateCancelled] != 1 {
+			t.Errorf("the prompts' records ended %v; want one failed and one cancelled", states)
+		}
+		after := c.decode.WaitStats(t, 15*time.Second, "the cut decodes stopped", func(s sim.Stats) bool { return s.Running == 0 })
+		if d := lcDelta(after, before); d.Aborts != 2 || lcFinished(d) != 0 {
+			t.Errorf("decode engine %+v: want both prompts aborted, none run to its end", d)
+		}
 	})
 	t.Run("pdq up", func(t *testing.T) {
 		_, pe := startSimProcess(t)
