@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -27,27 +28,22 @@ func TestFaults(t *testing.T) {
 	streamed := b.clone()
 	streamed["stream"] = true
 
-	t.Run("503", func(t *testing.T) {
-		e := simtest.Start(t, simtest.FastConfig())
-		setFault(t, e, `{"rate":1,"kind":"503"}`)
-		r := post(t, e.URL+openai.Chat.Path(), "", b)
-		r.wantStatus(t, http.StatusServiceUnavailable)
-		if r.apiError(t).Type != "ServiceUnavailableError" {
-			t.Errorf("body = %s", r.body)
-		}
-		checkOff(t, e, b)
-	})
-
-	t.Run("429", func(t *testing.T) {
-		e := simtest.Start(t, simtest.FastConfig())
-		setFault(t, e, `{"rate":1,"kind":"429"}`)
-		r := post(t, e.URL+openai.Chat.Path(), "", b)
-		r.wantStatus(t, http.StatusTooManyRequests)
-		if r.apiError(t).Type != "RateLimitError" {
-			t.Errorf("body = %s", r.body)
-		}
-		checkOff(t, e, b)
-	})
+	// Faults answered at once with an error of their own status and type.
+	for _, tc := range []struct {
+		kind, typ string
+		status    int
+	}{{"503", "ServiceUnavailableError", http.StatusServiceUnavailable}, {"429", "RateLimitError", http.StatusTooManyRequests}} {
+		t.Run(tc.kind, func(t *testing.T) {
+			e := simtest.Start(t, simtest.FastConfig())
+			setFault(t, e, fmt.Sprintf(`{"rate":1,"kind":%q}`, tc.kind))
+			r := post(t, e.URL+openai.Chat.Path(), "", b)
+			r.wantStatus(t, tc.status)
+			if r.apiError(t).Type != tc.typ {
+				t.Errorf("body = %s", r.body)
+			}
+			checkOff(t, e, b)
+		})
+	}
 
 	t.Run("500", func(t *testing.T) {
 		e := simtest.Start(t, simtest.FastConfig())
