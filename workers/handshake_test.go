@@ -459,3 +459,32 @@ func TestEngineFailure(t *testing.T) {
 		})
 	}
 }
+
+// A short body's legs go out in one piece, which the HTTP transport
+// writes with the headers; only a long one is sent as pieces.
+func TestShortBodyOnePiece(t *testing.T) {
+	params := json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"do_remote_prefill":true}`)
+	for _, size := range []struct {
+		bytes int
+		one   bool // in one piece
+	}{{1 << 10, true}, {60 << 10, true}, {400 << 10, false}} {
+		body := testbody.Chat(size.bytes)
+		for _, tc := range []struct {
+			name  string
+			parts func() ([][]byte, error)
+			whole func() ([]byte, error)
+		}{
+			{"prefill", func() ([][]byte, error) { return prefillParts(body) }, func() ([]byte, error) { return PrefillBody(body) }},
+			{"decode", func() ([][]byte, error) { return decodeParts(body, params, false) }, func() ([]byte, error) { return DecodeBody(body, params) }},
+		} {
+			parts, err := tc.parts()
+			whole, werr := tc.whole()
+			if err != nil || werr != nil || !bytes.Equal(bytes.Join(parts, nil), whole) {
+				t.Fatalf("%s of %d bytes: the pieces differ from the body (%v, %v)", tc.name, len(body), err, werr)
+			}
+			if size.one != (len(parts) == 1) {
+				t.Errorf("%s of %d bytes: %d pieces", tc.name, len(body), len(parts))
+			}
+		}
+	}
+}

@@ -73,21 +73,18 @@ func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID s
 	if err != nil {
 		return nil, err
 	}
-	// A long body goes out as the pieces it is made of, not copied into
-	// one buffer first; a short one is joined, because the transport
-	// writes the headers and an in-memory body in one go, and flushes the
-	// headers on their own before any other reader. GetBody gives the
+	// Pieces go out as they are, not copied into one buffer first. The
+	// transport writes the headers and a one-buffer body in one go, but
+	// flushes the headers on their own before any other reader: a caller
+	// with a short body hands it over in one piece. GetBody gives the
 	// transport the body again for a retry on a stale connection.
 	for _, b := range body {
 		req.ContentLength += int64(len(b))
 	}
 	switch {
 	case req.ContentLength == 0:
-	case len(body) == 1 || req.ContentLength <= joinBelow:
+	case len(body) == 1:
 		whole := body[0]
-		if len(body) > 1 {
-			whole = bytes.Join(body, nil)
-		}
 		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(whole)), nil }
 	default:
 		req.GetBody = func() (io.ReadCloser, error) {
@@ -107,10 +104,6 @@ func (c *Client) Post(ctx context.Context, endpoint openai.Endpoint, requestID s
 	}
 	return resp, nil
 }
-
-// joinBelow is the size under which Post joins a body's pieces: copying
-// that much costs less than a second write.
-const joinBelow = 64 << 10
 
 // ErrUnauthorized means the engine refused pdq's key, or the lack of one.
 var ErrUnauthorized = errors.New("the engine wants another API key (PDQ_ENGINE_API_KEY)")
