@@ -365,20 +365,30 @@ func TestRelayStreamBatch(t *testing.T) {
 	}
 }
 
+// leg is how a worker builds one leg's body: as the pieces it sends, and
+// as one buffer (PrefillBody, DecodeBody).
+type leg struct {
+	name  string
+	parts func() ([][]byte, error)
+	whole func() ([]byte, error)
+}
+
+// legs are the prefill and decode legs of body, the decode's with
+// handoff params.
+func legs(body []byte) []leg {
+	params := json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"do_remote_prefill":true}`)
+	return []leg{
+		{"prefill", func() ([][]byte, error) { return prefillParts(body) }, func() ([]byte, error) { return PrefillBody(body) }},
+		{"decode", func() ([][]byte, error) { return decodeParts(body, params, false) }, func() ([]byte, error) { return DecodeBody(body, params) }},
+	}
+}
+
 // The worker sends a large prompt's legs as pieces: the prompt is not
 // copied at all, and the pieces join to PrefillBody's and DecodeBody's
 // bytes.
 func TestBodyPartsDoNotCopy(t *testing.T) {
 	body := testbody.Chat(400 << 10)
-	params := json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"do_remote_prefill":true}`)
-	for _, tc := range []struct {
-		name  string
-		parts func() ([][]byte, error)
-		whole func() ([]byte, error)
-	}{
-		{"prefill", func() ([][]byte, error) { return prefillParts(body) }, func() ([]byte, error) { return PrefillBody(body) }},
-		{"decode", func() ([][]byte, error) { return decodeParts(body, params, false) }, func() ([]byte, error) { return DecodeBody(body, params) }},
-	} {
+	for _, tc := range legs(body) {
 		var parts [][]byte
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
@@ -463,20 +473,12 @@ func TestEngineFailure(t *testing.T) {
 // A short body's legs go out in one piece, which the HTTP transport
 // writes with the headers; only a long one is sent as pieces.
 func TestShortBodyOnePiece(t *testing.T) {
-	params := json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"do_remote_prefill":true}`)
 	for _, size := range []struct {
 		bytes int
 		one   bool // in one piece
 	}{{1 << 10, true}, {60 << 10, true}, {400 << 10, false}} {
 		body := testbody.Chat(size.bytes)
-		for _, tc := range []struct {
-			name  string
-			parts func() ([][]byte, error)
-			whole func() ([]byte, error)
-		}{
-			{"prefill", func() ([][]byte, error) { return prefillParts(body) }, func() ([]byte, error) { return PrefillBody(body) }},
-			{"decode", func() ([][]byte, error) { return decodeParts(body, params, false) }, func() ([]byte, error) { return DecodeBody(body, params) }},
-		} {
+		for _, tc := range legs(body) {
 			parts, err := tc.parts()
 			whole, werr := tc.whole()
 			if err != nil || werr != nil || !bytes.Equal(bytes.Join(parts, nil), whole) {
