@@ -289,8 +289,8 @@ type StageConfig struct {
 	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *Metrics
-	// LocalReplies are the gateways in this process, which take reply
-	// chunks without NATS; nil sends every chunk over NATS.
+	// LocalReplies are the gateways in this process, which take replies
+	// without NATS; nil sends every reply over NATS.
 	LocalReplies *LocalReplies
 }
 

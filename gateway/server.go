@@ -75,7 +75,7 @@ type Config struct {
 	// Counters counts the gateway's prefill fallbacks; nil counts nothing.
 	Counters *dispatcher.Metrics
 	// LocalReplies, when set, lets the workers of this process (pdq up)
-	// hand this gateway reply chunks without NATS.
+	// hand this gateway their replies without NATS.
 	LocalReplies *dispatcher.LocalReplies
 }
 

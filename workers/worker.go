@@ -90,7 +90,7 @@ type Config struct {
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
 	// LocalReplies are the gateways in this process (pdq up), which take
-	// reply chunks without NATS; nil sends them all over NATS.
+	// replies without NATS; nil sends them all over NATS.
 	LocalReplies *dispatcher.LocalReplies
 }
 
