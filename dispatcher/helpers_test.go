@@ -7,23 +7,14 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
 // startJetStream runs an embedded server with pdq's topology for one test.
 func startJetStream(t *testing.T) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := srv.Connect()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := embeddedtest.Conn(t, logging.Discard())
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

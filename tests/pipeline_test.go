@@ -14,7 +14,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/gateway"
-	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -72,16 +72,7 @@ func startPipeline(t testing.TB, o pipelineOptions) *pipeline {
 		o.sim = simtest.FastConfig()
 	}
 	log := testLogger()
-	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := srv.Connect()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := embeddedtest.Conn(t, log)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

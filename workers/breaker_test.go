@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -107,7 +108,7 @@ func TestBreaker(t *testing.T) {
 // job that is dropped before it runs (its deadline is too near). The trial
 // must be given back, or the worker would never pull again.
 func TestBreakerTrialDroppedUnrun(t *testing.T) {
-	nc := startNATS(t)
+	nc := embeddedtest.Conn(t, logging.Discard())
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

@@ -13,11 +13,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/testbody"
-	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -309,7 +307,7 @@ func TestWholeAnswerLimit(t *testing.T) {
 // (a comment, a block without data, half an event); a chunk with a newline
 // goes alone; [DONE] ends it.
 func TestRelayStreamBatch(t *testing.T) {
-	nc := startNATS(t)
+	nc := embeddedtest.Conn(t, logging.Discard())
 	for i, tc := range []struct {
 		name, first, rest string
 		want              int // chunks out once first is written
@@ -409,23 +407,6 @@ func TestBodyPartsDoNotCopy(t *testing.T) {
 			t.Errorf("%s: the pieces join to %.80q, want %.80q (%v)", tc.name, bytes.Join(parts, nil), whole, err)
 		}
 	}
-}
-
-// startNATS starts an embedded JetStream server for the test and connects
-// to it.
-func startNATS(t *testing.T) *nats.Conn {
-	t.Helper()
-	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Shutdown)
-	nc, err := srv.Connect()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	return nc
 }
 
 // TestEngineFailure checks how an engine's non-2xx answer is taken, as
