@@ -18,10 +18,7 @@ import (
 // runs the gateway and the workers in one process.
 func TestShutdownGraceCutsGatewayStream(t *testing.T) {
 	t.Run("gateway", func(t *testing.T) {
-		c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "50ms"}, env: []string{"PDQ_SHUTDOWN_GRACE=1s"}})
-		c.worker(dispatcher.StagePrefill, 2)
-		c.worker(dispatcher.StageDecode, 4)
-		c.ready()
+		c := graceCluster(t)
 		before := c.decode.Stats(t)
 		r := startCutStream(t, c.url, "grace-gateway")
 		sigterm(t, c.gateway)
@@ -33,10 +30,7 @@ func TestShutdownGraceCutsGatewayStream(t *testing.T) {
 		engineStopped(t, c.decode, before)
 	})
 	t.Run("gateway, not streamed", func(t *testing.T) {
-		c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "50ms"}, env: []string{"PDQ_SHUTDOWN_GRACE=1s"}})
-		c.worker(dispatcher.StagePrefill, 2)
-		c.worker(dispatcher.StageDecode, 4)
-		c.ready()
+		c := graceCluster(t)
 		before := c.decode.Stats(t)
 		type answer struct {
 			r   response
@@ -61,10 +55,7 @@ func TestShutdownGraceCutsGatewayStream(t *testing.T) {
 		engineStopped(t, c.decode, before)
 	})
 	t.Run("gateway, a streamed batch", func(t *testing.T) {
-		c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "50ms"}, env: []string{"PDQ_SHUTDOWN_GRACE=1s"}})
-		c.worker(dispatcher.StagePrefill, 2)
-		c.worker(dispatcher.StageDecode, 4)
-		c.ready()
+		c := graceCluster(t)
 		before := c.decode.Stats(t)
 		const id = "grace-batch"
 		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
@@ -123,4 +114,15 @@ func TestShutdownGraceCutsGatewayStream(t *testing.T) {
 		s.check(t)
 		engineStopped(t, de, before)
 	})
+}
+
+// graceCluster is a gateway with a 1 s shutdown grace, and a prefill and
+// a decode worker whose engine says a token every 50 ms: a long answer
+// outlasts the grace.
+func graceCluster(t *testing.T) *cluster {
+	c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "50ms"}, env: []string{"PDQ_SHUTDOWN_GRACE=1s"}})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	return c
 }
