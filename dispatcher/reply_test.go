@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -58,14 +57,9 @@ func TestLocalReplies(t *testing.T) {
 	defer replies.Close()
 	local := NewLocalReplies()
 	remove := local.Add(replies)
-	// published counts the reply messages that went through the server.
-	var published atomic.Int32
-	sub, err := nc.Subscribe(ReplySubject("gw-local", "*"), func(*nats.Msg) { published.Add(1) })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sub.Unsubscribe()
 	ctx := context.Background()
+	// run sends a reply and returns how many of its messages went through
+	// the server.
 	run := func(t *testing.T, id string, framed bool) int {
 		t.Helper()
 		s, err := replies.Open(id)
@@ -73,7 +67,14 @@ func TestLocalReplies(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		published.Store(0)
+		sub, err := nc.SubscribeSync(replies.Subject(id))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sub.Unsubscribe()
+		if err := nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
 		w := NewReplyWriter(nc, replies.Subject(id), 1)
 		if framed {
 			w.Frame()
@@ -94,10 +95,16 @@ func TestLocalReplies(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Fatalf("done: %v", err)
 		}
+		// The server sends this connection what it published before it
+		// answers the flush: every message sent is pending by then.
 		if err := nc.Flush(); err != nil {
 			t.Fatal(err)
 		}
-		return int(published.Load())
+		n, _, err := sub.Pending()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
 	}
 	if n := run(t, "in-process", true); n != 0 {
 		t.Errorf("%d reply messages went through NATS to a gateway in the same process; want 0", n)
@@ -112,8 +119,6 @@ func TestLocalReplies(t *testing.T) {
 	}
 }
 
-// testReplies runs the protocol's cases; lossy says the chunks travel over
-// NATS, which may lose them.
 // TestLocalRepliesMigrate moves a reply between a writer in the gateway's
 // process and one in another (over NATS), both ways, with beats running
 // and a reader that falls behind: the gateway gets every chunk once, in
@@ -187,6 +192,8 @@ func TestLocalRepliesMigrate(t *testing.T) {
 	}
 }
 
+// testReplies runs the protocol's cases; lossy says the chunks travel over
+// NATS, which may lose them.
 func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *ReplyWriter, lossy bool) {
 	ctx := context.Background()
 	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
