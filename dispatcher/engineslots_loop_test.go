@@ -36,14 +36,14 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	defer unblock()
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
-	base := StageConfig{Stage: StageDecode, Slots: 1, EngineSlots: e, KVTTL: 10 * time.Second,
+	base := StageConfig{Stage: StageDecode, Slots: 1, PullWait: 3 * time.Second, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second}
 	cb := base
 	cb.Pool = poolB
 	cb.Handler = func(context.Context, *Delivery) error { return nil }
 	cb.Release = func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
 	lb, _ := NewStageLoop(nc, js, cb, logging.Discard())
-	runLoop(t, lb) // idle: passes waitFree, waits in its pull
+	runLoop(t, lb) // idle: passes waitFree, waits in its pull (for up to 3 s)
 	time.Sleep(300 * time.Millisecond)
 
 	ca := base
@@ -86,7 +86,7 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 	e := NewEngineSlots(1)
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
-	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-r"), Slots: 1, EngineSlots: e, KVTTL: 10 * time.Second,
+	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error {
 			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
@@ -118,7 +118,7 @@ func TestEngineSlotsNoOverPull(t *testing.T) {
 	block := make(chan struct{})
 	defer close(block)
 	var started atomic.Int32
-	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-o"), Slots: 4, EngineSlots: e, KVTTL: 10 * time.Second,
+	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-o"), Slots: 4, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 5 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error { started.Add(1); <-block; return nil },
 		Release: func(context.Context, *Job) error { return nil }}
@@ -180,7 +180,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	ctx := context.Background()
 	pool := PoolName("slots-h")
 	var ran atomic.Int32
-	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
+	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 3 * time.Second, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
 		Release: func(context.Context, *Job) error { return nil }}
 	cons, err := EnsureConsumer(ctx, js, StageDecode, pool, time.Second)
@@ -202,7 +202,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	ctx1, cancel1 := context.WithCancel(ctx)
 	done1 := make(chan struct{})
 	go func() { defer close(done1); l1.Run(ctx1) }()
-	time.Sleep(200 * time.Millisecond) // l1 waits in its pull
+	time.Sleep(200 * time.Millisecond) // l1 waits in its pull (for up to 3 s)
 	e.acquire(ctx)                     // another model's job takes the engine
 	waitFor(t, "delivery 2 waits for the slot", func() bool { l1.mu.Lock(); defer l1.mu.Unlock(); return len(l1.running) == 1 })
 	cancel1()

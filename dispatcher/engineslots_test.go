@@ -23,7 +23,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	pool := PoolName(t.Name())
 	id := "slot-wait"
 	var ran, released, handBacks atomic.Int32
-	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 		Grace: time.Second,
 		Handler: func(_ context.Context, d *Delivery) error {
 			ran.Add(1)

@@ -3,6 +3,8 @@ package dispatcher
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -10,31 +12,46 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// pullHeartbeat is how often the server confirms a waiting pull. A pull
-// request lives on the server, and on the consumer's leader, it was sent
-// to: when that server dies or the leader moves, nobody answers it, and
-// only the missing heartbeats (two of them) tell the worker to pull again.
-const pullHeartbeat = time.Second
+// DefaultPullWait is how long the server keeps a pull request waiting for
+// a job: the longest a stopping loop waits for its pulls to end. Each idle
+// slot pulls again this often.
+const DefaultPullWait = 250 * time.Millisecond
+
+// pullSilence is how long past its expiry a request waits for the
+// server's word that it ended. A request lives on the server, and on the
+// consumer's leader, it was sent to: when that server dies or the leader
+// moves, nobody answers it, and the slot pulls again after this.
+const pullSilence = time.Second
 
 // reconnectPoll is how often a slot looks whether a dropped connection is
 // back.
 const reconnectPoll = 50 * time.Millisecond
 
-// puller pulls one job at a time for a stage loop, and ends the pulls that
-// wait on a connection that dropped, so that a slot pulls again on the
-// server the connection comes back to instead of waiting for heartbeats
-// that cannot come.
+// puller pulls jobs, one per request, for a loop's slots. A slot whose
+// loop stops waits for its request to end rather than unsubscribing from
+// it: the server sends a job to a waiting request from its own queue, a
+// moment after it checked that someone listens, so a job can reach an
+// unsubscribed request, to be dropped (the jetstream client's Next drops
+// it so). A dropped job waits out its ack wait, and a handoff that comes
+// back that way counts as delivered: that costs a new prefill, and leaves
+// the first one's KV held for its lease. A job that comes as the loop
+// stops is kept for stop, which returns it to be given back.
 type puller struct {
-	nc     *nats.Conn
+	nc   *nats.Conn
+	api  string        // JetStream's API prefix, with its final dot
+	wait time.Duration // a request's expiry
+
 	mu     sync.Mutex
-	ctx    context.Context // the current pulls' scope
+	late   []*nats.Msg     // jobs that came as the loop stopped
+	ctx    context.Context // the current pulls' scope: until nc drops
 	cancel context.CancelFunc
 }
 
-// newPuller returns a puller whose pulls end with ctx, or when nc drops.
-func newPuller(ctx context.Context, nc *nats.Conn) *puller {
-	p := &puller{nc: nc}
-	p.ctx, p.cancel = context.WithCancel(ctx)
+// newPuller returns a puller whose pulls end when nc drops.
+func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *puller {
+	p := &puller{nc: nc, api: apiPrefix(js.Options()), wait: wait}
+	root := context.WithoutCancel(ctx)
+	p.ctx, p.cancel = context.WithCancel(root)
 	status := nc.StatusChanged(nats.DISCONNECTED, nats.RECONNECTING)
 	go func() {
 		defer nc.RemoveStatusListener(status)
@@ -46,16 +63,29 @@ func newPuller(ctx context.Context, nc *nats.Conn) *puller {
 			}
 			p.mu.Lock()
 			p.cancel()
-			p.ctx, p.cancel = context.WithCancel(ctx)
+			p.ctx, p.cancel = context.WithCancel(root)
 			p.mu.Unlock()
 		}
 	}()
 	return p
 }
 
-// next waits for one job. A pull ended by a dropped connection, or by
-// missing heartbeats, returns nats.ErrTimeout, as a pull that found no job:
-// the caller just pulls again.
+// apiPrefix is the prefix of JetStream's API subjects for js.
+func apiPrefix(o jetstream.JetStreamOptions) string {
+	switch {
+	case o.APIPrefix != "":
+		return strings.TrimSuffix(o.APIPrefix, ".") + "."
+	case o.Domain != "":
+		return "$JS." + o.Domain + ".API."
+	}
+	return jetstream.DefaultAPIPrefix
+}
+
+// next waits for one job of cons. Once ctx has ended it still waits for
+// the request to end (its wait at most), and returns ctx's error; a
+// job that came is kept for stop. A pull ended by a dropped connection,
+// or by the server's silence, returns nats.ErrTimeout, as a pull that
+// found no job: the caller just pulls again.
 func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.Msg, error) {
 	// A pull sent while the connection is down would only wait in the
 	// client's reconnect buffer, to reach the server stale.
@@ -64,17 +94,119 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 			return nil, err
 		}
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	p.mu.Lock()
 	pctx := p.ctx
 	p.mu.Unlock()
-	msg, err := cons.Next(jetstream.FetchContext(pctx), jetstream.FetchHeartbeat(pullHeartbeat))
-	switch {
-	case err == nil:
-		return msg, nil
-	case ctx.Err() != nil:
-		return nil, ctx.Err()
-	case pctx.Err() != nil, errors.Is(err, jetstream.ErrNoHeartbeat):
-		return nil, nats.ErrTimeout
+	inbox := p.nc.NewInbox()
+	sub, err := p.nc.SubscribeSync(inbox)
+	if err != nil {
+		return nil, fmt.Errorf("subscribe to a pull's inbox: %w", err)
 	}
-	return nil, err
+	defer sub.Unsubscribe()
+	info := cons.CachedInfo()
+	req := fmt.Appendf(nil, `{"batch":1,"expires":%d}`, p.wait.Nanoseconds())
+	if err := p.nc.PublishRequest(p.api+"CONSUMER.MSG.NEXT."+info.Stream+"."+info.Name, inbox, req); err != nil {
+		return nil, fmt.Errorf("send a pull request: %w", err)
+	}
+	wctx, cancel := context.WithTimeout(pctx, p.wait+pullSilence)
+	defer cancel()
+	for {
+		m, err := sub.NextMsgWithContext(wctx)
+		switch {
+		case err == nil:
+		case ctx.Err() != nil:
+			return nil, ctx.Err()
+		case pctx.Err() != nil, errors.Is(err, context.DeadlineExceeded):
+			return nil, nats.ErrTimeout
+		default:
+			return nil, err
+		}
+		if m.Reply != "" { // a job, to be acked there: the server's own word has no reply subject
+			if ctx.Err() != nil {
+				p.mu.Lock()
+				p.late = append(p.late, m)
+				p.mu.Unlock()
+				return nil, ctx.Err()
+			}
+			return pulled{m}, nil
+		}
+		if status := m.Header.Get("Status"); status != "100" {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			return nil, pullEnded(status, m.Header.Get("Description"))
+		}
+	}
+}
+
+// pullEnded is the error of a request the server ended without a job.
+// Those a slot just pulls again after are nats.ErrTimeout.
+func pullEnded(status, description string) error {
+	d := strings.ToLower(description)
+	switch {
+	case status == "404", status == "408", status == "409" && strings.Contains(d, "leadership change"):
+		return nats.ErrTimeout
+	case status == "409" && strings.Contains(d, "consumer deleted"):
+		return jetstream.ErrConsumerDeleted
+	case status == "503":
+		return nats.ErrNoResponders
+	}
+	return fmt.Errorf("pull ended by the server: %s %s", status, description)
+}
+
+// stop returns the jobs that came as the loop stopped, for the caller to
+// give back. Call it once no slot pulls.
+func (p *puller) stop() []jetstream.Msg {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cancel()
+	late := make([]jetstream.Msg, len(p.late))
+	for i, m := range p.late {
+		late[i] = pulled{m}
+	}
+	p.late = nil
+	return late
+}
+
+// pulled is a job pulled by a puller, acked on its reply subject as the
+// jetstream client acks.
+type pulled struct{ m *nats.Msg }
+
+var _ jetstream.Msg = pulled{}
+
+func (j pulled) Data() []byte         { return j.m.Data }
+func (j pulled) Headers() nats.Header { return j.m.Header }
+func (j pulled) Subject() string      { return j.m.Subject }
+func (j pulled) Reply() string        { return j.m.Reply }
+func (j pulled) Ack() error           { return j.m.Ack() }
+func (j pulled) Nak() error           { return j.m.Nak() }
+func (j pulled) InProgress() error    { return j.m.InProgress() }
+func (j pulled) Term() error          { return j.m.Term() }
+
+func (j pulled) DoubleAck(ctx context.Context) error { return j.m.AckSync(nats.Context(ctx)) }
+
+func (j pulled) NakWithDelay(delay time.Duration) error { return j.m.NakWithDelay(delay) }
+
+// TermWithReason terms the job with a reason the server puts in its
+// advisory; the nats client has no call for it.
+func (j pulled) TermWithReason(reason string) error {
+	if reason == "" {
+		return j.m.Term()
+	}
+	return j.m.Respond([]byte("+TERM " + reason))
+}
+
+func (j pulled) Metadata() (*jetstream.MsgMetadata, error) {
+	md, err := j.m.Metadata()
+	if err != nil {
+		return nil, err
+	}
+	return &jetstream.MsgMetadata{
+		Sequence:     jetstream.SequencePair{Consumer: md.Sequence.Consumer, Stream: md.Sequence.Stream},
+		NumDelivered: md.NumDelivered, NumPending: md.NumPending, Timestamp: md.Timestamp,
+		Stream: md.Stream, Consumer: md.Consumer, Domain: md.Domain,
+	}, nil
 }

@@ -19,7 +19,14 @@ func releaseConsumer(pool string) string { return "release-" + pool }
 // store (PDQ_DECODE full): every decode worker of the pool takes them, one
 // at a time, each in one of the worker's slots, so the engine never gets
 // more calls than the slots.
-func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}, pulls *puller) {
+func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
+	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait)
+	defer func() {
+		// A release that came as the loop stopped goes back at once.
+		for _, msg := range pulls.stop() {
+			_ = msg.Nak() // or it comes back after the ack wait
+		}
+	}()
 	var cons jetstream.Consumer
 	for ctx.Err() == nil {
 		if cons == nil {

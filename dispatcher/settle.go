@@ -387,6 +387,20 @@ func (s *settle) handBack(ctx context.Context, why error) {
 	}
 }
 
+// unrun gives back a job this worker will not run. A first delivery goes
+// back as a new copy, which another worker takes as it is: its handoff's
+// KV unread, while its hand-backs last. A redelivery goes back as it is,
+// keeping its count, and admit judges it again.
+func (s *settle) unrun(ctx context.Context, why error) {
+	if s.attempt == 1 && s.job.HandBacks < maxHandBacks {
+		s.handBack(ctx, why)
+		return
+	}
+	if err := s.msg.Nak(); err != nil {
+		s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+	}
+}
+
 // regenerate sends the request back to prefill as its next generation:
 // new KV, new message ids. release says whether this handoff's KV was
 // certainly never read, and so is freed.

@@ -258,6 +258,11 @@ type StageConfig struct {
 	// RetryBase is the delay before the first retry of a failed job;
 	// 0 takes DefaultRetryBase.
 	RetryBase time.Duration
+	// PullWait is how long a pull waits on the server for a job; 0 takes
+	// DefaultPullWait. A loop that stops waits for its pulls to end, this
+	// long at most, so that a job the server sends as it stops reaches it,
+	// to be given back, rather than being dropped.
+	PullWait time.Duration
 	// AckWait is the consumer's ack wait; 0 takes DefaultAckWait. All
 	// workers of a pool should agree on it.
 	AckWait time.Duration
@@ -354,7 +359,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
 		return nil, fmt.Errorf("stage loop: pool, slots >= 1 and a handler are required")
 	}
-	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 || cfg.StallTimeout < 0 {
+	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.PullWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 || cfg.StallTimeout < 0 {
 		return nil, fmt.Errorf("stage loop: durations and limits must not be negative")
 	}
 	if cfg.Grace == 0 {
@@ -365,6 +370,9 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	}
 	if cfg.AckWait == 0 {
 		cfg.AckWait = DefaultAckWait
+	}
+	if cfg.PullWait == 0 {
+		cfg.PullWait = DefaultPullWait
 	}
 	if cfg.KVTTL == 0 {
 		cfg.KVTTL = DefaultKVTTL
@@ -422,7 +430,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
 		l.cfg.AckWait = aw
 	}
-	pulls := newPuller(ctx, l.nc)
+	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait)
 	if l.records, err = OpenRecords(ctx, l.js); err != nil {
 		return err
 	}
@@ -450,7 +458,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	slots := make(chan struct{}, l.cfg.Slots)
 	l.cfg.Metrics.pool(l.cfg.Stage, l.cfg.Pool)
 	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
-		bg.Go(func() { l.releaseLoop(ctx, slots, pulls) })
+		bg.Go(func() { l.releaseLoop(ctx, slots) })
 	}
 
 	// Jobs outlive ctx by the grace period, so a shutdown does not abort
@@ -513,6 +521,11 @@ pull:
 		})
 	}
 
+	// A job that came as the loop stopped goes back at once, for another
+	// worker, rather than waiting out its ack wait here.
+	for _, msg := range pulls.stop() {
+		l.giveBack(context.WithoutCancel(ctx), msg)
+	}
 	done := make(chan struct{})
 	go func() {
 		wg.Wait()
@@ -600,16 +613,10 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 			engineHeld = true
 		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
 			// Settled below, without a slot: it will not run.
-		case attempt == 1 && job.HandBacks < maxHandBacks:
-			// The loop stops (a shutdown, or its model gone) before the
-			// job ran: another worker takes it as it is, KV unread.
-			s.handBack(sctx, errors.New("the worker stopped before the job ran"))
-			return
 		default:
-			// A redelivery keeps its count: admit judges it again.
-			if err := msg.Nak(); err != nil {
-				s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
-			}
+			// The loop stops (a shutdown, or its model gone) before the
+			// job ran.
+			s.unrun(sctx, errors.New("the worker stopped before the job ran"))
 			return
 		}
 	}
@@ -675,6 +682,25 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	default:
 		s.failed(sctx, err)
 	}
+}
+
+// giveBack returns a job that came as the loop stopped, not run.
+func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
+	job, err := ParseJob(msg.Headers(), msg.Data())
+	if err != nil {
+		// Whoever runs it next settles it as unreadable.
+		if nerr := msg.Nak(); nerr != nil {
+			l.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(nerr))
+		}
+		return
+	}
+	attempt := 1
+	if meta, err := msg.Metadata(); err == nil {
+		attempt = int(meta.NumDelivered)
+	}
+	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
+		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+	s.unrun(ctx, errors.New("the worker stopped as the job came"))
 }
 
 // unreadable settles a message that is not a job this build can run. It

@@ -47,6 +47,9 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	}
 	cfg.RetryBase = 10 * time.Millisecond
 	cfg.Grace = 5 * time.Second
+	if cfg.PullWait == 0 {
+		cfg.PullWait = 100 * time.Millisecond // each stop waits for it
+	}
 	loop, err := NewStageLoop(nc, js, cfg, logging.Discard())
 	if err != nil {
 		t.Fatal(err)
@@ -561,7 +564,7 @@ func TestHandoffGenerations(t *testing.T) {
 			pool := PoolName(t.Name())
 			id := "gen-" + strings.ReplaceAll(tc.name, " ", "-")
 			var ran, released atomic.Int32
-			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 				Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
 				Release: func(context.Context, *Job) error { released.Add(1); return nil }}
 			records, _ := OpenRecords(ctx, js)
