@@ -2,7 +2,6 @@ package dispatcher
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -101,7 +100,10 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	pctx := p.ctx
 	p.mu.Unlock()
 	inbox := p.nc.NewInbox()
-	sub, err := p.nc.SubscribeSync(inbox)
+	// A channel of its own: a sync subscription's is 64K slots, 512 KB a
+	// pull. This one gets a job or the server's word, one at a time.
+	msgs := make(chan *nats.Msg, 4)
+	sub, err := p.nc.ChanSubscribe(inbox, msgs)
 	if err != nil {
 		return nil, fmt.Errorf("subscribe to a pull's inbox: %w", err)
 	}
@@ -111,18 +113,24 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	if err := p.nc.PublishRequest(p.api+"CONSUMER.MSG.NEXT."+info.Stream+"."+info.Name, inbox, req); err != nil {
 		return nil, fmt.Errorf("send a pull request: %w", err)
 	}
-	wctx, cancel := context.WithTimeout(pctx, p.wait+pullSilence)
-	defer cancel()
+	silence := time.NewTimer(p.wait + pullSilence)
+	defer silence.Stop()
 	for {
-		m, err := sub.NextMsgWithContext(wctx)
-		switch {
-		case err == nil:
-		case ctx.Err() != nil:
-			return nil, ctx.Err()
-		case pctx.Err() != nil, errors.Is(err, context.DeadlineExceeded):
-			return nil, nats.ErrTimeout
-		default:
-			return nil, err
+		var m *nats.Msg
+		select {
+		case m = <-msgs:
+		case <-silence.C:
+		case <-pctx.Done():
+		}
+		if m == nil {
+			select {
+			case m = <-msgs: // it came as the wait ended: still taken
+			default:
+				if ctx.Err() != nil {
+					return nil, ctx.Err()
+				}
+				return nil, nats.ErrTimeout
+			}
 		}
 		if m.Reply != "" { // a job, to be acked there: the server's own word has no reply subject
 			if ctx.Err() != nil {
