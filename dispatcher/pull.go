@@ -12,14 +12,19 @@ import (
 )
 
 // DefaultPullWait is how long the server keeps a pull request waiting for
-// a job: the longest a stopping loop waits for its pulls to end. Each idle
-// slot pulls again this often.
-const DefaultPullWait = 250 * time.Millisecond
+// a job: how long a stopping loop waits for its pull to end, at most. An
+// idle loop pulls again this often, and each pull of a replicated consumer
+// is two Raft entries (its start and its end): half a second is four a
+// second per idle loop, where the library's 30 s pulls were one a minute.
+const DefaultPullWait = 500 * time.Millisecond
+
+// minPullWait keeps an idle loop from pulling without a pause.
+const minPullWait = 10 * time.Millisecond
 
 // pullSilence is how long past its expiry a request waits for the
-// server's word that it ended. A request lives on the server, and on the
-// consumer's leader, it was sent to: when that server dies or the leader
-// moves, nobody answers it, and the slot pulls again after this.
+// server's word that it ended. A request lives on the server it was sent
+// to: when that server dies, nobody answers it, and the slot pulls again
+// after this. (A consumer leader that moves tells its requests so.)
 const pullSilence = time.Second
 
 // reconnectPoll is how often a slot looks whether a dropped connection is
@@ -36,9 +41,11 @@ const reconnectPoll = 50 * time.Millisecond
 // the first one's KV held for its lease. A job that comes as the loop
 // stops is kept for stop, which returns it to be given back.
 type puller struct {
-	nc   *nats.Conn
-	api  string        // JetStream's API prefix, with its final dot
-	wait time.Duration // a request's expiry
+	nc      *nats.Conn
+	api     string        // JetStream's API prefix, with its final dot
+	wait    time.Duration // a request's expiry
+	timeout time.Duration // a confirmed ack's, when its context has no deadline
+	done    chan struct{} // closed by stop
 
 	mu     sync.Mutex
 	late   []*nats.Msg     // jobs that came as the loop stopped
@@ -46,9 +53,15 @@ type puller struct {
 	cancel context.CancelFunc
 }
 
-// newPuller returns a puller whose pulls end when nc drops.
+// newPuller returns a puller whose pulls end when nc drops. Call stop
+// when the loop is done with it.
 func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *puller {
-	p := &puller{nc: nc, api: apiPrefix(js.Options()), wait: wait}
+	o := js.Options()
+	p := &puller{nc: nc, api: apiPrefix(o), wait: wait, timeout: o.DefaultTimeout, done: make(chan struct{})}
+	if p.timeout <= 0 {
+		p.timeout = 5 * time.Second // the jetstream client's default
+	}
+	// A stopping loop's last pull still ends when the connection drops.
 	root := context.WithoutCancel(ctx)
 	p.ctx, p.cancel = context.WithCancel(root)
 	status := nc.StatusChanged(nats.DISCONNECTED, nats.RECONNECTING)
@@ -56,7 +69,7 @@ func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait 
 		defer nc.RemoveStatusListener(status)
 		for {
 			select {
-			case <-ctx.Done():
+			case <-p.done:
 				return
 			case <-status:
 			}
@@ -139,7 +152,7 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 				p.mu.Unlock()
 				return nil, ctx.Err()
 			}
-			return pulled{m}, nil
+			return pulled{m, p.timeout}, nil
 		}
 		if status := m.Header.Get("Status"); status != "100" {
 			if ctx.Err() != nil {
@@ -155,7 +168,8 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 func pullEnded(status, description string) error {
 	d := strings.ToLower(description)
 	switch {
-	case status == "404", status == "408", status == "409" && strings.Contains(d, "leadership change"):
+	case status == "404", status == "408",
+		status == "409" && (strings.Contains(d, "leadership change") || strings.Contains(d, "server shutdown")):
 		return nats.ErrTimeout
 	case status == "409" && strings.Contains(d, "consumer deleted"):
 		return jetstream.ErrConsumerDeleted
@@ -168,20 +182,26 @@ func pullEnded(status, description string) error {
 // stop returns the jobs that came as the loop stopped, for the caller to
 // give back. Call it once no slot pulls.
 func (p *puller) stop() []jetstream.Msg {
+	close(p.done)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.cancel()
 	late := make([]jetstream.Msg, len(p.late))
 	for i, m := range p.late {
-		late[i] = pulled{m}
+		late[i] = pulled{m, p.timeout}
 	}
 	p.late = nil
 	return late
 }
 
 // pulled is a job pulled by a puller, acked on its reply subject as the
-// jetstream client acks.
-type pulled struct{ m *nats.Msg }
+// jetstream client acks. A confirmed ack whose context has no deadline
+// waits timeout at most, as the jetstream client's does: an answer lost
+// to a reconnect would otherwise hold its caller for good.
+type pulled struct {
+	m       *nats.Msg
+	timeout time.Duration
+}
 
 var _ jetstream.Msg = pulled{}
 
@@ -194,12 +214,21 @@ func (j pulled) Nak() error           { return j.m.Nak() }
 func (j pulled) InProgress() error    { return j.m.InProgress() }
 func (j pulled) Term() error          { return j.m.Term() }
 
-func (j pulled) DoubleAck(ctx context.Context) error { return j.m.AckSync(nats.Context(ctx)) }
+func (j pulled) DoubleAck(ctx context.Context) error {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, j.timeout)
+		defer cancel()
+	}
+	return j.m.AckSync(nats.Context(ctx))
+}
 
 func (j pulled) NakWithDelay(delay time.Duration) error { return j.m.NakWithDelay(delay) }
 
 // TermWithReason terms the job with a reason the server puts in its
-// advisory; the nats client has no call for it.
+// advisory; the nats client has no call for it, so unlike the others it
+// does not mark the job acked: pdq terms a job as the last thing it does
+// with it.
 func (j pulled) TermWithReason(reason string) error {
 	if reason == "" {
 		return j.m.Term()

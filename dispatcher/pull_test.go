@@ -11,6 +11,9 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
+	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
 // TestShutdownDropsNoPulledJob: a job the server hands a loop's waiting
@@ -70,6 +73,7 @@ func TestPullEnded(t *testing.T) {
 		{"404", "No Messages", nats.ErrTimeout},
 		{"408", "Request Timeout", nats.ErrTimeout},
 		{"409", "Leadership Change", nats.ErrTimeout},
+		{"409", "Server Shutdown", nats.ErrTimeout},
 		{"409", "Consumer Deleted", jetstream.ErrConsumerDeleted},
 		{"503", "", nats.ErrNoResponders},
 		{"409", "Exceeded MaxWaiting", nil},
@@ -81,5 +85,34 @@ func TestPullEnded(t *testing.T) {
 		case tc.want == nil && (errors.Is(err, nats.ErrTimeout) || !strings.Contains(err.Error(), tc.description)):
 			t.Errorf("%s %s: %v, want an error that names it", tc.status, tc.description, err)
 		}
+	}
+}
+
+// TestDoubleAckGivesUp: a confirmed ack whose context has no deadline
+// gives up after the puller's timeout, as the jetstream client's does,
+// when no answer comes (one lost to a reconnect, say), instead of holding
+// its job's settling, and so the loop's stop, for good.
+func TestDoubleAckGivesUp(t *testing.T) {
+	nc := embeddedtest.Conn(t, logging.Discard())
+	silent, err := nc.SubscribeSync("ack.silent") // takes the ack, never answers
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Unsubscribe()
+	inbox, err := nc.SubscribeSync(nc.NewInbox())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inbox.Unsubscribe()
+	job := pulled{m: &nats.Msg{Subject: "pdq.prefill.p.x", Reply: "ack.silent", Sub: inbox}, timeout: 200 * time.Millisecond}
+	done := make(chan error, 1)
+	go func() { done <- job.DoubleAck(context.Background()) }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Error("an ack nobody answered was confirmed")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("DoubleAck still waits for an answer that will not come")
 	}
 }

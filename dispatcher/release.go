@@ -57,12 +57,14 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 		select {
 		case slots <- struct{}{}:
 		case <-ctx.Done():
-			return // the message comes back after the ack wait
+			_ = msg.Nak() // or it comes back after the ack wait
+			return
 		}
 		if l.cfg.EngineSlots != nil {
 			if l.cfg.EngineSlots.acquire(ctx) != nil {
 				<-slots
-				return // the message comes back after the ack wait
+				_ = msg.Nak() // or it comes back after the ack wait
+				return
 			}
 		}
 		l.releaseOne(ctx, msg)

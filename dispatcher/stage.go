@@ -259,9 +259,10 @@ type StageConfig struct {
 	// 0 takes DefaultRetryBase.
 	RetryBase time.Duration
 	// PullWait is how long a pull waits on the server for a job; 0 takes
-	// DefaultPullWait. A loop that stops waits for its pulls to end, this
-	// long at most, so that a job the server sends as it stops reaches it,
-	// to be given back, rather than being dropped.
+	// DefaultPullWait, and under 10 ms is refused. A loop that stops waits
+	// for its pull to end (this long at most, while its server answers), so
+	// that a job the server sends as it stops reaches it, to be given back,
+	// rather than being dropped.
 	PullWait time.Duration
 	// AckWait is the consumer's ack wait; 0 takes DefaultAckWait. All
 	// workers of a pool should agree on it.
@@ -373,6 +374,9 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	}
 	if cfg.PullWait == 0 {
 		cfg.PullWait = DefaultPullWait
+	}
+	if cfg.PullWait < minPullWait {
+		return nil, fmt.Errorf("stage loop: a pull wait under %s would pull without a pause", minPullWait)
 	}
 	if cfg.KVTTL == 0 {
 		cfg.KVTTL = DefaultKVTTL
@@ -522,9 +526,9 @@ pull:
 	}
 
 	// A job that came as the loop stopped goes back at once, for another
-	// worker, rather than waiting out its ack wait here.
+	// worker, rather than waiting out its ack wait here; within the grace.
 	for _, msg := range pulls.stop() {
-		l.giveBack(context.WithoutCancel(ctx), msg)
+		wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
 	}
 	done := make(chan struct{})
 	go func() {
