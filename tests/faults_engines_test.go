@@ -127,6 +127,11 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 		r := row{scenario: fmt.Sprintf("%s engine: %s at rate 0.3, 2nd engine healthy", stage, kind),
 			cost: fmt.Sprintf("%d faults: %s", injected, lat.cost(baseLat))}
 		tally(&r, outs)
+		for _, o := range outs {
+			if !o.ok { // allowed (every attempt may meet the fault), but said
+				t.Logf("%s: status %d, err %q, tail %q", r.scenario, o.status, o.err, o.tail)
+			}
+		}
 		r.blocksHeld = idleAndFreed(t, 20*time.Second, prefills, decodes)
 		rows = append(rows, r)
 	}

@@ -150,7 +150,10 @@ type outcome struct {
 	status int    // 0 when the client gave up or lost its connection
 	err    string // the client's own error
 	ok     bool   // a whole, well-formed answer
-	tail   string // the answer's last bytes, to say what went wrong
+	// cut means a 200 whose stream or body broke off: no answer, neither
+	// whole nor an error.
+	cut  bool
+	tail string // the answer's last bytes, to say what went wrong
 }
 
 // load sends n requests at once and returns what each client got. Each
@@ -193,12 +196,14 @@ func (c *cluster) send(id string, giveUp time.Duration, b body) outcome {
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return outcome{status: resp.StatusCode, err: err.Error()}
+		return outcome{status: resp.StatusCode, err: err.Error(), cut: resp.StatusCode == http.StatusOK && ctx.Err() == nil}
 	}
 	o := outcome{status: resp.StatusCode, tail: string(raw[max(len(raw)-300, 0):])}
 	if resp.StatusCode == http.StatusOK {
 		if b["stream"] == true {
-			o.ok = strings.HasSuffix(string(raw), "data: [DONE]\n\n") && !strings.Contains(string(raw), `"error"`)
+			done := strings.HasSuffix(string(raw), "data: [DONE]\n\n")
+			o.ok = done && !strings.Contains(string(raw), `"error"`)
+			o.cut = !done
 		} else {
 			_, _, err := checkResponse(response{status: resp.StatusCode, body: raw})
 			o.ok = err == nil
@@ -235,6 +240,9 @@ func tally(r *row, outs []outcome) {
 			r.lost++
 		case strings.Contains(o.err, "context deadline exceeded") || strings.Contains(o.err, "context canceled"):
 			r.left++ // before or during the answer: no answer is owed
+		case o.cut:
+			r.accepted++
+			r.lost++ // part of an answer is not one
 		case o.status != 0:
 			r.accepted++
 			r.errors++
