@@ -434,7 +434,6 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
 		l.cfg.AckWait = aw
 	}
-	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait)
 	if l.records, err = OpenRecords(ctx, l.js); err != nil {
 		return err
 	}
@@ -470,6 +469,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	jobCtx, stopJobs := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopJobs()
 	var wg sync.WaitGroup
+	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait) // stopped below, after the loop
 	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", ConsumerName(l.cfg.Stage, l.cfg.Pool))
 pull:
 	for {
