@@ -12,7 +12,8 @@ import (
 )
 
 // DefaultPullWait is how long the server keeps a pull request waiting for
-// a job: how long a stopping loop waits for its pull to end, at most. An
+// a job: how long a stopping loop waits for its pull to end, at most while
+// its server answers (pullSilence more when it does not). An
 // idle loop pulls again this often, and each pull of a replicated consumer
 // is two Raft entries (its start and its end): half a second is four a
 // second per idle loop, where the library's 30 s pulls were one a minute.
@@ -128,12 +129,17 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	}
 	silence := time.NewTimer(p.wait + pullSilence)
 	defer silence.Stop()
+	ended := false // the wait did: no more waiting after what is at hand
 	for {
 		var m *nats.Msg
-		select {
-		case m = <-msgs:
-		case <-silence.C:
-		case <-pctx.Done():
+		if !ended {
+			select {
+			case m = <-msgs:
+			case <-silence.C:
+				ended = true
+			case <-pctx.Done():
+				ended = true
+			}
 		}
 		if m == nil {
 			select {

@@ -43,6 +43,9 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 		msg, err := pulls.next(ctx, cons)
 		switch {
 		case ctx.Err() != nil:
+			if err == nil {
+				_ = msg.Nak() // pulled as the loop stopped: back at once, not after the ack wait
+			}
 			return
 		case errors.Is(err, nats.ErrTimeout) || errors.Is(err, jetstream.ErrNoMessages):
 			continue
@@ -91,11 +94,13 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 	// with NIXL v1 kills the decode engine; one that never ran only leaves
 	// the blocks to their lease. Deleting the message claims it: of two
 	// workers holding it (a redelivery), only one delete succeeds.
+	// The claim is made whole even if the loop stops meanwhile.
+	cctx := context.WithoutCancel(ctx)
 	meta, err := msg.Metadata()
 	if err == nil {
 		var st jetstream.Stream
-		if st, err = l.js.Stream(ctx, StreamRelease); err == nil {
-			err = st.DeleteMsg(ctx, meta.Sequence.Stream)
+		if st, err = l.js.Stream(cctx, StreamRelease); err == nil {
+			err = st.DeleteMsg(cctx, meta.Sequence.Stream)
 		}
 	}
 	if err != nil {

@@ -702,6 +702,9 @@ func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
 	if meta, err := msg.Metadata(); err == nil {
 		attempt = int(meta.NumDelivered)
 	}
+	// Storing its copy may retry for a while: the job stays this loop's
+	// meanwhile, not redelivered beside its copy.
+	defer l.keepAlive(ctx, msg)()
 	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 	s.unrun(ctx, errors.New("the worker stopped as the job came"))
