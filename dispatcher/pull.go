@@ -110,9 +110,7 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	p.mu.Lock()
-	pctx := p.ctx
-	p.mu.Unlock()
+	pctx, reconnects := p.scope(), p.nc.Stats().Reconnects
 	inbox := p.nc.NewInbox()
 	// A channel of its own: a sync subscription's is 64K slots, 512 KB a
 	// pull. This one gets a job or the server's word, one at a time.
@@ -138,6 +136,12 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 			case <-silence.C:
 				ended = true
 			case <-pctx.Done():
+				if p.nc.IsConnected() && p.nc.Stats().Reconnects == reconnects {
+					// A drop heard late, from before this pull was sent on
+					// the connection that is up: the pull still waits.
+					pctx = p.scope()
+					continue
+				}
 				ended = true
 			}
 		}
@@ -167,6 +171,13 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 			return nil, pullEnded(status, m.Header.Get("Description"))
 		}
 	}
+}
+
+// scope is the current pulls' context, which ends when the connection drops.
+func (p *puller) scope() context.Context {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.ctx
 }
 
 // pullEnded is the error of a request the server ended without a job.
