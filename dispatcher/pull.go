@@ -13,10 +13,10 @@ import (
 
 // DefaultPullWait is how long the server keeps a pull request waiting for
 // a job: how long a stopping loop waits for its pull to end, at most while
-// its server answers (pullSilence more when it does not). An
-// idle loop pulls again this often, and each pull of a replicated consumer
-// is two Raft entries (its start and its end): half a second is four a
-// second per idle loop, where the library's 30 s pulls were one a minute.
+// its server answers (pullSilence more when it does not). An idle loop
+// pulls again this often, and each pull of a replicated consumer is two
+// Raft entries (its start and its end): four a second per idle loop, where
+// the jetstream client's 30 s pulls made four a minute.
 const DefaultPullWait = 500 * time.Millisecond
 
 // minPullWait keeps an idle loop from pulling without a pause.
@@ -46,6 +46,7 @@ type puller struct {
 	api     string        // JetStream's API prefix, with its final dot
 	wait    time.Duration // a request's expiry
 	timeout time.Duration // a confirmed ack's, when its context has no deadline
+	req     []byte        // every pull's request: one job, expiring after wait
 	done    chan struct{} // closed by stop
 
 	mu     sync.Mutex
@@ -58,7 +59,8 @@ type puller struct {
 // when the loop is done with it.
 func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *puller {
 	o := js.Options()
-	p := &puller{nc: nc, api: apiPrefix(o), wait: wait, timeout: o.DefaultTimeout, done: make(chan struct{})}
+	p := &puller{nc: nc, api: apiPrefix(o), wait: wait, timeout: o.DefaultTimeout, done: make(chan struct{}),
+		req: fmt.Appendf(nil, `{"batch":1,"expires":%d}`, wait.Nanoseconds())}
 	if p.timeout <= 0 {
 		p.timeout = 5 * time.Second // the jetstream client's default
 	}
@@ -121,8 +123,7 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	}
 	defer sub.Unsubscribe()
 	info := cons.CachedInfo()
-	req := fmt.Appendf(nil, `{"batch":1,"expires":%d}`, p.wait.Nanoseconds())
-	if err := p.nc.PublishRequest(p.api+"CONSUMER.MSG.NEXT."+info.Stream+"."+info.Name, inbox, req); err != nil {
+	if err := p.nc.PublishRequest(p.api+"CONSUMER.MSG.NEXT."+info.Stream+"."+info.Name, inbox, p.req); err != nil {
 		return nil, fmt.Errorf("send a pull request: %w", err)
 	}
 	silence := time.NewTimer(p.wait + pullSilence)
