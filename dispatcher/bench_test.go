@@ -2,12 +2,15 @@ package dispatcher
 
 import (
 	"bytes"
+	"context"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -112,6 +115,45 @@ func BenchmarkReplyChunkWire(b *testing.B) {
 				}
 				w.kept = w.kept[:0]
 				<-got
+			}
+		})
+	}
+}
+
+// BenchmarkRecordRead is a stage's read of a request's record at
+// admission, through the embedded server: decoded, and left undecoded
+// because it is still at the revision its job was queued under.
+func BenchmarkRecordRead(b *testing.B) {
+	nc := embeddedtest.Conn(b, logging.Discard())
+	js, err := jetstream.New(nc)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := Ensure(ctx, js); err != nil {
+		b.Fatal(err)
+	}
+	records, err := OpenRecords(ctx, js)
+	if err != nil {
+		b.Fatal(err)
+	}
+	job := benchJob(1 << 10)
+	rec := &Record{ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool, Endpoint: job.Endpoint,
+		Stream: true, Gateway: job.GatewayID(), Created: job.Submitted, Updated: job.Submitted, Deadline: job.Deadline}
+	rev, err := records.create(ctx, rec)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		rev  uint64
+	}{{"decoded", 0}, {"unchanged", rev}} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, _, err := records.getChanged(ctx, job.ID, tc.rev); err != nil {
+					b.Fatal(err)
+				}
 			}
 		})
 	}

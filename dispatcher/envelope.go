@@ -73,6 +73,11 @@ type Job struct {
 	// HandBacks counts the times a worker whose engine was failing gave
 	// the job back unrun; each copy has its own message id.
 	HandBacks int
+	// RecordRevision is the revision its request's record had when this
+	// generation was queued, when that is known (0 otherwise). While the
+	// record is still at it, nothing has ended, retried or moved the
+	// request on, and admit skips decoding the record.
+	RecordRevision uint64
 }
 
 // Resume is what a migrated decode needs to continue the reply its earlier
@@ -179,6 +184,8 @@ const (
 	HeaderReplyFrame = "Pdq-Reply-Frame"
 	// HeaderBatchPrompt is set on the jobs of a batched request's prompts.
 	HeaderBatchPrompt = "Pdq-Batch-Prompt"
+	// HeaderRecordRevision is the job's RecordRevision, when known.
+	HeaderRecordRevision = "Pdq-Record-Revision"
 )
 
 // Msg is the job as a message for stage's subject.
@@ -223,6 +230,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	if j.BatchPrompt {
 		h[HeaderBatchPrompt] = []string{"1"}
 	}
+	if j.RecordRevision > 0 {
+		h[HeaderRecordRevision] = []string{strconv.FormatUint(j.RecordRevision, 10)}
+	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
 	return m
@@ -263,6 +273,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.Submitted = time.UnixMicro(num(HeaderSubmitted))
 	j.PromptTokens = int(num(HeaderPromptTokens))
 	j.HandBacks = int(num(HeaderHandBacks))
+	j.RecordRevision = uint64(num(HeaderRecordRevision))
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
 	j.BatchPrompt = h.Get(HeaderBatchPrompt) == "1"

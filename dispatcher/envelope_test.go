@@ -22,7 +22,7 @@ func TestJobEnvelope(t *testing.T) {
 		KV:         json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"remote_host":"h","remote_port":5600}`),
 		Prefill:    &StageRecord{Stage: StagePrefill, Generation: 3, Worker: "w", Engine: "http://p", Started: started, Ms: 1.5},
 		Resume:     &Resume{Chunks: 4, Tokens: 4, Created: 17, Migrations: 1},
-		ReplyBatch: true, ReplyFramed: true, BatchPrompt: true, HandBacks: 2,
+		ReplyBatch: true, ReplyFramed: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7,
 	}
 	// A field added to Job later must be set here too, or this fails.
 	v := reflect.ValueOf(full).Elem()

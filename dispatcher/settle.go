@@ -45,8 +45,10 @@ type settle struct {
 func (s *settle) admit(ctx context.Context) bool {
 	l, job := s.l, s.job
 	handoff := l.cfg.Stage == StageDecode && len(job.KV) > 0
-	rec, _, err := l.records.Get(ctx, job.ID)
+	rec, _, err := l.records.getChanged(ctx, job.ID, job.RecordRevision)
 	switch {
+	case err == nil && rec == nil:
+		// Unchanged since this generation was queued.
 	case err == nil && rec.Generation > job.Generation:
 		s.drop(ctx, fmt.Sprintf("superseded by generation %d", rec.Generation))
 		return false
@@ -441,6 +443,7 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 // its message ids.
 func (s *settle) storeGeneration(ctx context.Context, next *Job, stage Stage, what string) (bool, error) {
 	l, job := s.l, s.job
+	next.RecordRevision = 0 // the record is written after the job
 	seq, err := s.publishRetry(ctx, next.Msg(stage), what)
 	if err != nil {
 		return false, err

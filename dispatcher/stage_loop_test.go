@@ -502,6 +502,58 @@ func TestLifecycle(t *testing.T) {
 		}
 	})
 
+	// admit skips decoding a record still at the revision its job was
+	// queued under: a record written since must still stop the job.
+	for _, tc := range []struct {
+		name   string
+		change func(*Record)
+		runs   bool
+	}{
+		{"unchanged", nil, true},
+		{"ended", func(r *Record) { r.State = StateCancelled }, false},
+		{"superseded", func(r *Record) { r.Generation++ }, false},
+		{"taken over", func(r *Record) { r.Gateway = "gw-other" }, false},
+		{"rewritten as it was", func(*Record) {}, true},
+	} {
+		t.Run("a job whose record was "+tc.name+" after it was queued", func(t *testing.T) {
+			pool := PoolName(t.Name())
+			if _, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Minute); err != nil {
+				t.Fatal(err)
+			}
+			lt := &loopTest{t: t, nc: nc, js: js, pool: pool}
+			var err error
+			if lt.replies, err = NewReplies(nc, "gw-"+pool); err != nil {
+				t.Fatal(err)
+			}
+			defer lt.replies.Close()
+			id := "rev-" + pool
+			job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+				ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute)}
+			lt.submitJob(job)
+			if job.RecordRevision == 0 {
+				t.Fatal("Submit queued the job without its record's revision")
+			}
+			if tc.change != nil {
+				records, _ := OpenRecords(ctx, js)
+				if _, err := records.Transition(ctx, id, func(r *Record) error {
+					tc.change(r)
+					return nil
+				}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var calls atomic.Int32
+			lt2 := startLoopOn(t, nc, js, pool, StageConfig{Handler: func(context.Context, *Delivery) error {
+				calls.Add(1)
+				return nil
+			}})
+			waitFor(t, "the job settled", func() bool { return lt2.pending(StagePrefill) == 0 })
+			if ran := calls.Load() > 0; ran != tc.runs {
+				t.Errorf("the job ran: %v, want %v", ran, tc.runs)
+			}
+		})
+	}
+
 	t.Run("a reused id is one request whatever its path", func(t *testing.T) {
 		records, _ := OpenRecords(ctx, js)
 		sub := NewSubmitter(js, records, NewLiveness(nc))

@@ -76,7 +76,7 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 	if err != nil {
 		return nil, err
 	}
-	job.Generation = rec.Generation
+	job.Generation, job.RecordRevision = rec.Generation, rev
 	if err = publishGeneration(ctx, s.js, s.records, job, stage); err != nil {
 		status := 503
 		if errors.Is(err, ErrQueueFull) {
@@ -170,7 +170,7 @@ func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Rec
 		if terr != nil {
 			return terr
 		}
-		job.Generation = rec.Generation
+		job.Generation, job.RecordRevision = rec.Generation, 0
 		err = publish(ctx, js, job.Msg(stage))
 	}
 	return err
