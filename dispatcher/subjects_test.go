@@ -10,6 +10,8 @@ func TestValidRequestID(t *testing.T) {
 		"abc": true, "A-b_9": true, strings.Repeat("x", 128): true,
 		"": false, strings.Repeat("x", 129): false, "a.b": false, "a*": false, "a>": false,
 		"a b": false, "a\tb": false, "a/b": false, "ü": false, "a\n": false,
+		// the ends of each range, and the bytes just past them
+		"azAZ09_-": true, "@": false, "[": false, "`": false, "{": false, "/": false, ":": false,
 	} {
 		if got := ValidRequestID(id); got != want {
 			t.Errorf("ValidRequestID(%q) = %v, want %v", id, got, want)
