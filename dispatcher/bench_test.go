@@ -3,6 +3,7 @@ package dispatcher
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -122,7 +123,8 @@ func BenchmarkReplyChunkWire(b *testing.B) {
 
 // BenchmarkRecordRead is a stage's read of a request's record at
 // admission, through the embedded server: decoded, and left undecoded
-// because it is still at the revision its job was queued under.
+// because it is still at the revision its job was queued under; and, to
+// compare, through the KeyValue's Get, decoded.
 func BenchmarkRecordRead(b *testing.B) {
 	nc := embeddedtest.Conn(b, logging.Discard())
 	js, err := jetstream.New(nc)
@@ -144,6 +146,19 @@ func BenchmarkRecordRead(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	b.Run("kv-get", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			e, err := records.kv.Get(ctx, job.ID)
+			if err != nil {
+				b.Fatal(err)
+			}
+			var r Record
+			if err := json.Unmarshal(e.Value(), &r); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 	for _, tc := range []struct {
 		name string
 		rev  uint64

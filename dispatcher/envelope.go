@@ -273,7 +273,8 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.Submitted = time.UnixMicro(num(HeaderSubmitted))
 	j.PromptTokens = int(num(HeaderPromptTokens))
 	j.HandBacks = int(num(HeaderHandBacks))
-	j.RecordRevision = uint64(num(HeaderRecordRevision))
+	// Only a hint for admit: one that does not read is left out.
+	j.RecordRevision, _ = strconv.ParseUint(h.Get(HeaderRecordRevision), 10, 64)
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
 	j.BatchPrompt = h.Get(HeaderBatchPrompt) == "1"

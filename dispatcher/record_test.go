@@ -95,6 +95,8 @@ func TestRecordRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	kv := records.kv
+	direct := *records
+	direct.kv = nil // no fallback: a direct get that went astray fails here
 	noDirect := *records
 	noDirect.get = "$JS.API.DIRECT.GET.KV_pdq_nobody.$KV.pdq_nobody."
 	for _, tc := range []struct {
@@ -133,7 +135,7 @@ func TestRecordRead(t *testing.T) {
 			if found := kerr == nil; found != tc.found {
 				t.Fatalf("the KeyValue's Get: %v", kerr)
 			}
-			for name, rs := range map[string]*Records{"direct": records, "fallback": &noDirect} {
+			for name, rs := range map[string]*Records{"direct": &direct, "fallback": &noDirect} {
 				data, rev, err := rs.read(ctx, id)
 				switch {
 				case !tc.found && !errors.Is(err, ErrNoRecord):
@@ -141,6 +143,16 @@ func TestRecordRead(t *testing.T) {
 				case tc.found && (err != nil || string(data) != string(e.Value()) || rev != e.Revision()):
 					t.Errorf("%s: %s, %d, %v; want %s, %d", name, data, rev, err, e.Value(), e.Revision())
 				}
+			}
+			if !tc.found {
+				return
+			}
+			// At its revision a record is left undecoded; at any other, read.
+			if r, _, err := records.getChanged(ctx, id, e.Revision()); r != nil || err != nil {
+				t.Errorf("at its revision: %+v, %v; want no record, undecoded", r, err)
+			}
+			if r, _, err := records.getChanged(ctx, id, e.Revision()-1); r == nil || err != nil {
+				t.Errorf("past its revision: %+v, %v; want the record", r, err)
 			}
 		})
 	}

@@ -184,7 +184,7 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 		return 0, err
 	}
 	job.Generation, job.ReplyTo, job.Deadline, job.Submitted = rec.Generation, "", rec.Deadline, now
-	job.KV, job.Prefill = nil, nil
+	job.KV, job.Prefill, job.RecordRevision = nil, nil, 0 // a dead letter keeps the revision it was queued under
 	if err := publishGeneration(ctx, rp.js, rp.records, job, stage); err != nil {
 		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, job.Generation, StateFailed,
 			&RecordError{Status: 503, Message: "replay could not queue the request: " + err.Error()}); rerr != nil {

@@ -1,6 +1,7 @@
 package dispatcher
 
 import (
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -15,6 +16,15 @@ func TestValidRequestID(t *testing.T) {
 	} {
 		if got := ValidRequestID(id); got != want {
 			t.Errorf("ValidRequestID(%q) = %v, want %v", id, got, want)
+		}
+	}
+	// The rule as it was written first: every byte, alone and in an id.
+	rule := regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
+	for b := range 256 {
+		for _, id := range []string{string([]byte{byte(b)}), "a" + string([]byte{byte(b)}) + "z"} {
+			if got, want := ValidRequestID(id), rule.MatchString(id); got != want {
+				t.Errorf("ValidRequestID(%q) = %v, want %v", id, got, want)
+			}
 		}
 	}
 }

@@ -110,7 +110,13 @@ func (s *Submitter) claim(ctx context.Context, rec *Record) (uint64, error) {
 		case errors.Is(gerr, ErrNoRecord):
 			rev, err = s.records.create(ctx, rec)
 		case gerr == nil && old.Gateway == rec.Gateway && old.Created.Equal(rec.Created):
-			return orev, nil // stored before its answer was lost
+			// Stored before its answer was lost. Something may have written
+			// it since (an End does not look at the gateway): then its
+			// revision is not this claim's, and is not passed on as one.
+			if old.State != StateQueued || old.Generation != rec.Generation {
+				orev = 0
+			}
+			return orev, nil
 		case gerr == nil:
 			return 0, jetstream.ErrKeyExists // another request's: see claimRetry
 		default:

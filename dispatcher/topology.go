@@ -333,6 +333,10 @@ func bucketDiffs(stored jetstream.StreamConfig, wanted jetstream.KeyValueConfig)
 	d.add("storage", stored.Storage.String(), wanted.Storage.String())
 	d.add("max_value_size", limit(stored.MaxMsgSize), limit(wanted.MaxValueSize))
 	d.add("replicas", max(stored.Replicas, 1), max(wanted.Replicas, 1))
+	// The KeyValue client creates buckets with direct gets allowed; pdq's
+	// reads of records rely on them (a bucket without them falls back on
+	// the KeyValue's Get: two requests a read).
+	d.add("allow_direct", stored.AllowDirect, true)
 	return d
 }
 
