@@ -116,3 +116,71 @@ func TestDoubleAckGivesUp(t *testing.T) {
 		t.Fatal("DoubleAck still waits for an answer that will not come")
 	}
 }
+
+// TestPullerKeepsItsInbox: pulls that end, with a job or the server's
+// word, leave their subscription to the next pull; a pull given up (here,
+// its server silent) takes its subscription along, unsubscribed, so that
+// a late answer to it is never taken for the next one's.
+func TestPullerKeepsItsInbox(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	pool := PoolName(t.Name())
+	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := nc.NumSubscriptions()
+	p := newPuller(ctx, nc, js, 20*time.Millisecond)
+	var inbox string
+	for i := range 3 {
+		if _, err := p.next(ctx, cons); !errors.Is(err, nats.ErrTimeout) {
+			t.Fatalf("pull %d: %v, want a time-out", i, err)
+		}
+		if i == 0 {
+			inbox = p.inbox
+		} else if p.inbox != inbox {
+			t.Fatalf("pull %d answered on %q after %q", i, p.inbox, inbox)
+		}
+	}
+	if _, err := js.Publish(ctx, JobSubject(StagePrefill, pool, "keep-1"), []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	job, err := p.next(ctx, cons)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := job.Ack(); err != nil {
+		t.Fatal(err)
+	}
+	if p.inbox != inbox || nc.NumSubscriptions() != base+1 {
+		t.Errorf("after a job: inbox %q (was %q), %d subscriptions (want %d)", p.inbox, inbox, nc.NumSubscriptions(), base+1)
+	}
+	if late := p.stop(); len(late) != 0 || nc.NumSubscriptions() != base {
+		t.Errorf("stop: %d late jobs, %d subscriptions left; want none, %d", len(late), nc.NumSubscriptions(), base)
+	}
+
+	// A server that takes pull requests and never answers them.
+	requests := make(chan string, 4)
+	silent, err := nc.Subscribe("pdqtest.silent.>", func(m *nats.Msg) { requests <- m.Reply })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Unsubscribe()
+	base = nc.NumSubscriptions()
+	p = newPuller(ctx, nc, js, 20*time.Millisecond)
+	defer p.stop()
+	p.api = "pdqtest.silent."
+	var replies []string
+	for i := range 2 {
+		if _, err := p.next(ctx, cons); !errors.Is(err, nats.ErrTimeout) {
+			t.Fatalf("silent pull %d: %v, want a time-out", i, err)
+		}
+		replies = append(replies, <-requests)
+		if p.sub != nil || nc.NumSubscriptions() != base {
+			t.Errorf("silent pull %d kept its subscription (%d subscriptions, want %d)", i, nc.NumSubscriptions(), base)
+		}
+	}
+	if replies[0] == replies[1] {
+		t.Errorf("a pull given up and the next share the inbox %q", replies[0])
+	}
+}
