@@ -3,6 +3,7 @@ package dispatcher
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -49,16 +50,22 @@ type puller struct {
 	req     []byte        // every pull's request: one job, expiring after wait
 	done    chan struct{} // closed by stop
 
-	// The subscription pulls are answered on, kept from one pull to the
-	// next (a subscribe and an unsubscribe a job were 3 % of pdq's CPU at
-	// c=64): only the loop's goroutine pulls, one request at a time, so
-	// once a request has ended (with a job, or the server's word) none is
-	// outstanding and what comes next answers the next. A request given
-	// up (its connection dropped, or its server silent) may still be
-	// answered: its subscription goes with it, unsubscribed.
-	inbox string
+	// The subscription pulls are answered on, inbox.*, kept from one pull
+	// to the next (a subscribe and an unsubscribe a job were 3 % of pdq's
+	// CPU at c=64). Only the loop's goroutine pulls, one request at a
+	// time, each answered at a subject of its own, inbox.<n>. It is kept
+	// only past a request that surely ended: with its job (one asked for)
+	// or with its expiry (408). The server's word comes at the request's
+	// own subject, so a stale one (a new consumer leader tells of requests
+	// that ended already) is told apart; a job comes at its stream's, and
+	// could not be. Any other end (a 409 of a server shutting down, which
+	// may still deliver), a request given up (its connection dropped, or
+	// its server silent) takes the subscription along, unsubscribed, as
+	// each pull did with its own before.
+	inbox string // the subscription's subject, but for its last token
 	sub   *nats.Subscription
 	msgs  chan *nats.Msg
+	n     uint64 // the last request's token
 
 	mu     sync.Mutex
 	late   []*nats.Msg     // jobs that came as the loop stopped
@@ -111,7 +118,8 @@ func apiPrefix(o jetstream.JetStreamOptions) string {
 // the request to end (its wait at most), and returns ctx's error; a
 // job that came is kept for stop. A pull ended by a dropped connection,
 // or by the server's silence, returns nats.ErrTimeout, as a pull that
-// found no job: the caller just pulls again.
+// found no job: the caller just pulls again. The subscription is kept
+// for the next pull only when the request surely ended (see puller).
 func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.Msg, error) {
 	// A pull sent while the connection is down would only wait in the
 	// client's reconnect buffer, to reach the server stale.
@@ -125,25 +133,27 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	}
 	pctx, reconnects := p.scope(), p.nc.Stats().Reconnects
 	if p.sub == nil {
-		inbox := p.nc.NewInbox()
+		inbox := p.nc.NewInbox() + "."
 		// A channel of its own: a sync subscription's is 64K slots,
 		// 512 KB. This one gets a job or the server's word, one at a time.
 		msgs := make(chan *nats.Msg, 4)
-		sub, err := p.nc.ChanSubscribe(inbox, msgs)
+		sub, err := p.nc.ChanSubscribe(inbox+"*", msgs)
 		if err != nil {
 			return nil, fmt.Errorf("subscribe to a pull's inbox: %w", err)
 		}
 		p.inbox, p.sub, p.msgs = inbox, sub, msgs
 	}
-	answered := false
+	keep := false // the request surely ended, with no word to come
 	defer func() {
-		if !answered {
+		if !keep {
 			p.retire()
 		}
 	}()
 	msgs := p.msgs
+	p.n++
+	reply := p.inbox + strconv.FormatUint(p.n, 10)
 	info := cons.CachedInfo()
-	if err := p.nc.PublishRequest(p.api+"CONSUMER.MSG.NEXT."+info.Stream+"."+info.Name, p.inbox, p.req); err != nil {
+	if err := p.nc.PublishRequest(p.api+"CONSUMER.MSG.NEXT."+info.Stream+"."+info.Name, reply, p.req); err != nil {
 		return nil, fmt.Errorf("send a pull request: %w", err)
 	}
 	silence := time.NewTimer(p.wait + pullSilence)
@@ -177,7 +187,7 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 			}
 		}
 		if m.Reply != "" { // a job, to be acked there: the server's own word has no reply subject
-			answered = true
+			keep = true
 			if ctx.Err() != nil {
 				p.mu.Lock()
 				p.late = append(p.late, m)
@@ -186,8 +196,12 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 			}
 			return pulled{m, p.timeout}, nil
 		}
+		if m.Subject != reply {
+			m = nil // the word on an earlier request, which ended
+			continue
+		}
 		if status := m.Header.Get("Status"); status != "100" {
-			answered = true
+			keep = status == "408"
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
 			}
@@ -229,7 +243,8 @@ func pullEnded(status, description string) error {
 }
 
 // stop returns the jobs that came as the loop stopped, for the caller to
-// give back. Call it once no slot pulls.
+// give back, and unsubscribes the pulls' subscription: every request on
+// it has ended by then. Call it once no slot pulls.
 func (p *puller) stop() []jetstream.Msg {
 	p.retire()
 	close(p.done)

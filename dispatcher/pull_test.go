@@ -117,10 +117,12 @@ func TestDoubleAckGivesUp(t *testing.T) {
 	}
 }
 
-// TestPullerKeepsItsInbox: pulls that end, with a job or the server's
-// word, leave their subscription to the next pull; a pull given up (here,
-// its server silent) takes its subscription along, unsubscribed, so that
-// a late answer to it is never taken for the next one's.
+// TestPullerKeepsItsInbox: pulls that surely ended, with a job or their
+// expiry, leave their subscription to the next pull, and a stale word on
+// an earlier pull is not taken for the current one's; a pull whose end is
+// unsure (a 409 of a server shutting down, or silence) takes its
+// subscription along, unsubscribed, so that a late answer to it is never
+// taken for the next one's.
 func TestPullerKeepsItsInbox(t *testing.T) {
 	nc, js := startJetStream(t)
 	ctx := context.Background()
@@ -159,28 +161,66 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 		t.Errorf("stop: %d late jobs, %d subscriptions left; want none, %d", len(late), nc.NumSubscriptions(), base)
 	}
 
-	// A server that takes pull requests and never answers them.
-	requests := make(chan string, 4)
-	silent, err := nc.Subscribe("pdqtest.silent.>", func(m *nats.Msg) { requests <- m.Reply })
+	// A stand-in for the server, which answers each pull as told: the
+	// words that surely end a request keep the subscription, a stale word
+	// on an earlier request is not taken for the current one's, and any
+	// other end, or silence, takes the subscription along.
+	type answer struct{ stale, status, description string }
+	script := []answer{
+		{status: "408", description: "Request Timeout"},
+		{stale: "409 Consumer Deleted", status: "408", description: "Request Timeout"},
+		{status: "409", description: "Server Shutdown"},
+		{}, // silent
+		{},
+	}
+	var turn atomic.Int32
+	var last atomic.Value // the previous request's reply subject
+	requests := make(chan string, len(script))
+	word := func(subject, status, description string) *nats.Msg {
+		m := nats.NewMsg(subject)
+		m.Header.Set("Status", status)
+		m.Header.Set("Description", description)
+		return m
+	}
+	server, err := nc.Subscribe("pdqtest.api.>", func(m *nats.Msg) {
+		a := script[turn.Add(1)-1]
+		if a.stale != "" {
+			prev, _ := last.Load().(string)
+			status, description, _ := strings.Cut(a.stale, " ")
+			nc.PublishMsg(word(prev, status, description))
+		}
+		last.Store(m.Reply)
+		if a.status != "" {
+			nc.PublishMsg(word(m.Reply, a.status, a.description))
+		}
+		requests <- m.Reply
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer silent.Unsubscribe()
+	defer server.Unsubscribe()
 	base = nc.NumSubscriptions()
 	p = newPuller(ctx, nc, js, 20*time.Millisecond)
 	defer p.stop()
-	p.api = "pdqtest.silent."
-	var replies []string
-	for i := range 2 {
-		if _, err := p.next(ctx, cons); !errors.Is(err, nats.ErrTimeout) {
-			t.Fatalf("silent pull %d: %v, want a time-out", i, err)
+	p.api = "pdqtest.api."
+	subscription := func(reply string) string { return reply[:strings.LastIndexByte(reply, '.')] }
+	var subs []string
+	for i, want := range []struct {
+		kept bool
+		err  error
+	}{{true, nats.ErrTimeout}, {true, nats.ErrTimeout}, {false, nats.ErrTimeout}, {false, nats.ErrTimeout}, {false, nats.ErrTimeout}} {
+		if _, err := p.next(ctx, cons); !errors.Is(err, want.err) {
+			t.Fatalf("pull %d: %v, want %v", i, err, want.err)
 		}
-		replies = append(replies, <-requests)
-		if p.sub != nil || nc.NumSubscriptions() != base {
-			t.Errorf("silent pull %d kept its subscription (%d subscriptions, want %d)", i, nc.NumSubscriptions(), base)
+		subs = append(subs, subscription(<-requests))
+		if kept := p.sub != nil; kept != want.kept || nc.NumSubscriptions() != base+map[bool]int{true: 1}[kept] {
+			t.Errorf("pull %d: subscription kept %v (%d subscriptions), want %v", i, kept, nc.NumSubscriptions(), want.kept)
 		}
 	}
-	if replies[0] == replies[1] {
-		t.Errorf("a pull given up and the next share the inbox %q", replies[0])
+	if subs[0] != subs[1] || subs[1] != subs[2] {
+		t.Errorf("pulls ended by their expiry did not keep their subscription: %q", subs[:3])
+	}
+	if subs[2] == subs[3] || subs[3] == subs[4] {
+		t.Errorf("a pull whose end is unsure shares its subscription with the next: %q", subs[2:])
 	}
 }
