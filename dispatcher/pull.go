@@ -59,9 +59,9 @@ type puller struct {
 	// own subject, so a stale one (a new consumer leader tells of requests
 	// that ended already) is told apart; a job comes at its stream's, and
 	// could not be. Any other end (a 409 of a server shutting down, which
-	// may still deliver), a request given up (its connection dropped, or
-	// its server silent) takes the subscription along, unsubscribed, as
-	// each pull did with its own before.
+	// may still deliver), and a request given up (its connection dropped,
+	// or its server silent), takes the subscription along, unsubscribed,
+	// as each pull did with its own before.
 	inbox string // the subscription's subject, but for its last token
 	sub   *nats.Subscription
 	msgs  chan *nats.Msg
