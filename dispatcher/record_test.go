@@ -157,3 +157,24 @@ func TestRecordRead(t *testing.T) {
 		})
 	}
 }
+
+// TestRecoveredRevision: a claim found stored after its create's answer
+// was lost passes its revision on to the job only while the record is the
+// claim as written; a record ended or moved on since passes none, so that
+// admit reads it.
+func TestRecoveredRevision(t *testing.T) {
+	claim := &Record{ID: "r-1", State: StateQueued, Generation: 2, Gateway: "gw-1"}
+	for _, tc := range []struct {
+		name   string
+		stored Record
+		want   uint64
+	}{
+		{"as written", *claim, 7},
+		{"ended since", Record{ID: "r-1", State: StateCancelled, Generation: 2, Gateway: "gw-1"}, 0},
+		{"a later generation", Record{ID: "r-1", State: StateQueued, Generation: 3, Gateway: "gw-1"}, 0},
+	} {
+		if got := recoveredRevision(&tc.stored, 7, claim); got != tc.want {
+			t.Errorf("%s: revision %d, want %d", tc.name, got, tc.want)
+		}
+	}
+}

@@ -110,13 +110,7 @@ func (s *Submitter) claim(ctx context.Context, rec *Record) (uint64, error) {
 		case errors.Is(gerr, ErrNoRecord):
 			rev, err = s.records.create(ctx, rec)
 		case gerr == nil && old.Gateway == rec.Gateway && old.Created.Equal(rec.Created):
-			// Stored before its answer was lost. Something may have written
-			// it since (an End does not look at the gateway): then its
-			// revision is not this claim's, and is not passed on as one.
-			if old.State != StateQueued || old.Generation != rec.Generation {
-				orev = 0
-			}
-			return orev, nil
+			return recoveredRevision(old, orev, rec), nil // stored before its answer was lost
 		case gerr == nil:
 			return 0, jetstream.ErrKeyExists // another request's: see claimRetry
 		default:
@@ -124,6 +118,18 @@ func (s *Submitter) claim(ctx context.Context, rec *Record) (uint64, error) {
 		}
 	}
 	return rev, err
+}
+
+// recoveredRevision is the revision that a claim found stored after its
+// create's answer was lost passes on: the stored record's while that is
+// still the claim as written, else 0 (not known). Something may have
+// written it since (an End does not look at the gateway), and a job that
+// carried that write's revision would have admit skip its checks.
+func recoveredRevision(stored *Record, rev uint64, claim *Record) uint64 {
+	if stored.State != StateQueued || stored.Generation != claim.Generation {
+		return 0
+	}
+	return rev
 }
 
 // noAnswer reports whether a NATS call failed for want of an answer, not
