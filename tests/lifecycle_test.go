@@ -49,9 +49,12 @@ func TestLifecycleDecodeFailureDoesNotRereadKV(t *testing.T) {
 		{"nixl-protocol v1", []string{"--nixl-protocol", "v1"}, []string{"--nixl-protocol", "v1"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			// The engine draws a request's fault when the request arrives.
-			// At 50 ms a token the first attempt runs for 350 ms, so the
-			// fault is off before any retry can arrive, however fast.
+			// The engine draws a request's fault once it has read and
+			// parsed the request, before running it: the fault is turned
+			// off once the request runs (turned off when it had only
+			// arrived, it could miss the draw). At 50 ms a token the first
+			// attempt runs for 350 ms, so the fault is off before any retry
+			// can arrive, however fast.
 			r := lcStart(t, tc.prefill, append(tc.decode, "--itl", "50ms"))
 			id := "lc1-" + strings.NewReplacer(" ", "-").Replace(tc.name)
 			b := chatBody(model, lcLongPrompt(1), body{"max_tokens": 8, "ignore_eos": true})
@@ -70,8 +73,8 @@ func TestLifecycleDecodeFailureDoesNotRereadKV(t *testing.T) {
 				}
 				done <- resp
 			}()
-			if _, ok := lcWaitEngine(r.decode, 10*time.Second, func(s sim.Stats) bool { return s.Requests > r.dbase.Requests }); !ok {
-				t.Error("the decode engine never got the request")
+			if _, ok := lcWaitEngine(r.decode, 10*time.Second, func(s sim.Stats) bool { return s.Running+s.Waiting > 0 }); !ok {
+				t.Error("the decode engine never ran the request")
 			}
 			setFault(t, r.decode, `{"rate":0}`)
 			resp := <-done
