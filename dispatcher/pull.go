@@ -77,11 +77,8 @@ type puller struct {
 // when the loop is done with it.
 func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *puller {
 	o := js.Options()
-	p := &puller{nc: nc, api: apiPrefix(o), wait: wait, timeout: o.DefaultTimeout, done: make(chan struct{}),
+	p := &puller{nc: nc, api: apiPrefix(o), wait: wait, timeout: apiTimeout(o), done: make(chan struct{}),
 		req: fmt.Appendf(nil, `{"batch":1,"expires":%d}`, wait.Nanoseconds())}
-	if p.timeout <= 0 {
-		p.timeout = 5 * time.Second // the jetstream client's default
-	}
 	// A stopping loop's last pull still ends when the connection drops.
 	root := context.WithoutCancel(ctx)
 	p.ctx, p.cancel = context.WithCancel(root)
@@ -112,6 +109,25 @@ func apiPrefix(o jetstream.JetStreamOptions) string {
 		return "$JS." + o.Domain + ".API."
 	}
 	return jetstream.DefaultAPIPrefix
+}
+
+// apiTimeout is how long the jetstream client waits for an answer to a
+// call whose context has no deadline.
+func apiTimeout(o jetstream.JetStreamOptions) time.Duration {
+	if o.DefaultTimeout > 0 {
+		return o.DefaultTimeout
+	}
+	return 5 * time.Second // the jetstream client's default
+}
+
+// bounded is ctx, bounded by timeout when it has no deadline of its own,
+// as the jetstream client bounds its calls: an answer lost to a reconnect
+// would otherwise hold its caller for good.
+func bounded(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, timeout)
 }
 
 // next waits for one job of cons. Once ctx has ended it still waits for
@@ -261,8 +277,7 @@ func (p *puller) stop() []jetstream.Msg {
 
 // pulled is a job pulled by a puller, acked on its reply subject as the
 // jetstream client acks. A confirmed ack whose context has no deadline
-// waits timeout at most, as the jetstream client's does: an answer lost
-// to a reconnect would otherwise hold its caller for good.
+// waits timeout at most (see bounded).
 type pulled struct {
 	m       *nats.Msg
 	timeout time.Duration
@@ -280,11 +295,8 @@ func (j pulled) InProgress() error    { return j.m.InProgress() }
 func (j pulled) Term() error          { return j.m.Term() }
 
 func (j pulled) DoubleAck(ctx context.Context) error {
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, j.timeout)
-		defer cancel()
-	}
+	ctx, cancel := bounded(ctx, j.timeout)
+	defer cancel()
 	return j.m.AckSync(nats.Context(ctx))
 }
 

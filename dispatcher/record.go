@@ -98,12 +98,8 @@ func OpenRecords(ctx context.Context, js jetstream.JetStream) (*Records, error) 
 		return nil, fmt.Errorf("open request records: %w", err)
 	}
 	o := js.Options()
-	rs := &Records{kv: kv, nc: js.Conn(), timeout: o.DefaultTimeout,
-		get: apiPrefix(o) + "DIRECT.GET.KV_" + BucketRequests + ".$KV." + BucketRequests + "."}
-	if rs.timeout <= 0 {
-		rs.timeout = 5 * time.Second // the jetstream client's default
-	}
-	return rs, nil
+	return &Records{kv: kv, nc: js.Conn(), timeout: apiTimeout(o),
+		get: apiPrefix(o) + "DIRECT.GET.KV_" + BucketRequests + ".$KV." + BucketRequests + "."}, nil
 }
 
 // ErrNoRecord means no request with this id is recorded (never accepted, or
@@ -144,11 +140,8 @@ func (rs *Records) read(ctx context.Context, id string) ([]byte, uint64, error) 
 	if !ValidRequestID(id) {
 		return nil, 0, fmt.Errorf("read record %q: %w", id, jetstream.ErrInvalidKey)
 	}
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, rs.timeout)
-		defer cancel()
-	}
+	ctx, cancel := bounded(ctx, rs.timeout)
+	defer cancel()
 	m, err := rs.nc.RequestWithContext(ctx, rs.get+id, nil)
 	if errors.Is(err, nats.ErrNoResponders) {
 		return rs.readEntry(ctx, id)
@@ -156,11 +149,11 @@ func (rs *Records) read(ctx context.Context, id string) ([]byte, uint64, error) 
 	if err != nil {
 		return nil, 0, fmt.Errorf("read record %s: %w", id, err)
 	}
-	if len(m.Data) == 0 && m.Header.Get("Status") != "" {
-		if m.Header.Get("Status") == "404" {
+	if status := m.Header.Get("Status"); len(m.Data) == 0 && status != "" {
+		if status == "404" {
 			return nil, 0, ErrNoRecord
 		}
-		return nil, 0, fmt.Errorf("read record %s: %s %s", id, m.Header.Get("Status"), m.Header.Get("Description"))
+		return nil, 0, fmt.Errorf("read record %s: %s %s", id, status, m.Header.Get("Description"))
 	}
 	if deleteMarker(m.Header) {
 		return nil, 0, ErrNoRecord
