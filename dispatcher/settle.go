@@ -38,6 +38,13 @@ type settle struct {
 	engineHeld bool
 }
 
+// settleOf settles a delivery of job, its attempt-th, logging with the
+// request's id, generation and attempt.
+func (l *StageLoop) settleOf(msg jetstream.Msg, job *Job, attempt int) *settle {
+	return &settle{l: l, msg: msg, job: job, attempt: attempt,
+		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+}
+
 // admit checks a delivery before any engine call. It settles, and returns
 // false for, a job that must not run: its request ended or moved on to a
 // later generation, its deadline passed, its gateway is gone, its

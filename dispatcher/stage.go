@@ -600,8 +600,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		l.mu.Unlock()
 	}()
 
-	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
-		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+	s := l.settleOf(msg, job, attempt)
 	// The engine slot is held before the checks, so that a handoff that
 	// waited for it is judged by its age after the wait, and a KV release
 	// on the way runs in it; it is given back as soon as the engine is
@@ -705,8 +704,7 @@ func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
 	// Storing its copy may retry for a while: the job stays this loop's
 	// meanwhile, not redelivered beside its copy.
 	defer l.keepAlive(ctx, msg)()
-	s := &settle{l: l, msg: msg, job: job, attempt: attempt,
-		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
+	s := l.settleOf(msg, job, attempt)
 	s.unrun(ctx, errors.New("the worker stopped as the job came"))
 }
 
