@@ -195,11 +195,11 @@ func (c *cluster) send(id string, giveUp time.Duration, b body) outcome {
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return outcome{status: resp.StatusCode, err: err.Error(), cut: resp.StatusCode == http.StatusOK && ctx.Err() == nil,
-			tail: string(raw[max(len(raw)-300, 0):])}
-	}
 	o := outcome{status: resp.StatusCode, tail: string(raw[max(len(raw)-300, 0):])}
+	if err != nil {
+		o.err, o.cut = err.Error(), resp.StatusCode == http.StatusOK && ctx.Err() == nil
+		return o
+	}
 	if resp.StatusCode == http.StatusOK {
 		if b["stream"] == true {
 			done := strings.HasSuffix(string(raw), "data: [DONE]\n\n")
