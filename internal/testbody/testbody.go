@@ -23,3 +23,21 @@ func Chat(size int) []byte {
 	}
 	return []byte(head + string(content) + tail)
 }
+
+// Words is a chat body of about size bytes whose prompt is plain words, as
+// `pdq bench` sends: nothing in it needs an escape.
+func Words(size int) []byte {
+	words := strings.Fields("the quick brown fox jumps over a lazy dog and then some more")
+	head := `{"model":"pdq-sim","messages":[{"role":"user","content":"`
+	tail := `"}],"stream":true,"max_tokens":8}`
+	var b strings.Builder
+	b.WriteString(head)
+	for i := 0; b.Len()+len(tail) < size; i++ {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(words[i%len(words)])
+	}
+	b.WriteString(tail)
+	return []byte(b.String())
+}

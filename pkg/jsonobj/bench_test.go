@@ -2,7 +2,6 @@ package jsonobj
 
 import (
 	"encoding/json"
-	"fmt"
 	"testing"
 
 	"github.com/pdq-dev/pdq/internal/testbody"
@@ -18,13 +17,22 @@ var prefillOps = []Op{
 	Delete("min_completion_tokens"),
 }
 
+// sizes runs fn on a short chat body, a long one with many escapes, and
+// a long one of plain words.
 func sizes(b *testing.B, fn func(b *testing.B, body []byte)) {
-	for _, size := range []int{1 << 10, 400 << 10} {
-		body := testbody.Chat(size)
+	for _, tc := range []struct {
+		name string
+		body []byte
+	}{
+		{"1KB", testbody.Chat(1 << 10)},
+		{"400KB", testbody.Chat(400 << 10)},
+		{"400KB-words", testbody.Words(400 << 10)},
+	} {
+		body := tc.body
 		if !json.Valid(body) {
 			b.Fatal("invalid body")
 		}
-		b.Run(fmt.Sprintf("%dKB", size>>10), func(b *testing.B) {
+		b.Run(tc.name, func(b *testing.B) {
 			b.SetBytes(int64(len(body)))
 			b.ReportAllocs()
 			fn(b, body)
