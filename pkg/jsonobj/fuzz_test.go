@@ -41,6 +41,7 @@ var fuzzSeeds = []string{
 	"{\n  \"a\": [\n    1,\n    {\"b\": {}}\n  ],\n  \"c\": null\n}\n",
 	`{"a":` + strings.Repeat("[", 200) + strings.Repeat("]", 200) + `}`,
 	`{"a":{"b":{"c":{"d":[{"e":[[[]]]}]}}}}`, `{"a":true,"b":false,"c":null}`,
+	`{"a":"` + strings.Repeat("x y", 40) + `\"x\n` + strings.Repeat("z", 70) + `\u00e9` + strings.Repeat("w", 33) + `"}`,
 	`[]`, `[1,2]`, `null`, `"x"`, `1`, `{"a":1}x`, `{"a":}`, `{"a":01}`, `{"a":[1,]}`, `{"a":"\u12"}`, "{\"a\":\"\x01\"}", `{`, ``,
 }
 
