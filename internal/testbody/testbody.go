@@ -25,7 +25,7 @@ func Chat(size int) []byte {
 }
 
 // Words is a chat body of about size bytes whose prompt is plain words, as
-// `pdq bench` sends: nothing in it needs an escape.
+// `pdq bench`'s prompts are: nothing in it needs an escape.
 func Words(size int) []byte {
 	words := strings.Fields("the quick brown fox jumps over a lazy dog and then some more")
 	head := `{"model":"pdq-sim","messages":[{"role":"user","content":"`

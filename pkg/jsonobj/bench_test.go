@@ -19,8 +19,9 @@ var prefillOps = []Op{
 	Delete("min_completion_tokens"),
 }
 
-// sizes runs fn on a short chat body, a long one with many escapes, and
-// a long one of plain words.
+// sizes runs fn on a short chat body, a long one with many escapes, a
+// long one of plain words, and a long one that opens with a sentence and
+// goes on with many escapes.
 func sizes(b *testing.B, fn func(b *testing.B, body []byte)) {
 	for _, tc := range []struct {
 		name string
