@@ -114,8 +114,8 @@ func (rs *Records) Get(ctx context.Context, id string) (*Record, uint64, error) 
 // getChanged is Get, unless the record's revision is still rev (when rev
 // is not 0): then it returns a nil record, without decoding it. On the hot
 // path nothing writes a record between its claim and its end, and the
-// decode is a fifth of the cost of a stage's read at admission
-// (BenchmarkRecordRead).
+// decode is about a quarter of the time of a stage's read at admission,
+// and 11 of its 76 allocations (BenchmarkRecordRead).
 func (rs *Records) getChanged(ctx context.Context, id string, rev uint64) (*Record, uint64, error) {
 	data, last, err := rs.read(ctx, id)
 	if err != nil {
@@ -134,7 +134,8 @@ func (rs *Records) getChanged(ctx context.Context, id string, rev uint64) (*Reco
 // read returns id's record as stored, and its revision. It asks the
 // bucket's stream itself, with a direct get, as the KeyValue's Get does,
 // without the JSON request that Get encodes and nobody reads, and the
-// entry it builds: a sixth of the cost of a read (BenchmarkRecordRead).
+// entry it builds: 11 of the 87 allocations of a read through Get, and up
+// to a fifth of its time (BenchmarkRecordRead).
 // Where no server answers direct gets, it falls back on that Get.
 func (rs *Records) read(ctx context.Context, id string) ([]byte, uint64, error) {
 	if !ValidRequestID(id) {
