@@ -30,13 +30,16 @@ func NewSSEWriter(w http.ResponseWriter) *SSEWriter {
 	return &SSEWriter{w: w, rc: http.NewResponseController(w)}
 }
 
-// Started reports whether the status line and headers have been sent.
+// Started reports whether the status line and headers have been written:
+// from then on the status cannot change.
 func (s *SSEWriter) Started() bool { return s.started }
 
-// Start sends the 200 status and the event-stream headers.
-func (s *SSEWriter) Start() error {
+// start writes the 200 status and the event-stream headers. They go out
+// with the first event's flush, in one write: a flush of the headers
+// alone was a write to the client of its own for every stream.
+func (s *SSEWriter) start() {
 	if s.started {
-		return nil
+		return
 	}
 	s.started = true
 	h := s.w.Header()
@@ -44,10 +47,6 @@ func (s *SSEWriter) Start() error {
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	s.w.WriteHeader(http.StatusOK)
-	if err := s.rc.Flush(); err != nil {
-		return fmt.Errorf("flush sse headers: %w", err)
-	}
-	return nil
 }
 
 // Data writes one event whose data is payload, and flushes it. payload
@@ -62,9 +61,7 @@ func (s *SSEWriter) Data(payload []byte) error {
 // Write writes one event without flushing it: a caller with more events at
 // hand writes them all, then flushes once (one syscall, not one per token).
 func (s *SSEWriter) Write(payload []byte) error {
-	if err := s.Start(); err != nil {
-		return err
-	}
+	s.start()
 	s.buf = append(s.buf[:0], "data: "...)
 	s.buf = append(s.buf, payload...)
 	s.buf = append(s.buf, '\n', '\n')

@@ -3,8 +3,11 @@ package openai
 import (
 	"errors"
 	"io"
+	"net"
+	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"testing/iotest"
 	"time"
@@ -195,5 +198,78 @@ func TestSSEReaderHasEvent(t *testing.T) {
 		if got := r.HasEvent(); got != tc.want {
 			t.Errorf("%q: HasEvent = %v, want %v", tc.stream, got, tc.want)
 		}
+	}
+}
+
+// countingListener counts the writes to the connections it accepts.
+type countingListener struct {
+	net.Listener
+	writes atomic.Int64
+}
+
+func (l *countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &countingConn{Conn: c, writes: &l.writes}, nil
+}
+
+type countingConn struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (c *countingConn) Write(p []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(p)
+}
+
+// TestSSEWriterHeadersWithFirstEvent checks, on a real connection, that
+// the status and headers go out in the first event's write, not in one of
+// their own: a burst of events and [DONE] are three writes, the events
+// with the headers, [DONE] (flushed as it is written), and the body's end
+// as the handler returns.
+func TestSSEWriterHeadersWithFirstEvent(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := &countingListener{Listener: ln}
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) {
+		w := NewSSEWriter(rw)
+		for _, p := range []string{`{"a":1}`, `{"b":2}`} {
+			if err := w.Write([]byte(p)); err != nil {
+				t.Error(err)
+			}
+		}
+		if err := w.Flush(); err != nil {
+			t.Error(err)
+		}
+		if err := w.Done(); err != nil {
+			t.Error(err)
+		}
+	}))
+	srv.Listener = cl
+	srv.Start()
+	defer srv.Close()
+
+	resp, err := http.Get(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if ct := resp.Header.Get("Content-Type"); resp.StatusCode != 200 || ct != "text/event-stream; charset=utf-8" {
+		t.Fatalf("status %d, Content-Type %q", resp.StatusCode, ct)
+	}
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n"; string(body) != want {
+		t.Fatalf("body %q, want %q", body, want)
+	}
+	if n := cl.writes.Load(); n != 3 {
+		t.Errorf("%d writes to the connection, want 3: the headers with the events, [DONE], the body's end", n)
 	}
 }
