@@ -114,6 +114,12 @@ func (c *client) body(req SampleRequest) ([]byte, error) {
 	})
 }
 
+// ChatBody is the JSON body that the openai-chat backend sends for req,
+// for tools that size a load by its bytes (make bench).
+func ChatBody(model string, req SampleRequest) ([]byte, error) {
+	return (&client{chat: true, model: model}).body(req)
+}
+
 // post sends body to url with vLLM's headers.
 func (c *client) post(ctx context.Context, url string, body []byte, requestID string) (*http.Response, error) {
 	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))

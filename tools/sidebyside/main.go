@@ -28,6 +28,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	pdqbench "github.com/pdq-dev/pdq/pkg/bench"
 )
 
 func main() {
@@ -141,11 +143,13 @@ func run() error {
 	}
 	fmt.Printf("pdq side by side: HEAD %s vs %s; %d-token prompts, %d streamed tokens, seed %d; %s\n",
 		revision("HEAD"), revision(o.base), o.inputLen, o.outputLen, o.seed, machine())
+	m := measured{}
 	for _, name := range o.profiles {
-		if err := runProfile(o, profiles[name], head, base); err != nil {
+		if err := runProfile(o, name, head, base, m); err != nil {
 			return err
 		}
 	}
+	printTargets(m, revision(o.base))
 	return nil
 }
 
@@ -164,7 +168,8 @@ type result struct {
 	alloc float64       // bytes pdq allocated over the run; 0: not known
 }
 
-func runProfile(o options, p profile, head, base string) error {
+func runProfile(o options, key, head, base string, m measured) error {
+	p := profiles[key]
 	fmt.Printf("\n## %s\n", p.name)
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
@@ -221,8 +226,34 @@ func runProfile(o options, p profile, head, base string) error {
 			results[i] = medianResult(runs[i])
 		}
 		printTable(c, n, len(runs[0]), targets, results)
+		t := table{base: &results[len(results)-2], head: &results[len(results)-1]}
+		if !p.pdqOnly {
+			t.floor = &results[1]
+		}
+		if t.bodyBytes, err = meanBodyBytes(o, n); err != nil {
+			return err
+		}
+		m.add(key, c, t)
 	}
 	return nil
+}
+
+// meanBodyBytes is the mean size of the n request bodies pdq bench sends
+// with o's lengths and seed.
+func meanBodyBytes(o options, n int) (float64, error) {
+	reqs, err := pdqbench.RandomDataset{InputLen: o.inputLen, OutputLen: o.outputLen, Seed: uint64(o.seed)}.Sample(n, "")
+	if err != nil {
+		return 0, err
+	}
+	var sum int
+	for _, r := range reqs {
+		b, err := pdqbench.ChatBody("pdq-sim", r)
+		if err != nil {
+			return 0, err
+		}
+		sum += len(b)
+	}
+	return float64(sum) / float64(len(reqs)), nil
 }
 
 func runTarget(ctx context.Context, o options, p profile, t target, head, prefill, decode string, concurrency, n int) (result, error) {
