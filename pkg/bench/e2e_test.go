@@ -1,8 +1,10 @@
 package bench_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -166,6 +168,34 @@ func TestBenchPDAgainstSims(t *testing.T) {
 	for _, o := range res.Outputs {
 		if o.TTFT <= 0 || o.Latency < o.TTFT {
 			t.Errorf("output %+v", o)
+		}
+	}
+}
+
+// TestChatBodyIsWhatBenchSends checks ChatBody, by which make bench sizes
+// its load, against the bodies the engine received from a run with the
+// same dataset.
+func TestChatBodyIsWhatBenchSends(t *testing.T) {
+	engine := simtest.Start(t, simtest.FastConfig())
+	cfg := bench.DefaultConfig()
+	cfg.BaseURL, cfg.Backend, cfg.Model = engine.URL, "openai-chat", "pdq-sim"
+	cfg.NumPrompts, cfg.RandomInputLen, cfg.RandomOutputLen, cfg.Seed = 3, 30, 4, 5
+	cfg.RequestIDPrefix = "cb-"
+	if _, err := bench.Run(context.Background(), cfg, io.Discard, nil); err != nil {
+		t.Fatal(err)
+	}
+	reqs, err := bench.RandomDataset{InputLen: 30, OutputLen: 4, Seed: 5}.Sample(3, "cb-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range reqs {
+		want, err := bench.ChatBody("pdq-sim", r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := engine.Requests(t, r.RequestID)
+		if len(got) != 1 || !bytes.Equal(got[0].Body, want) {
+			t.Errorf("%s: the engine received %d requests; want one body of\n%s", r.RequestID, len(got), want)
 		}
 	}
 }

@@ -70,15 +70,16 @@ var profiles = map[string]profile{
 			return map[int]int{1: 20, 16: 128, 64: 512, 256: 512}[c]
 		},
 	},
-	// A 400 KB prompt: 65,000 words of about five bytes each, one at a
-	// time. pdq's own cost of a long body (reading, checking, two queue
-	// hops, two engine bodies) shows as added TTFT and bytes allocated.
+	// A 400 KB prompt: 81,000 words of about five bytes each, a 400 KiB
+	// body (its mean, for the default seed), one at a time. pdq's own
+	// cost of a long body (reading, checking, two queue hops, two engine
+	// bodies) shows as added TTFT and bytes allocated.
 	"long": {
 		name:        "400 KB prompts, zero-latency engines",
 		sim:         []string{"--prefill-overhead", "0s", "--prefill-per-token", "0s", "--kv-transfer-per-block", "0s", "--itl", "0s", "--max-model-len", "200000"},
 		prompts:     func(int) int { return 60 },
 		concurrency: []int{1},
-		inputLen:    65000, outputLen: 8,
+		inputLen:    81000, outputLen: 8,
 	},
 	// 1,000 streams in flight at once: pdq's peak RSS with a fresh start.
 	"streams": {
@@ -226,10 +227,7 @@ func runProfile(o options, key, head, base string, m measured) error {
 			results[i] = medianResult(runs[i])
 		}
 		printTable(c, n, len(runs[0]), targets, results)
-		t := table{base: &results[len(results)-2], head: &results[len(results)-1]}
-		if !p.pdqOnly {
-			t.floor = &results[1]
-		}
+		t := tableOf(results, p.pdqOnly)
 		if t.bodyBytes, err = meanBodyBytes(o, n); err != nil {
 			return err
 		}
@@ -238,8 +236,21 @@ func runProfile(o options, key, head, base string, m measured) error {
 	return nil
 }
 
+// tableOf picks the floor, BASE and HEAD out of the results of one table,
+// in the order of runProfile's targets: the decode engine alone, the
+// floor, BASE, HEAD; or BASE and HEAD alone for a pdq-only profile.
+func tableOf(results []result, pdqOnly bool) table {
+	n := len(results)
+	t := table{base: &results[n-2], head: &results[n-1]}
+	if !pdqOnly {
+		t.floor = &results[1]
+	}
+	return t
+}
+
 // meanBodyBytes is the mean size of the n request bodies pdq bench sends
-// with o's lengths and seed.
+// with o's lengths and seed: the dataset runTarget's flags ask for (no
+// prefix, no range ratio), with the openai-chat backend's body.
 func meanBodyBytes(o options, n int) (float64, error) {
 	reqs, err := pdqbench.RandomDataset{InputLen: o.inputLen, OutputLen: o.outputLen, Seed: uint64(o.seed)}.Sample(n, "")
 	if err != nil {
@@ -428,8 +439,7 @@ func printTable(concurrency, n, runs int, targets []target, rs []result) {
 		head.bench.P50TTFT-floor.P50TTFT, head.bench.P99TTFT-floor.P99TTFT, head.bench.P99ITL-floor.P99ITL,
 		100*head.bench.RequestThroughput/floor.RequestThroughput)
 	if base.bench.Completed > 0 && head.bench.Completed > 0 && base.cpu > 0 {
-		per := func(r result) float64 { return r.cpu.Seconds() / float64(r.bench.Completed) }
-		fmt.Printf("HEAD CPU per request: %.0f%% of the baseline's\n", 100*per(head)/per(base))
+		fmt.Printf("HEAD CPU per request: %.0f%% of the baseline's\n", 100*perRequest(head)/perRequest(base))
 	}
 }
 
