@@ -28,7 +28,7 @@ test: fmt-check vet openai-client ## run the whole test suite with the race dete
 faults: ## run the fault suite alone and print its table (docs/reliability.md)
 	$(GO) test -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
 
-bench: ## side by side: engine alone, the floor, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines
+bench: ## side by side: engine alone, the floor, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines; then HEAD against the targets
 	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))
 
 microbench: ## go test -bench of the hot pieces, with allocations
