@@ -93,6 +93,10 @@ type Resume struct {
 	Created int64 `json:"created"`
 	// Migrations counts the moves so far, for PDQ_MIGRATION_LIMIT.
 	Migrations int `json:"migrations"`
+	// Avoid is the engine the decode broke on (its URL): a worker in front
+	// of it hands the continuation on to another, whose engine is healthy,
+	// rather than break it again past the limit.
+	Avoid string `json:"avoid,omitempty"`
 }
 
 // StageRecord says where and when a stage ran.

@@ -1,7 +1,9 @@
 package tests
 
 import (
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -53,5 +55,52 @@ func TestMigrationBounds(t *testing.T) {
 				t.Errorf("%d decode calls, want %d", n, tc.calls)
 			}
 		})
+	}
+}
+
+// TestMigrationAvoidsBrokenEngine runs two decode workers, one in front of
+// an engine that drops every stream halfway. A request decoded there moves
+// once (PDQ_MIGRATION_LIMIT=1), and its continuation must go to the other
+// engine, not back to the one that broke: back there it would break again,
+// past the limit, and end with an in-stream error. Dynamo keeps a failed
+// worker out of a migration's choice for a few seconds; pdq's workers pull,
+// so the one whose engine broke hands the continuation on.
+func TestMigrationAvoidsBrokenEngine(t *testing.T) {
+	// The breaker would take the dropping engine out after a few
+	// failures and hide what is tested here.
+	c := startCluster(t, clusterOptions{env: []string{"PDQ_MIGRATION_LIMIT=1", "PDQ_BREAKER_FAILURES=100"}})
+	_, healthy := startSimProcess(t)
+	c.worker(dispatcher.StagePrefill, 4)
+	c.worker(dispatcher.StageDecode, 4)
+	c.worker(dispatcher.StageDecode, 4, "PDQ_ENGINE_URL="+healthy.URL)
+	c.ready()
+	setFault(t, c.decode, `{"rate":1,"kind":"drop"}`)
+	const n = 16
+	broken, good := c.decode.Stats(t), healthy.Stats(t)
+	// Four at a time, so that the workers' pulls come in every order.
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 4)
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			b := completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
+			s := postStream(t, c.url+"/v1/completions", fmt.Sprintf("avoid-%d", i), b)
+			sum := summarize(s)
+			if !sum.whole || sim.CountTokens(sum.text) != 16 {
+				t.Errorf("request %d: status %d, whole %v, %d words (%q); want the whole answer of 16",
+					i, s.status, sum.whole, sim.CountTokens(sum.text), sum.text)
+			}
+		})
+	}
+	wg.Wait()
+	idle := func(s sim.Stats) bool { return s.Running == 0 }
+	b := c.decode.WaitStats(t, 10*time.Second, "the dropping engine idle", idle).Requests - broken.Requests
+	g := healthy.WaitStats(t, 10*time.Second, "the healthy engine idle", idle).Requests - good.Requests
+	t.Logf("decode calls: %d on the dropping engine, %d on the healthy one", b, g)
+	// Every request decoded on the dropping engine moved once, to the
+	// healthy one, which so saw all of them.
+	if g != n || b == 0 || b > n {
+		t.Errorf("decode calls: %d on the dropping engine, %d on the healthy one; want 1 to %d, and %d", b, g, n, n)
 	}
 }

@@ -256,6 +256,11 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 				return nil
 			}
 		}
+		if w.avoids(d.Job) {
+			w.breaker.neutral(tok)
+			return dispatcher.HandBack(errAvoided,
+				openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
+		}
 		err := h(ctx, d)
 		var fault *engineFault
 		switch {
@@ -312,6 +317,25 @@ func (w *Worker) alone(model string) bool {
 	}
 	return ok
 }
+
+// avoidHandBacks bounds how often a continuation is handed on from the
+// engine it broke on: past it, it runs there rather than wait longer.
+const avoidHandBacks = 3
+
+// avoids reports whether job is the continuation of a decode that broke
+// on this worker's engine, while another worker of its model has a
+// healthy one. There it would likely break again, past the migration
+// limit, and end in an error: Dynamo keeps such a worker out of a
+// migration's choice for a while; pdq's workers pull, so this one hands
+// the continuation on. The hand-back goes to the oldest waiting pull,
+// which is rarely this worker's own: it pulled again as the job came.
+func (w *Worker) avoids(job *dispatcher.Job) bool {
+	return job.Resume != nil && job.Resume.Avoid == w.engine.URL() && job.HandBacks < avoidHandBacks && !w.alone(job.Model)
+}
+
+// errAvoided is the failure of a continuation handed on from the engine
+// it broke on.
+var errAvoided = errors.New("the decode broke on this engine: continuation handed on to another")
 
 // errHandedBack is the failure of a job pulled as the worker's breaker
 // opened: it never reached the engine.
