@@ -70,8 +70,9 @@ type Job struct {
 	// payload, without NATS headers (see [ReplyWriter]); a worker sends
 	// them with headers otherwise.
 	ReplyFramed bool
-	// HandBacks counts the times a worker whose engine was failing gave
-	// the job back unrun; each copy has its own message id.
+	// HandBacks counts the times a worker gave the job back unrun (its
+	// engine failing, or a continuation's engine the one it broke on);
+	// each copy has its own message id.
 	HandBacks int
 	// RecordRevision is the revision its request's record had when this
 	// generation was queued, when that is known (0 otherwise). While the
@@ -93,10 +94,12 @@ type Resume struct {
 	Created int64 `json:"created"`
 	// Migrations counts the moves so far, for PDQ_MIGRATION_LIMIT.
 	Migrations int `json:"migrations"`
-	// Avoid is the engine the decode broke on (its URL): a worker in front
-	// of it hands the continuation on to another, whose engine is healthy,
-	// rather than break it again past the limit.
-	Avoid string `json:"avoid,omitempty"`
+	// Avoid is the engine the decode broke on (its URL), and AvoidUntil
+	// (Unix milliseconds) how long a worker in front of it hands the
+	// continuation on to another whose engine is healthy, rather than
+	// break it again past the limit. Only the latest break is named.
+	Avoid      string `json:"avoid,omitempty"`
+	AvoidUntil int64  `json:"avoid_until,omitempty"`
 }
 
 // StageRecord says where and when a stage ran.

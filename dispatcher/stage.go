@@ -154,6 +154,10 @@ func (d *Delivery) Migrate(body json.RawMessage, resume Resume, cause error) {
 	next := *d.Job
 	next.Body, next.KV, next.Prefill, next.Resume = body, nil, nil, &resume
 	next.Generation = d.Job.Generation + 1
+	// A new job: the hand-backs of the one it continues do not count
+	// against its own (a worker hands on a continuation from the engine
+	// it broke on a bounded number of times).
+	next.HandBacks = 0
 	d.moved = &next
 }
 

@@ -151,7 +151,7 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, o
 		resume.Created = tr.created
 	}
 	resume.Chunks, resume.Tokens, resume.Migrations = out.Sent(), resume.Tokens+tr.tokens, resume.Migrations+1
-	resume.Avoid = w.engine.URL()
+	resume.Avoid, resume.AvoidUntil = w.engine.URL(), time.Now().Add(avoidFor).UnixMilli()
 	d.Migrate(body, resume, err)
 	log.Debug("decode failed after output; moving it", logging.Err(err), "tokens_sent", resume.Tokens)
 	return nil

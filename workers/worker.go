@@ -297,13 +297,7 @@ func (w *Worker) alone(model string) bool {
 	if w.peers == nil {
 		return false
 	}
-	ok := true
-	for _, p := range w.peers.Workers() {
-		if p.Role == w.cfg.Role && p.WorkerID() != w.id && p.Model == model && p.Healthy() {
-			ok = false
-			break
-		}
-	}
+	ok := !w.healthyPeer(model, "")
 	w.mu.Lock()
 	was, seen := w.lonely[model]
 	w.lonely[model] = ok
@@ -318,19 +312,41 @@ func (w *Worker) alone(model string) bool {
 	return ok
 }
 
-// avoidHandBacks bounds how often a continuation is handed on from the
-// engine it broke on: past it, it runs there rather than wait longer.
-const avoidHandBacks = 3
+// A continuation is handed on from the engine it broke on at most
+// avoidHandBacks times, and for avoidFor after the break: past either it
+// runs there rather than wait longer. Each hand-back queues it anew,
+// behind any backlog, and a healthy worker whose slots are all busy has
+// no pull to take it.
+const (
+	avoidHandBacks = 6
+	avoidFor       = 5 * time.Second
+)
 
 // avoids reports whether job is the continuation of a decode that broke
 // on this worker's engine, while another worker of its model has a
-// healthy one. There it would likely break again, past the migration
+// healthy engine. Here it would likely break again, past the migration
 // limit, and end in an error: Dynamo keeps such a worker out of a
 // migration's choice for a while; pdq's workers pull, so this one hands
 // the continuation on. The hand-back goes to the oldest waiting pull,
 // which is rarely this worker's own: it pulled again as the job came.
 func (w *Worker) avoids(job *dispatcher.Job) bool {
-	return job.Resume != nil && job.Resume.Avoid == w.engine.URL() && job.HandBacks < avoidHandBacks && !w.alone(job.Model)
+	r := job.Resume
+	return r != nil && r.Avoid == w.engine.URL() && time.Now().UnixMilli() < r.AvoidUntil &&
+		job.HandBacks < avoidHandBacks && w.healthyPeer(job.Model, w.engine.URL())
+}
+
+// healthyPeer reports whether another worker of this stage serves model
+// with a healthy engine other than engine ("": any).
+func (w *Worker) healthyPeer(model, engine string) bool {
+	if w.peers == nil {
+		return false
+	}
+	for _, p := range w.peers.Workers() {
+		if p.Role == w.cfg.Role && p.WorkerID() != w.id && p.Model == model && p.Healthy() && (engine == "" || p.Engine != engine) {
+			return true
+		}
+	}
+	return false
 }
 
 // errAvoided is the failure of a continuation handed on from the engine
