@@ -55,20 +55,17 @@ func (m measured) get(profile string, concurrency int, floor bool) (table, bool)
 // failed says how the requests of a table that a target is read from
 // failed, "" when none did: a figure from failed requests meets nothing.
 func (t table) failed(floor bool) string {
-	rs := []struct {
-		name string
-		r    *result
-	}{{"HEAD", t.head}}
-	if floor {
-		rs = append(rs, struct {
-			name string
-			r    *result
-		}{"the floor", t.floor})
+	if f := failures("HEAD", t.head); f != "" || !floor {
+		return f
 	}
-	for _, x := range rs {
-		if b := x.r.bench; b.Failed > 0 || b.Completed == 0 {
-			return fmt.Sprintf("%s completed %d of %d", x.name, b.Completed, b.Completed+b.Failed)
-		}
+	return failures("the floor", t.floor)
+}
+
+// failures says how many of r's requests completed, when any failed or
+// none completed; "" otherwise.
+func failures(name string, r *result) string {
+	if b := r.bench; b.Failed > 0 || b.Completed == 0 {
+		return fmt.Sprintf("%s completed %d of %d", name, b.Completed, b.Completed+b.Failed)
 	}
 	return ""
 }
