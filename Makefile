@@ -28,10 +28,10 @@ test: fmt-check vet openai-client ## run the whole test suite with the race dete
 faults: ## run the fault suite alone and print its table (docs/reliability.md)
 	$(GO) test -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
 
-bench: ## side by side: engine alone, the floor, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines; then HEAD against the targets
+bench: ## side by side: engine alone, the floor, a plain P/D proxy, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines; then HEAD and the proxy against the targets
 	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))
 
-microbench: ## go test -bench of the hot pieces, with allocations
+microbench: ## go test -bench of the hot pieces, with allocations, and the durable path alone
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./dispatcher ./workers
 
 openai-client: ## install the pinned official OpenAI Node client that the suite drives

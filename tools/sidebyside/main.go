@@ -1,10 +1,11 @@
 // Command sidebyside is `make bench`: it runs one load, with one seed,
 // against a decode engine alone, the floor (a client that drives both legs
-// itself), pdq up at HEAD and pdq up built from a baseline commit, all in
-// front of the same `pdq sim` engines, and prints a table per concurrency.
+// itself), a plain P/D proxy (tools/pdproxy: a router with no queue), pdq
+// up at HEAD and pdq up built from a baseline commit, all in front of the
+// same `pdq sim` engines, and prints a table per concurrency.
 //
-// The load generator is `pdq bench` (vLLM's bench serve flags); pdq's
-// processes are measured from /proc: CPU seconds (the scheduler's
+// The load generator is `pdq bench` (vLLM's bench serve flags); the
+// routers' processes are measured from /proc: CPU seconds (the scheduler's
 // nanoseconds, or user and system ticks where it has none) and peak RSS,
 // per 1,000 requests. Each run starts a fresh pdq up, so its
 // peak RSS is its own.
@@ -13,7 +14,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -135,7 +135,11 @@ func run() error {
 	defer os.RemoveAll(o.work)
 
 	head := filepath.Join(o.work, "pdq-head")
-	if err := goBuild(".", head); err != nil {
+	if err := goBuild(".", "./cmd/pdq", head); err != nil {
+		return err
+	}
+	proxy := filepath.Join(o.work, "pdproxy")
+	if err := goBuild(".", "./tools/pdproxy", proxy); err != nil {
 		return err
 	}
 	base, err := buildBase(o)
@@ -146,7 +150,7 @@ func run() error {
 		revision("HEAD"), revision(o.base), o.inputLen, o.outputLen, o.seed, machine())
 	m := measured{}
 	for _, name := range o.profiles {
-		if err := runProfile(o, name, head, base, m); err != nil {
+		if err := runProfile(o, name, bins{head: head, base: base, proxy: proxy}, m); err != nil {
 			return err
 		}
 	}
@@ -154,12 +158,21 @@ func run() error {
 	return nil
 }
 
+// bins are the binaries a run starts: pdq at HEAD (also the engines and
+// the load), pdq at BASE, and the plain proxy.
+type bins struct{ head, base, proxy string }
+
 // target is one way of serving the load.
 type target struct {
-	name string
-	pdq  string // the pdq binary to run as pdq up; empty for no router
-	pd   bool   // the floor: pdq bench drives both legs
+	name  string
+	pdq   string // the pdq binary to run as pdq up
+	proxy string // the plain proxy's binary
+	pd    bool   // the floor: pdq bench drives both legs
 }
+
+// router says whether t runs a process of its own in front of the
+// engines, whose CPU and memory are measured.
+func (t target) router() bool { return t.pdq != "" || t.proxy != "" }
 
 // result is what one run measured.
 type result struct {
@@ -169,17 +182,17 @@ type result struct {
 	alloc float64       // bytes pdq allocated over the run; 0: not known
 }
 
-func runProfile(o options, key, head, base string, m measured) error {
+func runProfile(o options, key string, b bins, m measured) error {
 	p := profiles[key]
 	fmt.Printf("\n## %s\n", p.name)
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
-	prefill, psim, err := startSim(ctx, head, p.sim)
+	prefill, psim, err := startSim(ctx, b.head, p.sim)
 	if err != nil {
 		return err
 	}
 	defer stop(psim)
-	decode, dsim, err := startSim(ctx, head, p.sim)
+	decode, dsim, err := startSim(ctx, b.head, p.sim)
 	if err != nil {
 		return err
 	}
@@ -187,11 +200,12 @@ func runProfile(o options, key, head, base string, m measured) error {
 	targets := []target{
 		{name: "decode engine alone"},
 		{name: "floor (client drives P and D)", pd: true},
-		{name: "pdq " + o.base, pdq: base},
-		{name: "pdq HEAD", pdq: head},
+		{name: "plain P/D proxy", proxy: b.proxy},
+		{name: "pdq " + o.base, pdq: b.base},
+		{name: "pdq HEAD", pdq: b.head},
 	}
 	if p.pdqOnly {
-		targets = targets[2:]
+		targets = targets[3:]
 	}
 	conc := o.concurrency
 	if p.concurrency != nil {
@@ -215,7 +229,7 @@ func runProfile(o options, key, head, base string, m measured) error {
 				if (k+round)%2 == 1 {
 					i = len(targets) - 1 - j
 				}
-				r, err := runTarget(ctx, o, p, targets[i], head, prefill, decode, c, n)
+				r, err := runTarget(ctx, o, p, targets[i], b.head, prefill, decode, c, n)
 				if err != nil {
 					return fmt.Errorf("%s at concurrency %d: %w", targets[i].name, c, err)
 				}
@@ -226,8 +240,8 @@ func runProfile(o options, key, head, base string, m measured) error {
 		for i := range targets {
 			results[i] = medianResult(runs[i])
 		}
-		printTable(c, n, len(runs[0]), targets, results)
 		t := tableOf(results, p.pdqOnly)
+		printTable(c, n, len(runs[0]), targets, results, t)
 		if t.bodyBytes, err = meanBodyBytes(o, n); err != nil {
 			return err
 		}
@@ -236,14 +250,15 @@ func runProfile(o options, key, head, base string, m measured) error {
 	return nil
 }
 
-// tableOf picks the floor, BASE and HEAD out of the results of one table,
-// in the order of runProfile's targets: the decode engine alone, the
-// floor, BASE, HEAD; or BASE and HEAD alone for a pdq-only profile.
+// tableOf picks the floor, the plain proxy, BASE and HEAD out of the
+// results of one table, in the order of runProfile's targets: the decode
+// engine alone, the floor, the plain proxy, BASE, HEAD; or BASE and HEAD
+// alone for a pdq-only profile.
 func tableOf(results []result, pdqOnly bool) table {
 	n := len(results)
 	t := table{base: &results[n-2], head: &results[n-1]}
 	if !pdqOnly {
-		t.floor = &results[1]
+		t.floor, t.proxy = &results[1], &results[2]
 	}
 	return t
 }
@@ -270,9 +285,15 @@ func meanBodyBytes(o options, n int) (float64, error) {
 func runTarget(ctx context.Context, o options, p profile, t target, head, prefill, decode string, concurrency, n int) (result, error) {
 	url := decode
 	var up *exec.Cmd
-	if t.pdq != "" {
-		var err error
+	var err error
+	switch {
+	case t.pdq != "":
 		if up, url, err = startUp(ctx, t.pdq, o.work, prefill, decode, p.upEnv); err != nil {
+			return result{}, err
+		}
+		defer stop(up)
+	case t.proxy != "":
+		if up, url, err = startProxy(ctx, t.proxy, prefill, decode); err != nil {
 			return result{}, err
 		}
 		defer stop(up)
@@ -405,7 +426,7 @@ func medianResult(rs []result) result {
 	return m
 }
 
-func printTable(concurrency, n, runs int, targets []target, rs []result) {
+func printTable(concurrency, n, runs int, targets []target, rs []result, tb table) {
 	if runs > 1 {
 		fmt.Printf("\nconcurrency %d, %d requests, median of %d runs\n\n", concurrency, n, runs)
 	} else {
@@ -416,7 +437,7 @@ func printTable(concurrency, n, runs int, targets []target, rs []result) {
 	for i, t := range targets {
 		r := rs[i]
 		cpu, rss, alloc := "-", "-", "-"
-		if t.pdq != "" && r.bench.Completed > 0 {
+		if t.router() && r.bench.Completed > 0 {
 			cpu = fmt.Sprintf("%.2f", r.cpu.Seconds()*1000/float64(r.bench.Completed))
 			rss = fmt.Sprintf("%.0f", float64(r.rss)/(1<<20))
 			if r.alloc > 0 {
@@ -427,19 +448,26 @@ func printTable(concurrency, n, runs int, targets []target, rs []result) {
 			r.bench.Completed+r.bench.Failed, r.bench.P50TTFT, r.bench.P99TTFT, r.bench.P50ITL, r.bench.P99ITL,
 			r.bench.RequestThroughput, r.bench.OutputThroughput, cpu, rss, alloc)
 	}
-	if len(rs) < 4 {
+	if tb.floor == nil {
 		return // no floor to compare with
 	}
-	floor, base, head := rs[1].bench, rs[2], rs[3]
+	floor := tb.floor.bench
 	if floor.RequestThroughput == 0 {
 		fmt.Println("\nthe floor served nothing: no differences to show")
 		return
 	}
-	fmt.Printf("\nHEAD over the floor: TTFT p50 %+.2f ms, p99 %+.2f ms; ITL p99 %+.2f ms; req/s %.0f%% of the floor's\n",
-		head.bench.P50TTFT-floor.P50TTFT, head.bench.P99TTFT-floor.P99TTFT, head.bench.P99ITL-floor.P99ITL,
-		100*head.bench.RequestThroughput/floor.RequestThroughput)
-	if base.bench.Completed > 0 && head.bench.Completed > 0 && base.cpu > 0 {
-		fmt.Printf("HEAD CPU per request: %.0f%% of the baseline's\n", 100*perRequest(head)/perRequest(base))
+	fmt.Println()
+	for _, r := range []struct {
+		name string
+		r    *result
+	}{{"the plain proxy", tb.proxy}, {"HEAD", tb.head}} {
+		fmt.Printf("%s over the floor: TTFT p50 %+.2f ms, p99 %+.2f ms; ITL p99 %+.2f ms; req/s %.0f%% of the floor's", r.name,
+			r.r.bench.P50TTFT-floor.P50TTFT, r.r.bench.P99TTFT-floor.P99TTFT, r.r.bench.P99ITL-floor.P99ITL,
+			100*r.r.bench.RequestThroughput/floor.RequestThroughput)
+		if tb.base.bench.Completed > 0 && r.r.bench.Completed > 0 && tb.base.cpu > 0 {
+			fmt.Printf("; CPU per request %.0f%% of the baseline's", 100*perRequest(*r.r)/perRequest(*tb.base))
+		}
+		fmt.Println()
 	}
 }
 
@@ -451,11 +479,11 @@ func buildBase(o options) (string, error) {
 	}
 	defer exec.Command("git", "worktree", "remove", "--force", dir).Run()
 	bin := filepath.Join(o.work, "pdq-base")
-	return bin, goBuild(dir, bin)
+	return bin, goBuild(dir, "./cmd/pdq", bin)
 }
 
-func goBuild(dir, out string) error {
-	cmd := exec.Command("go", "build", "-o", out, "./cmd/pdq")
+func goBuild(dir, pkg, out string) error {
+	cmd := exec.Command("go", "build", "-o", out, pkg)
 	cmd.Dir = dir
 	if b, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("go build in %s: %w\n%s", dir, err, b)
@@ -529,7 +557,28 @@ func startUp(ctx context.Context, bin, work, prefill, decode string, env []strin
 	return cmd, url, nil
 }
 
-// waitServing waits until pdq up answers a request through both legs.
+// startProxy runs the plain proxy in front of the engines and returns its
+// URL.
+func startProxy(ctx context.Context, bin, prefill, decode string) (*exec.Cmd, string, error) {
+	port, err := freePort()
+	if err != nil {
+		return nil, "", err
+	}
+	url := "http://127.0.0.1:" + strconv.Itoa(port)
+	cmd := exec.CommandContext(ctx, bin, "-addr", strings.TrimPrefix(url, "http://"), "-prefill", prefill, "-decode", decode)
+	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+	if err := cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	if err := waitServing(url); err != nil {
+		stop(cmd)
+		return nil, "", err
+	}
+	return cmd, url, nil
+}
+
+// waitServing waits until a router (pdq up, the plain proxy) answers a
+// request through both legs.
 func waitServing(url string) error {
 	deadline := time.Now().Add(30 * time.Second)
 	body := `{"model":"pdq-sim","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":1}`
@@ -545,7 +594,7 @@ func waitServing(url string) error {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	return errors.New("pdq up did not serve within 30 s")
+	return fmt.Errorf("%s did not serve within 30 s", url)
 }
 
 func waitHTTP(url string) error {
