@@ -4,6 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -172,4 +177,164 @@ func BenchmarkRecordRead(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkDurablePath is the part of a request's way through pdq that
+// JetStream carries, with nothing else: no HTTP, no engines. A gateway
+// stores the job (publish, acknowledged) and waits; a prefill worker,
+// whose pull waits for it, takes it, stores the handoff and acks; a
+// decode worker takes that and acks. With records, the gateway also
+// creates the request's record before the job and writes its end after,
+// and each worker reads it at admission, as pdq's stages do. It reports
+// the CPU of the whole process (the embedded server's included) per
+// request: what two durable hops cost at the least, beside the HTTP work
+// a plain proxy does (tools/pdproxy, in make bench). At concurrency 1,
+// ns/op is the time a request spends in the queues, and each ack empties
+// a stream: the file store then replaces the stream's last block with a
+// new file, about half of the CPU there in a profile.
+func BenchmarkDurablePath(b *testing.B) {
+	for _, records := range []bool{false, true} {
+		for _, conc := range []int{1, 64} {
+			name := fmt.Sprintf("hops/c=%d", conc)
+			if records {
+				name = fmt.Sprintf("hops+records/c=%d", conc)
+			}
+			b.Run(name, func(b *testing.B) { benchDurablePath(b, conc, records) })
+		}
+	}
+}
+
+func benchDurablePath(b *testing.B, conc int, records bool) {
+	nc := embeddedtest.Conn(b, logging.Discard())
+	js, err := jetstream.New(nc)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := Ensure(ctx, js); err != nil {
+		b.Fatal(err)
+	}
+	recs, err := OpenRecords(ctx, js)
+	if err != nil {
+		b.Fatal(err)
+	}
+	proto := benchJob(1500) // a 256-word chat request
+	stages := map[Stage]jetstream.Consumer{}
+	for _, stage := range []Stage{StagePrefill, StageDecode} {
+		if stages[stage], err = EnsureConsumer(ctx, js, stage, proto.Pool, 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var done sync.Map // id → chan struct{}, closed by the decode worker
+	var workers sync.WaitGroup
+	work := func(stage Stage) {
+		defer workers.Done()
+		p := newPuller(ctx, nc, js, DefaultPullWait)
+		defer p.stop()
+		for {
+			m, err := p.next(ctx, stages[stage])
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				continue // an expired pull
+			}
+			job, err := ParseJob(m.Headers(), m.Data())
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			if records {
+				if _, _, err := recs.getChanged(ctx, job.ID, job.RecordRevision); err != nil {
+					b.Error(err)
+				}
+			}
+			if stage == StagePrefill {
+				if err := publish(ctx, js, job.Msg(StageDecode)); err != nil {
+					b.Error(err)
+				}
+			}
+			if err := m.Ack(); err != nil {
+				b.Error(err)
+			}
+			if stage == StageDecode {
+				if ch, ok := done.LoadAndDelete(job.ID); ok {
+					close(ch.(chan struct{}))
+				}
+			}
+		}
+	}
+	for range conc {
+		workers.Add(2)
+		go work(StagePrefill)
+		go work(StageDecode)
+	}
+	var n atomic.Int64
+	request := func() error {
+		job := *proto
+		job.ID = "bench-" + strconv.FormatInt(n.Add(1), 10)
+		rec := &Record{ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool, Endpoint: job.Endpoint,
+			Stream: true, Gateway: job.GatewayID(), Created: job.Submitted, Updated: job.Submitted, Deadline: job.Deadline}
+		if records {
+			rev, err := recs.create(ctx, rec)
+			if err != nil {
+				return err
+			}
+			job.RecordRevision = rev
+		}
+		ch := make(chan struct{})
+		done.Store(job.ID, ch)
+		if err := publish(ctx, js, job.Msg(StagePrefill)); err != nil {
+			return err
+		}
+		select {
+		case <-ch:
+		case <-time.After(10 * time.Second): // a worker gave up on an error
+			return fmt.Errorf("request %s: not decoded within 10 s", job.ID)
+		}
+		if records {
+			rec.State = StateDone
+			if _, err := recs.update(ctx, rec, job.RecordRevision); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for range 2 * conc { // pulls waiting, streams' blocks open
+		if err := request(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ResetTimer()
+	cpu0 := processCPU(b)
+	var gateways sync.WaitGroup
+	var left atomic.Int64 // requests not yet sent, of b.N
+	left.Store(int64(b.N))
+	for range conc {
+		gateways.Add(1)
+		go func() {
+			defer gateways.Done()
+			for left.Add(-1) >= 0 {
+				if err := request(); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	gateways.Wait()
+	b.StopTimer()
+	b.ReportMetric(float64((processCPU(b)-cpu0).Microseconds())/float64(b.N), "cpu-µs/req")
+	cancel()
+	workers.Wait()
+}
+
+// processCPU is the process's user and system CPU time so far.
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
