@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"runtime"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -199,12 +200,17 @@ func BenchmarkDurablePath(b *testing.B) {
 			if records {
 				name = fmt.Sprintf("hops+records/c=%d", conc)
 			}
-			b.Run(name, func(b *testing.B) { benchDurablePath(b, conc, records) })
+			b.Run(name, func(b *testing.B) { benchDurablePath(b, conc, records, 1500) })
 		}
 	}
+	// A 400 KB prompt's body through the two hops: the bytes allocated
+	// (the server's too), as a multiple of the body.
+	b.Run("hops/400KB/c=1", func(b *testing.B) { benchDurablePath(b, 1, false, 400<<10) })
 }
 
-func benchDurablePath(b *testing.B, conc int, records bool) {
+// benchDurablePath runs BenchmarkDurablePath's requests, conc at a time,
+// with records or not, each job's body size bytes.
+func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 	nc := embeddedtest.Conn(b, logging.Discard())
 	js, err := jetstream.New(nc)
 	if err != nil {
@@ -219,7 +225,7 @@ func benchDurablePath(b *testing.B, conc int, records bool) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	proto := benchJob(1500) // a 256-word chat request
+	proto := benchJob(size)
 	stages := map[Stage]jetstream.Consumer{}
 	for _, stage := range []Stage{StagePrefill, StageDecode} {
 		if stages[stage], err = EnsureConsumer(ctx, js, stage, proto.Pool, 0); err != nil {
@@ -306,8 +312,11 @@ func benchDurablePath(b *testing.B, conc int, records bool) {
 			b.Fatal(err)
 		}
 	}
+	b.ReportAllocs()
 	b.ResetTimer()
 	cpu0 := processCPU(b)
+	var mem0, mem1 runtime.MemStats
+	runtime.ReadMemStats(&mem0)
 	var gateways sync.WaitGroup
 	var left atomic.Int64 // requests not yet sent, of b.N
 	left.Store(int64(b.N))
@@ -325,7 +334,11 @@ func benchDurablePath(b *testing.B, conc int, records bool) {
 	}
 	gateways.Wait()
 	b.StopTimer()
+	runtime.ReadMemStats(&mem1)
 	b.ReportMetric(float64((processCPU(b)-cpu0).Microseconds())/float64(b.N), "cpu-µs/req")
+	if size >= 64<<10 {
+		b.ReportMetric(float64(mem1.TotalAlloc-mem0.TotalAlloc)/float64(b.N)/float64(size), "alloc-bodies/req")
+	}
 	cancel()
 	workers.Wait()
 }
