@@ -4,11 +4,13 @@
 package logging
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"log/slog"
 	"math"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -58,19 +60,65 @@ func New(w io.Writer, level, format string) (*slog.Logger, error) {
 	switch strings.ToLower(format) {
 	case FormatAuto:
 		if !tty {
-			return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: lvl})), nil
+			return slog.New(&lazy{h: slog.NewJSONHandler(w, &slog.HandlerOptions{Level: lvl})}), nil
 		}
 	case FormatText:
 	case FormatJSON:
-		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: lvl})), nil
+		return slog.New(&lazy{h: slog.NewJSONHandler(w, &slog.HandlerOptions{Level: lvl})}), nil
 	default:
 		return nil, fmt.Errorf("unknown log format %q (want text or json)", format)
 	}
-	return slog.New(tint.NewTextHandler(w, &tint.Options{
+	return slog.New(&lazy{h: tint.NewTextHandler(w, &tint.Options{
 		Level:      lvl,
 		TimeFormat: time.TimeOnly + ".000",
 		NoColor:    !tty,
-	})), nil
+	})}), nil
+}
+
+// lazy hands a logger's With attributes to its handler with each record it
+// writes, not when the logger is made. slog's handlers format them in
+// WithAttrs, and pdq makes a logger per request and per job (with its
+// request id) that mostly writes nothing: formatting them was 2.4 % of
+// pdq up's CPU at level warn, 64 requests at a time. The output is the
+// same: a handler puts a record's attributes where it would have put the
+// logger's, in the groups open, after those given before.
+type lazy struct {
+	h     slog.Handler
+	attrs []slog.Attr // given after every group h has, not yet to h
+}
+
+func (l *lazy) Enabled(ctx context.Context, level slog.Level) bool { return l.h.Enabled(ctx, level) }
+
+func (l *lazy) WithAttrs(attrs []slog.Attr) slog.Handler {
+	if len(attrs) == 0 {
+		return l
+	}
+	return &lazy{h: l.h, attrs: append(slices.Clip(l.attrs), attrs...)}
+}
+
+// WithGroup gives h the attributes first: they are outside the group.
+func (l *lazy) WithGroup(name string) slog.Handler {
+	if name == "" {
+		return l
+	}
+	h := l.h
+	if len(l.attrs) > 0 {
+		h = h.WithAttrs(l.attrs)
+	}
+	return &lazy{h: h.WithGroup(name)}
+}
+
+func (l *lazy) Handle(ctx context.Context, r slog.Record) error {
+	if len(l.attrs) == 0 {
+		return l.h.Handle(ctx, r)
+	}
+	with := slog.NewRecord(r.Time, r.Level, r.Message, r.PC)
+	with.AddAttrs(l.attrs...)
+	r.Attrs(func(a slog.Attr) bool {
+		with.AddAttrs(a)
+		return true
+	})
+	return l.h.Handle(ctx, with)
 }
 
 // Discard returns a logger that drops everything, for tests that do not

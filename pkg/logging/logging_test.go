@@ -3,10 +3,13 @@ package logging
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/lmittmann/tint"
 )
 
 func TestParseLevel(t *testing.T) {
@@ -73,5 +76,74 @@ func TestNewFormats(t *testing.T) {
 func TestMs(t *testing.T) {
 	if a := Ms("d", 1234567*time.Nanosecond); a.Key != "d" || a.Value.Float64() != 1.23 {
 		t.Errorf("Ms = %v", a)
+	}
+}
+
+// A lazy logger writes what the handler it wraps writes, for loggers made
+// with any mix of With and WithGroup.
+func TestLazyWritesTheSame(t *testing.T) {
+	noTime := func(groups []string, a slog.Attr) slog.Attr {
+		if len(groups) == 0 && a.Key == slog.TimeKey {
+			return slog.Attr{}
+		}
+		return a
+	}
+	handlers := map[string]func(w io.Writer) slog.Handler{
+		"json": func(w io.Writer) slog.Handler {
+			return slog.NewJSONHandler(w, &slog.HandlerOptions{Level: slog.LevelDebug, ReplaceAttr: noTime})
+		},
+		"text": func(w io.Writer) slog.Handler {
+			return tint.NewTextHandler(w, &tint.Options{Level: slog.LevelDebug, NoColor: true, ReplaceAttr: noTime})
+		},
+	}
+	loggers := map[string]func(l *slog.Logger) *slog.Logger{
+		"plain":             func(l *slog.Logger) *slog.Logger { return l },
+		"with":              func(l *slog.Logger) *slog.Logger { return l.With(KeyRequestID, "r1", "n", 2) },
+		"with twice":        func(l *slog.Logger) *slog.Logger { return l.With(KeyRequestID, "r1").With("generation", 3) },
+		"group after with":  func(l *slog.Logger) *slog.Logger { return l.With("a", 1).WithGroup("g").With("b", 2) },
+		"group first":       func(l *slog.Logger) *slog.Logger { return l.WithGroup("g").With("b", 2) },
+		"empty group":       func(l *slog.Logger) *slog.Logger { return l.With("a", 1).WithGroup("").With("b", 2) },
+		"group attribute":   func(l *slog.Logger) *slog.Logger { return l.With(slog.Group("req", "id", "r1", "n", 1)) },
+		"inline group":      func(l *slog.Logger) *slog.Logger { return l.With(slog.Group("", "id", "r1")) },
+		"empty attribute":   func(l *slog.Logger) *slog.Logger { return l.With(slog.Attr{}, "a", 1) },
+		"duplicate key":     func(l *slog.Logger) *slog.Logger { return l.With("a", 1).With("a", 2) },
+		"siblings share":    func(l *slog.Logger) *slog.Logger { p := l.With("a", 1); p.With("b", 2); return p.With("c", 3) },
+		"many attributes":   func(l *slog.Logger) *slog.Logger { return l.With("a", 1, "b", 2, "c", 3, "d", 4, "e", 5, "f", 6) },
+		"nested groups":     func(l *slog.Logger) *slog.Logger { return l.WithGroup("g").With("a", 1).WithGroup("h").With("b", 2) },
+		"with, no argument": func(l *slog.Logger) *slog.Logger { return l.With() },
+	}
+	for hname, h := range handlers {
+		for lname, derive := range loggers {
+			t.Run(hname+"/"+lname, func(t *testing.T) {
+				var eager, deferred bytes.Buffer
+				for _, l := range []*slog.Logger{derive(slog.New(h(&eager))), derive(slog.New(&lazy{h: h(&deferred)}))} {
+					l.Info("one", "x", 1, "y", "two", "z", 3, "w", 4, "v", 5, "u", 6)
+					l.Warn("two", slog.Group("grp", "k", "v"))
+					l.Debug("three")
+				}
+				if eager.String() != deferred.String() {
+					t.Errorf("lazy wrote\n%s\nthe handler alone\n%s", deferred.String(), eager.String())
+				}
+			})
+		}
+	}
+}
+
+// BenchmarkWithUnwritten is a logger made per job that writes nothing, as
+// at level warn.
+func BenchmarkWithUnwritten(b *testing.B) {
+	for _, lazily := range []bool{false, true} {
+		b.Run(map[bool]string{false: "eager", true: "lazy"}[lazily], func(b *testing.B) {
+			var h slog.Handler = slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelWarn})
+			if lazily {
+				h = &lazy{h: h}
+			}
+			root := slog.New(h).With(KeyComponent, "prefill", "engine", "http://127.0.0.1:8100")
+			b.ReportAllocs()
+			for b.Loop() {
+				l := root.With(KeyRequestID, "bench-0123456789abcdef", "generation", 1, "attempt", 1)
+				l.Info("not written")
+			}
+		})
 	}
 }
