@@ -14,7 +14,13 @@ import (
 // startJetStream runs an embedded server with pdq's topology for one test.
 func startJetStream(t *testing.T) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	nc := embeddedtest.Conn(t, logging.Discard())
+	return startJetStreamAt(t, t.TempDir())
+}
+
+// startJetStreamAt is startJetStream with the server's store in dir.
+func startJetStreamAt(t *testing.T, dir string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc := embeddedtest.ConnAt(t, logging.Discard(), dir)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)

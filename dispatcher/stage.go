@@ -271,6 +271,9 @@ type StageConfig struct {
 	// AckWait is the consumer's ack wait; 0 takes DefaultAckWait. All
 	// workers of a pool should agree on it.
 	AckWait time.Duration
+	// KeepEvery is how often a loop that takes jobs renews its stream's
+	// keeper (see keeper.go); 0 takes DefaultKeepEvery.
+	KeepEvery time.Duration
 	// KVTTL is the oldest handoff a decode stage runs; 0 takes
 	// DefaultKVTTL.
 	KVTTL time.Duration
@@ -458,7 +461,9 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	}
 	defer runningSub.Unsubscribe()
 
+	keep := newKeeper(l.js, l.cfg.Stage, l.cfg.KeepEvery, l.log)
 	var bg sync.WaitGroup
+	bg.Go(func() { keep.run(ctx) })
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
 	bg.Go(func() { l.sampleDepth(ctx) })
@@ -515,6 +520,7 @@ pull:
 			}
 			continue
 		}
+		keep.tookJob()
 		// The engine slot is taken at once, so that the next turn of the
 		// loop sees it gone; losing a race for the last one, the job waits
 		// for it in process.

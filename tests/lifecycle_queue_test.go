@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
@@ -28,14 +30,28 @@ func TestLifecycleHandoffPublishRetried(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := st.CachedInfo().Config
-	cfg.MaxMsgs = 1
+	info, err := st.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Room for the filler alone, beside the stream's keeper when a decode
+	// loop has made one already (c.ready ran a request).
+	cfg := info.Config
+	cfg.MaxMsgs = int64(info.State.Msgs) + 1
 	if _, err := c.js.UpdateStream(ctx, cfg); err != nil {
 		t.Fatal(err)
 	}
-	filler, err := c.js.Publish(ctx, dispatcher.JobSubject(dispatcher.StageDecode, "no-such-pool", "filler"), []byte(`{}`))
-	if err != nil {
-		t.Fatal(err)
+	// A keeper being renewed holds the room for a moment, before the older
+	// one is purged.
+	var filler *jetstream.PubAck
+	for try := 0; ; try++ {
+		if filler, err = c.js.Publish(ctx, dispatcher.JobSubject(dispatcher.StageDecode, "no-such-pool", "filler"), []byte(`{}`)); err == nil {
+			break
+		}
+		if try == 20 {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	p0 := c.prefill.Stats(t)
 

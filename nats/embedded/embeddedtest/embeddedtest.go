@@ -16,7 +16,13 @@ import (
 // ends.
 func Conn(t testing.TB, log *slog.Logger) *nats.Conn {
 	t.Helper()
-	srv, err := embedded.Start(embedded.Options{DataDir: t.TempDir()}, log)
+	return ConnAt(t, log, t.TempDir())
+}
+
+// ConnAt is Conn with the store in dir, for a test that looks at its files.
+func ConnAt(t testing.TB, log *slog.Logger, dir string) *nats.Conn {
+	t.Helper()
+	srv, err := embedded.Start(embedded.Options{DataDir: dir}, log)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,73 @@
+package dispatcher
+
+import (
+	"context"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// At low load each ack empties a stage stream, and the file store then
+// replaces the stream's last block with a new file: a file made and one
+// removed for every job (about half of the queues' CPU at concurrency 1
+// in BenchmarkDurablePath). A loop that takes jobs keeps one message that
+// no consumer takes in its stream, so that its last block never empties.
+func TestStageLoopKeepsItsStreamsLastBlock(t *testing.T) {
+	dir := t.TempDir()
+	nc, js := startJetStreamAt(t, dir)
+	ctx := context.Background()
+	lt := startLoop(t, nc, js, StageConfig{KeepEvery: 20 * time.Millisecond, Handler: func(ctx context.Context, d *Delivery) error {
+		d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+		return nil
+	}})
+	const jobs = 40
+	for i := range jobs {
+		lt.submit("job-" + strconv.Itoa(i))
+		waitFor(t, "the ack", func() bool { return lt.pending(StagePrefill) == 0 })
+		time.Sleep(2 * time.Millisecond) // refreshes of the keeper come between jobs
+	}
+
+	// The block files of PDQ_PREFILL are numbered in the order they were
+	// made: one a job without the keeper.
+	blocks, err := filepath.Glob(filepath.Join(dir, "jetstream", "*", "streams", StreamPrefill, "msgs", "*.blk"))
+	if err != nil || len(blocks) == 0 {
+		t.Fatalf("no block files of %s under %s: %v", StreamPrefill, dir, err)
+	}
+	newest := 0
+	for _, b := range blocks {
+		n, err := strconv.Atoi(strings.TrimSuffix(filepath.Base(b), ".blk"))
+		if err != nil {
+			t.Fatalf("block file %s", b)
+		}
+		newest = max(newest, n)
+	}
+	if newest > 3 {
+		t.Errorf("%d jobs made %d block files of %s, want at most 3", jobs, newest, StreamPrefill)
+	}
+
+	// One keeper stays, the older ones purged (a renewal purges just after
+	// it publishes), and no consumer took it.
+	st, err := js.Stream(ctx, StreamPrefill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keepers := func() uint64 {
+		info, err := st.Info(ctx, jetstream.WithSubjectFilter(keeperSubject(StagePrefill)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.State.Subjects[keeperSubject(StagePrefill)]
+	}
+	waitFor(t, "one keeper", func() bool { return keepers() == 1 })
+	time.Sleep(50 * time.Millisecond) // past any renewal under way
+	if n := keepers(); n != 1 {
+		t.Errorf("%s holds %d keepers, want 1", StreamPrefill, n)
+	}
+	if lt.pending(StagePrefill) != 0 {
+		t.Errorf("jobs left in %s", StreamPrefill)
+	}
+}
