@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/lmittmann/tint"
@@ -75,16 +76,18 @@ func New(w io.Writer, level, format string) (*slog.Logger, error) {
 	})}), nil
 }
 
-// lazy hands a logger's With attributes to its handler with each record it
-// writes, not when the logger is made. slog's handlers format them in
-// WithAttrs, and pdq makes a logger per request and per job (with its
-// request id) that mostly writes nothing: formatting them was 2.4 % of
-// pdq up's CPU at level warn, 64 requests at a time. The output is the
-// same: a handler puts a record's attributes where it would have put the
-// logger's, in the groups open, after those given before.
+// lazy gives a logger's With attributes to its handler when the logger
+// first writes a record, not when the logger is made. slog's handlers
+// format them in WithAttrs, and pdq makes a logger per request and per job
+// (with its request id) that mostly writes nothing: formatting them was
+// 2.4 % of pdq up's CPU at level warn, 64 requests at a time. A logger that
+// writes calls WithAttrs once, with the same attributes, values resolved
+// when they were given, as slog's handlers resolve them: the output is
+// the same.
 type lazy struct {
 	h     slog.Handler
 	attrs []slog.Attr // given after every group h has, not yet to h
+	with  atomic.Pointer[slog.Handler]
 }
 
 func (l *lazy) Enabled(ctx context.Context, level slog.Level) bool { return l.h.Enabled(ctx, level) }
@@ -93,7 +96,11 @@ func (l *lazy) WithAttrs(attrs []slog.Attr) slog.Handler {
 	if len(attrs) == 0 {
 		return l
 	}
-	return &lazy{h: l.h, attrs: append(slices.Clip(l.attrs), attrs...)}
+	all := slices.Grow(slices.Clip(l.attrs), len(attrs))
+	for _, a := range attrs {
+		all = append(all, resolved(a))
+	}
+	return &lazy{h: l.h, attrs: all}
 }
 
 // WithGroup gives h the attributes first: they are outside the group.
@@ -101,24 +108,36 @@ func (l *lazy) WithGroup(name string) slog.Handler {
 	if name == "" {
 		return l
 	}
-	h := l.h
-	if len(l.attrs) > 0 {
-		h = h.WithAttrs(l.attrs)
-	}
-	return &lazy{h: h.WithGroup(name)}
+	return &lazy{h: l.handler().WithGroup(name)}
 }
 
-func (l *lazy) Handle(ctx context.Context, r slog.Record) error {
+func (l *lazy) Handle(ctx context.Context, r slog.Record) error { return l.handler().Handle(ctx, r) }
+
+// handler is h with the attributes, made at the first call.
+func (l *lazy) handler() slog.Handler {
 	if len(l.attrs) == 0 {
-		return l.h.Handle(ctx, r)
+		return l.h
 	}
-	with := slog.NewRecord(r.Time, r.Level, r.Message, r.PC)
-	with.AddAttrs(l.attrs...)
-	r.Attrs(func(a slog.Attr) bool {
-		with.AddAttrs(a)
-		return true
-	})
-	return l.h.Handle(ctx, with)
+	if h := l.with.Load(); h != nil {
+		return *h
+	}
+	h := l.h.WithAttrs(slices.Clone(l.attrs))
+	l.with.CompareAndSwap(nil, &h) // two first calls make equal handlers
+	return h
+}
+
+// resolved is a with its value's LogValuers resolved, in groups too.
+func resolved(a slog.Attr) slog.Attr {
+	a.Value = a.Value.Resolve()
+	if a.Value.Kind() == slog.KindGroup {
+		group := a.Value.Group()
+		members := make([]slog.Attr, len(group))
+		for i, m := range group {
+			members[i] = resolved(m)
+		}
+		a.Value = slog.GroupValue(members...)
+	}
+	return a
 }
 
 // Discard returns a logger that drops everything, for tests that do not

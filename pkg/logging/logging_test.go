@@ -2,6 +2,7 @@ package logging
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"log/slog"
@@ -111,6 +112,20 @@ func TestLazyWritesTheSame(t *testing.T) {
 		"many attributes":   func(l *slog.Logger) *slog.Logger { return l.With("a", 1, "b", 2, "c", 3, "d", 4, "e", 5, "f", 6) },
 		"nested groups":     func(l *slog.Logger) *slog.Logger { return l.WithGroup("g").With("a", 1).WithGroup("h").With("b", 2) },
 		"with, no argument": func(l *slog.Logger) *slog.Logger { return l.With() },
+		// A LogValuer is resolved when it is given, as the handlers resolve
+		// it, not when the logger first writes.
+		"log valuer": func(l *slog.Logger) *slog.Logger {
+			b := &box{n: 1}
+			l = l.With("n", b)
+			b.n = 2
+			return l
+		},
+		"log valuer in group": func(l *slog.Logger) *slog.Logger {
+			b := &box{n: 1}
+			l = l.With(slog.Group("g", "n", b))
+			b.n = 2
+			return l
+		},
 	}
 	for hname, h := range handlers {
 		for lname, derive := range loggers {
@@ -127,6 +142,46 @@ func TestLazyWritesTheSame(t *testing.T) {
 			})
 		}
 	}
+}
+
+// box is a LogValuer whose value is n when it is resolved.
+type box struct{ n int }
+
+func (b *box) LogValue() slog.Value { return slog.IntValue(b.n) }
+
+// A lazy logger gives its attributes to its handler once, when it first
+// writes, and never when it writes nothing.
+func TestLazyGivesAttributesOnce(t *testing.T) {
+	h := &countingHandler{Handler: slog.NewJSONHandler(io.Discard, nil)}
+	root := slog.New(&lazy{h: h})
+	root.With("a", 1).Debug("below the level")
+	root.With("a", 1).Info("")
+	if h.withAttrs != 0 {
+		t.Errorf("WithAttrs called %d times by loggers that wrote nothing", h.withAttrs)
+	}
+	l := root.With("a", 1).With("b", 2)
+	for range 3 {
+		l.Warn("written")
+	}
+	if h.withAttrs != 1 {
+		t.Errorf("WithAttrs called %d times by a logger that wrote three records, want once", h.withAttrs)
+	}
+}
+
+// countingHandler counts WithAttrs calls; its records go nowhere below
+// warn.
+type countingHandler struct {
+	slog.Handler
+	withAttrs int
+}
+
+func (h *countingHandler) Enabled(_ context.Context, level slog.Level) bool {
+	return level >= slog.LevelWarn
+}
+
+func (h *countingHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
+	h.withAttrs++
+	return h
 }
 
 // BenchmarkWithUnwritten is a logger made per job that writes nothing, as
