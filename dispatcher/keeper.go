@@ -32,10 +32,10 @@ import (
 const DefaultKeepEvery = 2 * time.Second
 
 // keeperNote is a keeper's body, for whoever reads the stream.
-var keeperNote = []byte("pdq: kept so that the stream's last file block never empties; no worker takes it")
+const keeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
 
-// keeperSubject is where stage's stream keeps its keeper.
-func keeperSubject(stage Stage) string { return stageSubject(stage) + ".keep" }
+// KeeperSubject is where stage's stream keeps its keeper.
+func KeeperSubject(stage Stage) string { return stageSubject(stage) + ".keep" }
 
 // keeper renews one stage stream's keeper for a loop.
 type keeper struct {
@@ -83,12 +83,13 @@ func (k *keeper) run(ctx context.Context) {
 
 // renew publishes a keeper and purges the older ones. Loops renewing in
 // the same period publish one keeper between them (one message id), and
-// only the one whose keeper was stored purges.
+// only the one whose keeper was stored purges. A renewal under way as the
+// loop stops still purges, within its time-out, rather than leave two.
 func (k *keeper) renew(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	msg := nats.NewMsg(keeperSubject(k.stage))
-	msg.Data = keeperNote
+	msg := nats.NewMsg(KeeperSubject(k.stage))
+	msg.Data = []byte(keeperNote)
 	msg.Header[nats.MsgIdHdr] = []string{"keep/" + strconv.FormatInt(time.Now().UnixNano()/int64(k.every), 10)}
 	ack, err := k.js.PublishMsg(ctx, msg)
 	if err != nil {
@@ -102,7 +103,7 @@ func (k *keeper) renew(ctx context.Context) error {
 			return fmt.Errorf("look up the stream: %w", err)
 		}
 	}
-	if err := k.st.Purge(ctx, jetstream.WithPurgeSubject(keeperSubject(k.stage)), jetstream.WithPurgeKeep(1)); err != nil {
+	if err := k.st.Purge(ctx, jetstream.WithPurgeSubject(KeeperSubject(k.stage)), jetstream.WithPurgeKeep(1)); err != nil {
 		return fmt.Errorf("purge older keepers: %w", err)
 	}
 	return nil

@@ -367,7 +367,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
 		return nil, fmt.Errorf("stage loop: pool, slots >= 1 and a handler are required")
 	}
-	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.PullWait < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 || cfg.StallTimeout < 0 {
+	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.PullWait < 0 || cfg.KeepEvery < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 || cfg.StallTimeout < 0 {
 		return nil, fmt.Errorf("stage loop: durations and limits must not be negative")
 	}
 	if cfg.Grace == 0 {

@@ -30,19 +30,23 @@ func TestLifecycleHandoffPublishRetried(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	info, err := st.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Room for the filler alone, beside the stream's keeper when a decode
-	// loop has made one already (c.ready ran a request).
+	// Room for the filler alone, beside the stream's keeper: the decode
+	// loop made one when c.ready's request went through. A renewal may hold
+	// two for a moment, before it purges the older.
+	keeper := dispatcher.KeeperSubject(dispatcher.StageDecode)
+	var info *jetstream.StreamInfo
+	waitUntil(t, "one keeper in "+dispatcher.StreamDecode, func() bool {
+		if info, err = st.Info(ctx, jetstream.WithSubjectFilter(keeper)); err != nil {
+			t.Fatal(err)
+		}
+		return info.State.Subjects[keeper] == 1 && info.State.Msgs == 1
+	})
 	cfg := info.Config
-	cfg.MaxMsgs = int64(info.State.Msgs) + 1
+	cfg.MaxMsgs = 2
 	if _, err := c.js.UpdateStream(ctx, cfg); err != nil {
 		t.Fatal(err)
 	}
-	// A keeper being renewed holds the room for a moment, before the older
-	// one is purged.
+	// A renewal under way still holds the room for a moment.
 	var filler *jetstream.PubAck
 	for try := 0; ; try++ {
 		if filler, err = c.js.Publish(ctx, dispatcher.JobSubject(dispatcher.StageDecode, "no-such-pool", "filler"), []byte(`{}`)); err == nil {
