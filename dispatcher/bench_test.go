@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"runtime"
 	"strconv"
@@ -190,9 +191,11 @@ func BenchmarkRecordRead(b *testing.B) {
 // the CPU of the whole process (the embedded server's included) per
 // request: what two durable hops cost at the least, beside the HTTP work
 // a plain proxy does (tools/pdproxy, in make bench). At concurrency 1,
-// ns/op is the time a request spends in the queues, and each ack empties
-// a stream: the file store then replaces the stream's last block with a
-// new file, about half of the CPU there in a profile.
+// ns/op is the time a request spends in the queues (with records, their
+// creation and end too). Each stream holds a keeper, as in pdq: without
+// one, each ack there empties its stream, and the file store replaces the
+// stream's last block with a new file, about half of the CPU there in a
+// profile.
 func BenchmarkDurablePath(b *testing.B) {
 	for _, records := range []bool{false, true} {
 		for _, conc := range []int{1, 64} {
@@ -232,6 +235,12 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 			b.Fatal(err)
 		}
 	}
+	// Each stream's keeper, as pdq's stage loops keep one (keeper.go).
+	for _, stage := range []Stage{StagePrefill, StageDecode} {
+		if _, err := js.Publish(ctx, KeeperSubject(stage), []byte(keeperNote)); err != nil {
+			b.Fatal(err)
+		}
+	}
 	var done sync.Map // id → chan struct{}, closed by the decode worker
 	var workers sync.WaitGroup
 	work := func(stage Stage) {
@@ -243,8 +252,12 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 			if ctx.Err() != nil {
 				return
 			}
-			if err != nil {
+			if errors.Is(err, nats.ErrTimeout) || errors.Is(err, jetstream.ErrNoMessages) {
 				continue // an expired pull
+			}
+			if err != nil {
+				b.Error(err)
+				return
 			}
 			job, err := ParseJob(m.Headers(), m.Data())
 			if err != nil {
