@@ -10,7 +10,11 @@
 // {do_remote_decode:true}, stream false, max_tokens (and
 // max_completion_tokens, when set) 1, no stream_options and no min_tokens;
 // the decode body is the request with the kv_transfer_params the prefill
-// returned; both legs carry the same X-Request-Id.
+// returned; both legs carry the same X-Request-Id. It decodes and encodes
+// the request's top level with encoding/json, as most proxies do (pdq
+// splices the body instead). A prefill answer without kv_transfer_params
+// is a 502, as in vLLM's disagg_proxy_demo.py (toy_proxy_server.py would
+// send the decode leg on without them, to recompute the prompt).
 //
 //	pdproxy -addr 127.0.0.1:8000 -prefill http://127.0.0.1:8100 -decode http://127.0.0.1:8200
 package main
@@ -25,7 +29,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log"
 	"net/http"
 	"os"
 	"os/signal"
@@ -43,14 +46,23 @@ func main() {
 	}
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
-	srv := &http.Server{Addr: *addr, Handler: newHandler(*prefill, *decode)}
+	if err := run(ctx, *addr, newHandler(*prefill, *decode)); err != nil {
+		fmt.Fprintln(os.Stderr, "pdproxy:", err)
+		os.Exit(1)
+	}
+}
+
+// run serves h on addr until ctx ends.
+func run(ctx context.Context, addr string, h http.Handler) error {
+	srv := &http.Server{Addr: addr, Handler: h}
 	go func() {
 		<-ctx.Done()
 		srv.Close()
 	}()
 	if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
-		log.Fatal(err)
+		return err
 	}
+	return nil
 }
 
 // newHandler serves the OpenAI generation endpoints through the engines
@@ -73,7 +85,7 @@ type proxy struct {
 
 // prefillParams is what a router sends the prefill engine
 // (toy_proxy_server.py).
-var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+const prefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
 
 func (p *proxy) serve(w http.ResponseWriter, r *http.Request) {
 	body, err := io.ReadAll(r.Body)
@@ -94,7 +106,7 @@ func (p *proxy) serve(w http.ResponseWriter, r *http.Request) {
 	for k, v := range req {
 		pre[k] = v
 	}
-	pre["kv_transfer_params"] = prefillParams
+	pre["kv_transfer_params"] = json.RawMessage(prefillParams)
 	pre["stream"] = json.RawMessage("false")
 	pre["max_tokens"] = json.RawMessage("1")
 	if _, ok := pre["max_completion_tokens"]; ok {
