@@ -18,14 +18,16 @@ import (
 // next message. At low load, when each job is acked before the next one
 // comes, that is a file made and one removed for every job on each stage
 // stream: about half of the queues' CPU at concurrency 1 in
-// BenchmarkDurablePath, and 14 % of pdq up's in a profile. So a loop that
-// takes jobs keeps one message in its stream that no consumer takes, its
-// keeper, at pdq.<stage>.keep: a token short of any job's subject, so no
-// pool's filter matches it. The last block is not empty while it holds the
-// keeper; when that block fills and the store begins another, the next
-// renewal puts a keeper there. A loop renews it after it takes a job, at
-// most every KeepEvery, and purges the older ones; an idle loop publishes
-// nothing.
+// BenchmarkDurablePath, and 8 to 14 % of pdq up's in three profiles. So a
+// loop that takes jobs keeps one message in its stream that no consumer
+// takes, its keeper, at pdq.<stage>.keep: a token short of any job's
+// subject, so no pool's filter matches it. The last block is not empty
+// while it holds the keeper; when that block fills and the store begins
+// another, the next renewal puts a keeper there. A loop renews it after it
+// takes a job, at most every KeepEvery, and purges the older ones; an idle
+// loop publishes nothing. The cost: the block held open keeps a write
+// cache, which for long bodies takes large buffers from the server's pool
+// (docs/benchmarks.md).
 
 // DefaultKeepEvery is how often, at most, a loop that takes jobs renews
 // its stream's keeper.
