@@ -92,15 +92,21 @@ type lazy struct {
 
 func (l *lazy) Enabled(ctx context.Context, level slog.Level) bool { return l.h.Enabled(ctx, level) }
 
+// WithAttrs starts from this logger's handler with its attributes when it
+// has made it already (it wrote), so as not to format those again.
 func (l *lazy) WithAttrs(attrs []slog.Attr) slog.Handler {
 	if len(attrs) == 0 {
 		return l
 	}
-	all := slices.Grow(slices.Clip(l.attrs), len(attrs))
+	h, all := l.h, slices.Clip(l.attrs)
+	if made := l.with.Load(); made != nil {
+		h, all = *made, nil
+	}
+	all = slices.Grow(all, len(attrs))
 	for _, a := range attrs {
 		all = append(all, resolved(a))
 	}
-	return &lazy{h: l.h, attrs: all}
+	return &lazy{h: h, attrs: all}
 }
 
 // WithGroup gives h the attributes first: they are outside the group.

@@ -112,6 +112,11 @@ func TestLazyWritesTheSame(t *testing.T) {
 		"many attributes":   func(l *slog.Logger) *slog.Logger { return l.With("a", 1, "b", 2, "c", 3, "d", 4, "e", 5, "f", 6) },
 		"nested groups":     func(l *slog.Logger) *slog.Logger { return l.WithGroup("g").With("a", 1).WithGroup("h").With("b", 2) },
 		"with, no argument": func(l *slog.Logger) *slog.Logger { return l.With() },
+		"made from a writer": func(l *slog.Logger) *slog.Logger {
+			p := l.With("a", 1)
+			p.Info("the parent writes first")
+			return p.With("b", 2).WithGroup("g").With("c", 3)
+		},
 		// A LogValuer is resolved when it is given, as the handlers resolve
 		// it, not when the logger first writes.
 		"log valuer": func(l *slog.Logger) *slog.Logger {
@@ -163,8 +168,13 @@ func TestLazyGivesAttributesOnce(t *testing.T) {
 	for range 3 {
 		l.Warn("written")
 	}
-	if h.withAttrs != 1 {
-		t.Errorf("WithAttrs called %d times by a logger that wrote three records, want once", h.withAttrs)
+	if h.withAttrs != 1 || h.given != 2 {
+		t.Errorf("WithAttrs called %d times with %d attributes by a logger that wrote three records, want once with 2", h.withAttrs, h.given)
+	}
+	// A logger made from one that wrote gives only its own.
+	l.With("c", 3).Warn("written")
+	if h.withAttrs != 2 || h.given != 3 {
+		t.Errorf("WithAttrs called %d times with %d attributes in all, want twice with 3", h.withAttrs, h.given)
 	}
 }
 
@@ -172,7 +182,7 @@ func TestLazyGivesAttributesOnce(t *testing.T) {
 // warn.
 type countingHandler struct {
 	slog.Handler
-	withAttrs int
+	withAttrs, given int
 }
 
 func (h *countingHandler) Enabled(_ context.Context, level slog.Level) bool {
@@ -181,6 +191,7 @@ func (h *countingHandler) Enabled(_ context.Context, level slog.Level) bool {
 
 func (h *countingHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
 	h.withAttrs++
+	h.given += len(attrs)
 	return h
 }
 
