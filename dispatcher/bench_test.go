@@ -18,7 +18,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/nats/embedded"
-	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -133,15 +132,8 @@ func BenchmarkReplyChunkWire(b *testing.B) {
 // because it is still at the revision its job was queued under; and, to
 // compare, through the KeyValue's Get, decoded.
 func BenchmarkRecordRead(b *testing.B) {
-	nc := embeddedtest.Conn(b, logging.Discard())
-	js, err := jetstream.New(nc)
-	if err != nil {
-		b.Fatal(err)
-	}
+	_, js := startJetStream(b)
 	ctx := context.Background()
-	if err := Ensure(ctx, js); err != nil {
-		b.Fatal(err)
-	}
 	records, err := OpenRecords(ctx, js)
 	if err != nil {
 		b.Fatal(err)
@@ -214,16 +206,9 @@ func BenchmarkDurablePath(b *testing.B) {
 // benchDurablePath runs BenchmarkDurablePath's requests, conc at a time,
 // with records or not, each job's body size bytes.
 func benchDurablePath(b *testing.B, conc int, records bool, size int) {
-	nc := embeddedtest.Conn(b, logging.Discard())
-	js, err := jetstream.New(nc)
-	if err != nil {
-		b.Fatal(err)
-	}
+	nc, js := startJetStream(b)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := Ensure(ctx, js); err != nil {
-		b.Fatal(err)
-	}
 	recs, err := OpenRecords(ctx, js)
 	if err != nil {
 		b.Fatal(err)
@@ -234,9 +219,7 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 		if stages[stage], err = EnsureConsumer(ctx, js, stage, proto.Pool, 0); err != nil {
 			b.Fatal(err)
 		}
-	}
-	// Each stream's keeper, as pdq's stage loops keep one (keeper.go).
-	for _, stage := range []Stage{StagePrefill, StageDecode} {
+		// Each stream's keeper, as pdq's stage loops keep one (keeper.go).
 		if _, err := js.Publish(ctx, KeeperSubject(stage), []byte(keeperNote)); err != nil {
 			b.Fatal(err)
 		}

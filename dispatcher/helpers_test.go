@@ -12,13 +12,13 @@ import (
 )
 
 // startJetStream runs an embedded server with pdq's topology for one test.
-func startJetStream(t *testing.T) (*nats.Conn, jetstream.JetStream) {
+func startJetStream(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
 	return startJetStreamAt(t, t.TempDir())
 }
 
 // startJetStreamAt is startJetStream with the server's store in dir.
-func startJetStreamAt(t *testing.T, dir string) (*nats.Conn, jetstream.JetStream) {
+func startJetStreamAt(t testing.TB, dir string) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
 	nc := embeddedtest.ConnAt(t, logging.Discard(), dir)
 	js, err := jetstream.New(nc)
