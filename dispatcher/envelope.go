@@ -14,10 +14,21 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// EnvelopeVersion is the version of the job envelope this build writes and
-// reads. Version 2: the payload is the client's body bytes, never
-// re-encoded; everything else travels in headers.
+// EnvelopeVersion is the version of the job envelope this build writes
+// for a job whose payload is the client's body alone: the body's bytes,
+// never re-encoded, with everything else in headers. A job whose payload
+// carries more than the body (a handoff's kv_transfer_params) is written
+// as [EnvelopeParts]. This build reads both.
 const EnvelopeVersion = 2
+
+// EnvelopeParts is the version of a job whose payload is the client's body
+// followed by the parts HeaderParts lists. Headers hold bounded metadata
+// only: NATS refuses headers over 64 KiB, and a handoff's
+// kv_transfer_params grow with the prompt (its remote_block_ids, about
+// 8,000 ids at 128k tokens). A worker of an older build refuses such a job
+// (answered and dead-lettered) rather than read the parts as body and
+// decode without the KV, which would silently recompute the prompt.
+const EnvelopeParts = 3
 
 // Job is a request on its way through the stages. On the wire it is the
 // client's body as the message payload and the rest as headers (see
@@ -176,8 +187,13 @@ const (
 	HeaderGeneration   = "Pdq-Generation" // from 1
 	HeaderSubmitted    = "Pdq-Submitted"  // Unix microseconds
 	HeaderPromptTokens = "Pdq-Prompt-Tokens"
-	// HeaderKV carries the prefill's kv_transfer_params on a handoff, as
-	// compact JSON.
+	// HeaderParts lists the parts of a version 3 payload after the body,
+	// in payload order, as name=length, comma-separated: "kv=123".
+	HeaderParts = "Pdq-Parts"
+	// HeaderKV carried a handoff's kv_transfer_params in version 2, as
+	// written by pdq before the params moved to the payload. It is still
+	// read, so that handoffs stored by an older prefill worker decode with
+	// their KV during an upgrade; it is no longer written.
 	HeaderKV = "Pdq-Kv-Transfer-Params"
 	// HeaderPrefill is the prefill's StageRecord on a handoff, as JSON.
 	HeaderPrefill = "Pdq-Prefill"
@@ -199,7 +215,7 @@ const (
 func (j *Job) Msg(stage Stage) *nats.Msg {
 	m := nats.NewMsg(JobSubject(stage, j.Pool, j.ID))
 	h := m.Header
-	h[HeaderVersion] = []string{strconv.Itoa(EnvelopeVersion)}
+	h[HeaderVersion] = versionBody
 	h[HeaderID] = []string{j.ID}
 	h[HeaderModel] = []string{j.Model}
 	h[HeaderPool] = []string{j.Pool}
@@ -214,9 +230,6 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	h[HeaderGeneration] = []string{strconv.Itoa(j.Generation)}
 	h[HeaderSubmitted] = []string{strconv.FormatInt(j.Submitted.UnixMicro(), 10)}
 	h[HeaderPromptTokens] = []string{strconv.Itoa(j.PromptTokens)}
-	if len(j.KV) > 0 {
-		h[HeaderKV] = []string{string(j.KV)}
-	}
 	if j.Prefill != nil {
 		rec, _ := json.Marshal(j.Prefill) // plain fields: it always encodes
 		h[HeaderPrefill] = []string{string(rec)}
@@ -242,7 +255,50 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
+	if len(j.KV) > 0 {
+		// The params follow the body in the payload: they grow with the
+		// prompt. The body is copied once, behind them.
+		h[HeaderVersion] = versionParts
+		h[HeaderParts] = []string{partKV + "=" + strconv.Itoa(len(j.KV))}
+		data := make([]byte, len(j.Body)+len(j.KV))
+		copy(data[copy(data, j.Body):], j.KV)
+		m.Data = data
+	}
 	return m
+}
+
+// The version header's values, made once.
+var (
+	versionBody  = []string{strconv.Itoa(EnvelopeVersion)}
+	versionParts = []string{strconv.Itoa(EnvelopeParts)}
+)
+
+// partKV names a handoff's kv_transfer_params in HeaderParts.
+const partKV = "kv"
+
+// splitParts cuts a version 3 payload into the body and the parts its
+// HeaderParts value lists. Every part must be one this build knows: a
+// part left unread could be one the job cannot run without.
+func splitParts(list string, data []byte) (body, kv []byte, err error) {
+	if list == "" {
+		return nil, nil, fmt.Errorf("header %s: missing from a version %d job", HeaderParts, EnvelopeParts)
+	}
+	end := len(data)
+	names := strings.Split(list, ",")
+	// The parts are the payload's tail, in order: cut them from the end.
+	for i := len(names) - 1; i >= 0; i-- {
+		name, size, ok := strings.Cut(names[i], "=")
+		n, nerr := strconv.Atoi(size)
+		switch {
+		case !ok || nerr != nil || n < 0 || n > end:
+			return nil, nil, fmt.Errorf("header %s: bad part %q for a payload of %d bytes", HeaderParts, names[i], len(data))
+		case name != partKV || kv != nil:
+			return nil, nil, fmt.Errorf("header %s: unknown or repeated part %q", HeaderParts, name)
+		}
+		kv = data[end-n : end : end]
+		end -= n
+	}
+	return data[:end:end], kv, nil
 }
 
 // ErrEnvelopeVersion means a message was written by a pdq this build does
@@ -257,8 +313,22 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
 		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Body: data,
 	}
-	if v := h.Get(HeaderVersion); v != strconv.Itoa(EnvelopeVersion) {
-		return j, fmt.Errorf("%w %q (this pdq reads %d)", ErrEnvelopeVersion, v, EnvelopeVersion)
+	switch v := h.Get(HeaderVersion); v {
+	case versionBody[0]:
+		// Written by an older prefill worker, a handoff has its params in
+		// a header.
+		if kv := h.Get(HeaderKV); kv != "" {
+			j.KV = json.RawMessage(kv)
+		}
+	case versionParts[0]:
+		body, kv, err := splitParts(h.Get(HeaderParts), data)
+		if err != nil {
+			j.Body = nil
+			return j, err
+		}
+		j.Body, j.KV = body, kv
+	default:
+		return j, fmt.Errorf("%w %q (this pdq reads %d and %d)", ErrEnvelopeVersion, v, EnvelopeVersion, EnvelopeParts)
 	}
 	var errs []error
 	num := func(key string) int64 {
@@ -285,9 +355,6 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
 	j.BatchPrompt = h.Get(HeaderBatchPrompt) == "1"
-	if kv := h.Get(HeaderKV); kv != "" {
-		j.KV = json.RawMessage(kv)
-	}
 	if p := h.Get(HeaderPrefill); p != "" {
 		j.Prefill = new(StageRecord)
 		if err := json.Unmarshal([]byte(p), j.Prefill); err != nil {
@@ -306,8 +373,8 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	return j, j.Validate()
 }
 
-// CompactKV returns params as compact JSON, fit for a header: the same
-// object, without the whitespace (a header value cannot hold a newline).
+// CompactKV returns params as compact JSON: the same object, without the
+// whitespace, which a handoff need not store.
 func CompactKV(params json.RawMessage) (json.RawMessage, error) {
 	var b bytes.Buffer
 	if err := json.Compact(&b, params); err != nil {

@@ -53,3 +53,45 @@ func TestJobEnvelope(t *testing.T) {
 		}
 	}
 }
+
+// TestJobPayloadParts checks how a job's payload is read: a handoff stored
+// by an older build (version 2, params in a header) keeps its KV, and a
+// version 3 payload whose parts do not add up, or name a part this build
+// does not know, is refused rather than run without it.
+func TestJobPayloadParts(t *testing.T) {
+	job := &Job{ID: "req-1", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1,
+		Body: json.RawMessage(`{"model":"m"}`), KV: json.RawMessage(`{"remote_block_ids":[1]}`)}
+	m := job.Msg(StageDecode)
+	if v, parts := m.Header.Get(HeaderVersion), m.Header.Get(HeaderParts); v != "3" || parts != "kv=24" {
+		t.Fatalf("a handoff is written as version %s with parts %q, want 3 and kv=24", v, parts)
+	}
+	if bare := (&Job{ID: "req-2", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: job.Body}).Msg(StagePrefill); bare.Header.Get(HeaderVersion) != "2" || string(bare.Data) != string(job.Body) {
+		t.Errorf("a job without params is written as version %s with payload %s, want 2 and the body alone", bare.Header.Get(HeaderVersion), bare.Data)
+	}
+
+	old := job.Msg(StageDecode)
+	old.Header.Set(HeaderVersion, "2")
+	old.Header.Del(HeaderParts)
+	old.Header.Set(HeaderKV, string(job.KV))
+	old.Data = job.Body
+	if got, err := ParseJob(old.Header, old.Data); err != nil || string(got.KV) != string(job.KV) || string(got.Body) != string(job.Body) {
+		t.Errorf("a version 2 handoff read as body %s, params %s (%v)", got.Body, got.KV, err)
+	}
+
+	for _, tc := range []struct{ name, parts string }{
+		{"no parts", ""},
+		{"a part longer than the payload", "kv=1000"},
+		{"a negative length", "kv=-1"},
+		{"an unknown part", "kv=24,original=2"},
+		{"a repeated part", "kv=2,kv=22"},
+		{"no length", "kv"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := job.Msg(StageDecode)
+			m.Header.Set(HeaderParts, tc.parts)
+			if got, err := ParseJob(m.Header, m.Data); err == nil {
+				t.Errorf("parts %q read as body %s, params %s; want an error", tc.parts, got.Body, got.KV)
+			}
+		})
+	}
+}

@@ -166,7 +166,7 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 		return
 	}
 	if d.handoff != nil {
-		if err := s.storeHandoff(ctx, d.handoff); err != nil {
+		if err := s.storeHandoff(ctx, s.fitHandoff(d)); err != nil {
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
 			status := http.StatusServiceUnavailable
 			if errors.Is(err, ErrQueueFull) {
@@ -238,9 +238,42 @@ func (s *settle) confirmAck(ctx context.Context) {
 
 // storeHandoff publishes a prefill's result, retrying the publish (never
 // the prefill) with back-off for up to 10 s.
-func (s *settle) storeHandoff(ctx context.Context, h *Job) error {
-	_, err := s.publishRetry(ctx, h.Msg(StageDecode), "handoff")
+func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg) error {
+	_, err := s.publishRetry(ctx, m, "handoff")
 	return err
+}
+
+// fitHandoff is the message of the delivery's handoff, or, when that is
+// larger than the server takes, of the job sent on decode-only: the body
+// alone fits (the gateway bounds it), and the decode engine prefills the
+// prompt itself, rather than the request failing. That takes a prompt of
+// millions of tokens: with the gateway's 7 MiB bound on bodies and 8 MiB
+// messages, params over 1 MiB, some 150,000 block ids. Its KV is left to
+// the prefill engine's lease: no message can carry it to a decode worker
+// to release.
+func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
+	m := d.handoff.Msg(StageDecode)
+	limit := s.l.nc.MaxPayload()
+	if len(d.handoff.KV) == 0 || limit <= 0 || int64(msgSize(m)) <= limit {
+		return m
+	}
+	s.log.Warn("the handoff is larger than a NATS message: sent decode-only, its KV left to the prefill engine's lease",
+		"body_bytes", len(d.handoff.Body), "kv_bytes", len(d.handoff.KV), "max_payload", limit)
+	s.l.cfg.Metrics.DecodeOnly("handoff_too_large")
+	d.Forward()
+	return d.handoff.Msg(StageDecode)
+}
+
+// msgSize is a message's size as the server counts it against its
+// max_payload: the payload and the encoded headers.
+func msgSize(m *nats.Msg) int {
+	n := len(m.Data) + len("NATS/1.0\r\n\r\n")
+	for k, vs := range m.Header {
+		for _, v := range vs {
+			n += len(k) + len(": \r\n") + len(v)
+		}
+	}
+	return n
 }
 
 // queueRelease hands a handoff that could not be stored to the decode

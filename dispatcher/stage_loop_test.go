@@ -191,7 +191,11 @@ func TestStageLoop(t *testing.T) {
 		}
 		st, _ := js.Stream(ctx, StreamDecode)
 		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "job-1"))
-		if err != nil || string(m.Data) != `{}` || m.Header.Get(HeaderKV) != `{"remote_block_ids":[[1]]}` ||
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := ParseJob(m.Header, m.Data)
+		if err != nil || string(h.Body) != `{}` || string(h.KV) != `{"remote_block_ids":[[1]]}` ||
 			m.Header.Get(jetstream.MsgIDHeader) != "job-1/d1" || m.Header.Get(HeaderGeneration) != "1" {
 			t.Errorf("handoff %s %v: %v", m.Data, m.Header, err)
 		}
@@ -477,6 +481,81 @@ func TestLifecycle(t *testing.T) {
 		}
 	})
 
+	t.Run("a handoff whose kv_transfer_params outgrow a NATS header is stored whole", func(t *testing.T) {
+		// ~16k block ids: the params of a 256k-token prompt, past the 64 KiB
+		// a NATS header may hold.
+		var kv strings.Builder
+		kv.WriteString(`{"remote_engine_id":"e","remote_block_ids":[`)
+		for i := range 16 << 10 {
+			if i > 0 {
+				kv.WriteByte(',')
+			}
+			fmt.Fprint(&kv, 100000+i)
+		}
+		kv.WriteString(`],"remote_host":"h","remote_port":1}`)
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+			d.HandOff([]byte(kv.String()), StageRecord{Stage: StagePrefill, Started: time.Now()})
+			return nil
+		}})
+		lt.submit("big-kv-1")
+		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
+		st, _ := js.Stream(ctx, StreamDecode)
+		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "big-kv-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		job, err := ParseJob(m.Header, m.Data)
+		if err != nil || string(job.KV) != kv.String() || string(job.Body) != `{}` {
+			t.Fatalf("handoff read back with %d bytes of params and body %.40s: %v", len(job.KV), job.Body, err)
+		}
+		hdr := 0
+		for k, vs := range m.Header {
+			for _, v := range vs {
+				hdr += len(k) + len(v)
+			}
+		}
+		if hdr > 4<<10 {
+			t.Errorf("the handoff's headers hold %d bytes: what grows with the prompt belongs in the payload", hdr)
+		}
+	})
+
+	t.Run("a handoff too large for a NATS message goes decode-only", func(t *testing.T) {
+		// The largest body the gateway takes, and params of ~300k blocks: a
+		// prompt of millions of tokens, past any message.
+		body := []byte(`{"model":"m","prompt":"` + strings.Repeat("x", 7<<20-40) + `"}`)
+		kv := []byte(`{"remote_block_ids":[` + strings.Repeat("1234567,", 300<<10) + `1]}`)
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+			d.HandOff(kv, StageRecord{Stage: StagePrefill, Started: time.Now()})
+			return nil
+		}})
+		records, _ := OpenRecords(ctx, js)
+		s, err := lt.replies.Open("huge-1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		job := &Job{ID: "huge-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
+			ReplyTo: lt.replies.Subject("huge-1"), Deadline: time.Now().Add(time.Minute)}
+		if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "the decode job", func() bool { return lt.pending(StageDecode) == 1 })
+		waitFor(t, "the prefill acked", func() bool { return lt.pending(StagePrefill) == 0 })
+		st, _ := js.Stream(ctx, StreamDecode)
+		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "huge-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := ParseJob(m.Header, m.Data)
+		if err != nil || len(got.KV) != 0 || got.Prefill != nil || len(got.Body) != len(body) {
+			t.Errorf("decode job with %d bytes of params, prefill %v, %d bytes of body (%v); want the body alone, decode-only",
+				len(got.KV), got.Prefill, len(got.Body), err)
+		}
+		if r := lt.record("huge-1"); r.State.Ended() {
+			t.Errorf("record %+v: the request ended instead of going decode-only", r)
+		}
+	})
+
 	t.Run("a handoff the decode stream refuses is retried as a publish, not a prefill", func(t *testing.T) {
 		nc, js := startJetStream(t) // its own server: the decode stream is made full
 		st := limitStream(t, js, StreamDecode, 1)
@@ -660,7 +739,7 @@ func TestHandoffGenerations(t *testing.T) {
 				m, err = st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, id))
 				return err == nil && m.Header.Get(HeaderGeneration) != "1"
 			})
-			if m.Header.Get(HeaderGeneration) != "2" || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || m.Header.Get(HeaderKV) != "" {
+			if m.Header.Get(HeaderGeneration) != "2" || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || m.Header.Get(HeaderParts) != "" {
 				t.Errorf("prefill job headers %v, want generation 2 without KV params", m.Header)
 			}
 			waitFor(t, "the record in generation 2", func() bool {
