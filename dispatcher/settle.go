@@ -72,10 +72,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		s.log.Warn("could not read the request record; running the job", logging.Err(err))
 	}
 	if job.Expired(time.Now().Add(minUsefulTime)) {
-		e := openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed before a %s worker was free", l.cfg.Stage)
-		s.end(ctx, StateExpired, &RecordError{Status: e.Status(), Message: e.Message, Stage: l.cfg.Stage})
-		s.answer(e)
-		s.drop(ctx, "deadline passed")
+		s.expired(ctx)
 		return false
 	}
 	if !l.liveness.Alive(ctx, job.GatewayID()) {
@@ -157,6 +154,26 @@ func (s *settle) stopped(ctx context.Context, cause error) {
 		return
 	}
 	s.term(cause.Error())
+}
+
+// expired settles a job whose request's deadline has passed: before it
+// ran (or with too little time left to run), or while it ran, its engine
+// call cut off. The client gets a 504 (the gateway gives the same at the
+// same deadline); a replay's record says so.
+func (s *settle) expired(ctx context.Context) {
+	what := "before a " + string(s.l.cfg.Stage) + " worker was free"
+	if s.ran {
+		what = "while its " + string(s.l.cfg.Stage) + " ran"
+	}
+	e := openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", what)
+	s.end(ctx, StateExpired, &RecordError{Status: e.Status(), Message: e.Message, Stage: s.l.cfg.Stage})
+	s.answer(e)
+	if !s.ran {
+		s.drop(ctx, "deadline passed")
+		return
+	}
+	s.log.Debug("job stopped: " + e.Message)
+	s.term("deadline passed")
 }
 
 // succeeded acks a job that ran; a prefill's handoff is stored first.

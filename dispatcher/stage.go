@@ -357,6 +357,7 @@ type runningJob struct {
 var (
 	errCancelled   = errors.New("cancelled by the client")
 	errGatewayGone = errors.New("the gateway holding the client is gone")
+	errExpired     = errors.New("the request's deadline passed")
 )
 
 // NewStageLoop builds a loop; Run starts it.
@@ -600,6 +601,14 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	// while they run is not missed.
 	jctx, cancel := context.WithCancelCause(jobCtx)
 	defer cancel(nil)
+	if !job.Deadline.IsZero() {
+		// Every engine call of the job ends at the request's deadline,
+		// whether or not a gateway is there to cancel it (a replay has
+		// none, and a cancel may be lost).
+		var stop context.CancelFunc
+		jctx, stop = context.WithDeadlineCause(jctx, job.Deadline, errExpired)
+		defer stop()
+	}
 	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, attempt: attempt, cancel: cancel}
 	l.mu.Lock()
 	l.running[r] = struct{}{}
@@ -624,7 +633,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		switch cause := context.Cause(jctx); {
 		case err == nil:
 			engineHeld = true
-		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
+		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone), errors.Is(cause, errExpired):
 			// Settled below, without a slot: it will not run.
 		default:
 			// The loop stops (a shutdown, or its model gone) before the
@@ -646,6 +655,9 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	switch cause := context.Cause(jctx); {
 	case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone):
 		s.stopped(sctx, cause)
+		return
+	case errors.Is(cause, errExpired):
+		s.expired(sctx)
 		return
 	case cause != nil: // the grace period ended during the checks
 		s.log.Warn("shutdown before the job ran; handing it back")
@@ -677,19 +689,26 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	s.sent = d.sent()
 
 	cause := context.Cause(jctx)
+	expired := errors.Is(cause, errExpired)
 	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone)
 	switch {
-	case err == nil && d.handoff != nil && stoppedBy:
-		// The prefill's answer came after its client had gone (a prefill
-		// call waits a moment for an answer on its way): its KV is
-		// released, not handed to a decode.
+	case err == nil && d.handoff != nil && (stoppedBy || expired):
+		// The prefill's answer came after its client had gone, or its
+		// deadline (a prefill call waits a moment for an answer on its
+		// way): its KV is released, not handed to a decode.
 		s.queueRelease(sctx, d.handoff)
-		s.stopped(sctx, cause)
+		if expired {
+			s.expired(sctx)
+		} else {
+			s.stopped(sctx, cause)
+		}
 	case err == nil:
 		l.recordDuration(time.Since(start))
 		s.succeeded(sctx, d, time.Since(start))
 	case stoppedBy:
 		s.stopped(sctx, cause)
+	case expired:
+		s.expired(sctx)
 	case pullCtx.Err() != nil && jobCtx.Err() != nil:
 		s.interrupted(sctx, err)
 	default:

@@ -310,6 +310,28 @@ func TestStageLoop(t *testing.T) {
 		}
 	})
 
+	t.Run("a running job stops at its deadline, with no client to cancel it", func(t *testing.T) {
+		var calls atomic.Int32
+		var stopped atomic.Value
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
+			calls.Add(1)
+			<-ctx.Done() // an engine call that would go on for ever
+			stopped.Store(time.Now())
+			return ctx.Err()
+		}})
+		// A replay's job: no reply subject, so no gateway gives up on it.
+		deadline := time.Now().Add(500 * time.Millisecond)
+		lt.submitJob(&Job{ID: "job-deadline", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: deadline})
+		waitFor(t, "the job dropped", func() bool { return lt.pending(StagePrefill) == 0 })
+		at, _ := stopped.Load().(time.Time)
+		if calls.Load() != 1 || at.Before(deadline) || at.After(deadline.Add(time.Second)) {
+			t.Errorf("handler ran %d times, stopped at %v for a deadline at %v", calls.Load(), at, deadline)
+		}
+		if r := lt.record("job-deadline"); r.State != StateExpired || r.Error == nil || r.Error.Status != 504 {
+			t.Errorf("record %+v, want expired with 504", r)
+		}
+	})
+
 	t.Run("shutdown lets a running job finish and ack", func(t *testing.T) {
 		started := make(chan struct{})
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
