@@ -405,6 +405,11 @@ const (
 	// HeaderStages carries the stage records on a done reply, as JSON, for
 	// the gateway's request record.
 	HeaderStages = "Pdq-Stages"
+	// HeaderGone on the gateway's ack of a beat says the gateway no longer
+	// holds the request (answered, given up, or followed by a later
+	// attempt): the worker stops. A cancel broadcast may be lost; this
+	// answer comes within a beat.
+	HeaderGone = "Pdq-Gone"
 	// HeaderStage and HeaderReason label a dead letter.
 	HeaderStage  = "Pdq-Stage"
 	HeaderReason = "Pdq-Reason"

@@ -57,6 +57,13 @@ type ReplyWriter struct {
 	// stages go on the done message, for the gateway's request record.
 	stages []StageRecord
 	failed *openai.Error
+
+	// gone is called once when the gateway says it no longer holds the
+	// request; wanted, when a beat gets no answer, says whether the
+	// request still wants this writer's work (see Watch).
+	gone     func()
+	goneOnce sync.Once
+	wanted   func(context.Context) bool
 }
 
 // Errors of a [ReplyWriter]'s end.
@@ -184,6 +191,24 @@ func (w *ReplyWriter) Chunks(data [][]byte) error {
 
 var newline = []byte{'\n'}
 
+// Watch makes the writer's beats tell whether anyone still wants the
+// reply: gone is called, once, when the gateway answers a beat that it no
+// longer holds the request (its client left, it answered, or a later
+// attempt took over), and when a beat gets no answer and wanted (if set)
+// says the request no longer wants this work, as its record does once
+// the gateway has ended it. The cancel broadcast is sent once, on core
+// NATS, and may be lost; a running decode beats every few seconds.
+func (w *ReplyWriter) Watch(gone func(), wanted func(context.Context) bool) {
+	w.gone, w.wanted = gone, wanted
+}
+
+// isGone calls the gone hook once.
+func (w *ReplyWriter) isGone() {
+	if w.gone != nil {
+		w.goneOnce.Do(w.gone)
+	}
+}
+
 // Beats sends a heartbeat every interval until stopped, so that the
 // gateway knows the decode runs and learns how many chunks it should have.
 // The first goes out after one interval, not at once: a decode that
@@ -222,17 +247,33 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 	upto := w.seq
 	msg := w.msg(KindBeat, upto, nil)
 	if w.local != nil {
-		w.local.dispatch(msg) // nothing was lost: no ack to wait for
+		held := w.local.deliver(msg) // nothing was lost: no ack to wait for
 		w.mu.Unlock()
+		if !held {
+			w.isGone()
+		}
 		return
 	}
 	w.mu.Unlock()
-	ctx, cancel := context.WithTimeout(ctx, ackTimeout)
+	actx, cancel := context.WithTimeout(ctx, ackTimeout)
 	defer cancel()
-	if resp, err := w.nc.RequestMsgWithContext(ctx, msg); err == nil {
+	resp, err := w.nc.RequestMsgWithContext(actx, msg)
+	switch {
+	case err == nil && resp.Header.Get(HeaderGone) != "":
+		w.isGone()
+	case err == nil:
 		w.mu.Lock()
 		w.acked(resp, upto)
 		w.mu.Unlock()
+	case w.wanted != nil && ctx.Err() == nil:
+		// No answer: the gateway may be gone, cut off, or its cancel
+		// lost with the beat. The record knows whether it ended the
+		// request.
+		rctx, cancel := context.WithTimeout(ctx, ackTimeout)
+		defer cancel()
+		if !w.wanted(rctx) {
+			w.isGone()
+		}
 	}
 }
 
@@ -620,19 +661,39 @@ func (r *Replies) Open(id string) (*ReplyStream, error) {
 }
 
 func (r *Replies) dispatch(msg *nats.Msg) {
+	if r.deliver(msg) {
+		return
+	}
+	// The request has ended here (answered, or given up). A worker that
+	// beats is told to stop; one that ends is told it has nothing more to
+	// send.
+	if msg.Header.Get(HeaderKind) == KindBeat {
+		ackGone(msg)
+		return
+	}
+	ack(msg, msg.Header.Get(HeaderSeq))
+}
+
+// deliver queues msg for the request that waits for it, and reports
+// whether one does: a beat of an attempt older than the one the request
+// follows is not waited for either.
+func (r *Replies) deliver(msg *nats.Msg) bool {
 	id := msg.Subject[len(r.prefix):]
 	r.mu.RLock()
 	s := r.streams[id]
 	r.mu.RUnlock()
 	if s == nil {
-		// The request has ended here (answered, or given up). Its worker
-		// waits for an ack of its beat or end: say it has nothing to send.
-		ack(msg, msg.Header.Get(HeaderSeq))
-		return
+		return false
+	}
+	if msg.Header.Get(HeaderKind) == KindBeat {
+		if a, err := strconv.Atoi(msg.Header.Get(HeaderAttempt)); err == nil && int64(a) < s.latest.Load() {
+			return false
+		}
 	}
 	if !s.q.push(msg) {
 		s.overflow.Store(true)
 	}
+	return true
 }
 
 // ack answers a worker's beat or end with the number of chunks the
@@ -647,6 +708,18 @@ func ack(msg *nats.Msg, seq string) {
 	_ = msg.RespondMsg(a) // a lost ack is asked for again
 }
 
+// ackGone answers a beat for a request the gateway no longer holds: the
+// worker stops.
+func ackGone(msg *nats.Msg) {
+	if msg.Reply == "" {
+		return
+	}
+	a := nats.NewMsg(msg.Reply)
+	a.Header[HeaderKind] = []string{KindAck}
+	a.Header[HeaderGone] = []string{"1"}
+	_ = msg.RespondMsg(a) // a lost answer is asked for again at the next beat
+}
+
 // ReplyStream is one request's reply, read in order.
 type ReplyStream struct {
 	id       string
@@ -654,6 +727,8 @@ type ReplyStream struct {
 	q        *replyQueue
 	overflow atomic.Bool
 	attempt  int
+	// latest is attempt, for writers in this process (see Replies.deliver).
+	latest atomic.Int64
 	// next is the next chunk number: the number of chunks relayed.
 	next int
 	// moved means the current attempt handed the reply on at next; a later
@@ -762,6 +837,9 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			return Reply{}, err
 		}
 		switch {
+		case attempt < s.attempt && kind == KindBeat:
+			ackGone(msg) // a superseded writer still running: it stops
+			continue
 		case attempt < s.attempt:
 			ack(msg, strconv.Itoa(seq)) // a superseded writer: let it go
 			continue
@@ -773,6 +851,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 				return Reply{}, ErrReplyRestarted
 			}
 			s.attempt, s.moved = attempt, false
+			s.latest.Store(int64(attempt))
 		}
 		if !s.heard || kind == KindBeat || (kind == KindChunk && seq <= s.next && s.next < seq+count) {
 			owed = true // a sign of life, or progress

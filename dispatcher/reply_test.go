@@ -407,6 +407,66 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 	})
 
+	// watch runs a writer's beats with a gone hook and reports whether it
+	// was called within wait.
+	watch := func(t *testing.T, w *ReplyWriter, wanted func(context.Context) bool, wait time.Duration) bool {
+		gone := make(chan struct{})
+		w.Watch(func() { close(gone) }, wanted)
+		defer w.Beats(ctx, 20*time.Millisecond)()
+		select {
+		case <-gone:
+			return true
+		case <-time.After(wait):
+			return false
+		}
+	}
+
+	t.Run("a running writer whose request ended here is told it is gone", func(t *testing.T) {
+		// Its cancel broadcast lost: the client left, the gateway closed
+		// the stream, the worker's engine call goes on.
+		s, err := replies.Open(p + "left")
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := newWriter(nc, replies.Subject(p+"left"), 1)
+		w.Chunk([]byte("a"))
+		want(t, s, "a")
+		s.Close()
+		if !watch(t, w, nil, 2*time.Second) {
+			t.Fatal("the writer of a closed stream beat for 2s without being told it is gone")
+		}
+	})
+
+	t.Run("a running writer whose request is held is not gone", func(t *testing.T) {
+		s, err := replies.Open(p + "held")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		w := newWriter(nc, replies.Subject(p+"held"), 1)
+		rctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		go func() {
+			for rctx.Err() == nil {
+				s.Next(rctx, 5*time.Second) // acks the beats
+			}
+		}()
+		if watch(t, w, func(context.Context) bool { return true }, 300*time.Millisecond) {
+			t.Fatal("a writer whose request the gateway holds was told it is gone")
+		}
+	})
+
+	if lossy {
+		t.Run("a writer whose beats get no answer asks the record", func(t *testing.T) {
+			for _, wanted := range []bool{true, false} {
+				w := newWriter(nc, ReplySubject("no-gateway", p+"doubt"), 1)
+				if gone := watch(t, w, func(context.Context) bool { return wanted }, 300*time.Millisecond); gone == wanted {
+					t.Errorf("record wants the work: %v; the writer was told it is gone: %v", wanted, gone)
+				}
+			}
+		})
+	}
+
 	t.Run("an end nobody acknowledges gives up", func(t *testing.T) {
 		w := newWriter(nc, ReplySubject("no-gateway", p+"x"), 1)
 		w.SetEndWait(300 * time.Millisecond)

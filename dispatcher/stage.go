@@ -138,6 +138,8 @@ type Delivery struct {
 	ctx       context.Context
 	stopBeats func()
 	permit    uint64
+	// stop ends the job's context, as a cancel broadcast does.
+	stop context.CancelCauseFunc
 }
 
 // Permit is the token of the permit StageConfig.Ready granted this
@@ -198,6 +200,9 @@ func (d *Delivery) Replies() *ReplyWriter {
 	if d.replies == nil {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
 		if d.loop.cfg.Stage == StageDecode && d.ctx != nil {
+			if d.stop != nil {
+				d.replies.Watch(func() { d.stop(errAbandoned) }, d.loop.wanted(d.Job))
+			}
 			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
 		}
 	}
@@ -358,7 +363,23 @@ var (
 	errCancelled   = errors.New("cancelled by the client")
 	errGatewayGone = errors.New("the gateway holding the client is gone")
 	errExpired     = errors.New("the request's deadline passed")
+	// errAbandoned stops a job whose gateway no longer holds its request,
+	// or whose record says it ended: its cancel broadcast was lost.
+	errAbandoned = errors.New("the gateway no longer holds the request")
 )
+
+// wanted says whether job's request still wants its work, by its record:
+// not once the request has ended, moved on to a later generation, or been
+// taken over. A record that cannot be read is no reason to stop.
+func (l *StageLoop) wanted(job *Job) func(context.Context) bool {
+	return func(ctx context.Context) bool {
+		rec, _, err := l.records.Get(ctx, job.ID)
+		if err != nil {
+			return true
+		}
+		return !rec.State.Ended() && rec.Generation <= job.Generation && rec.Gateway == job.GatewayID()
+	}
+}
 
 // NewStageLoop builds a loop; Run starts it.
 func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *slog.Logger) (*StageLoop, error) {
@@ -667,7 +688,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		return
 	}
 	start := time.Now()
-	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token}
+	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token, stop: cancel}
 	d.ctx = jctx
 	handled = true
 	// A first delivery's wait is its queue time; a redelivery's, or a
@@ -690,7 +711,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 
 	cause := context.Cause(jctx)
 	expired := errors.Is(cause, errExpired)
-	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone)
+	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone) || errors.Is(cause, errAbandoned)
 	switch {
 	case err == nil && d.handoff != nil && (stoppedBy || expired):
 		// The prefill's answer came after its client had gone, or its

@@ -38,6 +38,8 @@ type cluster struct {
 	decode   *simtest.Engine
 	decodeP  *process
 	env      []string // every pdq service's environment
+	// gatewayEnv is the gateway's own, after env.
+	gatewayEnv []string
 }
 
 // clusterOptions are the engines' extra flags and the services' extra
@@ -46,6 +48,7 @@ type clusterOptions struct {
 	prefillSim, decodeSim []string
 	decodeAddr            string // a fixed address for the decode sim, so it can be restarted
 	env                   []string
+	gatewayEnv            []string // the gateway's own, after env
 }
 
 func startCluster(t *testing.T, o clusterOptions) *cluster {
@@ -64,7 +67,7 @@ func startCluster(t *testing.T, o clusterOptions) *cluster {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := &cluster{t: t, natsURL: srv.ClientURL(), nc: nc, js: js}
+	c := &cluster{t: t, natsURL: srv.ClientURL(), nc: nc, js: js, gatewayEnv: o.gatewayEnv}
 	c.env = append([]string{"PDQ_NATS_URL=" + c.natsURL, "PDQ_ACK_WAIT=1s"}, o.env...)
 	c.prefillP, c.prefill = startSimProcess(t, o.prefillSim...)
 	decodeArgs := o.decodeSim
@@ -78,7 +81,7 @@ func startCluster(t *testing.T, o clusterOptions) *cluster {
 
 func (c *cluster) startGateway() {
 	c.t.Helper()
-	c.gateway = startPDQ(c.t, append([]string{"PDQ_HTTP_ADDR=127.0.0.1:0"}, c.env...), "gateway")
+	c.gateway = startPDQ(c.t, append(append([]string{"PDQ_HTTP_ADDR=127.0.0.1:0"}, c.env...), c.gatewayEnv...), "gateway")
 	c.url = "http://" + c.gateway.waitLog(c.t, "gateway listening")["addr"].(string)
 }
 
@@ -601,6 +604,7 @@ func TestFaultSuite(t *testing.T) {
 			}
 		})
 	}
+	t.Run("lost cancels", func(t *testing.T) { check(t, lostCancelRow(t)) })
 	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
 	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 }

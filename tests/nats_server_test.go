@@ -186,7 +186,7 @@ func waitJetStream(t *testing.T, url string, opts ...nats.Option) (*nats.Conn, j
 func startClusterOn(t *testing.T, natsURL string, o clusterOptions, natsOpts ...nats.Option) *cluster {
 	t.Helper()
 	nc, js := waitJetStream(t, natsURL, natsOpts...)
-	c := &cluster{t: t, natsURL: natsURL, nc: nc, js: js}
+	c := &cluster{t: t, natsURL: natsURL, nc: nc, js: js, gatewayEnv: o.gatewayEnv}
 	c.env = append([]string{"PDQ_NATS_URL=" + natsURL, "PDQ_ACK_WAIT=1s"}, o.env...)
 	_, c.prefill = startSimProcess(t, o.prefillSim...)
 	c.decodeP, c.decode = startSimProcess(t, o.decodeSim...)

@@ -1,0 +1,61 @@
+package tests
+
+import (
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/sim"
+)
+
+// The fault suite's rows for the promises issue 23 found broken on the
+// request's own path.
+
+// lostCancelRow: clients leave mid-stream and their cancel broadcasts are
+// lost. The gateway's NATS user may not publish on pdq.cancel.>, as if
+// every broadcast went missing in a reconnect or a route flap; the
+// gateway still records each request cancelled. The decodes must stop all
+// the same, within a beat, instead of generating to their end for nobody.
+func lostCancelRow(t *testing.T) row {
+	url := startAuthServer(t, func(o *server.Options) {
+		o.Users = []*server.User{
+			{Username: "pdq", Password: "pdq"},
+			{Username: "gw", Password: "gw", Permissions: &server.Permissions{
+				Publish: &server.SubjectPermission{Allow: []string{">"}, Deny: []string{dispatcher.CancelSubject(">")}},
+			}},
+		}
+	})
+	c := startClusterOn(t, url, clusterOptions{
+		env:        []string{"PDQ_NATS_USER=pdq", "PDQ_NATS_PASSWORD=pdq", "PDQ_STALL_TIMEOUT=2s"},
+		gatewayEnv: []string{"PDQ_NATS_USER=gw", "PDQ_NATS_PASSWORD=gw"},
+		prefillSim: []string{"--kv-lease", "60s"},
+		decodeSim:  []string{"--itl", "50ms"},
+	}, nats.UserInfo("pdq", "pdq"))
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	d0 := c.decode.Stats(t)
+	// 4 streams of 200 tokens, 10 s each; their clients leave after 1.5 s.
+	outs := c.load(4, "lostcancel", 1500*time.Millisecond, func(int) body {
+		return completionBody(model, longPrompt, body{"max_tokens": 200, "ignore_eos": true, "stream": true})
+	})
+	r := row{scenario: "lost cancels: clients leave mid-stream"}
+	tally(&r, outs)
+	// The decodes stop within a beat (400 ms here) of their client's
+	// leaving; a decode that went on to its end was for nobody.
+	d1 := c.decode.WaitStats(t, 5*time.Second, "the decodes stopped", func(s sim.Stats) bool { return s.Running == 0 })
+	r.cancelledCalls = d1.Decodes - d0.Decodes
+	r.blocksHeld = c.settle(10 * time.Second)
+	if r.left != 4 || d1.Aborts-d0.Aborts != 4 {
+		t.Errorf("outcomes %+v, decode engine %+v after %+v: want 4 clients gone and 4 decodes aborted", outs, d1, d0)
+	}
+	for i := range 4 {
+		if st := c.state("lostcancel-" + itoa(i)); st != dispatcher.StateCancelled {
+			t.Errorf("lostcancel-%d: state %s, want cancelled", i, st)
+		}
+	}
+	return r
+}
