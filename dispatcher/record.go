@@ -53,6 +53,10 @@ type Record struct {
 	Stream     bool            `json:"stream"`
 	// DecodeOnly is set when the request skipped prefill.
 	DecodeOnly bool `json:"decode_only,omitempty"`
+	// Prompts is set on the record of a batched completions request: its
+	// prompts run as the requests <id>-0 to <id>-<Prompts-1>, each with a
+	// record of its own, and this one holds the id for the whole batch.
+	Prompts int `json:"prompts,omitempty"`
 	// Gateway is the id of the gateway that holds the client; empty for a
 	// replay.
 	Gateway  string    `json:"gateway,omitempty"`

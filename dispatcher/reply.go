@@ -750,6 +750,15 @@ type ReplyStream struct {
 	pending [][]byte
 }
 
+// Start makes the stream follow the reply of the request's generation,
+// once its submit has set it: a writer of an earlier generation (the
+// decode of an earlier request under this id, still running after its
+// client left) is not this request's, and is told it is gone.
+func (s *ReplyStream) Start(generation int) {
+	s.attempt = ReplyAttempt(generation, 0)
+	s.latest.Store(int64(s.attempt))
+}
+
 // Close unregisters the request.
 func (s *ReplyStream) Close() {
 	if s.stall != nil {

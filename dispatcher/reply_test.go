@@ -437,6 +437,23 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 	})
 
+	t.Run("a stream follows its own generation, not an earlier one's writer", func(t *testing.T) {
+		s, err := replies.Open(p + "gen2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		s.Start(2)
+		stale := newWriter(nc, replies.Subject(p+"gen2"), ReplyAttempt(1, 1))
+		stale.Chunk([]byte("stale"))
+		own := newWriter(nc, replies.Subject(p+"gen2"), ReplyAttempt(2, 1))
+		own.Chunk([]byte("own"))
+		want(t, s, "own")
+		if !watch(t, stale, nil, 2*time.Second) {
+			t.Error("a writer of an earlier generation was not told it is gone")
+		}
+	})
+
 	t.Run("a running writer whose request is held is not gone", func(t *testing.T) {
 		s, err := replies.Open(p + "held")
 		if err != nil {

@@ -820,12 +820,19 @@ func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func
 	}
 }
 
+// onCancel stops the running jobs of a cancelled request's generation and
+// earlier ones; a cancel without a generation (from a gateway of an older
+// build) stops them all.
 func (l *StageLoop) onCancel(msg *nats.Msg) {
 	id := msg.Subject[len(CancelSubject("")):]
+	upto := math.MaxInt
+	if g, err := strconv.Atoi(msg.Header.Get(HeaderGeneration)); err == nil {
+		upto = g
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for r := range l.running {
-		if r.id == id {
+		if r.id == id && r.generation <= upto {
 			r.cancel(errCancelled)
 		}
 	}

@@ -69,13 +69,11 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == StageDecode,
 		Gateway: job.GatewayID(), Created: now, Updated: now, Deadline: job.Deadline,
 	}
-	rev, err := s.claim(ctx, rec)
-	if isWrongRevision(err) {
-		rev, err = s.claimRetry(ctx, rec)
-	}
+	claim, err := s.Claim(ctx, rec)
 	if err != nil {
 		return nil, err
 	}
+	rev := claim.rev
 	job.Generation, job.RecordRevision = rec.Generation, rev
 	if err = publishGeneration(ctx, s.js, s.records, job, stage); err != nil {
 		status := 503
@@ -91,6 +89,23 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 	}
 	if job.Generation != rec.Generation {
 		rev = 0 // publishGeneration wrote the record again
+	}
+	return &Claim{rec: rec, rev: rev}, nil
+}
+
+// Claim writes rec, a new request's record (state queued, generation 1),
+// under the rules of Submit: an id whose request is live or has delivered
+// is refused with ErrDuplicate, one whose request ended without
+// delivering is taken over as the next generation (rec.Generation says
+// which). Submit claims a job's id with it; the gateway claims a batched
+// request's own id, whose prompts run under ids of their own.
+func (s *Submitter) Claim(ctx context.Context, rec *Record) (*Claim, error) {
+	rev, err := s.claim(ctx, rec)
+	if isWrongRevision(err) {
+		rev, err = s.claimRetry(ctx, rec)
+	}
+	if err != nil {
+		return nil, err
 	}
 	return &Claim{rec: rec, rev: rev}, nil
 }

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
@@ -77,6 +78,13 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 		}
 		defer h.budget.release(extra)
 	}
+	// The batch is one request under its id, like any other: claimed
+	// before its prompts are queued, ended with them.
+	parent, apiErr := h.claimBatch(c, endpoint, id, in, log)
+	if apiErr != nil {
+		return writeError(c, apiErr)
+	}
+	defer h.endBatch(c, parent, log)
 	bodies := make([][]byte, len(in.batch))
 	for i, prompt := range in.batch {
 		if bodies[i], err = jsonobj.Edit(in.body, jsonobj.Set("prompt", prompt)); err != nil {
@@ -98,11 +106,77 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 			for _, b := range jobs {
 				h.stop(b.job, b.log, dispatcher.StateCancelled, apiErr.Status(), "another prompt of its batch was refused")
 			}
+			parent.end(dispatcher.StateFailed, apiErr.Status(), fmt.Sprintf("prompt %d was refused: %s", i, apiErr.Message))
 			return writeError(c, apiErr)
 		}
 		jobs = append(jobs, &batchJob{job: job, claim: claim, replies: replies, log: jlog})
 	}
-	return h.relayBatch(c, id, in.req, jobs, log)
+	return h.relayBatch(c, id, in.req, jobs, parent, log)
+}
+
+// batchRecord is the record of a batched request's own id, whose prompts
+// run under <id>-<i>: it makes the id one request, so that a single
+// request cannot take it while the batch runs or after it was answered.
+type batchRecord struct {
+	id    string
+	claim *dispatcher.Claim
+	rec   *dispatcher.Record
+	// state and err are the first end the batch came to; state is empty
+	// while it has come to none.
+	state dispatcher.State
+	err   *dispatcher.RecordError
+}
+
+// end notes how the batch ended; the first end stands.
+func (b *batchRecord) end(state dispatcher.State, status int, why string) {
+	if b.state == "" {
+		b.state, b.err = state, &dispatcher.RecordError{Status: status, Message: why}
+	}
+}
+
+// claimBatch claims the batch's id in its record, as Submit claims a
+// job's: an id that is live or has delivered is a 409, one that ended
+// without delivering is retried.
+func (h *handlers) claimBatch(c echo.Context, endpoint openai.Endpoint, id string, in *incoming, log *slog.Logger) (*batchRecord, *openai.Error) {
+	now := time.Now()
+	rec := &dispatcher.Record{
+		ID: id, State: dispatcher.StateQueued, Generation: 1, Model: in.req.Model, Pool: dispatcher.PoolName(in.req.Model),
+		Endpoint: endpoint, Stream: in.req.Stream, Prompts: len(in.batch), Gateway: h.id,
+		Created: now, Updated: now, Deadline: now.Add(h.cfg.RequestTimeout),
+	}
+	claim, err := h.submitter.Claim(c.Request().Context(), rec)
+	if err != nil {
+		return nil, h.submitFailed(c, err, log)
+	}
+	return &batchRecord{id: id, claim: claim, rec: rec}, nil
+}
+
+// endBatch records how the batch ended: done once its answer went out
+// whole, else as its first end said (a client gone, by default).
+func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if trackOf(c).whole {
+		if _, err := h.records.TransitionFrom(ctx, b.claim, func(r *dispatcher.Record) error {
+			if r.Gateway != b.rec.Gateway || r.Generation != b.rec.Generation {
+				return dispatcher.ErrNoChange
+			}
+			r.State, r.Error = dispatcher.StateDone, nil
+			return nil
+		}); err != nil {
+			log.Warn("could not record the delivered answer", logging.Err(err))
+		}
+		return
+	}
+	if b.state == "" {
+		b.end(dispatcher.StateCancelled, 499, "client went away")
+		if c.Request().Context().Err() == nil {
+			b.end(dispatcher.StateFailed, http.StatusBadGateway, "the batch ended without an answer")
+		}
+	}
+	if err := h.records.End(ctx, b.id, b.rec.Generation, b.state, b.err); err != nil {
+		log.Warn("could not record the batch's end", logging.Err(err))
+	}
 }
 
 // batchReply is a reply of one prompt's job.
@@ -115,7 +189,7 @@ type batchReply struct {
 // relayBatch merges the replies of a batch's jobs into one answer, as
 // relay does for one job. The request logs its end once; its prompts'
 // records each hold it.
-func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, log *slog.Logger) error {
+func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, parent *batchRecord, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := h.relayContext(c, jobs[0].job.Deadline)
 	in := make(chan batchReply)
@@ -145,6 +219,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 	// stop ends every prompt not settled yet, the ones that finished
 	// included: their answers never went out.
 	stop := func(state dispatcher.State, status int, why string) {
+		parent.end(state, status, why)
 		for _, b := range jobs {
 			if !b.settled {
 				h.stop(b.job, b.log, state, status, why)
@@ -209,6 +284,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 			case errors.Is(context.Cause(ctx), errShutdown):
 				stop(dispatcher.StateCancelled, http.StatusServiceUnavailable, errShutdown.Error())
 			default:
+				parent.end(dispatcher.StateFailed, http.StatusBadGateway, fmt.Sprintf("prompt %d failed: %v", first, br.err))
 				stop(dispatcher.StateCancelled, http.StatusBadGateway, "another prompt of its batch failed")
 			}
 			return err
@@ -217,6 +293,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		switch br.r.Kind {
 		case dispatcher.KindError:
 			b.settled = true // the worker recorded it
+			parent.end(dispatcher.StateFailed, br.r.Status, fmt.Sprintf("prompt %d failed", br.i))
 			stop(dispatcher.StateCancelled, br.r.Status, "another prompt of its batch failed")
 			if sse != nil && sse.Started() {
 				t.failed = true

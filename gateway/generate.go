@@ -109,6 +109,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 		replies.Close()
 		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
+	replies.Start(job.Generation)
 	log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
 		"prompt_tokens_estimate", promptTokens, "generation", job.Generation)
 	switch {
@@ -442,7 +443,7 @@ func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.
 		log.Warn("could not record the cancel", logging.Err(err))
 	}
 	if ours {
-		if err := h.nc.Publish(dispatcher.CancelSubject(job.ID), nil); err != nil {
+		if err := dispatcher.Cancel(h.nc, job.ID, job.Generation); err != nil {
 			log.Warn("could not publish the cancel", logging.Err(err))
 		}
 	}

@@ -6,7 +6,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
@@ -43,4 +47,94 @@ func TestReplayDeadline(t *testing.T) {
 	}
 	// The hung decode call was aborted, not left running for nobody.
 	decode.WaitStats(t, 5*time.Second, "the hung decode aborted", func(s sim.Stats) bool { return s.Aborts > before.Aborts })
+}
+
+// lostCancelCluster is a cluster whose gateway may not publish cancels:
+// every cancel broadcast is lost, as in a reconnect or a route flap, while
+// the gateway still records each request's end.
+func lostCancelCluster(t *testing.T, o clusterOptions) *cluster {
+	t.Helper()
+	url := startAuthServer(t, func(so *server.Options) {
+		so.Users = []*server.User{
+			{Username: "pdq", Password: "pdq"},
+			{Username: "gw", Password: "gw", Permissions: &server.Permissions{
+				Publish: &server.SubjectPermission{Allow: []string{">"}, Deny: []string{dispatcher.CancelSubject(">")}},
+			}},
+		}
+	})
+	o.env = append([]string{"PDQ_NATS_USER=pdq", "PDQ_NATS_PASSWORD=pdq"}, o.env...)
+	o.gatewayEnv = append([]string{"PDQ_NATS_USER=gw", "PDQ_NATS_PASSWORD=gw"}, o.gatewayEnv...)
+	return startClusterOn(t, url, o, nats.UserInfo("pdq", "pdq"))
+}
+
+// TestRetryAfterLostCancel: a client leaves mid-stream, its cancel is
+// lost, and it retries the same id at the same gateway while the first
+// decode still streams. The retry's answer must be its own: no chunk of
+// the first attempt, and no in-stream 502 when its own chunks come.
+func TestRetryAfterLostCancel(t *testing.T) {
+	c := lostCancelCluster(t, clusterOptions{
+		env:        []string{"PDQ_STALL_TIMEOUT=10s"},        // beats every 2 s: the first decode outlives the retry's start
+		prefillSim: []string{"--prefill-overhead", "2500ms"}, // the first decode beats while the retry prefills
+		decodeSim:  []string{"--itl", "20ms"},
+	})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	first := completionBody(model, longPrompt, body{"max_tokens": 400, "ignore_eos": true, "stream": true})
+	ctx, cancel := context.WithCancel(context.Background())
+	resp, _, err := lcFirstEvent(ctx, c.url+"/v1/completions", "retry-lost", first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	resp.Body.Close()
+	waitUntil(t, "the first attempt recorded cancelled", func() bool {
+		return c.record("retry-lost").State == dispatcher.StateCancelled
+	})
+	retry := completionBody(model, longPrompt, body{"max_tokens": 5, "ignore_eos": true, "stream": true, "stream_options": body{"include_usage": true}})
+	s := postStream(t, c.url+"/v1/completions", "retry-lost", retry)
+	res, err := checkStream(s, openai.Completions, true)
+	if err != nil {
+		t.Fatalf("the retry's answer: %v", err)
+	}
+	if res.usage.CompletionTokens != 5 || len(s.events) != 6 {
+		t.Errorf("the retry got %d events, usage %+v: want its own 5 tokens and the usage chunk", len(s.events), res.usage)
+	}
+}
+
+// TestBatchOwnsItsID checks that a batched completions request is one
+// request under its X-Request-Id, like any other: after batch X has been
+// answered, a single request X is a 409, as is a batch X while a single
+// request X runs; and GET /v1/requests/X shows the batch.
+func TestBatchOwnsItsID(t *testing.T) {
+	p := startPipeline(t, pipelineOptions{})
+	batch := body{"model": model, "prompt": []any{"one", "two"}, "max_tokens": 3, "ignore_eos": true}
+	post(t, p.completions(), "batch-x", batch).wantStatus(t, http.StatusOK)
+	single := completionBody(model, "three", body{"max_tokens": 3})
+	if r := post(t, p.completions(), "batch-x", single); r.status != http.StatusConflict {
+		t.Errorf("a single request under an answered batch's id: %d %s, want 409", r.status, r.body)
+	}
+	var rec dispatcher.Record
+	get(t, p.url+"/v1/requests/batch-x").decode(t, &rec)
+	if rec.State != dispatcher.StateDone || rec.Prompts != 2 {
+		t.Errorf("the batch's record %+v, want done with its 2 prompts", rec)
+	}
+
+	// A single request X runs (its decode slow): a batch X is refused.
+	setFault(t, p.decode[0], `{"rate":1,"kind":"slow","delay":"1s"}`)
+	done := make(chan response, 1)
+	go func() {
+		r, _ := tryPost(p.completions(), "single-y", single)
+		done <- r
+	}()
+	waitUntil(t, "single-y queued", func() bool {
+		r, err := tryDo(http.MethodGet, p.url+"/v1/requests/single-y", nil, nil)
+		return err == nil && r.status == http.StatusOK
+	})
+	if r := post(t, p.completions(), "single-y", batch); r.status != http.StatusConflict {
+		t.Errorf("a batch under a running request's id: %d %s, want 409", r.status, r.body)
+	}
+	if r := <-done; r.status != http.StatusOK {
+		t.Errorf("the single request: %d %s", r.status, r.body)
+	}
 }

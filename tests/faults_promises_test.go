@@ -4,9 +4,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
-
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
@@ -20,20 +17,11 @@ import (
 // gateway still records each request cancelled. The decodes must stop all
 // the same, within a beat, instead of generating to their end for nobody.
 func lostCancelRow(t *testing.T) row {
-	url := startAuthServer(t, func(o *server.Options) {
-		o.Users = []*server.User{
-			{Username: "pdq", Password: "pdq"},
-			{Username: "gw", Password: "gw", Permissions: &server.Permissions{
-				Publish: &server.SubjectPermission{Allow: []string{">"}, Deny: []string{dispatcher.CancelSubject(">")}},
-			}},
-		}
-	})
-	c := startClusterOn(t, url, clusterOptions{
-		env:        []string{"PDQ_NATS_USER=pdq", "PDQ_NATS_PASSWORD=pdq", "PDQ_STALL_TIMEOUT=2s"},
-		gatewayEnv: []string{"PDQ_NATS_USER=gw", "PDQ_NATS_PASSWORD=gw"},
+	c := lostCancelCluster(t, clusterOptions{
+		env:        []string{"PDQ_STALL_TIMEOUT=2s"},
 		prefillSim: []string{"--kv-lease", "60s"},
 		decodeSim:  []string{"--itl", "50ms"},
-	}, nats.UserInfo("pdq", "pdq"))
+	})
 	c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 4)
 	c.ready()
