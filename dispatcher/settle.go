@@ -409,6 +409,11 @@ func (s *settle) failed(ctx context.Context, err error) {
 		// The client has part of the answer: no attempt can start over.
 		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
 		s.failForGood(ctx, e, err, true)
+	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && f.Unread:
+		// Before output, and the engine never ran it: the KV is unread.
+		s.log.Warn("decode failed before its engine ran it", logging.Err(err))
+		s.ran = false
+		s.regenerate(ctx, "decode failed before its engine ran it: "+err.Error(), true)
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
 		// Before output, but the engine may have read the KV blocks.
 		s.log.Warn("decode failed before output", logging.Err(err))

@@ -40,6 +40,10 @@ type Failure struct {
 	// queue for another worker, as the same generation, with no delivery
 	// counted against it.
 	HandBack bool
+	// Unread means a decode engine never ran the request: a handoff's KV
+	// was not read, and is released when the request goes back to
+	// prefill.
+	Unread bool
 }
 
 func (f *Failure) Error() string { return f.Err.Error() }
@@ -68,6 +72,20 @@ func Retryable(err error, client *openai.Error) error {
 // the client gets if it can go nowhere.
 func HandBack(err error, client *openai.Error) error {
 	return &Failure{Err: err, Client: client, HandBack: true}
+}
+
+// Unread marks err, a decode's failure, as one whose engine never ran the
+// request (it refused the connection, or answered before running it), so
+// that the handoff's KV, unread, is released when the request goes back
+// to prefill.
+func Unread(err error) error {
+	var f *Failure
+	if !errors.As(err, &f) {
+		return &Failure{Err: err, Unread: true}
+	}
+	unread := *f
+	unread.Unread = true
+	return &unread
 }
 
 // maxHandBacks bounds how often one job is handed back, should every

@@ -1,6 +1,8 @@
 package tests
 
 import (
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -46,4 +48,55 @@ func lostCancelRow(t *testing.T) row {
 		}
 	}
 	return r
+}
+
+// decodeBlipRows: the only decode engine is briefly unavailable, dead for
+// 2 s (kill -9, then started again on its address) or answering 503 for
+// 2 s, while P/D streams come in. A decode that never reached its engine
+// has not read the KV: it must wait for the engine with its handoff, not
+// prefill again or fail. Every stream completes, one prefill each.
+func decodeBlipRows(t *testing.T) []row {
+	var rows []row
+	for _, blip := range []struct {
+		name       string
+		start, end func(c *cluster)
+	}{
+		{"decode engine down 2 s (kill -9, restart): P/D streams",
+			func(c *cluster) { kill9(c.t, c.decodeP) },
+			func(c *cluster) {
+				c.decodeP, c.decode = startSimProcess(c.t, "--addr", strings.TrimPrefix(c.decode.URL, "http://"))
+			}},
+		{"decode engine answers 503 for 2 s: P/D streams",
+			func(c *cluster) { setFault(c.t, c.decode, `{"rate":1,"kind":"503"}`) },
+			func(c *cluster) { setFault(c.t, c.decode, `{"rate":0}`) }},
+	} {
+		c := startCluster(t, clusterOptions{decodeAddr: freeAddr(t), prefillSim: []string{"--kv-lease", "60s"}})
+		c.worker(dispatcher.StagePrefill, 4)
+		c.worker(dispatcher.StageDecode, 8)
+		c.ready()
+		p0 := c.prefill.Stats(t)
+		blip.start(c)
+		start := time.Now()
+		var outs []timed
+		done := make(chan struct{})
+		go func() {
+			outs = c.wave(6, 200*time.Millisecond, "blip", func(int) body {
+				return completionBody(model, longPrompt, body{"max_tokens": 8, "ignore_eos": true, "stream": true})
+			}, -1, nil)
+			close(done)
+		}()
+		time.Sleep(2*time.Second - time.Since(start))
+		blip.end(c)
+		<-done
+		r := row{scenario: blip.name}
+		tally(&r, outcomes(outs))
+		r.blocksHeld = c.settle(10 * time.Second)
+		prefills := c.prefill.Stats(t).Prefills - p0.Prefills
+		r.cost = fmt.Sprintf("%d prefills; longest %d ms", prefills, longest(outs).Milliseconds())
+		if r.completed != 6 || prefills != 6 {
+			t.Errorf("%s: %+v, %d prefills: want 6 completed, one prefill each", blip.name, outcomes(outs), prefills)
+		}
+		rows = append(rows, r)
+	}
+	return rows
 }

@@ -553,8 +553,11 @@ func TestFaultSuite(t *testing.T) {
 
 	t.Run("a dead decode engine, then pdq replay --failed", func(t *testing.T) {
 		addr := freeAddr(t)
+		// A handoff waits for its decode engine while its KV lasts
+		// (PDQ_KV_TTL, under the 2 s lease here), then is prefilled again,
+		// in 2 generations: an engine dead for good fails the requests.
 		c := startCluster(t, clusterOptions{decodeAddr: addr, prefillSim: []string{"--kv-lease", "2s"},
-			env: []string{"PDQ_MAX_GENERATIONS=2"}})
+			env: []string{"PDQ_MAX_GENERATIONS=2", "PDQ_KV_TTL=1500ms"}})
 		c.worker(dispatcher.StagePrefill, 2)
 		dw := c.worker(dispatcher.StageDecode, 4, "PDQ_METRICS_ADDR=127.0.0.1:0")
 		metricsURL := "http://" + dw.waitLog(t, "serving metrics")["addr"].(string) + "/metrics"
@@ -605,6 +608,11 @@ func TestFaultSuite(t *testing.T) {
 		})
 	}
 	t.Run("lost cancels", func(t *testing.T) { check(t, lostCancelRow(t)) })
+	t.Run("a decode engine's blip", func(t *testing.T) {
+		for _, r := range decodeBlipRows(t) {
+			check(t, r)
+		}
+	})
 	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
 	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 }

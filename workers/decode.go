@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
+
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -97,7 +99,7 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 // alive at each sign of progress from the engine.
 func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, out *dispatcher.ReplyWriter, streamed bool,
 	alive func(), events eventHooks) error {
-	resp, err := w.call(ctx, job, body...)
+	resp, err := w.callDecode(ctx, job, body, streamed, alive)
 	if err != nil {
 		return err
 	}
@@ -107,6 +109,66 @@ func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, 
 		return relayStream(ctx, resp.Body, out, events, job.ReplyBatch)
 	}
 	return relayBody(ctx, resp.Body, out)
+}
+
+// callDecode posts the decode leg. A handoff whose call the engine did not
+// run (it refused the connection, or answered 503 or 429: an engine
+// restarting, or overloaded for a moment) has not read its KV, and a new
+// prefill would cost a GPU's prefill for a blip: while another decode
+// worker of the model has a healthy engine, the handoff goes back to the
+// queue for it; alone, the worker calls its engine again with back-off,
+// as long as the engine asks (Retry-After) within the handoff's KV TTL.
+// Past that, or on any other failure, the error goes to the stage loop: a
+// streamed call that got an answer other than 200 never ran either (vLLM
+// answers a stream's errors in the stream once it has started), and is
+// marked so, for its KV to be released.
+func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]byte, streamed bool, alive func()) (*http.Response, error) {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 100*time.Millisecond, time.Second, 0
+	for waited := 0; ; waited++ {
+		resp, err := w.call(ctx, job, body...)
+		var refused *notRun
+		var fault *engineFault
+		switch {
+		case err == nil || len(job.KV) == 0:
+			return resp, err
+		case !errors.As(err, &refused):
+			if streamed && errors.As(err, &fault) && fault.status != 0 {
+				return nil, dispatcher.Unread(err)
+			}
+			return nil, err
+		case w.healthyPeer(job.Model, w.engine.URL()):
+			return nil, dispatcher.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable"))
+		}
+		wait := max(b.NextBackOff(), refused.retryAfter)
+		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.kvTTL())) < wait {
+			w.log.Warn("decode engine did not take the handoff within its KV TTL; sending it back to prefill",
+				logging.KeyRequestID, job.ID, logging.Err(err), "tries", waited+1)
+			return nil, dispatcher.Unread(err)
+		}
+		if waited == 0 {
+			w.log.Debug("decode engine did not take the handoff; waiting for it with the KV", logging.KeyRequestID, job.ID,
+				logging.Err(err), "kv_ttl", w.kvTTL().String())
+		}
+		// The engine's silence is not what the stall watchdog times.
+		alive()
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		case <-t.C:
+		}
+		alive()
+	}
+}
+
+// kvTTL is the oldest handoff the worker decodes.
+func (w *Worker) kvTTL() time.Duration {
+	if w.cfg.KVTTL > 0 {
+		return w.cfg.KVTTL
+	}
+	return dispatcher.DefaultKVTTL
 }
 
 // brokeAfterOutput handles a decode that failed after part of the answer

@@ -437,7 +437,7 @@ func TestEngineFailure(t *testing.T) {
 		{dispatcher.StageDecode, 400, true, false, 400},
 	} {
 		t.Run(fmt.Sprintf("%s %d", tc.stage, tc.status), func(t *testing.T) {
-			err := engineFailure(tc.stage, tc.status, refusal)
+			err := engineFailure(tc.stage, tc.status, refusal, 0)
 			var f *dispatcher.Failure
 			if !errors.As(err, &f) {
 				t.Fatalf("%v is not a dispatcher.Failure", err)

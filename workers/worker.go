@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -397,14 +400,46 @@ func (w *Worker) discover(ctx context.Context) ([]vllm.Model, error) {
 func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body ...[]byte) (*http.Response, error) {
 	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body...)
 	if err != nil {
+		var op *net.OpError
+		if errors.As(err, &op) && op.Op == "dial" {
+			// No connection, so no request: the engine never saw it.
+			err = &notRun{err: err}
+		}
 		return nil, unreachable(ctx, w.cfg.Role, err)
 	}
 	if resp.StatusCode != http.StatusOK {
 		defer resp.Body.Close()
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		return nil, engineFailure(w.cfg.Role, resp.StatusCode, raw)
+		return nil, engineFailure(w.cfg.Role, resp.StatusCode, raw, retryAfter(resp.Header.Get("Retry-After")))
 	}
 	return resp, nil
+}
+
+// notRun is an engine's failure that says it did not run the request: the
+// connection was refused, or it answered 503 or 429, perhaps with a
+// Retry-After. A decode engine so refused has not read the handoff's KV.
+type notRun struct {
+	err error
+	// retryAfter is the engine's Retry-After, 0 when it sent none.
+	retryAfter time.Duration
+}
+
+func (e *notRun) Error() string { return e.err.Error() }
+func (e *notRun) Unwrap() error { return e.err }
+
+// retryAfter reads a Retry-After header: seconds, or an HTTP date; 0 when
+// absent or unreadable.
+func retryAfter(v string) time.Duration {
+	if v == "" {
+		return 0
+	}
+	if secs, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
+		return time.Duration(max(secs, 0)) * time.Second
+	}
+	if t, err := http.ParseTime(v); err == nil {
+		return max(time.Until(t), 0)
+	}
+	return 0
 }
 
 // engineFailure classifies a non-2xx engine answer: 429 and 5xx are
@@ -412,7 +447,7 @@ func (w *Worker) call(ctx context.Context, job *dispatcher.Job, body ...[]byte) 
 // its engine, and are retried on prefill but end a decode at once; any
 // other 4xx is the client's and goes back to it with the engine's status
 // and message.
-func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
+func engineFailure(stage dispatcher.Stage, status int, body []byte, wait time.Duration) error {
 	apiErr, ok := openai.ParseError(body)
 	if !ok {
 		apiErr = openai.NewError(status, "%s engine answered %d: %s", stage, status, truncate(string(body), 200))
@@ -420,11 +455,12 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte) error {
 	err := fmt.Errorf("%s engine answered %d: %s", stage, status, apiErr.Message)
 	switch {
 	case status == http.StatusTooManyRequests:
-		return dispatcher.Retryable(err, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+		return dispatcher.Retryable(&notRun{err: err, retryAfter: wait}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
 	case status == http.StatusServiceUnavailable:
-		return dispatcher.Retryable(&engineFault{err: err}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+		return dispatcher.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait}, status: status},
+			openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
 	case status >= 500:
-		return dispatcher.Retryable(&engineFault{err: err}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
+		return dispatcher.Retryable(&engineFault{err: err, status: status}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
 	case status == http.StatusUnauthorized || status == http.StatusForbidden || status == http.StatusNotFound:
 		// Not the client's doing: the worker is set up wrong for its engine
 		// (a key, a route, a model). A prefill is retried, then kept for
@@ -465,6 +501,8 @@ func unreachable(ctx context.Context, stage dispatcher.Stage, err error) error {
 type engineFault struct {
 	err         error
 	unreachable bool
+	// status is the engine's answer (a 5xx); 0 when there was none.
+	status int
 }
 
 func (e *engineFault) Error() string { return e.err.Error() }
