@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -79,6 +80,9 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 }
 
 func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
+	if notYet(msg) {
+		return
+	}
 	job, err := ParseJob(msg.Headers(), msg.Data())
 	if err == nil && len(job.KV) == 0 {
 		err = fmt.Errorf("release of %s carries no kv_transfer_params", job.ID)
@@ -110,5 +114,38 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 	if err := msg.Ack(); err != nil {
 		s.log.Debug("ack of a claimed release failed; the message is gone all the same", logging.Err(err))
 	}
-	s.release(context.WithoutCancel(ctx), "its handoff could not be stored")
+	if job.HandBacks > maxReleaseTries {
+		s.log.Warn("could not release the prefill's KV blocks; they stay held until their lease ends", "tries", job.HandBacks)
+		return
+	}
+	s.release(context.WithoutCancel(ctx), "its handoff could not be stored, or its release did not run")
+}
+
+// A release whose call the engine did not run is tried again after
+// releaseRetry, up to maxReleaseTries times: past the lease (30 s in
+// vLLM) release skips it anyway.
+const (
+	releaseRetry    = time.Second
+	maxReleaseTries = 60
+)
+
+// headerNotBefore on a release tried again is when it is due, in Unix
+// milliseconds: a worker that pulls it sooner puts it back until then,
+// without claiming it.
+const headerNotBefore = "Pdq-Not-Before"
+
+// notYet puts back a release that is not due, and reports whether it did.
+func notYet(msg jetstream.Msg) bool {
+	ms, err := strconv.ParseInt(msg.Headers().Get(headerNotBefore), 10, 64)
+	if err != nil {
+		return false
+	}
+	wait := time.Until(time.UnixMilli(ms))
+	if wait <= 0 {
+		return false
+	}
+	if err := msg.NakWithDelay(wait); err != nil {
+		return false // run it now rather than wait out the ack wait
+	}
+	return true
 }

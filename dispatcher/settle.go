@@ -298,7 +298,12 @@ func msgSize(m *nats.Msg) int {
 func (s *settle) queueRelease(ctx context.Context, h *Job) {
 	m := h.Msg(StageDecode)
 	m.Subject = ReleaseSubject(h.Pool, h.ID)
-	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation)}
+	// One release per generation; a release tried again (its call did
+	// not run) is a copy of its own, counted in its hand-backs.
+	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation) + "." + strconv.Itoa(h.HandBacks)}
+	if h.HandBacks > 0 {
+		m.Header[headerNotBefore] = []string{strconv.FormatInt(time.Now().Add(releaseRetry).UnixMilli(), 10)}
+	}
 	if err := publish(ctx, s.l.js, m); err != nil && !errors.Is(err, ErrDuplicate) {
 		s.log.Warn("could not queue the release of the prefill's KV; it stays held until its lease ends", logging.Err(err))
 	}
@@ -624,6 +629,17 @@ func (s *settle) release(ctx context.Context, why string) {
 		defer e.release()
 	}
 	if err := s.l.cfg.Release(rctx, s.job); err != nil {
+		var f *Failure
+		if errors.As(err, &f) && f.Unread && ctx.Err() == nil {
+			// The engine did not run the call (it is down, or failing
+			// before it runs anything): the blocks are still held, and a
+			// decode worker tries again from the release queue.
+			s.log.Debug("the release call did not run; queued to try again", "reason", why, logging.Err(err))
+			next := *s.job
+			next.HandBacks++ // a new copy: its own message id
+			s.queueRelease(ctx, &next)
+			return
+		}
 		s.log.Warn("could not release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
 		return
 	}

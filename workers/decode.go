@@ -250,22 +250,30 @@ func wholeAnswerLimit(endpoint openai.Endpoint, body []byte, stall time.Duration
 }
 
 // release frees the prefill engine's KV blocks of a handoff that will not
-// be decoded: a decode call for one token whose output is dropped. The
-// decode engine reads the blocks, which tells the prefill engine to free
-// them, as any read does.
+// be decoded: a streamed decode call for one token whose output is
+// dropped. The decode engine reads the blocks, which tells the prefill
+// engine to free them, as any read does. A call the engine did not run
+// (no connection, or an error status: the stream never began) is marked
+// dispatcher.Unread: the blocks are still held, and may be released later.
 func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 	body, err := ReleaseBody(job.Body, job.KV)
 	if err != nil {
 		return err
 	}
-	resp, err := w.engine.Post(ctx, job.Endpoint, job.ID, body)
-	if err != nil {
-		return err
+	resp, err := w.call(ctx, job, body)
+	var refused *notRun
+	var fault *engineFault
+	switch {
+	case err == nil:
+	case errors.As(err, &refused), errors.As(err, &fault) && fault.status != 0:
+		return dispatcher.Unread(fmt.Errorf("release call: %w", err))
+	default:
+		// A 4xx, which a retry would meet again, or a call cut off.
+		return fmt.Errorf("release call: %w", err)
 	}
 	defer resp.Body.Close()
-	io.Copy(io.Discard, io.LimitReader(resp.Body, maxResponseBytes))
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("decode engine answered %d to the release call", resp.StatusCode)
+	if _, err := io.Copy(io.Discard, io.LimitReader(resp.Body, maxResponseBytes)); err != nil {
+		return fmt.Errorf("release call: reading its stream: %w", err)
 	}
 	return nil
 }

@@ -33,6 +33,7 @@ var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill
 // Values the handshake sets.
 var (
 	jsonFalse = []byte("false")
+	jsonTrue  = []byte("true")
 	jsonOne   = []byte("1")
 	jsonNull  = []byte("null")
 )
@@ -96,13 +97,16 @@ func decodeParts(client, params json.RawMessage, whole bool) ([][]byte, error) {
 }
 
 // ReleaseBody builds a decode call whose only purpose is to read, and so
-// free, a prefill's KV blocks: the decode body, cut to one output token
-// and not streamed.
+// free, a prefill's KV blocks: the decode body, cut to one output token.
+// It is streamed, without usage: an engine answers a stream's errors in the
+// stream once it has begun, so an error status means it never ran the
+// call, and the blocks are still held and unread (see Worker.release).
 func ReleaseBody(client, params json.RawMessage) ([]byte, error) {
 	if len(params) == 0 {
 		params = jsonNull
 	}
 	ops := oneToken(params)
+	ops[1] = jsonobj.Set(keyStream, jsonTrue)
 	return edit(client, ops[:]...)
 }
 

@@ -208,7 +208,7 @@ func TestBodiesKeepClientBytes(t *testing.T) {
 		{"release", func(b []byte) ([]byte, error) { return ReleaseBody(b, json.RawMessage(params)) },
 			`{ "model": "m",
   "messages": [{"role":"user","content":"<b>\u00e9 & \"q\"</b> 漢字"}],
-  "temperature": 0.70, "stream": false, "max_tokens": 1, "zzz": null,"kv_transfer_params":` + params + ` }`},
+  "temperature": 0.70, "stream": true, "max_tokens": 1, "zzz": null,"kv_transfer_params":` + params + ` }`},
 		{"one response, as a replay's decode sends it", func(b []byte) ([]byte, error) {
 			parts, err := decodeParts(b, nil, true)
 			return bytes.Join(parts, nil), err
