@@ -6,11 +6,11 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// Cancel broadcasts the cancel of request id's generation: the running
-// jobs of that generation and earlier ones stop, not those of a later one
-// (a retry of the id, already under way).
-func Cancel(nc *nats.Conn, id string, generation int) error {
+// Cancel broadcasts the cancel of request id, the one claimed at
+// generation origin (Job.Origin): its running jobs stop, whatever their
+// generation, and not those of a retry of the id, already under way.
+func Cancel(nc *nats.Conn, id string, origin int) error {
 	m := nats.NewMsg(CancelSubject(id))
-	m.Header[HeaderGeneration] = []string{strconv.Itoa(generation)}
+	m.Header[HeaderOrigin] = []string{strconv.Itoa(origin)}
 	return nc.PublishMsg(m)
 }

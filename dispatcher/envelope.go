@@ -54,7 +54,13 @@ type Job struct {
 	// client's retry under the same id, and a replay each start the next
 	// one, with new message ids, so consumed KV is never read again.
 	Generation int
-	Submitted  time.Time
+	// Origin is the generation its request was claimed at: the new
+	// generations of one request (a prefill again, a migration) keep it,
+	// while a client's retry of the id, or a replay, claims a new one. A
+	// cancel names the request it stops by it, so that a late one cannot
+	// stop a retry's work. 0 on a job of an older gateway.
+	Origin    int
+	Submitted time.Time
 	// PromptTokens is the gateway's estimate, which chose P/D or
 	// decode-only.
 	PromptTokens int
@@ -185,6 +191,7 @@ const (
 	HeaderReplyTo      = "Pdq-Reply-To"
 	HeaderDeadline     = "Pdq-Deadline"   // Unix milliseconds
 	HeaderGeneration   = "Pdq-Generation" // from 1
+	HeaderOrigin       = "Pdq-Origin"     // the generation the request was claimed at
 	HeaderSubmitted    = "Pdq-Submitted"  // Unix microseconds
 	HeaderPromptTokens = "Pdq-Prompt-Tokens"
 	// HeaderParts lists the parts of a version 3 payload after the body,
@@ -228,6 +235,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 		h[HeaderDeadline] = []string{strconv.FormatInt(j.Deadline.UnixMilli(), 10)}
 	}
 	h[HeaderGeneration] = []string{strconv.Itoa(j.Generation)}
+	if j.Origin > 0 {
+		h[HeaderOrigin] = []string{strconv.Itoa(j.Origin)}
+	}
 	h[HeaderSubmitted] = []string{strconv.FormatInt(j.Submitted.UnixMicro(), 10)}
 	h[HeaderPromptTokens] = []string{strconv.Itoa(j.PromptTokens)}
 	if j.Prefill != nil {
@@ -347,6 +357,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 		j.Deadline = time.UnixMilli(ms)
 	}
 	j.Generation = int(num(HeaderGeneration))
+	j.Origin = int(num(HeaderOrigin))
 	j.Submitted = time.UnixMicro(num(HeaderSubmitted))
 	j.PromptTokens = int(num(HeaderPromptTokens))
 	j.HandBacks = int(num(HeaderHandBacks))

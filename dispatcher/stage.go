@@ -372,6 +372,7 @@ type runningJob struct {
 	id         string
 	gateway    string
 	generation int
+	origin     int
 	attempt    int
 	cancel     context.CancelCauseFunc
 }
@@ -648,7 +649,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		jctx, stop = context.WithDeadlineCause(jctx, job.Deadline, errExpired)
 		defer stop()
 	}
-	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, attempt: attempt, cancel: cancel}
+	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, origin: job.Origin, attempt: attempt, cancel: cancel}
 	l.mu.Lock()
 	l.running[r] = struct{}{}
 	l.mu.Unlock()
@@ -838,19 +839,16 @@ func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func
 	}
 }
 
-// onCancel stops the running jobs of a cancelled request's generation and
-// earlier ones; a cancel without a generation (from a gateway of an older
-// build) stops them all.
+// onCancel stops the running jobs of a cancelled request: those of its
+// origin (see Job.Origin). A cancel or a job without one (from a gateway
+// of an older build) matches by id alone.
 func (l *StageLoop) onCancel(msg *nats.Msg) {
 	id := msg.Subject[len(CancelSubject("")):]
-	upto := math.MaxInt
-	if g, err := strconv.Atoi(msg.Header.Get(HeaderGeneration)); err == nil {
-		upto = g
-	}
+	origin, _ := strconv.Atoi(msg.Header.Get(HeaderOrigin))
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for r := range l.running {
-		if r.id == id && r.generation <= upto {
+		if r.id == id && (origin == 0 || r.origin == 0 || r.origin == origin) {
 			r.cancel(errCancelled)
 		}
 	}

@@ -310,7 +310,7 @@ func TestStageLoop(t *testing.T) {
 		}
 	})
 
-	t.Run("a cancel stops its generation, not a later one", func(t *testing.T) {
+	t.Run("a cancel stops its request, not a retry of the id", func(t *testing.T) {
 		started := make(chan struct{}, 1)
 		stopped := make(chan error, 1)
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
@@ -319,16 +319,17 @@ func TestStageLoop(t *testing.T) {
 			stopped <- context.Cause(ctx)
 			return ctx.Err()
 		}})
-		lt.submit("job-gen") // generation 1
+		lt.submit("job-gen") // claimed at generation 1
 		<-started
-		// A late cancel of an earlier request under the same id: the retry
-		// that runs now is not its business.
-		if err := Cancel(nc, "job-gen", 0); err != nil {
+		// A late cancel of another request under the same id (one claimed
+		// at generation 2, from the worker's point of view a retry that
+		// runs later, or an earlier one): not this request's business.
+		if err := Cancel(nc, "job-gen", 2); err != nil {
 			t.Fatal(err)
 		}
 		select {
 		case err := <-stopped:
-			t.Fatalf("generation 1 stopped by a cancel of generation 0: %v", err)
+			t.Fatalf("the request claimed at generation 1 stopped by another's cancel: %v", err)
 		case <-time.After(300 * time.Millisecond):
 		}
 		if err := Cancel(nc, "job-gen", 1); err != nil {
@@ -340,7 +341,27 @@ func TestStageLoop(t *testing.T) {
 				t.Errorf("stopped by %v, want the cancel", err)
 			}
 		case <-time.After(5 * time.Second):
-			t.Fatal("a cancel of its own generation did not stop the job")
+			t.Fatal("a cancel of its own request did not stop the job")
+		}
+
+		// A later generation of the request (prefilled again, or moved)
+		// is the same request: its cancel stops it.
+		job := &Job{ID: "job-gen2", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+			ReplyTo: lt.replies.Subject("job-gen2"), Deadline: time.Now().Add(time.Minute), Generation: 2, Origin: 1}
+		if _, err := js.PublishMsg(ctx, job.Msg(StagePrefill)); err != nil {
+			t.Fatal(err)
+		}
+		<-started
+		if err := Cancel(nc, "job-gen2", 1); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-stopped:
+			if !errors.Is(err, errCancelled) {
+				t.Errorf("stopped by %v, want the cancel", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a cancel of its request did not stop its second generation")
 		}
 	})
 

@@ -185,6 +185,7 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) (uint64, error)
 // window): then the record and the job take the next generation, up to 3
 // times. It sets job.Generation to the one stored.
 func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Records, job *Job, stage Stage) error {
+	job.Origin = job.Generation // a new request
 	err := publish(ctx, js, job.Msg(stage))
 	for range 3 {
 		if !errors.Is(err, ErrDuplicate) {
@@ -197,7 +198,7 @@ func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Rec
 		if terr != nil {
 			return terr
 		}
-		job.Generation, job.RecordRevision = rec.Generation, 0
+		job.Generation, job.Origin, job.RecordRevision = rec.Generation, rec.Generation, 0
 		err = publish(ctx, js, job.Msg(stage))
 	}
 	return err

@@ -443,7 +443,7 @@ func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.
 		log.Warn("could not record the cancel", logging.Err(err))
 	}
 	if ours {
-		if err := dispatcher.Cancel(h.nc, job.ID, job.Generation); err != nil {
+		if err := dispatcher.Cancel(h.nc, job.ID, job.Origin); err != nil {
 			log.Warn("could not publish the cancel", logging.Err(err))
 		}
 	}
