@@ -694,22 +694,42 @@ func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string
 	for k, v := range msg.Headers() {
 		m.Header[k] = v
 	}
-	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
+	m.Data = msg.Data()
+	err := storeDeadLetter(ctx, l.js, m, id, l.cfg.Stage, status, reason, l.cfg.Metrics)
+	if errors.Is(err, errDLQFull) {
+		l.dlqRefused.Add(1)
+	}
+	return err
+}
+
+// DeadLetterJob keeps a request that the gateway failed on the way back
+// (its decode restarted after output, its reply lost or silent) for
+// replay, as a worker keeps the jobs it fails: its job as the gateway
+// queued it, the client's body and all.
+func DeadLetterJob(ctx context.Context, js jetstream.Publisher, job *Job, stage Stage, status int, reason string, metrics *Metrics) error {
+	m := job.Msg(stage)
+	m.Subject = DLQSubject(job.Pool, job.ID)
+	return storeDeadLetter(ctx, js, m, job.ID, stage, status, reason, metrics)
+}
+
+// storeDeadLetter labels m, a job's message as it was, with the stage,
+// status and reason of its failure, and stores it in the dead-letter
+// stream at its subject, once per generation.
+func storeDeadLetter(ctx context.Context, js jetstream.Publisher, m *nats.Msg, id string, stage Stage, status int, reason string, metrics *Metrics) error {
+	m.Header[HeaderStage] = []string{string(stage)}
 	m.Header[HeaderStatus] = []string{strconv.Itoa(status)}
 	m.Header[HeaderReason] = []string{truncate(reason, 1024)}
-	m.Header[nats.MsgIdHdr] = []string{id + "/dlq/" + msg.Headers().Get(HeaderGeneration)}
-	m.Data = msg.Data()
-	ack, err := l.js.PublishMsg(ctx, m)
+	m.Header[nats.MsgIdHdr] = []string{id + "/dlq/" + m.Header.Get(HeaderGeneration)}
+	ack, err := js.PublishMsg(ctx, m)
 	if err != nil {
 		if isFull(err) {
-			l.dlqRefused.Add(1)
-			l.cfg.Metrics.deadLetterRefused(l.cfg.Stage)
+			metrics.deadLetterRefused(stage)
 			return fmt.Errorf("%w (%d entries or %d bytes): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
 		}
 		return err
 	}
 	if !ack.Duplicate { // a duplicate was counted when it was stored
-		l.cfg.Metrics.deadLetter(l.cfg.Stage)
+		metrics.deadLetter(stage)
 	}
 	return nil
 }

@@ -382,6 +382,12 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 	}
 	log.Warn("reply failed", logging.Err(err), "status", status)
 	h.cancel(job, log, state, status, err.Error())
+	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable {
+		// Failed on pdq's side of the reply (a decode restarted after
+		// output, as when its worker died; chunks lost; a decode gone
+		// silent): no worker keeps it for replay, so the gateway does.
+		h.deadLetter(job, status, err, log)
+	}
 	apiErr := openai.NewError(status, "%v", err)
 	trackOf(c).failed = true
 	if sse != nil && sse.Started() {
@@ -391,6 +397,15 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 		return nil
 	}
 	return writeError(c, apiErr)
+}
+
+// deadLetter keeps a request the gateway failed for pdq replay.
+func (h *handlers) deadLetter(job *dispatcher.Job, status int, cause error, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := dispatcher.DeadLetterJob(ctx, h.js, job, dispatcher.StageDecode, status, cause.Error(), h.cfg.Counters); err != nil {
+		log.Warn("could not keep the failed request for replay", logging.Err(err))
+	}
 }
 
 // writeWorkerError passes on an error a worker sent, with its status. The

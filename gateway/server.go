@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -40,6 +41,9 @@ const (
 	DefaultGrace = 30 * time.Second
 	// DefaultRequestTimeout is every request's deadline (PDQ_REQUEST_TIMEOUT).
 	DefaultRequestTimeout = 10 * time.Minute
+	// DefaultBodyTimeout bounds the read of a request body
+	// (PDQ_BODY_TIMEOUT): 7 MiB at 250 KB/s.
+	DefaultBodyTimeout = 30 * time.Second
 	// DefaultMaxInflightBytes bounds the request bodies the gateway holds
 	// at once (PDQ_MAX_INFLIGHT_BYTES).
 	DefaultMaxInflightBytes = 512 << 20
@@ -64,6 +68,10 @@ type Config struct {
 	Grace           time.Duration
 	// RequestTimeout is every request's deadline, carried by its jobs.
 	RequestTimeout time.Duration
+	// BodyTimeout bounds the read of a request body (PDQ_BODY_TIMEOUT): a
+	// client that stops sending it gets a 408, and its connection and
+	// reserved bytes go. 0 takes DefaultBodyTimeout.
+	BodyTimeout time.Duration
 	// MaxInflightBytes bounds the request bodies held at once; a request
 	// that does not fit gets a 429.
 	MaxInflightBytes int64
@@ -100,6 +108,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxInflightBytes <= 0 {
 		c.MaxInflightBytes = DefaultMaxInflightBytes
+	}
+	if c.BodyTimeout <= 0 {
+		c.BodyTimeout = DefaultBodyTimeout
 	}
 	if c.MaxQueue <= 0 {
 		c.MaxQueue = dispatcher.DefaultMaxQueue
@@ -373,6 +384,13 @@ func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 		}
 		in.taken = n
 	}
+	// A body that stops coming must not hold the connection and its
+	// reserved bytes: its read has a deadline, lifted once it is read
+	// (the reply may stream for minutes).
+	rc := http.NewResponseController(c.Response())
+	if err := rc.SetReadDeadline(time.Now().Add(h.cfg.BodyTimeout)); err == nil {
+		defer rc.SetReadDeadline(time.Time{})
+	}
 	body, err := readAll(in, r.ContentLength)
 	if err != nil {
 		var tooBig *http.MaxBytesError
@@ -381,6 +399,9 @@ func (h *handlers) readBody(c echo.Context) ([]byte, func(), *openai.Error) {
 			return nil, release, openai.NewError(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", tooBig.Limit)
 		case errors.Is(err, errOverBudget):
 			return nil, release, h.overBudget(c)
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			c.Response().Header().Set("Connection", "close")
+			return nil, release, openai.NewError(http.StatusRequestTimeout, "the request body did not arrive within %v", h.cfg.BodyTimeout)
 		}
 		return nil, release, openai.NewError(http.StatusBadRequest, "could not read the request body: %v", err)
 	}

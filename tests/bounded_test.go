@@ -1,8 +1,13 @@
 package tests
 
 import (
+	"bufio"
 	"context"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
@@ -136,5 +142,29 @@ func TestBatchOwnsItsID(t *testing.T) {
 	}
 	if r := <-done; r.status != http.StatusOK {
 		t.Errorf("the single request: %d %s", r.status, r.body)
+	}
+}
+
+// TestStalledBodyTimedOut: a client that declares a large body and stops
+// sending it must not hold a connection and its reserved bytes for ever;
+// the gateway answers 408 once the body's read time is over.
+func TestStalledBodyTimedOut(t *testing.T) {
+	p := startPipeline(t, pipelineOptions{gateway: gateway.Config{BodyTimeout: 500 * time.Millisecond}})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: pdq\r\nContent-Type: application/json\r\nContent-Length: 7000000\r\n\r\n")
+	fmt.Fprintf(conn, `{"model":"%s","prompt":"%s`, model, strings.Repeat("x", 1000))
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer to a stalled body within 5 s: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout {
+		raw, _ := io.ReadAll(resp.Body)
+		t.Errorf("a stalled body: %d %s, want 408", resp.StatusCode, raw)
 	}
 }

@@ -129,3 +129,49 @@ func kvReleaseRows(t *testing.T) []row {
 	}
 	return []row{r}
 }
+
+// killedDecodeWorkerRow: the only decode worker is killed (-9) while its
+// streams run. Their stream cannot move (its transcript died with the
+// worker), so each client gets an in-stream error once the handoff comes
+// back as a new generation; those failures must be kept for replay, as a
+// SIGTERM's are, and pdq replay --failed must answer them.
+func killedDecodeWorkerRow(t *testing.T) row {
+	c := startCluster(t, clusterOptions{decodeSim: []string{"--itl", "20ms"}})
+	c.worker(dispatcher.StagePrefill, 2)
+	a := c.worker(dispatcher.StageDecode, 4)
+	c.ready()
+	var outs []outcome
+	done := make(chan struct{})
+	go func() { outs = c.load(3, "killdec", 0, pd(100, true)); close(done) }()
+	c.decode.WaitStats(t, 10*time.Second, "streams running", func(s sim.Stats) bool { return s.Running >= 3 })
+	time.Sleep(200 * time.Millisecond) // output on its way to every client
+	kill9(t, a)
+	c.worker(dispatcher.StageDecode, 4)
+	<-done
+	r := row{scenario: "kill -9 of a decode worker mid-stream; replay"}
+	tally(&r, outs)
+	r.blocksHeld = c.settle(10 * time.Second)
+	replay := startPDQ(t, []string{"PDQ_NATS_URL=" + c.natsURL}, "replay", "--failed", "--wait")
+	select {
+	case <-replay.exited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("pdq replay --failed --wait did not finish in 30s")
+	}
+	r.replayedN = r.errors
+	for i := range 3 {
+		if rec := c.record(fmt.Sprintf("killdec-%d", i)); rec.State == dispatcher.StateDone && len(rec.Result) > 0 {
+			r.replayed++
+		}
+	}
+	if r.errors != 3 || r.replayed != 3 {
+		t.Errorf("outcomes %+v, %d replayed: want 3 in-stream errors, each replayed\n%s", outs, r.replayed, replay.stdout.String())
+	}
+	return r
+}
+
+// pd is a P/D completions request of tokens, streamed or not.
+func pd(tokens int, stream bool) func(int) body {
+	return func(int) body {
+		return completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true, "stream": stream})
+	}
+}

@@ -318,11 +318,6 @@ func TestFaultSuite(t *testing.T) {
 		}
 		add(r)
 	}
-	pd := func(tokens int, stream bool) func(int) body {
-		return func(int) body {
-			return completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true, "stream": stream})
-		}
-	}
 
 	t.Run("kill -9 of a prefill worker mid-prefill", func(t *testing.T) {
 		c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "1500ms"}})
@@ -607,6 +602,7 @@ func TestFaultSuite(t *testing.T) {
 			}
 		})
 	}
+	t.Run("kill -9 of a decode worker mid-stream", func(t *testing.T) { check(t, killedDecodeWorkerRow(t)) })
 	t.Run("lost cancels", func(t *testing.T) { check(t, lostCancelRow(t)) })
 	t.Run("a decode engine's blip", func(t *testing.T) {
 		for _, r := range decodeBlipRows(t) {

@@ -149,7 +149,7 @@ func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatch
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: cfg.ShutdownGrace,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
-		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, Metrics: reg, Counters: metrics,
+		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics,
 	}
 }
 

@@ -83,6 +83,9 @@ type Config struct {
 	// MaxQueue bounds the jobs waiting in each pool's prefill or decode
 	// queue; past it the gateway answers 429.
 	MaxQueue int `envconfig:"PDQ_MAX_QUEUE" default:"1024"`
+	// BodyTimeout bounds the read of a request body: a client that stops
+	// sending it gets a 408.
+	BodyTimeout time.Duration `envconfig:"PDQ_BODY_TIMEOUT" default:"30s"`
 	// MaxInflightBytes bounds the request bodies the gateway holds at once.
 	MaxInflightBytes int64 `envconfig:"PDQ_MAX_INFLIGHT_BYTES" default:"536870912"`
 	// MaxDeliver is how many deliveries of one job a stage runs before the
@@ -221,6 +224,7 @@ func (c Config) Validate() error {
 		}
 	}
 	positive("PDQ_REQUEST_TIMEOUT", c.RequestTimeout > 0, c.RequestTimeout)
+	positive("PDQ_BODY_TIMEOUT", c.BodyTimeout > 0, c.BodyTimeout)
 	positive("PDQ_KV_TTL", c.KVTTL > 0, c.KVTTL)
 	if c.AckWait < 300*time.Millisecond {
 		errs = append(errs, fmt.Errorf("%w: PDQ_ACK_WAIT must be at least 300ms, got %v", ErrInvalid, c.AckWait))
