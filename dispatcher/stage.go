@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -717,7 +718,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		waited = time.Since(stored)
 	}
 	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
-	err = l.cfg.Handler(jctx, d)
+	err = l.handle(jctx, d)
 	releaseEngine()
 	var took time.Duration
 	if f := (*Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {
@@ -754,6 +755,22 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	default:
 		s.failed(sctx, err)
 	}
+}
+
+// handle runs the handler on a delivery. A handler that panics (a job that
+// meets a bug) fails that job for good, kept for replay and answered, and
+// the worker goes on: a panic would end the process, every stream it runs
+// with it, and the job would come back to do the same to the next worker.
+func (l *StageLoop) handle(ctx context.Context, d *Delivery) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			l.log.Error("the handler panicked: failing the job", logging.KeyRequestID, d.Job.ID,
+				"panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+			err = Permanent(fmt.Errorf("%s handler panicked: %v", l.cfg.Stage, v),
+				openai.NewError(http.StatusInternalServerError, "pdq's %s worker failed on this request", l.cfg.Stage))
+		}
+	}()
+	return l.cfg.Handler(ctx, d)
 }
 
 // giveBack returns a job that came as the loop stopped, not run.

@@ -365,6 +365,29 @@ func TestStageLoop(t *testing.T) {
 		}
 	})
 
+	t.Run("a handler's panic ends its job, not the worker", func(t *testing.T) {
+		var ran atomic.Int32
+		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+			ran.Add(1)
+			if d.Job.ID == "job-poison" {
+				var m map[string]int
+				m["boom"]++ // a bug that only this job's body reaches
+			}
+			return nil
+		}})
+		s := lt.submit("job-poison")
+		r, err := s.Next(ctx, 10*time.Second)
+		if err != nil || r.Kind != KindError || r.Status != 500 {
+			t.Fatalf("reply %+v %s, %v; want a 500", r, r.Data, err)
+		}
+		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-poison") != nil })
+		if rec := lt.record("job-poison"); rec.State != StateFailed {
+			t.Errorf("record %+v, want failed", rec)
+		}
+		lt.submit("job-after-poison")
+		waitFor(t, "the next job run", func() bool { return ran.Load() == 2 && lt.pending(StagePrefill) == 0 })
+	})
+
 	t.Run("a running job stops at its deadline, with no client to cancel it", func(t *testing.T) {
 		var calls atomic.Int32
 		var stopped atomic.Value
