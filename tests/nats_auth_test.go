@@ -10,6 +10,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"math/big"
 	"net"
 	"os"
@@ -324,4 +325,39 @@ func TestNATSCredentials(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestNATSURLCredentialsNotLogged: credentials in PDQ_NATS_URL (user and
+// password, or a token) must never reach a log line, an error or a
+// tool's output, whether the server is reached or not.
+func TestNATSURLCredentialsNotLogged(t *testing.T) {
+	url := startAuthServer(t, func(o *server.Options) { o.Username, o.Password = "pdq", "s3cretpw" })
+	withPass := strings.Replace(url, "nats://", "nats://pdq:s3cretpw@", 1)
+	outputs := map[string]string{}
+	// A gateway that connects, and one that retries a server it cannot
+	// reach, with a password and with a token.
+	for _, u := range []string{withPass, "nats://pdq:s3cretpw@127.0.0.1:1", "nats://s3cretpw@127.0.0.1:1"} {
+		gw := startPDQ(t, []string{"PDQ_NATS_URL=" + u, "PDQ_HTTP_ADDR=127.0.0.1:0"}, "gateway")
+		if u == withPass {
+			gw.waitLog(t, "gateway listening")
+		} else {
+			gw.waitLog(t, "NATS not reachable; retrying")
+		}
+		gw.stop(t)
+		outputs["pdq gateway with "+strings.Replace(u, "s3cretpw", "…", 1)] = gw.output()
+	}
+	// The tools, which report a server they cannot reach and exit.
+	for _, args := range [][]string{{"requests", "--failed"}, {"status"}, {"replay", "--failed"}} {
+		for _, u := range []string{withPass, "nats://pdq:s3cretpw@127.0.0.1:1", "nats://s3cretpw@127.0.0.1:1"} {
+			_, out := runPDQ(t, []string{"PDQ_NATS_URL=" + u, "PDQ_LOG_LEVEL=debug"}, args...)
+			outputs[fmt.Sprintf("pdq %s with %s", strings.Join(args, " "), strings.Replace(u, "s3cretpw", "…", 1))] = out
+		}
+		_, help := runPDQ(t, []string{"PDQ_NATS_URL=" + withPass}, args[0], "-h")
+		outputs["pdq "+args[0]+" -h"] = help
+	}
+	for what, out := range outputs {
+		if strings.Contains(out, "s3cretpw") {
+			t.Errorf("%s shows the password:\n%s", what, out)
+		}
+	}
 }

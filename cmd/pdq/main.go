@@ -28,6 +28,9 @@ func main() {
 	stop()
 	switch {
 	case err == nil:
+	case ctx.Err() != nil && errors.Is(err, context.Canceled):
+		// Stopped by a signal before it was up (still connecting, say):
+		// a clean stop.
 	case errors.Is(err, errUsage):
 		os.Exit(2)
 	default:

@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -102,4 +103,33 @@ func connectError(err error) (permanent bool, hint string) {
 		return true, "TLS is set up differently on the server: check PDQ_NATS_CA, PDQ_NATS_CERT and PDQ_NATS_KEY"
 	}
 	return false, ""
+}
+
+// redactURLs is a list of NATS URLs, comma-separated, fit for a log line
+// or an error: a password, or a token (a user without one), is replaced
+// by xxxxx. A URL that does not parse is shown as its scheme and host at
+// most.
+func redactURLs(list string) string {
+	urls := strings.Split(list, ",")
+	for i, raw := range urls {
+		raw = strings.TrimSpace(raw)
+		u, err := url.Parse(raw)
+		switch {
+		case err != nil:
+			if at := strings.LastIndex(raw, "@"); at >= 0 {
+				raw = "xxxxx" + raw[at:]
+			}
+			urls[i] = raw
+		case u.User == nil:
+			urls[i] = raw
+		default:
+			if _, hasPassword := u.User.Password(); hasPassword {
+				u.User = url.UserPassword(u.User.Username(), "xxxxx")
+			} else {
+				u.User = url.User("xxxxx") // a token
+			}
+			urls[i] = u.String()
+		}
+	}
+	return strings.Join(urls, ",")
 }

@@ -81,7 +81,7 @@ func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logg
 			}
 			log.Warn("disconnected from NATS; reconnecting", logging.Err(err))
 		}),
-		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("reconnected to NATS", "url", nc.ConnectedUrl()) }),
+		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("reconnected to NATS", "url", redactURLs(nc.ConnectedUrl())) }),
 	}, auth...)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
@@ -94,10 +94,10 @@ func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logg
 		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
-		log.Warn("NATS not reachable; retrying", "url", url, logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+		log.Warn("NATS not reachable; retrying", "url", redactURLs(url), logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
+		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURLs(url), err)
 	}
 	js, err := ensure(ctx, nc, cfg.NATS.Replicas, log)
 	if err != nil {
@@ -109,7 +109,7 @@ func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logg
 			log.Error("streams and buckets will not be recreated after a NATS restart", logging.Err(err))
 		}
 	}()
-	log.Info("connected to NATS", "url", nc.ConnectedUrl(), "replicas", cfg.NATS.Replicas)
+	log.Info("connected to NATS", "url", redactURLs(nc.ConnectedUrl()), "replicas", cfg.NATS.Replicas)
 	return nc, js, nil
 }
 

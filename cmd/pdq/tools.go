@@ -26,11 +26,21 @@ type toolFlags struct {
 }
 
 func (f *toolFlags) register(fs *flag.FlagSet) {
-	def := os.Getenv("PDQ_NATS_URL")
-	if def == "" {
-		def = nats.DefaultURL
+	// The default is read at connect, not shown in -h: PDQ_NATS_URL may
+	// carry a password.
+	fs.StringVar(&f.natsURL, "nats", "", "the NATS server pdq uses (default: $PDQ_NATS_URL, else "+nats.DefaultURL+")")
+}
+
+// url is the NATS server to join: --nats, else PDQ_NATS_URL, else the
+// default.
+func (f *toolFlags) url() string {
+	switch {
+	case f.natsURL != "":
+		return f.natsURL
+	case os.Getenv("PDQ_NATS_URL") != "":
+		return os.Getenv("PDQ_NATS_URL")
 	}
-	fs.StringVar(&f.natsURL, "nats", def, "the NATS server pdq uses (default: $PDQ_NATS_URL, else "+nats.DefaultURL+")")
+	return nats.DefaultURL
 }
 
 // connectTool joins NATS once, with the PDQ_NATS_* credentials, without
@@ -44,12 +54,12 @@ func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetst
 	if err != nil {
 		return nil, nil, err
 	}
-	conn, err := nats.Connect(f.natsURL, append([]nats.Option{nats.Name("pdq " + name), nats.Timeout(5 * time.Second)}, auth...)...)
+	conn, err := nats.Connect(f.url(), append([]nats.Option{nats.Name("pdq " + name), nats.Timeout(5 * time.Second)}, auth...)...)
 	if err != nil {
 		if _, hint := connectError(err); hint != "" {
 			err = fmt.Errorf("%w (%s)", err, hint)
 		}
-		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", f.natsURL, err)
+		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURLs(f.url()), err)
 	}
 	js, err := jetstream.New(conn)
 	if err != nil {

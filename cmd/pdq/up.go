@@ -43,7 +43,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if nc, js, err = connect(ctx, cfg, "up", log); err != nil {
 			return err
 		}
-		natsNote = cfg.NATSURL
+		natsNote = redactURLs(cfg.NATSURL)
 	} else {
 		srv, err := embedded.Start(embedded.Options{DataDir: filepath.Join(cfg.DataDir, "nats"), Listen: cfg.NATSListen}, log)
 		if err != nil {

@@ -59,8 +59,9 @@ func New(baseURL string, conns int, apiKey string) (*Client, error) {
 	return c, nil
 }
 
-// URL is the engine's base URL.
-func (c *Client) URL() string { return c.base.String() }
+// URL is the engine's base URL as logs, the registry and the stage
+// records show it: a password in it is replaced by xxxxx.
+func (c *Client) URL() string { return c.base.Redacted() }
 
 // Host is the host part of the engine's URL, without the port.
 func (c *Client) Host() string { return c.base.Hostname() }
