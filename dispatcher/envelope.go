@@ -64,6 +64,9 @@ type Job struct {
 	// PromptTokens is the gateway's estimate, which chose P/D or
 	// decode-only.
 	PromptTokens int
+	// Owner names the API key that made the request (a hash of it, not
+	// the key), for its record; empty on a gateway that takes no keys.
+	Owner string
 	// Body is the client's request body, without any kv_transfer_params;
 	// on a migrated decode, the worker's continuation of it (see Resume).
 	Body json.RawMessage
@@ -194,6 +197,7 @@ const (
 	HeaderOrigin       = "Pdq-Origin"     // the generation the request was claimed at
 	HeaderSubmitted    = "Pdq-Submitted"  // Unix microseconds
 	HeaderPromptTokens = "Pdq-Prompt-Tokens"
+	HeaderOwner        = "Pdq-Owner"
 	// HeaderParts lists the parts of a version 3 payload after the body,
 	// in payload order, as name=length, comma-separated: "kv=123".
 	HeaderParts = "Pdq-Parts"
@@ -240,6 +244,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	h[HeaderSubmitted] = []string{strconv.FormatInt(j.Submitted.UnixMicro(), 10)}
 	h[HeaderPromptTokens] = []string{strconv.Itoa(j.PromptTokens)}
+	if j.Owner != "" {
+		h[HeaderOwner] = []string{j.Owner}
+	}
 	if j.Prefill != nil {
 		rec, _ := json.Marshal(j.Prefill) // plain fields: it always encodes
 		h[HeaderPrefill] = []string{string(rec)}
@@ -321,7 +328,7 @@ var ErrEnvelopeVersion = errors.New("unknown envelope version")
 func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j := &Job{
 		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
-		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Body: data,
+		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Owner: h.Get(HeaderOwner), Body: data,
 	}
 	switch v := h.Get(HeaderVersion); v {
 	case versionBody[0]:

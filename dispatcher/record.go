@@ -57,6 +57,9 @@ type Record struct {
 	// prompts run as the requests <id>-0 to <id>-<Prompts-1>, each with a
 	// record of its own, and this one holds the id for the whole batch.
 	Prompts int `json:"prompts,omitempty"`
+	// Owner names the API key that made the request (Job.Owner): with API
+	// keys, only that key, or an operator key, reads the record.
+	Owner string `json:"owner,omitempty"`
 	// Gateway is the id of the gateway that holds the client; empty for a
 	// replay.
 	Gateway  string    `json:"gateway,omitempty"`

@@ -141,7 +141,7 @@ func (h *handlers) claimBatch(c echo.Context, endpoint openai.Endpoint, id strin
 	now := time.Now()
 	rec := &dispatcher.Record{
 		ID: id, State: dispatcher.StateQueued, Generation: 1, Model: in.req.Model, Pool: dispatcher.PoolName(in.req.Model),
-		Endpoint: endpoint, Stream: in.req.Stream, Prompts: len(in.batch), Gateway: h.id,
+		Endpoint: endpoint, Stream: in.req.Stream, Prompts: len(in.batch), Gateway: h.id, Owner: callerOf(c).owner,
 		Created: now, Updated: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
 	claim, err := h.submitter.Claim(c.Request().Context(), rec)

@@ -97,6 +97,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 	job := &dispatcher.Job{
 		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,
 		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, BatchPrompt: batch,
+		Owner:     callerOf(c).owner,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
 	slots := func() int { return h.registry.Slots(stage, job.Pool) }

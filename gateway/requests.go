@@ -23,6 +23,11 @@ func (h *handlers) request(c echo.Context) error {
 	ctx, cancel := context.WithTimeout(c.Request().Context(), 5*time.Second)
 	defer cancel()
 	rec, err := dispatcher.ReadRecord(ctx, h.js, h.records, id)
+	if who := callerOf(c); err == nil && !who.operator && rec.Owner != who.owner {
+		// Another key's request: as if there were none, so that its
+		// existence does not show either.
+		err = dispatcher.ErrNoRecord
+	}
 	if errors.Is(err, dispatcher.ErrNoRecord) {
 		return writeError(c, openai.NewError(http.StatusNotFound, "no request %s in the last 24 hours", id))
 	}

@@ -270,6 +270,37 @@ func TestGatewayAPIKeys(t *testing.T) {
 	get(t, p.url+"/ready").wantStatus(t, http.StatusOK)
 }
 
+// TestRecordsByKey: with PDQ_API_KEYS, a key reads the records of its own
+// requests (a replay's kept answer among them), not another key's; an
+// operator key (PDQ_OPERATOR_KEYS) reads every record, and is a key for
+// the rest of /v1 too.
+func TestRecordsByKey(t *testing.T) {
+	p := startPipeline(t, pipelineOptions{gateway: gateway.Config{APIKeys: []string{"alice", "bob"}, OperatorKeys: []string{"ops"}}})
+	as := func(key string) http.Header {
+		return http.Header{"Authorization": {"Bearer " + key}, "X-Request-Id": {"rec-" + key}}
+	}
+	b := chatBody(model, "hi", body{"max_tokens": 2})
+	for _, key := range []string{"alice", "ops"} {
+		parseResponse(t, do(t, http.MethodPost, p.chat(), as(key), b))
+	}
+	for _, tc := range []struct {
+		key, id string
+		want    int
+	}{
+		{"alice", "rec-alice", http.StatusOK},
+		{"bob", "rec-alice", http.StatusNotFound},
+		{"ops", "rec-alice", http.StatusOK},
+		{"alice", "rec-ops", http.StatusNotFound},
+		{"ops", "rec-ops", http.StatusOK},
+		{"nope", "rec-alice", http.StatusUnauthorized},
+	} {
+		r := do(t, http.MethodGet, p.url+"/v1/requests/"+tc.id, http.Header{"Authorization": {"Bearer " + tc.key}}, nil)
+		if r.status != tc.want {
+			t.Errorf("key %s reads %s: %d %s, want %d", tc.key, tc.id, r.status, r.body, tc.want)
+		}
+	}
+}
+
 // TestPools runs two models behind one gateway. Each model has its own
 // pool: its jobs reach only its own engines, and /v1/models lists both.
 func TestPools(t *testing.T) {

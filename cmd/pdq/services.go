@@ -147,7 +147,7 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 
 func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatcher.Metrics) gateway.Config {
 	return gateway.Config{
-		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: cfg.ShutdownGrace,
+		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, OperatorKeys: cfg.OperatorKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: cfg.ShutdownGrace,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
 		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics,
 	}

@@ -60,8 +60,12 @@ type Config struct {
 	// address, for itself and for pdq up's workers.
 	MetricsAddr string `envconfig:"PDQ_METRICS_ADDR"`
 
-	// APIKeys, when set, are the bearer tokens the gateway accepts.
+	// APIKeys, when set, are the bearer tokens the gateway accepts; each
+	// reads the records of its own requests only.
 	APIKeys []string `envconfig:"PDQ_API_KEYS"`
+	// OperatorKeys are bearer tokens the gateway accepts too, that read
+	// every request's record.
+	OperatorKeys []string `envconfig:"PDQ_OPERATOR_KEYS"`
 	// DisaggMinPromptTokens is the P/D threshold: prompts estimated shorter
 	// skip prefill and are prefilled by the decode engine; 0 sends every
 	// request through prefill.
@@ -166,6 +170,7 @@ func Load() (Config, error) {
 	c.PrefillEngines = trimAll(c.PrefillEngines)
 	c.DecodeEngines = trimAll(c.DecodeEngines)
 	c.APIKeys = trimAll(c.APIKeys)
+	c.OperatorKeys = trimAll(c.OperatorKeys)
 	if err := c.Validate(); err != nil {
 		return Config{}, err
 	}
