@@ -2,11 +2,13 @@ package tests
 
 import (
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
@@ -174,4 +176,35 @@ func pd(tokens int, stream bool) func(int) body {
 	return func(int) body {
 		return completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true, "stream": stream})
 	}
+}
+
+// longPromptRow: a P/D request of the largest body the gateway takes
+// (7 MiB, 1.2 million tokens to the engines), whose handoff carries some
+// 80,000 block ids: answered through prefill, its KV read by the decode
+// engine and so freed, not computed again.
+func longPromptRow(t *testing.T) row {
+	engine := []string{"--max-model-len", "4000000", "--prefill-per-token", "0", "--kv-transfer-per-block", "0", "--kv-lease", "60s"}
+	c := startCluster(t, clusterOptions{prefillSim: engine, decodeSim: engine})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 2)
+	c.ready()
+	const head, tail = `{"model":"` + model + `","max_tokens":4,"ignore_eos":true,"prompt":"`, `"}`
+	words := strings.Repeat("lorem ipsum dolor sit amet ", gateway.DefaultMaxBodyBytes/27+1)
+	b := head + words[:gateway.DefaultMaxBodyBytes-len(head)-len(tail)] + tail
+	d0 := c.decode.Stats(t)
+	start := time.Now()
+	r := row{scenario: "P/D prompt of the largest body (7 MiB, 1.2M tokens)"}
+	resp, err := tryDo(http.MethodPost, c.url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, b)
+	o := outcome{status: resp.status, ok: err == nil && resp.status == http.StatusOK}
+	if err != nil {
+		o.err = "lost: " + err.Error()
+	}
+	tally(&r, []outcome{o})
+	d1 := c.decode.Stats(t)
+	r.blocksHeld = c.settle(10 * time.Second)
+	r.cost = fmt.Sprintf("%d prompt tokens; %d ms", d1.PromptTokens-d0.PromptTokens, time.Since(start).Milliseconds())
+	if !o.ok || d1.KVReads-d0.KVReads != 1 || d1.Local != d0.Local {
+		t.Errorf("%d %s; decode engine %+v: want 200 with the KV read, not recomputed", resp.status, resp.body, d1)
+	}
+	return r
 }

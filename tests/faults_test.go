@@ -603,6 +603,7 @@ func TestFaultSuite(t *testing.T) {
 		})
 	}
 	t.Run("kill -9 of a decode worker mid-stream", func(t *testing.T) { check(t, killedDecodeWorkerRow(t)) })
+	t.Run("the longest prompt", func(t *testing.T) { check(t, longPromptRow(t)) })
 	t.Run("lost cancels", func(t *testing.T) { check(t, lostCancelRow(t)) })
 	t.Run("a decode engine's blip", func(t *testing.T) {
 		for _, r := range decodeBlipRows(t) {
