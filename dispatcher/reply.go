@@ -170,6 +170,31 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 	return nil
 }
 
+// Whole sends a whole response, one that is not streamed: one chunk, or,
+// when it is larger than a NATS message may be, consecutive chunks of
+// it, each a part of the bytes, which the gateway joins into the one
+// response. A reply is not streamed when the request is not: the gateway
+// knows to join.
+func (w *ReplyWriter) Whole(data []byte) error {
+	part := wholePart
+	if w.nc != nil {
+		if room := int(w.nc.MaxPayload()) - 64<<10; room > 0 { // the frame and headers
+			part = min(part, room)
+		}
+	}
+	for len(data) > part {
+		if err := w.Chunk(data[:part:part]); err != nil {
+			return err
+		}
+		data = data[part:]
+	}
+	return w.Chunk(data)
+}
+
+// wholePart bounds a part of a whole response: well within the 8 MiB
+// messages of pdq's NATS, and a single chunk for nearly every answer.
+const wholePart = 4 << 20
+
 // Chunks sends several chunks in one message (HeaderCount), for a gateway
 // that reads them (Job.ReplyBatch): one publish, not one per token, when
 // the engine has sent several events at once. No chunk may hold a newline.

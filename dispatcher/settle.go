@@ -1,6 +1,7 @@
 package dispatcher
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -329,25 +330,11 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (
 	return seq, err
 }
 
-// keepResult writes a replay's answer into its record: the JSON response,
-// or the events of a stream in one JSON array.
+// keepResult writes a replay's answer into its record: the JSON response
+// its decode asked for, kept in parts if it was larger than a message.
 func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) error {
 	chunks, stages := w.Kept()
-	var result json.RawMessage
-	switch len(chunks) {
-	case 0:
-	case 1:
-		result = chunks[0]
-	default:
-		b := []byte{'['}
-		for i, c := range chunks {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = append(b, c...)
-		}
-		result = append(b, ']')
-	}
+	result := json.RawMessage(bytes.Join(chunks, nil))
 	if !json.Valid(result) {
 		result, _ = json.Marshal(string(result))
 	}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -312,10 +313,8 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		case dispatcher.KindChunk:
 			b.chunks++
 			if !req.Stream {
-				if b.chunks > 1 {
-					return fail(openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
-				}
-				whole[br.i] = br.r.Data
+				// The response, in parts if it was larger than a message.
+				whole[br.i] = append(slices.Clip(whole[br.i]), br.r.Data...)
 				continue
 			}
 			out, held, err := m.chunk(br.i, br.r.Data)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -183,19 +184,23 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 		return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
 	}
 	if !job.Stream {
-		end, err := h.next(ctx, replies, job)
-		if err != nil {
-			return h.replyFailed(c, ctx, nil, job, err, log)
+		// The response, in parts if it was larger than a message.
+		answer := first.Data
+		var end dispatcher.Reply
+		for {
+			if end, err = h.next(ctx, replies, job); err != nil {
+				return h.replyFailed(c, ctx, nil, job, err, log)
+			}
+			if end.Kind != dispatcher.KindChunk {
+				break
+			}
+			answer = append(slices.Clip(answer), end.Data...)
 		}
 		if end.Kind == dispatcher.KindError {
 			return h.writeWorkerError(c, end)
 		}
-		if end.Kind != dispatcher.KindDone {
-			h.cancel(job, log, dispatcher.StateFailed, http.StatusBadGateway, "the engine sent more than one response")
-			return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent more than one response"))
-		}
 		t.wrote(h.cfg.Counters)
-		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, first.Data); err != nil {
+		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, answer); err != nil {
 			h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 			return nil
 		}

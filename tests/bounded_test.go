@@ -18,6 +18,7 @@ import (
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
 // TestReplayDeadline replays a dead letter onto a decode engine that hangs:
@@ -166,5 +167,23 @@ func TestStalledBodyTimedOut(t *testing.T) {
 	if resp.StatusCode != http.StatusRequestTimeout {
 		raw, _ := io.ReadAll(resp.Body)
 		t.Errorf("a stalled body: %d %s, want 408", resp.StatusCode, raw)
+	}
+}
+
+// TestAnswerLargerThanAMessage: a non-streamed answer larger than a NATS
+// message (8 MiB) reaches its client whole, from one engine call; before,
+// NATS refused it, and the decode ran again three times, then failed.
+func TestAnswerLargerThanAMessage(t *testing.T) {
+	cfg := simtest.FastConfig()
+	cfg.MaxModelLen, cfg.ITL = 4_000_000, 0
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	const tokens = 1_600_000 // some 10 MB of text
+	r := post(t, p.completions(), "", completionBody(model, "Hi", body{"max_tokens": tokens, "ignore_eos": true}))
+	res, _ := parseResponse(t, r)
+	if res.usage.CompletionTokens != tokens || len(r.body) < 8<<20 {
+		t.Errorf("answer of %d bytes, usage %+v: want %d tokens, over 8 MiB", len(r.body), res.usage, tokens)
+	}
+	if s := p.decode[0].Stats(t); s.Requests != 1 {
+		t.Errorf("the decode engine got %d requests, want 1", s.Requests)
 	}
 }

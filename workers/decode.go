@@ -362,13 +362,19 @@ const (
 	maxBatchBytes  = 256 << 10
 )
 
-// relayBody forwards a non-streamed response as one chunk.
+// relayBody forwards a non-streamed response whole (in parts if it is
+// larger than a message). One over maxResponseBytes is an error that says
+// so: a retry would meet it again.
 func relayBody(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter) error {
-	raw, err := io.ReadAll(io.LimitReader(body, maxResponseBytes))
+	raw, err := io.ReadAll(io.LimitReader(body, maxResponseBytes+1))
 	if err != nil {
 		return unreachable(ctx, dispatcher.StageDecode, fmt.Errorf("read decode response: %w", err))
 	}
-	if err := out.Chunk(raw); err != nil {
+	if len(raw) > maxResponseBytes {
+		return dispatcher.Permanent(fmt.Errorf("the decode engine's answer is larger than %d bytes", maxResponseBytes),
+			openai.NewError(http.StatusBadGateway, "the answer is larger than %d MiB, the most pdq relays whole; stream it instead", maxResponseBytes>>20))
+	}
+	if err := out.Whole(raw); err != nil {
 		return dispatcher.Retryable(err, nil)
 	}
 	return nil

@@ -1,0 +1,31 @@
+package workers
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// TestRelayBodyLimit: a non-streamed answer over the most pdq relays whole
+// is an error that says so, not retried (a retry would meet it again) and
+// not cut short silently.
+func TestRelayBodyLimit(t *testing.T) {
+	answer := io.MultiReader(io.LimitReader(zeros{}, maxResponseBytes), strings.NewReader("!"))
+	err := relayBody(context.Background(), answer, dispatcher.NewReplyWriter(nil, "", 1))
+	var f *dispatcher.Failure
+	if !errors.As(err, &f) || !f.Permanent || f.Client == nil || !strings.Contains(f.Client.Message, "larger than") {
+		t.Fatalf("relayBody of %d bytes = %v, want a permanent error that names the limit", maxResponseBytes+1, err)
+	}
+}
+
+// zeros reads as an endless run of zero bytes.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
+}
