@@ -527,25 +527,58 @@ var (
 // than the engine fills it; the overflow shows as a gap.
 const replyBuffer = 4096
 
-// replyQueue holds a request's replies until its relay reads them. It grows
-// with what it holds (a channel of replyBuffer slots would take 32 KiB per
-// request before any reply arrived), up to replyBuffer.
-type replyQueue struct {
-	mu    sync.Mutex
-	msgs  []*nats.Msg
-	head  int
-	ready chan struct{} // a token once a push follows a drain
+// The bytes held for one request are bounded too (and counted in the
+// gateway's budget, see [Replies.SetBudget]): a stream's, as a slow
+// client lets them pile up; a whole answer's, which comes in parts of up
+// to 4 MiB, as large as the largest answer a worker relays whole.
+const (
+	StreamReplyBytes = 16 << 20
+	MaxWholeAnswer   = 64 << 20
+	wholeReplyBytes  = MaxWholeAnswer + 8<<20
+)
+
+// Budget is a count of bytes shared by every request of a gateway
+// (PDQ_MAX_INFLIGHT_BYTES): what a reply queue holds is taken from it.
+type Budget interface {
+	// Take reserves n bytes, and reports whether they fit.
+	Take(n int64) bool
+	// Release gives n reserved bytes back.
+	Release(n int64)
 }
 
-func newReplyQueue() *replyQueue { return &replyQueue{ready: make(chan struct{}, 1)} }
+// replyQueue holds a request's replies until its relay reads them. It grows
+// with what it holds (a channel of replyBuffer slots would take 32 KiB per
+// request before any reply arrived), up to replyBuffer messages and its
+// limit of bytes.
+type replyQueue struct {
+	mu     sync.Mutex
+	msgs   []*nats.Msg
+	head   int
+	bytes  int64 // the payloads held
+	limit  int64
+	budget Budget // nil: none
+	closed bool
+	ready  chan struct{} // a token once a push follows a drain
+}
 
-// push queues msg; false when the queue is full.
+func newReplyQueue(budget Budget) *replyQueue {
+	return &replyQueue{ready: make(chan struct{}, 1), limit: StreamReplyBytes, budget: budget}
+}
+
+// push queues msg; false when the queue is full. A queue closed takes
+// nothing more, and says it did.
 func (q *replyQueue) push(msg *nats.Msg) bool {
+	n := int64(len(msg.Data))
 	q.mu.Lock()
-	if len(q.msgs)-q.head >= replyBuffer {
+	switch {
+	case q.closed:
+		q.mu.Unlock()
+		return true
+	case len(q.msgs)-q.head >= replyBuffer || q.bytes+n > q.limit || (q.budget != nil && !q.budget.Take(n)):
 		q.mu.Unlock()
 		return false
 	}
+	q.bytes += n
 	q.msgs = append(q.msgs, msg)
 	q.mu.Unlock()
 	select {
@@ -565,6 +598,7 @@ func (q *replyQueue) pop() (*nats.Msg, bool) {
 	msg := q.msgs[q.head]
 	q.msgs[q.head] = nil
 	q.head++
+	q.giveBack(int64(len(msg.Data)))
 	switch {
 	case q.head == len(q.msgs) && cap(q.msgs) > 1024:
 		q.msgs, q.head = nil, 0 // a burst is over: give its room back
@@ -578,6 +612,25 @@ func (q *replyQueue) pop() (*nats.Msg, bool) {
 		q.msgs, q.head = q.msgs[:n], 0
 	}
 	return msg, true
+}
+
+// giveBack returns n bytes the queue held. q.mu is held.
+func (q *replyQueue) giveBack(n int64) {
+	q.bytes -= n
+	if q.budget != nil {
+		q.budget.Release(n)
+	}
+}
+
+// close drops what the queue holds, its bytes given back, and takes
+// nothing more.
+func (q *replyQueue) close() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.closed = true
+	q.giveBack(q.bytes)
+	clear(q.msgs)
+	q.msgs, q.head = nil, 0
 }
 
 // len is the number of replies held.
@@ -648,7 +701,15 @@ type Replies struct {
 	// in pdq up, by every worker goroutine that relays a stream.
 	mu      sync.RWMutex
 	streams map[string]*ReplyStream
+	// budget counts the bytes the streams hold (SetBudget); nil counts
+	// none.
+	budget Budget
 }
+
+// SetBudget counts the bytes the reply queues hold in budget, before any
+// stream is opened: a reply that does not fit is a gap, and fails its
+// request.
+func (r *Replies) SetBudget(b Budget) { r.budget = b }
 
 // NewReplies subscribes to the replies for gatewayID.
 func NewReplies(nc *nats.Conn, gatewayID string) (*Replies, error) {
@@ -680,7 +741,7 @@ func (r *Replies) Open(id string) (*ReplyStream, error) {
 	if _, ok := r.streams[id]; ok {
 		return nil, ErrInFlight
 	}
-	s := &ReplyStream{id: id, owner: r, q: newReplyQueue()}
+	s := &ReplyStream{id: id, owner: r, q: newReplyQueue(r.budget)}
 	r.streams[id] = s
 	return s, nil
 }
@@ -784,16 +845,26 @@ func (s *ReplyStream) Start(generation int) {
 	s.latest.Store(int64(s.attempt))
 }
 
-// Close unregisters the request.
+// Close unregisters the request, and gives back the bytes its replies
+// held.
 func (s *ReplyStream) Close() {
 	if s.stall != nil {
 		s.stall.Stop()
 	}
 	s.owner.mu.Lock()
-	defer s.owner.mu.Unlock()
 	if s.owner.streams[s.id] == s {
 		delete(s.owner.streams, s.id)
 	}
+	s.owner.mu.Unlock()
+	s.q.close()
+}
+
+// Whole bounds the stream's bytes as a whole answer's, which comes in
+// parts up to the largest a worker relays, rather than a stream's.
+func (s *ReplyStream) Whole() {
+	s.q.mu.Lock()
+	s.q.limit = wholeReplyBytes
+	s.q.mu.Unlock()
 }
 
 // Generation is the generation of the attempt the stream follows.
@@ -864,7 +935,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			}
 		}
 		if s.overflow.Load() {
-			return Reply{}, fmt.Errorf("%w: the client reads slower than the engine writes", ErrReplyGap)
+			return Reply{}, fmt.Errorf("%w: the client reads slower than the engine writes (or the gateway holds PDQ_MAX_INFLIGHT_BYTES)", ErrReplyGap)
 		}
 		kind, attempt, seq, count, data, err := replyOf(msg)
 		if err != nil {

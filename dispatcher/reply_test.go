@@ -566,7 +566,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 }
 
 func TestReplyQueue(t *testing.T) {
-	q := newReplyQueue()
+	q := newReplyQueue(nil)
 	// A relay that stays one message behind for a long stream: the queue
 	// holds little and does not grow with the stream.
 	q.push(&nats.Msg{Subject: "0"})
@@ -594,6 +594,53 @@ func TestReplyQueue(t *testing.T) {
 	}
 }
 
+// testBudget is a Budget of limit bytes.
+type testBudget struct{ limit, used int64 }
+
+func (b *testBudget) Take(n int64) bool {
+	if b.used+n > b.limit {
+		return false
+	}
+	b.used += n
+	return true
+}
+func (b *testBudget) Release(n int64) { b.used -= n }
+
+// TestReplyQueueBytes: a request's replies are bounded in bytes, a
+// stream's and a whole answer's, and what they hold is counted in the
+// gateway's budget until read or dropped.
+func TestReplyQueueBytes(t *testing.T) {
+	big := &nats.Msg{Data: make([]byte, 6<<20)}
+	q := newReplyQueue(nil)
+	if q.push(big) && q.push(big) && q.push(big) {
+		t.Errorf("a stream's queue took 18 MiB of replies, over its %d", StreamReplyBytes)
+	}
+	q = newReplyQueue(nil)
+	q.limit = wholeReplyBytes
+	for i := range MaxWholeAnswer / (4 << 20) {
+		if !q.push(&nats.Msg{Data: make([]byte, 4<<20)}) {
+			t.Fatalf("a whole answer's queue refused part %d of the largest answer", i)
+		}
+	}
+
+	budget := &testBudget{limit: 10 << 20}
+	q = newReplyQueue(budget)
+	if !q.push(big) || q.push(big) {
+		t.Fatal("a queue took replies past the gateway's budget, or not the first")
+	}
+	if budget.used != 6<<20 {
+		t.Errorf("the budget counts %d bytes, want the 6 MiB held", budget.used)
+	}
+	q.pop()
+	if !q.push(big) || budget.used != 6<<20 {
+		t.Errorf("after a read the budget counts %d, want the 6 MiB held", budget.used)
+	}
+	q.close()
+	if budget.used != 0 || !q.push(big) || budget.used != 0 {
+		t.Errorf("a closed queue holds %d bytes of the budget, want none", budget.used)
+	}
+}
+
 // TestSlowFlushIsNotAStall: a flush that blocks longer than the stall
 // time-out (a client that does not read) is no silence of the decode's:
 // the chunk that came meanwhile is returned. (Found by review.)
@@ -607,7 +654,7 @@ func TestSlowFlushIsNotAStall(t *testing.T) {
 		return m
 	}
 	for i := range 10 {
-		s := &ReplyStream{id: "r", q: newReplyQueue(), heard: true}
+		s := &ReplyStream{id: "r", q: newReplyQueue(nil), heard: true}
 		s.q.push(chunk(0))
 		if _, err := s.Next(context.Background(), 50*time.Millisecond); err != nil {
 			t.Fatal(err)

@@ -22,8 +22,8 @@ func TestBudgetReader(t *testing.T) {
 	}
 	b.release(big.taken)
 	b.release(small.taken)
-	if b.used != 0 {
-		t.Errorf("%d bytes still counted after every body was released", b.used)
+	if n := b.used.Load(); n != 0 {
+		t.Errorf("%d bytes still counted after every body was released", n)
 	}
 }
 

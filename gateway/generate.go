@@ -94,6 +94,9 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 	if err != nil {
 		return nil, nil, nil, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id)
 	}
+	if !req.Stream {
+		replies.Whole()
+	}
 	now := time.Now()
 	job := &dispatcher.Job{
 		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,

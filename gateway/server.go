@@ -181,9 +181,12 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		return fmt.Errorf("gateway: answer liveness pings: %w", err)
 	}
 	defer pings.Unsubscribe()
+	// Bodies and the replies waiting for their clients share one budget.
+	budget := newByteBudget(s.cfg.MaxInflightBytes)
+	replies.SetBudget(budget)
 	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(),
 		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
-		budget:    newByteBudget(s.cfg.MaxInflightBytes),
+		budget:    budget,
 		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
 	srv := &http.Server{
 		Handler:           h.routes(),

@@ -227,6 +227,8 @@ func (w *Worker) migration(job *dispatcher.Job, resume dispatcher.Resume, tr *tr
 		return fmt.Errorf("%w: migration is off (PDQ_MIGRATION_LIMIT=0) or the reply is not streamed", errNotContinuable)
 	case tr.opaque:
 		return fmt.Errorf("%w: the output held tool calls or reasoning, not only text", errNotContinuable)
+	case tr.tooLong:
+		return fmt.Errorf("%w: its text is over %d bytes", errNotContinuable, maxTranscriptText)
 	case resume.Migrations >= w.cfg.MigrationLimit:
 		return fmt.Errorf("%w: it moved %d times (PDQ_MIGRATION_LIMIT)", errNotContinuable, resume.Migrations)
 	}

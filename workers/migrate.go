@@ -31,7 +31,11 @@ import (
 // came and read only if a migration needs them: the streaming path, which
 // runs once per token, parses nothing.
 type transcript struct {
-	raw [][]byte // relayed, not read yet
+	raw      [][]byte // relayed, not read yet
+	rawBytes int      // their size
+	// tooLong is set once the text passed maxTranscriptText: no
+	// continuation is built from it.
+	tooLong bool
 
 	text     strings.Builder
 	tokens   int
@@ -61,15 +65,31 @@ type chunk struct {
 	} `json:"usage"`
 }
 
+// The transcript's bounds. Chunks are kept as they came, and read (JSON
+// decoded) only when a decode fails, so that a stream that ends well costs
+// no decode per token; but a long stream's chunks (about 250 bytes a
+// token) are read and let go past maxTranscriptRaw, keeping only their
+// text. The text itself is bounded too: a continuation carries it in its
+// body, within a NATS message.
+const (
+	maxTranscriptRaw  = 256 << 10
+	maxTranscriptText = 1 << 20
+)
+
 // add keeps one relayed chunk, for read.
-func (t *transcript) add(data []byte) { t.raw = append(t.raw, data) }
+func (t *transcript) add(data []byte) {
+	t.raw = append(t.raw, data)
+	if t.rawBytes += len(data); t.rawBytes > maxTranscriptRaw {
+		t.read()
+	}
+}
 
 // read takes in the chunks kept since the last read.
 func (t *transcript) read() {
 	for _, data := range t.raw {
 		t.readChunk(data)
 	}
-	t.raw = nil
+	t.raw, t.rawBytes = nil, 0
 }
 
 func (t *transcript) readChunk(data []byte) {
@@ -94,7 +114,11 @@ func (t *transcript) readChunk(data []byte) {
 			}
 		}
 		if s != nil && *s != "" {
-			t.text.WriteString(*s)
+			if t.text.Len()+len(*s) > maxTranscriptText {
+				t.tooLong = true
+			} else {
+				t.text.WriteString(*s)
+			}
 			t.tokens++
 		}
 		if ch.FinishReason != nil && *ch.FinishReason != "" {

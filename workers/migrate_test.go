@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -194,5 +195,32 @@ func BenchmarkContinueBody(b *testing.B) {
 		if _, err := ContinueBody(openai.Chat, body, "Hello there, <friend>", 20); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// TestTranscriptBounded: a long stream's transcript holds its chunks up to
+// maxTranscriptRaw, then only their text, which stays whole; a text past
+// maxTranscriptText is no base for a continuation.
+func TestTranscriptBounded(t *testing.T) {
+	var tr transcript
+	const n = 20000 // some 4 MB of chunks, 40 KB of text
+	for i := range n {
+		tr.add([]byte(`{"id":"cmpl-x","object":"text_completion","created":17,"model":"m","choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}` + strings.Repeat(" ", i%3)))
+		if tr.rawBytes > maxTranscriptRaw {
+			t.Fatalf("after %d chunks the transcript holds %d bytes of them, over %d", i+1, tr.rawBytes, maxTranscriptRaw)
+		}
+	}
+	tr.read()
+	if tr.tokens != n || tr.text.Len() != 5*n || tr.created != 17 || tr.tooLong {
+		t.Errorf("transcript of %d tokens, %d bytes of text, created %d, too long %v; want %d, %d, 17, false",
+			tr.tokens, tr.text.Len(), tr.created, tr.tooLong, n, 5*n)
+	}
+	long := []byte(`{"choices":[{"index":0,"text":"` + strings.Repeat("x", 64<<10) + `"}]}`)
+	for range maxTranscriptText / (64 << 10) {
+		tr.add(long)
+	}
+	tr.read()
+	if !tr.tooLong || tr.text.Len() > maxTranscriptText {
+		t.Errorf("a transcript of %d bytes of text, too long %v: want it bounded and marked", tr.text.Len(), tr.tooLong)
 	}
 }
