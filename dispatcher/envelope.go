@@ -67,9 +67,15 @@ type Job struct {
 	// Owner names the API key that made the request (a hash of it, not
 	// the key), for its record; empty on a gateway that takes no keys.
 	Owner string
-	// Body is the client's request body, without any kv_transfer_params;
-	// on a migrated decode, the worker's continuation of it (see Resume).
+	// Body is the client's request body, without any kv_transfer_params,
+	// on every job of the request: a migrated decode builds its
+	// continuation from it and Sent (see Resume), and a replay starts from
+	// it.
 	Body json.RawMessage
+	// Sent is set on a migrated decode: the text its client has been
+	// sent, which the continuation goes on from. It travels in the
+	// payload: it grows with the answer.
+	Sent []byte
 
 	// KV is set on a handoff: the prefill engine's kv_transfer_params for
 	// the decode engine, unchanged but for remote_host.
@@ -114,6 +120,10 @@ type Resume struct {
 	Created int64 `json:"created"`
 	// Migrations counts the moves so far, for PDQ_MIGRATION_LIMIT.
 	Migrations int `json:"migrations"`
+	// Original says the job's Body is the client's, and the text sent is
+	// in Job.Sent; a continuation an older pdq stored has the continued
+	// body as its Body instead.
+	Original bool `json:"original,omitempty"`
 	// Avoid is the engine the decode broke on (its URL), and AvoidUntil
 	// (Unix milliseconds) how long a worker in front of it hands the
 	// continuation on to another whose engine is healthy, rather than
@@ -272,13 +282,24 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
-	if len(j.KV) > 0 {
-		// The params follow the body in the payload: they grow with the
-		// prompt. The body is copied once, behind them.
+	if len(j.KV) > 0 || len(j.Sent) > 0 {
+		// What grows with the request follows the body in the payload:
+		// a handoff's params grow with the prompt, a continuation's text
+		// with the answer. The body is copied once, before them.
 		h[HeaderVersion] = versionParts
-		h[HeaderParts] = []string{partKV + "=" + strconv.Itoa(len(j.KV))}
-		data := make([]byte, len(j.Body)+len(j.KV))
-		copy(data[copy(data, j.Body):], j.KV)
+		var list []string
+		data := make([]byte, 0, len(j.Body)+len(j.KV)+len(j.Sent))
+		data = append(data, j.Body...)
+		for _, p := range []struct {
+			name string
+			data []byte
+		}{{partKV, j.KV}, {partSent, j.Sent}} {
+			if len(p.data) > 0 {
+				list = append(list, p.name+"="+strconv.Itoa(len(p.data)))
+				data = append(data, p.data...)
+			}
+		}
+		h[HeaderParts] = []string{strings.Join(list, ",")}
 		m.Data = data
 	}
 	return m
@@ -290,15 +311,19 @@ var (
 	versionParts = []string{strconv.Itoa(EnvelopeParts)}
 )
 
-// partKV names a handoff's kv_transfer_params in HeaderParts.
-const partKV = "kv"
+// The parts a version 3 payload may carry after the body: a handoff's
+// kv_transfer_params, a continuation's text sent.
+const (
+	partKV   = "kv"
+	partSent = "sent"
+)
 
 // splitParts cuts a version 3 payload into the body and the parts its
 // HeaderParts value lists. Every part must be one this build knows: a
 // part left unread could be one the job cannot run without.
-func splitParts(list string, data []byte) (body, kv []byte, err error) {
+func splitParts(list string, data []byte) (body, kv, sent []byte, err error) {
 	if list == "" {
-		return nil, nil, fmt.Errorf("header %s: missing from a version %d job", HeaderParts, EnvelopeParts)
+		return nil, nil, nil, fmt.Errorf("header %s: missing from a version %d job", HeaderParts, EnvelopeParts)
 	}
 	end := len(data)
 	names := strings.Split(list, ",")
@@ -306,16 +331,21 @@ func splitParts(list string, data []byte) (body, kv []byte, err error) {
 	for i := len(names) - 1; i >= 0; i-- {
 		name, size, ok := strings.Cut(names[i], "=")
 		n, nerr := strconv.Atoi(size)
-		switch {
-		case !ok || nerr != nil || n < 0 || n > end:
-			return nil, nil, fmt.Errorf("header %s: bad part %q for a payload of %d bytes", HeaderParts, names[i], len(data))
-		case name != partKV || kv != nil:
-			return nil, nil, fmt.Errorf("header %s: unknown or repeated part %q", HeaderParts, name)
+		if !ok || nerr != nil || n < 0 || n > end {
+			return nil, nil, nil, fmt.Errorf("header %s: bad part %q for a payload of %d bytes", HeaderParts, names[i], len(data))
 		}
-		kv = data[end-n : end : end]
+		part := data[end-n : end : end]
+		switch {
+		case name == partKV && kv == nil:
+			kv = part
+		case name == partSent && sent == nil:
+			sent = part
+		default:
+			return nil, nil, nil, fmt.Errorf("header %s: unknown or repeated part %q", HeaderParts, name)
+		}
 		end -= n
 	}
-	return data[:end:end], kv, nil
+	return data[:end:end], kv, sent, nil
 }
 
 // ErrEnvelopeVersion means a message was written by a pdq this build does
@@ -338,12 +368,12 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 			j.KV = json.RawMessage(kv)
 		}
 	case versionParts[0]:
-		body, kv, err := splitParts(h.Get(HeaderParts), data)
+		body, kv, sent, err := splitParts(h.Get(HeaderParts), data)
 		if err != nil {
 			j.Body = nil
 			return j, err
 		}
-		j.Body, j.KV = body, kv
+		j.Body, j.KV, j.Sent = body, kv, sent
 	default:
 		return j, fmt.Errorf("%w %q (this pdq reads %d and %d)", ErrEnvelopeVersion, v, EnvelopeVersion, EnvelopeParts)
 	}

@@ -21,7 +21,8 @@ func TestJobEnvelope(t *testing.T) {
 		Body:       json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`),
 		KV:         json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"remote_host":"h","remote_port":5600}`),
 		Prefill:    &StageRecord{Stage: StagePrefill, Generation: 3, Worker: "w", Engine: "http://p", Started: started, Ms: 1.5},
-		Resume:     &Resume{Chunks: 4, Tokens: 4, Created: 17, Migrations: 1},
+		Resume:     &Resume{Chunks: 4, Tokens: 4, Created: 17, Migrations: 1, Original: true},
+		Sent:       []byte(" Hello there"),
 		ReplyBatch: true, ReplyFramed: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7,
 	}
 	// A field added to Job later must be set here too, or this fails.
@@ -82,7 +83,7 @@ func TestJobPayloadParts(t *testing.T) {
 		{"no parts", ""},
 		{"a part longer than the payload", "kv=1000"},
 		{"a negative length", "kv=-1"},
-		{"an unknown part", "kv=24,original=2"},
+		{"an unknown part", "kv=22,original=2"},
 		{"a repeated part", "kv=2,kv=22"},
 		{"no length", "kv"},
 	} {

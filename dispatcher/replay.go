@@ -185,6 +185,9 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 	}
 	job.Generation, job.ReplyTo, job.Deadline, job.Submitted = rec.Generation, "", rec.Deadline, now
 	job.KV, job.Prefill, job.RecordRevision = nil, nil, 0 // a dead letter keeps the revision it was queued under
+	// A replay starts from the client's body, not from where a migrated
+	// decode had got to.
+	job.Resume, job.Sent, job.HandBacks = nil, nil, 0
 	if err := publishGeneration(ctx, rp.js, rp.records, job, stage); err != nil {
 		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, job.Generation, StateFailed,
 			&RecordError{Status: 503, Message: "replay could not queue the request: " + err.Error()}); rerr != nil {

@@ -166,14 +166,17 @@ type Delivery struct {
 func (d *Delivery) Permit() uint64 { return d.permit }
 
 // Migrate is how a decode handler that failed after output hands the rest
-// of the answer on: body continues the request from the text sent so far,
-// resume says what the client has, and cause is the engine's failure. The loop queues it as the next
-// generation, on any decode engine, before it acks this job. The handler
-// must have sent Moved on its reply first.
-func (d *Delivery) Migrate(body json.RawMessage, resume Resume, cause error) {
+// of the answer on: sent is the text the client has been sent, all
+// generations together, from which the next decode continues the
+// client's body; resume says what else the client has, and cause is the
+// engine's failure. The loop queues it as the next generation, on any
+// decode engine, before it acks this job. The handler must have sent
+// Moved on its reply first.
+func (d *Delivery) Migrate(sent []byte, resume Resume, cause error) {
 	d.movedFrom = cause
 	next := *d.Job
-	next.Body, next.KV, next.Prefill, next.Resume = body, nil, nil, &resume
+	resume.Original = true
+	next.Sent, next.KV, next.Prefill, next.Resume = sent, nil, nil, &resume
 	next.Generation = d.Job.Generation + 1
 	// A new job: the hand-backs of the one it continues do not count
 	// against its own (a worker hands on a continuation from the engine

@@ -104,3 +104,38 @@ func TestMigrationAvoidsBrokenEngine(t *testing.T) {
 		t.Errorf("decode calls: %d on the dropping engine, %d on the healthy one; want 1 to %d, and %d", b, g, n, n)
 	}
 }
+
+// TestReplayOfAContinuation: a stream moves once, its continuation breaks
+// past the limit, and the request is dead-lettered as that continuation.
+// Its replay must run the original request, not the continuation: the
+// record's answer is the whole answer, all its tokens counted against the
+// client's own prompt.
+func TestReplayOfAContinuation(t *testing.T) {
+	c := startCluster(t, clusterOptions{env: []string{"PDQ_MIGRATION_LIMIT=1", "PDQ_BREAKER_FAILURES=100"}})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 2)
+	c.ready()
+	setFault(t, c.decode, `{"rate":1,"kind":"drop"}`)
+	const tokens = 16
+	s := postStream(t, c.url+"/v1/completions", "mig-replay", completionBody(model, longPrompt,
+		body{"max_tokens": tokens, "ignore_eos": true, "stream": true, "stream_options": body{"include_usage": true}}))
+	if s.status != 200 || len(s.events) == 0 || !strings.Contains(string(s.events[len(s.events)-1]), `"error"`) {
+		t.Fatalf("status %d, events %q: want an in-stream error past the migration limit", s.status, s.events)
+	}
+	setFault(t, c.decode, `{"rate":0}`)
+	replay := startPDQ(t, []string{"PDQ_NATS_URL=" + c.natsURL}, "replay", "--id", "mig-replay", "--wait")
+	select {
+	case <-replay.exited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("pdq replay --wait did not finish in 30s")
+	}
+	rec := c.record("mig-replay")
+	res, _, err := checkResponse(response{status: 200, body: rec.Result})
+	if rec.State != dispatcher.StateDone || err != nil {
+		t.Fatalf("replayed record %+v (%v)\n%s", rec, err, replay.stdout.String())
+	}
+	prompt := int(sim.CountTokens(longPrompt))
+	if res.usage.CompletionTokens != tokens || res.usage.PromptTokens != prompt || sim.CountTokens(res.text) != tokens {
+		t.Errorf("the replay answered %+v, %q: want the original request's %d tokens to a prompt of %d", res.usage, res.text, tokens, prompt)
+	}
+}

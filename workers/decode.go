@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -22,7 +23,11 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	// A replay has no client to stream to: its answer is kept whole in the
 	// request record.
-	body, err := decodeParts(job.Body, job.KV, job.ReplyTo == "")
+	client, err := continued(job)
+	if err != nil {
+		return badBody(err)
+	}
+	body, err := decodeParts(client, job.KV, job.ReplyTo == "")
 	if err != nil {
 		return badBody(err)
 	}
@@ -193,9 +198,11 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, o
 		}
 		return nil
 	}
-	var body []byte
+	sent := append(slices.Clip(job.Sent), tr.text.String()...)
 	if why == nil {
-		body, why = ContinueBody(job.Endpoint, job.Body, tr.text.String(), tr.tokens)
+		// The next decode builds the continuation from the client's body
+		// and the text sent: it must build.
+		_, why = ContinueBody(job.Endpoint, job.Body, string(sent), resume.Tokens+tr.tokens)
 	}
 	if why == nil {
 		// The gateway must have every chunk sent so far before another
@@ -214,15 +221,27 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, o
 	}
 	resume.Chunks, resume.Tokens, resume.Migrations = out.Sent(), resume.Tokens+tr.tokens, resume.Migrations+1
 	resume.Avoid, resume.AvoidUntil = w.engine.URL(), time.Now().Add(avoidFor).UnixMilli()
-	d.Migrate(body, resume, err)
+	d.Migrate(sent, resume, err)
 	log.Debug("decode failed after output; moving it", logging.Err(err), "tokens_sent", resume.Tokens)
 	return nil
+}
+
+// continued is the body a decode sends its engine, but for the handoff's
+// params: the client's, or for a migrated decode, its continuation from
+// the text sent. A continuation stored by an older pdq carries it built.
+func continued(job *dispatcher.Job) ([]byte, error) {
+	if job.Resume == nil || !job.Resume.Original {
+		return job.Body, nil
+	}
+	return ContinueBody(job.Endpoint, job.Body, string(job.Sent), job.Resume.Tokens)
 }
 
 // migration says why a decode that failed after output cannot move, or
 // nil.
 func (w *Worker) migration(job *dispatcher.Job, resume dispatcher.Resume, tr *transcript) error {
 	switch {
+	case job.Resume != nil && !job.Resume.Original:
+		return fmt.Errorf("%w: a continuation stored by an older pdq", errNotContinuable)
 	case tr == nil:
 		return fmt.Errorf("%w: migration is off (PDQ_MIGRATION_LIMIT=0) or the reply is not streamed", errNotContinuable)
 	case tr.opaque:
