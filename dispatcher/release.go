@@ -149,3 +149,27 @@ func notYet(msg jetstream.Msg) bool {
 	}
 	return true
 }
+
+// releaseNow releases a handoff's KV that a prefill worker asks this
+// decode worker to release directly, the release queue having refused
+// it, and answers once done (a Pdq-Status of 500 if the release failed).
+func (l *StageLoop) releaseNow(ctx context.Context, m *nats.Msg) {
+	job, err := ParseJob(m.Header, m.Data)
+	if err == nil && len(job.KV) == 0 {
+		err = fmt.Errorf("release of %s carries no kv_transfer_params", job.ID)
+	}
+	reply := nats.NewMsg(m.Reply)
+	if err != nil {
+		l.log.Warn("dropping an unreadable release", logging.Err(err))
+		reply.Header[HeaderStatus] = []string{"400"}
+		_ = m.RespondMsg(reply) // the asker gives up on its own
+		return
+	}
+	s := &settle{l: l, job: job, attempt: 1, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	before := l.released.Load()
+	s.release(ctx, "its handoff and its release could not be stored")
+	if l.released.Load() == before {
+		reply.Header[HeaderStatus] = []string{"500"}
+	}
+	_ = m.RespondMsg(reply) // a lost answer only costs the asker a log line
+}

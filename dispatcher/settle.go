@@ -306,9 +306,27 @@ func (s *settle) queueRelease(ctx context.Context, h *Job) {
 		m.Header[headerNotBefore] = []string{strconv.FormatInt(time.Now().Add(releaseRetry).UnixMilli(), 10)}
 	}
 	if err := publish(ctx, s.l.js, m); err != nil && !errors.Is(err, ErrDuplicate) {
-		s.log.Warn("could not queue the release of the prefill's KV; it stays held until its lease ends", logging.Err(err))
+		// The store refuses it too (a full disk): ask a decode worker of
+		// the pool to release it now, at most once.
+		s.log.Warn("could not queue the release of the prefill's KV; asking a decode worker directly", logging.Err(err))
+		m.Subject = ReleaseNowSubject(h.Pool)
+		delete(m.Header, nats.MsgIdHdr)
+		delete(m.Header, headerNotBefore)
+		go func() {
+			resp, err := s.l.nc.RequestMsg(m, releaseNowWait)
+			if err == nil && resp.Header.Get(HeaderStatus) != "" {
+				err = fmt.Errorf("the decode worker answered %s", resp.Header.Get(HeaderStatus))
+			}
+			if err != nil {
+				s.log.Warn("could not release the prefill's KV; it stays held until its lease ends", logging.Err(err))
+			}
+		}()
 	}
 }
+
+// releaseNowWait bounds the wait for a decode worker's direct release: a
+// free engine slot, then a one-token call.
+const releaseNowWait = 40 * time.Second
 
 // publishRetry stores msg, retrying with back-off for up to 10 s, and
 // returns its stream sequence. A duplicate is an earlier try whose ack was

@@ -505,6 +505,17 @@ func (l *StageLoop) Run(ctx context.Context) error {
 		return fmt.Errorf("subscribe to running queries: %w", err)
 	}
 	defer runningSub.Unsubscribe()
+	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
+		var releasing sync.WaitGroup
+		defer releasing.Wait()
+		sub, err := l.nc.QueueSubscribe(ReleaseNowSubject(l.cfg.Pool), "release", func(m *nats.Msg) {
+			releasing.Go(func() { l.releaseNow(ctx, m) })
+		})
+		if err != nil {
+			return fmt.Errorf("subscribe to direct releases: %w", err)
+		}
+		defer sub.Unsubscribe()
+	}
 
 	keep := newKeeper(l.js, l.cfg.Stage, l.cfg.KeepEvery, l.log)
 	var bg sync.WaitGroup

@@ -31,10 +31,13 @@ const (
 	subjectDecode  = "pdq.decode"
 	subjectDLQ     = "pdq.dlq"
 	subjectRelease = "pdq.release"
-	subjectReply   = "pdq.reply"
-	subjectRunning = "pdq.running"
-	subjectCancel  = "pdq.cancel"
-	subjectGateway = "pdq.gateway"
+	// subjectReleaseNow is core NATS, outside the release stream's
+	// pdq.release.>: a release asked of a decode worker directly.
+	subjectReleaseNow = "pdq.releasenow"
+	subjectReply      = "pdq.reply"
+	subjectRunning    = "pdq.running"
+	subjectCancel     = "pdq.cancel"
+	subjectGateway    = "pdq.gateway"
 )
 
 // JobSubject is where a job for stage, pool and request id is published.
@@ -80,6 +83,11 @@ func GatewaySubject(gatewayID string) string { return subjectGateway + "." + gat
 // ReleaseSubject is where a handoff that could not be stored waits for a
 // decode worker of its pool to release its KV.
 func ReleaseSubject(pool, id string) string { return subjectRelease + "." + pool + "." + id }
+
+// ReleaseNowSubject is where the decode workers of a pool, one of them
+// for each message (a queue group), release a handoff's KV when the
+// release queue cannot store it (a full store).
+func ReleaseNowSubject(pool string) string { return subjectReleaseNow + "." + pool }
 
 // DLQSubject is where a request that failed for good is kept for replay.
 func DLQSubject(pool, id string) string { return subjectDLQ + "." + pool + "." + id }

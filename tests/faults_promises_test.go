@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"strings"
@@ -205,6 +206,60 @@ func longPromptRow(t *testing.T) row {
 	r.cost = fmt.Sprintf("%d prompt tokens; %d ms", d1.PromptTokens-d0.PromptTokens, time.Since(start).Milliseconds())
 	if !o.ok || d1.KVReads-d0.KVReads != 1 || d1.Local != d0.Local {
 		t.Errorf("%d %s; decode engine %+v: want 200 with the KV read, not recomputed", resp.status, resp.body, d1)
+	}
+	return r
+}
+
+// fullStoreRow: JetStream refuses every new message, as on a full disk:
+// PDQ_DECODE is full, and so is PDQ_RELEASE, the queue a refused handoff's
+// KV is released through. The client gets its 429; the prefill's KV must
+// be released all the same, by a decode worker asked directly.
+func fullStoreRow(t *testing.T) row {
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--kv-lease", "60s"}})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 2)
+	c.ready()
+	ctx := context.Background()
+	var fillers []func()
+	for _, name := range []string{dispatcher.StreamDecode, dispatcher.StreamRelease} {
+		st, err := c.js.Stream(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Full at what it holds now (a stage stream's keeper), with a
+		// filler in the room a keeper's renewal needs.
+		info, err := st.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := info.Config
+		cfg.MaxMsgs = int64(info.State.Msgs) + 1
+		if _, err := c.js.UpdateStream(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+		subject := dispatcher.JobSubject(dispatcher.StageDecode, "no-such-pool", "filler")
+		if name == dispatcher.StreamRelease {
+			subject = dispatcher.ReleaseSubject("no-such-pool", "filler")
+		}
+		ack, err := c.js.Publish(ctx, subject, []byte(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		fillers = append(fillers, func() { st.DeleteMsg(ctx, ack.Sequence) })
+	}
+	outs := c.load(2, "fullstore", 0, pd(4, false))
+	r := row{scenario: "handoff and its release refused (a full store)"}
+	tally(&r, outs)
+	held := c.prefill.Stats(t).BlocksHeld
+	r.blocksHeld = c.settle(5 * time.Second)
+	r.cost = fmt.Sprintf("%d blocks held at the answers", held)
+	for _, o := range outs {
+		if o.status != http.StatusTooManyRequests {
+			t.Errorf("outcome %+v, want 429", o)
+		}
+	}
+	for _, f := range fillers {
+		f()
 	}
 	return r
 }

@@ -614,6 +614,7 @@ func TestFaultSuite(t *testing.T) {
 		for _, r := range kvReleaseRows(t) {
 			check(t, r)
 		}
+		check(t, fullStoreRow(t))
 	})
 	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
 	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
