@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 )
@@ -28,4 +30,24 @@ type zeros struct{}
 func (zeros) Read(p []byte) (int, error) {
 	clear(p)
 	return len(p), nil
+}
+
+func TestRetryAfter(t *testing.T) {
+	for _, tc := range []struct {
+		header string
+		want   time.Duration
+	}{
+		{"", 0},
+		{"2", 2 * time.Second},
+		{" 3 ", 3 * time.Second},
+		{"-1", 0},
+		{"soon", 0},
+		{time.Now().Add(time.Hour).UTC().Format(http.TimeFormat), time.Hour},
+		{"Mon, 01 Jan 2001 00:00:00 GMT", 0},
+	} {
+		got := retryAfter(tc.header)
+		if got < tc.want-2*time.Second || got > tc.want {
+			t.Errorf("Retry-After %q: %v, want %v", tc.header, got, tc.want)
+		}
+	}
 }
