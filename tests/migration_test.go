@@ -139,3 +139,17 @@ func TestReplayOfAContinuation(t *testing.T) {
 		t.Errorf("the replay answered %+v, %q: want the original request's %d tokens to a prompt of %d", res.usage, res.text, tokens, prompt)
 	}
 }
+
+// TestBrokenStreamWithoutMigration: with migration off, a stream its
+// decode engine breaks after output ends with the in-stream 502 that
+// says so (found by review: a nil transcript made it a panic, and so a
+// 500).
+func TestBrokenStreamWithoutMigration(t *testing.T) {
+	p := startPipeline(t, pipelineOptions{}) // the workers' PDQ_MIGRATION_LIMIT is 0
+	setFault(t, p.decode[0], `{"rate":1,"kind":"drop"}`)
+	s := postStream(t, p.completions(), "", completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true}))
+	e := lcInStreamError(s)
+	if s.status != 200 || !s.done || e == nil || e.Code != 502 || !strings.Contains(e.Message, "broke off") {
+		t.Fatalf("status %d, done %v, error %+v: want an in-stream 502 saying the stream broke off", s.status, s.done, e)
+	}
+}

@@ -198,10 +198,11 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, o
 		}
 		return nil
 	}
-	sent := append(slices.Clip(job.Sent), tr.text.String()...)
+	var sent []byte
 	if why == nil {
 		// The next decode builds the continuation from the client's body
 		// and the text sent: it must build.
+		sent = append(slices.Clip(job.Sent), tr.text.String()...)
 		_, why = ContinueBody(job.Endpoint, job.Body, string(sent), resume.Tokens+tr.tokens)
 	}
 	if why == nil {
