@@ -72,10 +72,26 @@ func decodeBlipRows(t *testing.T) []row {
 		{"decode engine answers 503 for 2 s: P/D streams",
 			func(c *cluster) { setFault(c.t, c.decode, `{"rate":1,"kind":"503"}`) },
 			func(c *cluster) { setFault(c.t, c.decode, `{"rate":0}`) }},
+		// Two decode workers whose engines are both busy (a 429 opens no
+		// breaker): a handoff must not bounce from one to the other until
+		// its hand-backs run out, and then be prefilled again.
+		{"both decode engines answer 429 for 2 s: P/D streams",
+			func(c *cluster) {
+				setFault(c.t, c.decode, `{"rate":1,"kind":"429"}`)
+				setFault(c.t, c.decode2, `{"rate":1,"kind":"429"}`)
+			},
+			func(c *cluster) {
+				setFault(c.t, c.decode, `{"rate":0}`)
+				setFault(c.t, c.decode2, `{"rate":0}`)
+			}},
 	} {
 		c := startCluster(t, clusterOptions{decodeAddr: freeAddr(t), prefillSim: []string{"--kv-lease", "60s"}})
 		c.worker(dispatcher.StagePrefill, 4)
 		c.worker(dispatcher.StageDecode, 8)
+		if strings.HasPrefix(blip.name, "both") {
+			_, c.decode2 = startSimProcess(t)
+			c.workerFor(c.decode2, dispatcher.StageDecode, 8)
+		}
 		c.ready()
 		p0 := c.prefill.Stats(t)
 		blip.start(c)

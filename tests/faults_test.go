@@ -37,7 +37,8 @@ type cluster struct {
 	prefillP *process
 	decode   *simtest.Engine
 	decodeP  *process
-	env      []string // every pdq service's environment
+	decode2  *simtest.Engine // a second decode engine, for the runs that start one
+	env      []string        // every pdq service's environment
 	// gatewayEnv is the gateway's own, after env.
 	gatewayEnv []string
 }
@@ -92,6 +93,12 @@ func (c *cluster) worker(stage dispatcher.Stage, slots int, env ...string) *proc
 	if stage == dispatcher.StageDecode {
 		engine = c.decode
 	}
+	return c.workerFor(engine, stage, slots, env...)
+}
+
+// workerFor starts a worker process of stage for engine.
+func (c *cluster) workerFor(engine *simtest.Engine, stage dispatcher.Stage, slots int, env ...string) *process {
+	c.t.Helper()
 	env = append(append([]string{"PDQ_ENGINE_URL=" + engine.URL, fmt.Sprintf("PDQ_ENGINE_SLOTS=%d", slots)}, c.env...), env...)
 	p := startPDQ(c.t, env, string(stage))
 	p.waitLog(c.t, "stage worker pulling")

@@ -116,17 +116,19 @@ func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, 
 	return relayBody(ctx, resp.Body, out)
 }
 
-// callDecode posts the decode leg. A handoff whose call the engine did not
-// run (it refused the connection, or answered 503 or 429: an engine
-// restarting, or overloaded for a moment) has not read its KV, and a new
-// prefill would cost a GPU's prefill for a blip: while another decode
-// worker of the model has a healthy engine, the handoff goes back to the
-// queue for it; alone, the worker calls its engine again with back-off,
-// as long as the engine asks (Retry-After) within the handoff's KV TTL.
-// Past that, or on any other failure, the error goes to the stage loop: a
-// streamed call that got an answer other than 200 never ran either (vLLM
-// answers a stream's errors in the stream once it has started), and is
-// marked so, for its KV to be released.
+// callDecode posts the decode leg. A handoff whose call the engine surely
+// did not run (it refused the connection, answered 429, or 503 where that
+// is sure: see notRun) has not read its KV, and a new prefill would cost
+// a GPU's prefill for a blip: while another decode worker of the model
+// has a healthy engine, the handoff goes back to the queue for it (twice
+// at most, and not for a 429: when every engine is busy, a handoff that
+// bounced from one to the next would find none); otherwise the worker
+// calls its engine again with back-off, as long as the engine asks
+// (Retry-After), within the handoff's KV TTL. Past that, or on any other
+// failure, the error goes to the stage loop: a streamed call answered
+// with an error status never ran either (vLLM answers a stream's errors
+// in the stream once it has begun), and is marked so, for its KV to be
+// released.
 func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]byte, streamed bool, alive func()) (*http.Response, error) {
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 100*time.Millisecond, time.Second, 0
@@ -137,13 +139,13 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		switch {
 		case err == nil || len(job.KV) == 0:
 			return resp, err
-		case !errors.As(err, &refused):
+		case !errors.As(err, &refused) || !refused.surely(streamed):
 			if streamed && errors.As(err, &fault) && fault.status != 0 {
 				return nil, dispatcher.Unread(err)
 			}
 			return nil, err
-		case w.healthyPeer(job.Model, w.engine.URL()):
-			return nil, dispatcher.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable"))
+		case refused.status != http.StatusTooManyRequests && job.HandBacks < blipHandBacks && w.healthyPeer(job.Model, w.engine.URL()):
+			return nil, dispatcher.Unread(dispatcher.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
 		}
 		wait := max(b.NextBackOff(), refused.retryAfter)
 		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.kvTTL())) < wait {
@@ -167,6 +169,11 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		alive()
 	}
 }
+
+// blipHandBacks bounds the hand-backs of a handoff whose decode engine
+// did not take it, so that it waits for an engine rather than bounce
+// between busy ones.
+const blipHandBacks = 2
 
 // kvTTL is the oldest handoff the worker decodes.
 func (w *Worker) kvTTL() time.Duration {

@@ -422,6 +422,17 @@ type notRun struct {
 	err error
 	// retryAfter is the engine's Retry-After, 0 when it sent none.
 	retryAfter time.Duration
+	// status is the engine's answer (503, 429); 0 for no connection.
+	status int
+}
+
+// surely reports whether the engine surely did not run the call. A
+// refused connection and a 429 say so. A 503 does on a streamed call,
+// whose errors come in the stream once the engine has begun, or with a
+// Retry-After; without one, on a call answered whole, it may be a proxy's
+// "upstream reset" after the engine began, and so read a handoff's KV.
+func (e *notRun) surely(streamed bool) bool {
+	return e.status != http.StatusServiceUnavailable || streamed || e.retryAfter > 0
 }
 
 func (e *notRun) Error() string { return e.err.Error() }
@@ -455,9 +466,9 @@ func engineFailure(stage dispatcher.Stage, status int, body []byte, wait time.Du
 	err := fmt.Errorf("%s engine answered %d: %s", stage, status, apiErr.Message)
 	switch {
 	case status == http.StatusTooManyRequests:
-		return dispatcher.Retryable(&notRun{err: err, retryAfter: wait}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+		return dispatcher.Retryable(&notRun{err: err, retryAfter: wait, status: status}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
 	case status == http.StatusServiceUnavailable:
-		return dispatcher.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait}, status: status},
+		return dispatcher.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait, status: status}, status: status},
 			openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
 	case status >= 500:
 		return dispatcher.Retryable(&engineFault{err: err, status: status}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
