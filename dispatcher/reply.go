@@ -61,7 +61,7 @@ type ReplyWriter struct {
 	// gone is called once when the gateway says it no longer holds the
 	// request; wanted, when a beat gets no answer, says whether the
 	// request still wants this writer's work (see Watch).
-	gone     func()
+	gone     func(superseded bool)
 	goneOnce sync.Once
 	wanted   func(context.Context) bool
 }
@@ -223,14 +223,18 @@ var newline = []byte{'\n'}
 // says the request no longer wants this work, as its record does once
 // the gateway has ended it. The cancel broadcast is sent once, on core
 // NATS, and may be lost; a running decode beats every few seconds.
-func (w *ReplyWriter) Watch(gone func(), wanted func(context.Context) bool) {
+//
+// gone's superseded says the request goes on under a later attempt (a
+// redelivery of the job, run elsewhere while this writer was cut off):
+// that attempt owns it. Otherwise it has ended at its gateway.
+func (w *ReplyWriter) Watch(gone func(superseded bool), wanted func(context.Context) bool) {
 	w.gone, w.wanted = gone, wanted
 }
 
 // isGone calls the gone hook once.
-func (w *ReplyWriter) isGone() {
+func (w *ReplyWriter) isGone(superseded bool) {
 	if w.gone != nil {
-		w.goneOnce.Do(w.gone)
+		w.goneOnce.Do(func() { w.gone(superseded) })
 	}
 }
 
@@ -274,8 +278,8 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 	if w.local != nil {
 		held := w.local.deliver(msg) // nothing was lost: no ack to wait for
 		w.mu.Unlock()
-		if !held {
-			w.isGone()
+		if held != delivered {
+			w.isGone(held == superseded)
 		}
 		return
 	}
@@ -285,7 +289,7 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 	resp, err := w.nc.RequestMsgWithContext(actx, msg)
 	switch {
 	case err == nil && resp.Header.Get(HeaderGone) != "":
-		w.isGone()
+		w.isGone(resp.Header.Get(HeaderGone) == GoneSuperseded)
 	case err == nil:
 		w.mu.Lock()
 		w.acked(resp, upto)
@@ -297,7 +301,7 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 		rctx, cancel := context.WithTimeout(ctx, ackTimeout)
 		defer cancel()
 		if !w.wanted(rctx) {
-			w.isGone()
+			w.isGone(false)
 		}
 	}
 }
@@ -747,39 +751,48 @@ func (r *Replies) Open(id string) (*ReplyStream, error) {
 }
 
 func (r *Replies) dispatch(msg *nats.Msg) {
-	if r.deliver(msg) {
-		return
+	switch d := r.deliver(msg); {
+	case d == delivered:
+	case d == superseded:
+		ackGone(msg, GoneSuperseded)
+	case msg.Header.Get(HeaderKind) == KindBeat:
+		// The request has ended here (answered, or given up): a worker
+		// that beats is told to stop.
+		ackGone(msg, GoneClosed)
+	default:
+		// One that ends is told it has nothing more to send.
+		ack(msg, msg.Header.Get(HeaderSeq))
 	}
-	// The request has ended here (answered, or given up). A worker that
-	// beats is told to stop; one that ends is told it has nothing more to
-	// send.
-	if msg.Header.Get(HeaderKind) == KindBeat {
-		ackGone(msg)
-		return
-	}
-	ack(msg, msg.Header.Get(HeaderSeq))
 }
 
-// deliver queues msg for the request that waits for it, and reports
-// whether one does: a beat of an attempt older than the one the request
-// follows is not waited for either.
-func (r *Replies) deliver(msg *nats.Msg) bool {
+// What became of a reply message the gateway was handed.
+type delivery int
+
+const (
+	delivered  delivery = iota // queued for the request that waits for it
+	closed                     // no request waits for it: ended here
+	superseded                 // a beat of an attempt older than the one the request follows
+)
+
+// deliver queues msg for the request that waits for it, and says whether
+// one does.
+func (r *Replies) deliver(msg *nats.Msg) delivery {
 	id := msg.Subject[len(r.prefix):]
 	r.mu.RLock()
 	s := r.streams[id]
 	r.mu.RUnlock()
 	if s == nil {
-		return false
+		return closed
 	}
 	if msg.Header.Get(HeaderKind) == KindBeat {
 		if a, err := strconv.Atoi(msg.Header.Get(HeaderAttempt)); err == nil && int64(a) < s.latest.Load() {
-			return false
+			return superseded
 		}
 	}
 	if !s.q.push(msg) {
 		s.overflow.Store(true)
 	}
-	return true
+	return delivered
 }
 
 // ack answers a worker's beat or end with the number of chunks the
@@ -794,15 +807,24 @@ func ack(msg *nats.Msg, seq string) {
 	_ = msg.RespondMsg(a) // a lost ack is asked for again
 }
 
-// ackGone answers a beat for a request the gateway no longer holds: the
+// The values of HeaderGone.
+const (
+	// GoneClosed: the gateway holds no request under the id: it answered
+	// it, or gave up on it.
+	GoneClosed = "closed"
+	// GoneSuperseded: the request goes on under a later attempt.
+	GoneSuperseded = "superseded"
+)
+
+// ackGone answers a beat the gateway no longer waits for, saying why: the
 // worker stops.
-func ackGone(msg *nats.Msg) {
+func ackGone(msg *nats.Msg, why string) {
 	if msg.Reply == "" {
 		return
 	}
 	a := nats.NewMsg(msg.Reply)
 	a.Header[HeaderKind] = []string{KindAck}
-	a.Header[HeaderGone] = []string{"1"}
+	a.Header[HeaderGone] = []string{why}
 	_ = msg.RespondMsg(a) // a lost answer is asked for again at the next beat
 }
 
@@ -943,7 +965,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 		}
 		switch {
 		case attempt < s.attempt && kind == KindBeat:
-			ackGone(msg) // a superseded writer still running: it stops
+			ackGone(msg, GoneSuperseded) // a superseded writer still running: it stops
 			continue
 		case attempt < s.attempt:
 			ack(msg, strconv.Itoa(seq)) // a superseded writer: let it go

@@ -409,15 +409,15 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 
 	// watch runs a writer's beats with a gone hook and reports whether it
 	// was called within wait.
-	watch := func(t *testing.T, w *ReplyWriter, wanted func(context.Context) bool, wait time.Duration) bool {
-		gone := make(chan struct{})
-		w.Watch(func() { close(gone) }, wanted)
+	watch := func(t *testing.T, w *ReplyWriter, wanted func(context.Context) bool, wait time.Duration) (gone, superseded bool) {
+		told := make(chan bool, 1)
+		w.Watch(func(sup bool) { told <- sup }, wanted)
 		defer w.Beats(ctx, 20*time.Millisecond)()
 		select {
-		case <-gone:
-			return true
+		case sup := <-told:
+			return true, sup
 		case <-time.After(wait):
-			return false
+			return false, false
 		}
 	}
 
@@ -432,8 +432,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		w.Chunk([]byte("a"))
 		want(t, s, "a")
 		s.Close()
-		if !watch(t, w, nil, 2*time.Second) {
-			t.Fatal("the writer of a closed stream beat for 2s without being told it is gone")
+		if gone, sup := watch(t, w, nil, 2*time.Second); !gone || sup {
+			t.Fatalf("the writer of a closed stream: gone %v, superseded %v; want told it is gone, the request ended", gone, sup)
 		}
 	})
 
@@ -449,8 +449,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		own := newWriter(nc, replies.Subject(p+"gen2"), ReplyAttempt(2, 1))
 		own.Chunk([]byte("own"))
 		want(t, s, "own")
-		if !watch(t, stale, nil, 2*time.Second) {
-			t.Error("a writer of an earlier generation was not told it is gone")
+		if gone, sup := watch(t, stale, nil, 2*time.Second); !gone || !sup {
+			t.Errorf("a writer of an earlier generation: gone %v, superseded %v; want told a later attempt runs", gone, sup)
 		}
 	})
 
@@ -468,7 +468,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 				s.Next(rctx, 5*time.Second) // acks the beats
 			}
 		}()
-		if watch(t, w, func(context.Context) bool { return true }, 300*time.Millisecond) {
+		if gone, _ := watch(t, w, func(context.Context) bool { return true }, 300*time.Millisecond); gone {
 			t.Fatal("a writer whose request the gateway holds was told it is gone")
 		}
 	})
@@ -477,7 +477,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		t.Run("a writer whose beats get no answer asks the record", func(t *testing.T) {
 			for _, wanted := range []bool{true, false} {
 				w := newWriter(nc, ReplySubject("no-gateway", p+"doubt"), 1)
-				if gone := watch(t, w, func(context.Context) bool { return wanted }, 300*time.Millisecond); gone == wanted {
+				if gone, _ := watch(t, w, func(context.Context) bool { return wanted }, 300*time.Millisecond); gone == wanted {
 					t.Errorf("record wants the work: %v; the writer was told it is gone: %v", wanted, gone)
 				}
 			}

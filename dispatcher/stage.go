@@ -223,7 +223,13 @@ func (d *Delivery) Replies() *ReplyWriter {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
 		if d.loop.cfg.Stage == StageDecode && d.ctx != nil {
 			if d.stop != nil {
-				d.replies.Watch(func() { d.stop(errAbandoned) }, d.loop.wanted(d.Job))
+				d.replies.Watch(func(superseded bool) {
+					if superseded {
+						d.stop(errSuperseded)
+					} else {
+						d.stop(errAbandoned)
+					}
+				}, d.loop.wanted(d.Job))
 			}
 			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
 		}
@@ -389,6 +395,10 @@ var (
 	// errAbandoned stops a job whose gateway no longer holds its request,
 	// or whose record says it ended: its cancel broadcast was lost.
 	errAbandoned = errors.New("the gateway no longer holds the request")
+	// errSuperseded stops a job whose request the gateway follows under a
+	// later attempt: a redelivery of it, run while this worker was cut
+	// off from NATS past the ack wait.
+	errSuperseded = errors.New("a later attempt of the request runs")
 )
 
 // wanted says whether job's request still wants its work, by its record:
@@ -745,7 +755,11 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 
 	cause := context.Cause(jctx)
 	expired := errors.Is(cause, errExpired)
-	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone) || errors.Is(cause, errAbandoned)
+	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone)
+	// A beat's answer stops a decode only if the handler ended by it: one
+	// that came as the handler ended the reply itself (a beat racing its
+	// end) leaves the handler's own outcome to settle.
+	cutOff := err != nil && errors.Is(err, context.Canceled)
 	switch {
 	case err == nil && d.handoff != nil && (stoppedBy || expired):
 		// The prefill's answer came after its client had gone, or its
@@ -764,6 +778,12 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		s.stopped(sctx, cause)
 	case expired:
 		s.expired(sctx)
+	case cutOff && errors.Is(cause, errAbandoned):
+		s.stopped(sctx, cause)
+	case cutOff && errors.Is(cause, errSuperseded):
+		// A later delivery of the job runs, and owns the request and the
+		// message: nothing to record, ack or end here.
+		s.log.Debug("job stopped: a later attempt of the request runs")
 	case pullCtx.Err() != nil && jobCtx.Err() != nil:
 		s.interrupted(sctx, err)
 	default:

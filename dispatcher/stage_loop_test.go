@@ -26,6 +26,7 @@ type loopTest struct {
 	nc      *nats.Conn
 	js      jetstream.JetStream
 	pool    string
+	stage   Stage // the loop's; "" (as prefill) for a loop the test runs by hand
 	replies *Replies
 	cancel  context.CancelFunc
 	done    chan struct{}
@@ -41,7 +42,9 @@ func startLoop(t *testing.T, nc *nats.Conn, js jetstream.JetStream, cfg StageCon
 func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool string, cfg StageConfig) *loopTest {
 	t.Helper()
 	cfg.Pool = pool
-	cfg.Stage = StagePrefill
+	if cfg.Stage == "" {
+		cfg.Stage = StagePrefill
+	}
 	if cfg.Slots == 0 {
 		cfg.Slots = 1
 	}
@@ -64,7 +67,7 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	}
 	t.Cleanup(func() { pings.Unsubscribe() })
 	ctx, cancel := context.WithCancel(context.Background())
-	lt := &loopTest{t: t, nc: nc, js: js, pool: cfg.Pool, replies: replies, cancel: cancel, done: make(chan struct{}), loop: loop}
+	lt := &loopTest{t: t, nc: nc, js: js, pool: cfg.Pool, stage: cfg.Stage, replies: replies, cancel: cancel, done: make(chan struct{}), loop: loop}
 	go func() {
 		defer close(lt.done)
 		if err := loop.Run(ctx); err != nil {
@@ -103,7 +106,11 @@ func (lt *loopTest) submitJob(job *Job) {
 	if err != nil {
 		lt.t.Fatal(err)
 	}
-	if _, err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), StagePrefill, job); err != nil {
+	stage := lt.stage
+	if stage == "" {
+		stage = StagePrefill
+	}
+	if _, err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), stage, job); err != nil {
 		lt.t.Fatal(err)
 	}
 }
@@ -362,6 +369,55 @@ func TestStageLoop(t *testing.T) {
 			}
 		case <-time.After(5 * time.Second):
 			t.Fatal("a cancel of its request did not stop its second generation")
+		}
+	})
+
+	t.Run("a decode told a later attempt runs stops, and leaves the request to it", func(t *testing.T) {
+		// A worker cut off from NATS past the ack wait: its job was
+		// delivered again and runs elsewhere, and the gateway follows that
+		// attempt. The first must stop, but neither record the request's
+		// end nor end the message: both are the later attempt's.
+		stopped := make(chan error, 1)
+		running := make(chan struct{})
+		lt := startLoop(t, nc, js, StageConfig{Stage: StageDecode, StallTimeout: time.Second, Handler: func(ctx context.Context, d *Delivery) error {
+			d.Replies() // its beats start; no output yet (a restart after output fails the request)
+			close(running)
+			<-ctx.Done()
+			stopped <- context.Cause(ctx)
+			return ctx.Err()
+		}})
+		s := lt.submit("job-superseded")
+		chunks := make(chan string, 4)
+		go func() {
+			for {
+				r, err := s.Next(ctx, 10*time.Second)
+				if err != nil {
+					return
+				}
+				chunks <- string(r.Data)
+			}
+		}()
+		<-running
+		// The later attempt's chunk: the stream follows it.
+		later := NewReplyWriter(nc, lt.replies.Subject("job-superseded"), ReplyAttempt(1, 2))
+		later.Chunk([]byte("again"))
+		if c := <-chunks; c != "again" {
+			t.Fatalf("chunk %q, want the later attempt's", c)
+		}
+		select {
+		case err := <-stopped:
+			if !errors.Is(err, errSuperseded) {
+				t.Fatalf("stopped by %v, want errSuperseded", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the superseded attempt still runs")
+		}
+		time.Sleep(200 * time.Millisecond) // its settle
+		if r := lt.record("job-superseded"); r.State != StateQueued {
+			t.Errorf("record %+v: the superseded attempt ended the live request", r)
+		}
+		if n := lt.pending(StageDecode); n != 1 {
+			t.Errorf("%d jobs left: the superseded attempt ended the message the later attempt holds", n)
 		}
 	})
 
