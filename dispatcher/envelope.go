@@ -211,10 +211,9 @@ const (
 	// HeaderParts lists the parts of a version 3 payload after the body,
 	// in payload order, as name=length, comma-separated: "kv=123".
 	HeaderParts = "Pdq-Parts"
-	// HeaderKV carried a handoff's kv_transfer_params in version 2, as
-	// written by pdq before the params moved to the payload. It is still
-	// read, so that handoffs stored by an older prefill worker decode with
-	// their KV during an upgrade; it is no longer written.
+	// HeaderKV carries a handoff's kv_transfer_params in version 2: those
+	// that fit in a header (maxHeaderKV), which a decode worker of the
+	// build before version 3 reads too. Longer ones go in the payload.
 	HeaderKV = "Pdq-Kv-Transfer-Params"
 	// HeaderPrefill is the prefill's StageRecord on a handoff, as JSON.
 	HeaderPrefill = "Pdq-Prefill"
@@ -282,6 +281,13 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	h[nats.MsgIdHdr] = []string{j.MsgID(stage)}
 	m.Data = j.Body
+	if len(j.KV) > 0 && len(j.KV) <= maxHeaderKV && len(j.Sent) == 0 {
+		// Params that fit a header go in one, as version 2: a decode
+		// worker of the build before version 3 reads them, so an upgrade
+		// need not stop the fleet.
+		h[HeaderKV] = []string{string(j.KV)}
+		return m
+	}
 	if len(j.KV) > 0 || len(j.Sent) > 0 {
 		// What grows with the request follows the body in the payload:
 		// a handoff's params grow with the prompt, a continuation's text
@@ -304,6 +310,11 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	return m
 }
+
+// maxHeaderKV is the largest kv_transfer_params still written in a header
+// (version 2): a prompt of some 30,000 tokens. NATS takes 64 KiB of
+// headers in all.
+const maxHeaderKV = 16 << 10
 
 // The version header's values, made once.
 var (

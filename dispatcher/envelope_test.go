@@ -2,7 +2,9 @@ package dispatcher
 
 import (
 	"encoding/json"
+	"fmt"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -60,11 +62,18 @@ func TestJobEnvelope(t *testing.T) {
 // version 3 payload whose parts do not add up, or name a part this build
 // does not know, is refused rather than run without it.
 func TestJobPayloadParts(t *testing.T) {
+	small := json.RawMessage(`{"remote_block_ids":[1]}`)
+	if m := (&Job{ID: "req-0", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: json.RawMessage(`{}`), KV: small}).Msg(StageDecode); m.Header.Get(HeaderVersion) != "2" || m.Header.Get(HeaderKV) != string(small) {
+		t.Errorf("a handoff with short params is written as version %s with params %q in the header, want 2: a worker of the build before reads it",
+			m.Header.Get(HeaderVersion), m.Header.Get(HeaderKV))
+	}
+	long := json.RawMessage(`{"remote_block_ids":[` + strings.Repeat("123456,", 3000) + `1]}`)
 	job := &Job{ID: "req-1", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1,
-		Body: json.RawMessage(`{"model":"m"}`), KV: json.RawMessage(`{"remote_block_ids":[1]}`)}
+		Body: json.RawMessage(`{"model":"m"}`), KV: long}
 	m := job.Msg(StageDecode)
-	if v, parts := m.Header.Get(HeaderVersion), m.Header.Get(HeaderParts); v != "3" || parts != "kv=24" {
-		t.Fatalf("a handoff is written as version %s with parts %q, want 3 and kv=24", v, parts)
+	want := fmt.Sprintf("kv=%d", len(long))
+	if v, parts := m.Header.Get(HeaderVersion), m.Header.Get(HeaderParts); v != "3" || parts != want || m.Header.Get(HeaderKV) != "" {
+		t.Fatalf("a handoff with long params is written as version %s with parts %q, want 3 and %s", v, parts, want)
 	}
 	if bare := (&Job{ID: "req-2", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: job.Body}).Msg(StagePrefill); bare.Header.Get(HeaderVersion) != "2" || string(bare.Data) != string(job.Body) {
 		t.Errorf("a job without params is written as version %s with payload %s, want 2 and the body alone", bare.Header.Get(HeaderVersion), bare.Data)
@@ -81,17 +90,17 @@ func TestJobPayloadParts(t *testing.T) {
 
 	for _, tc := range []struct{ name, parts string }{
 		{"no parts", ""},
-		{"a part longer than the payload", "kv=1000"},
+		{"a part longer than the payload", fmt.Sprintf("kv=%d", len(long)+100)},
 		{"a negative length", "kv=-1"},
-		{"an unknown part", "kv=22,original=2"},
-		{"a repeated part", "kv=2,kv=22"},
+		{"an unknown part", fmt.Sprintf("kv=%d,original=2", len(long)-2)},
+		{"a repeated part", fmt.Sprintf("kv=2,kv=%d", len(long)-2)},
 		{"no length", "kv"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := job.Msg(StageDecode)
 			m.Header.Set(HeaderParts, tc.parts)
 			if got, err := ParseJob(m.Header, m.Data); err == nil {
-				t.Errorf("parts %q read as body %s, params %s; want an error", tc.parts, got.Body, got.KV)
+				t.Errorf("parts %q read as %d bytes of body, %d of params; want an error", tc.parts, len(got.Body), len(got.KV))
 			}
 		})
 	}
