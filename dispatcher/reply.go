@@ -176,10 +176,12 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 // response. A reply is not streamed when the request is not: the gateway
 // knows to join.
 func (w *ReplyWriter) Whole(data []byte) error {
+	// As large as a message takes: an answer that fits one goes as one,
+	// as a gateway of the build before reads it.
 	part := wholePart
 	if w.nc != nil {
 		if room := int(w.nc.MaxPayload()) - 64<<10; room > 0 { // the frame and headers
-			part = min(part, room)
+			part = room
 		}
 	}
 	for len(data) > part {
@@ -191,9 +193,9 @@ func (w *ReplyWriter) Whole(data []byte) error {
 	return w.Chunk(data)
 }
 
-// wholePart bounds a part of a whole response: well within the 8 MiB
-// messages of pdq's NATS, and a single chunk for nearly every answer.
-const wholePart = 4 << 20
+// wholePart is a part of a whole response where no connection says how
+// large a message may be.
+const wholePart = 1 << 20
 
 // Chunks sends several chunks in one message (HeaderCount), for a gateway
 // that reads them (Job.ReplyBatch): one publish, not one per token, when
@@ -525,20 +527,28 @@ var (
 	ErrReplyStalled = errors.New("the decode went silent")
 	// ErrInFlight means a request with this id is already in flight here.
 	ErrInFlight = errors.New("a request with this id is in flight")
+	// ErrReplyOverflow, with ErrReplyGap, means the reply piled up past its
+	// bound (or the gateway's budget) because its client read it slower
+	// than the engine wrote it.
+	ErrReplyOverflow = errors.New("the client reads slower than the engine writes (or the gateway holds PDQ_MAX_INFLIGHT_BYTES)")
 )
 
 // replyBuffer bounds the messages held for one request. A client slower
 // than the engine fills it; the overflow shows as a gap.
 const replyBuffer = 4096
 
-// The bytes held for one request are bounded too (and counted in the
-// gateway's budget, see [Replies.SetBudget]): a stream's, as a slow
+// The bytes held for one request are bounded too: a stream's, as a slow
 // client lets them pile up; a whole answer's, which comes in parts of up
-// to 4 MiB, as large as the largest answer a worker relays whole.
+// to a message each, as large as the largest answer a worker relays
+// whole. Past its first replyAllowance, what a request holds is counted
+// in the gateway's budget (see [Replies.SetBudget]): a request that keeps
+// up never meets the budget, and when slow clients have spent it, the
+// one that needs more fails, not every other.
 const (
 	StreamReplyBytes = 16 << 20
 	MaxWholeAnswer   = 64 << 20
 	wholeReplyBytes  = MaxWholeAnswer + 8<<20
+	replyAllowance   = 1 << 20
 )
 
 // Budget is a count of bytes shared by every request of a gateway
@@ -578,7 +588,7 @@ func (q *replyQueue) push(msg *nats.Msg) bool {
 	case q.closed:
 		q.mu.Unlock()
 		return true
-	case len(q.msgs)-q.head >= replyBuffer || q.bytes+n > q.limit || (q.budget != nil && !q.budget.Take(n)):
+	case len(q.msgs)-q.head >= replyBuffer || q.bytes+n > q.limit || !q.take(n):
 		q.mu.Unlock()
 		return false
 	}
@@ -618,12 +628,22 @@ func (q *replyQueue) pop() (*nats.Msg, bool) {
 	return msg, true
 }
 
-// giveBack returns n bytes the queue held. q.mu is held.
-func (q *replyQueue) giveBack(n int64) {
-	q.bytes -= n
-	if q.budget != nil {
-		q.budget.Release(n)
+// take takes from the budget what n more bytes bring past the queue's
+// allowance. q.mu is held.
+func (q *replyQueue) take(n int64) bool {
+	if over := q.bytes + n - replyAllowance; q.budget != nil && over > 0 {
+		return q.budget.Take(min(over, n))
 	}
+	return true
+}
+
+// giveBack returns n bytes the queue held, and to the budget the part of
+// them that was past its allowance. q.mu is held.
+func (q *replyQueue) giveBack(n int64) {
+	if over := q.bytes - replyAllowance; q.budget != nil && over > 0 {
+		q.budget.Release(min(over, n))
+	}
+	q.bytes -= n
 }
 
 // close drops what the queue holds, its bytes given back, and takes
@@ -957,7 +977,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			}
 		}
 		if s.overflow.Load() {
-			return Reply{}, fmt.Errorf("%w: the client reads slower than the engine writes (or the gateway holds PDQ_MAX_INFLIGHT_BYTES)", ErrReplyGap)
+			return Reply{}, fmt.Errorf("%w: %w", ErrReplyGap, ErrReplyOverflow)
 		}
 		kind, attempt, seq, count, data, err := replyOf(msg)
 		if err != nil {

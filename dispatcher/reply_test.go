@@ -623,17 +623,29 @@ func TestReplyQueueBytes(t *testing.T) {
 		}
 	}
 
+	// Past its allowance a queue draws on the budget: 6 MiB held is 5 of
+	// the budget's 10, and 12 would be 11.
 	budget := &testBudget{limit: 10 << 20}
 	q = newReplyQueue(budget)
 	if !q.push(big) || q.push(big) {
 		t.Fatal("a queue took replies past the gateway's budget, or not the first")
 	}
-	if budget.used != 6<<20 {
-		t.Errorf("the budget counts %d bytes, want the 6 MiB held", budget.used)
+	if budget.used != 5<<20 {
+		t.Errorf("the budget counts %d bytes, want the 5 MiB held past the allowance", budget.used)
 	}
 	q.pop()
-	if !q.push(big) || budget.used != 6<<20 {
-		t.Errorf("after a read the budget counts %d, want the 6 MiB held", budget.used)
+	if budget.used != 0 || !q.push(big) || budget.used != 5<<20 {
+		t.Errorf("after a read and a new reply the budget counts %d, want 5 MiB", budget.used)
+	}
+	// A request that keeps up (a little at a time) never meets the
+	// budget, spent as it may be.
+	spent := &testBudget{}
+	q2 := newReplyQueue(spent)
+	for range 1000 {
+		if !q2.push(&nats.Msg{Data: make([]byte, 512)}) {
+			t.Fatal("a queue holding little was refused for a budget spent by others")
+		}
+		q2.pop()
 	}
 	q.close()
 	if budget.used != 0 || !q.push(big) || budget.used != 0 {

@@ -169,12 +169,10 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 		}
 		return
 	}
-	if b.state == "" {
+	if c.Request().Context().Err() != nil {
 		b.end(dispatcher.StateCancelled, 499, "client went away")
-		if c.Request().Context().Err() == nil {
-			b.end(dispatcher.StateFailed, http.StatusBadGateway, "the batch ended without an answer")
-		}
 	}
+	b.end(dispatcher.StateFailed, http.StatusBadGateway, "the batch ended without an answer")
 	if err := h.records.End(ctx, b.id, b.rec.Generation, b.state, b.err); err != nil {
 		log.Warn("could not record the batch's end", logging.Err(err))
 	}
@@ -251,6 +249,8 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		return writeError(c, apiErr)
 	}
 	whole := make([][]byte, len(jobs)) // the non-streamed responses
+	var joined int64                   // their bytes, taken from the budget
+	defer func() { h.budget.release(joined) }()
 	for left := len(jobs); left > 0; {
 		var br batchReply
 		select {
@@ -313,7 +313,13 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 		case dispatcher.KindChunk:
 			b.chunks++
 			if !req.Stream {
-				// The response, in parts if it was larger than a message.
+				// The response, in parts if it was larger than a message:
+				// what the gateway joins counts in its budget.
+				if !h.budget.take(int64(len(br.r.Data))) {
+					c.Response().Header().Set("Retry-After", "1")
+					return fail(openai.NewError(http.StatusServiceUnavailable, "the gateway holds too many bytes to take this answer; retry"))
+				}
+				joined += int64(len(br.r.Data))
 				whole[br.i] = append(slices.Clip(whole[br.i]), br.r.Data...)
 				continue
 			}

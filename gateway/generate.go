@@ -187,9 +187,12 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 		return writeError(c, openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
 	}
 	if !job.Stream {
-		// The response, in parts if it was larger than a message.
+		// The response, in parts if it was larger than a message: what
+		// the gateway joins counts in its budget, as the parts did.
 		answer := first.Data
 		var end dispatcher.Reply
+		var held int64
+		defer func() { h.budget.release(held) }()
 		for {
 			if end, err = h.next(ctx, replies, job); err != nil {
 				return h.replyFailed(c, ctx, nil, job, err, log)
@@ -197,6 +200,12 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			if end.Kind != dispatcher.KindChunk {
 				break
 			}
+			if !h.budget.take(int64(len(end.Data))) {
+				h.cancel(job, log, dispatcher.StateFailed, http.StatusServiceUnavailable, "the gateway holds PDQ_MAX_INFLIGHT_BYTES")
+				c.Response().Header().Set("Retry-After", "1")
+				return writeError(c, openai.NewError(http.StatusServiceUnavailable, "the gateway holds too many bytes to take this answer; retry"))
+			}
+			held += int64(len(end.Data))
 			answer = append(slices.Clip(answer), end.Data...)
 		}
 		if end.Kind == dispatcher.KindError {
@@ -391,10 +400,11 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 	}
 	log.Warn("reply failed", logging.Err(err), "status", status)
 	h.cancel(job, log, state, status, err.Error())
-	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable {
+	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable && !errors.Is(err, dispatcher.ErrReplyOverflow) {
 		// Failed on pdq's side of the reply (a decode restarted after
 		// output, as when its worker died; chunks lost; a decode gone
 		// silent): no worker keeps it for replay, so the gateway does.
+		// Not a client too slow for its stream: that is the client's.
 		h.deadLetter(job, status, err, log)
 	}
 	apiErr := openai.NewError(status, "%v", err)
