@@ -336,7 +336,7 @@ func TestNATSURLCredentialsNotLogged(t *testing.T) {
 	outputs := map[string]string{}
 	// A gateway that connects, and one that retries a server it cannot
 	// reach, with a password and with a token.
-	for _, u := range []string{withPass, "nats://pdq:s3cretpw@127.0.0.1:1", "nats://s3cretpw@127.0.0.1:1"} {
+	for _, u := range []string{withPass, "nats://pdq:s3cretpw@127.0.0.1:1", "nats://s3cretpw@127.0.0.1:1", "pdq:s3cretpw@127.0.0.1:1"} {
 		gw := startPDQ(t, []string{"PDQ_NATS_URL=" + u, "PDQ_HTTP_ADDR=127.0.0.1:0"}, "gateway")
 		if u == withPass {
 			gw.waitLog(t, "gateway listening")

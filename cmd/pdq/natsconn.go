@@ -113,6 +113,9 @@ func redactURLs(list string) string {
 	urls := strings.Split(list, ",")
 	for i, raw := range urls {
 		raw = strings.TrimSpace(raw)
+		if !strings.Contains(raw, "://") {
+			raw = "nats://" + raw // as nats.go reads a URL without a scheme
+		}
 		u, err := url.Parse(raw)
 		switch {
 		case err != nil:
