@@ -165,10 +165,8 @@ func (l *StageLoop) releaseNow(ctx context.Context, m *nats.Msg) {
 		_ = m.RespondMsg(reply) // the asker gives up on its own
 		return
 	}
-	s := &settle{l: l, job: job, attempt: 1, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
-	before := l.released.Load()
-	s.release(ctx, "its handoff and its release could not be stored")
-	if l.released.Load() == before {
+	s := &settle{l: l, job: job, attempt: 1, direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	if !s.release(ctx, "its handoff and its release could not be stored") {
 		reply.Header[HeaderStatus] = []string{"500"}
 	}
 	_ = m.RespondMsg(reply) // a lost answer only costs the asker a log line

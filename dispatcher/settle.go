@@ -37,6 +37,9 @@ type settle struct {
 	// engineHeld is set while the job holds one of the engine's shared
 	// slots (StageConfig.EngineSlots): a KV release takes one otherwise.
 	engineHeld bool
+	// direct is set on a release asked of this worker directly (the
+	// release queue refused it): one that does not run is not queued.
+	direct bool
 }
 
 // settleOf settles a delivery of job, its attempt-th, logging with the
@@ -271,7 +274,9 @@ func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg) error {
 // to release.
 func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
 	m := d.handoff.Msg(StageDecode)
-	limit := s.l.nc.MaxPayload()
+	// With room to spare for the headers a dead letter adds: a handoff
+	// that fits, but whose dead letter would not, could never fail.
+	limit := s.l.nc.MaxPayload() - 4<<10
 	if len(d.handoff.KV) == 0 || limit <= 0 || int64(msgSize(m)) <= limit {
 		return m
 	}
@@ -608,12 +613,13 @@ func (s *settle) drop(ctx context.Context, why string) {
 	s.term(why)
 }
 
-// release frees the prefill engine's KV blocks of this handoff.
-func (s *settle) release(ctx context.Context, why string) {
+// release frees the prefill engine's KV blocks of this handoff, and
+// reports whether it did.
+func (s *settle) release(ctx context.Context, why string) bool {
 	// A second read of the blocks fails, and with NIXL v1 kills the decode
 	// engine: release only a handoff no engine can have read.
 	if s.l.cfg.Release == nil || len(s.job.KV) == 0 || s.ran || s.kvSpent {
-		return
+		return false
 	}
 	s.kvSpent = true
 	if p := s.job.Prefill; p != nil && time.Since(p.Ended()) > s.l.cfg.KVTTL*11/10 {
@@ -621,7 +627,7 @@ func (s *settle) release(ctx context.Context, why string) {
 		// 30 s against the default 25 s), the blocks are presumably freed
 		// already, and a read of freed blocks fails the same way.
 		s.log.Debug("not releasing KV blocks that have presumably expired", "reason", why)
-		return
+		return false
 	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
@@ -629,13 +635,13 @@ func (s *settle) release(ctx context.Context, why string) {
 		// A release is an engine call: it waits for a slot like any.
 		if err := e.acquire(rctx); err != nil {
 			s.log.Warn("no engine slot to release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
-			return
+			return false
 		}
 		defer e.release()
 	}
 	if err := s.l.cfg.Release(rctx, s.job); err != nil {
 		var f *Failure
-		if errors.As(err, &f) && f.Unread && ctx.Err() == nil {
+		if errors.As(err, &f) && f.Unread && ctx.Err() == nil && !s.direct {
 			// The engine did not run the call (it is down, or failing
 			// before it runs anything): the blocks are still held, and a
 			// decode worker tries again from the release queue.
@@ -643,14 +649,15 @@ func (s *settle) release(ctx context.Context, why string) {
 			next := *s.job
 			next.HandBacks++ // a new copy: its own message id
 			s.queueRelease(ctx, &next)
-			return
+			return false
 		}
 		s.log.Warn("could not release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
-		return
+		return false
 	}
 	s.l.released.Add(1)
 	s.l.cfg.Metrics.released(s.l.cfg.Pool)
 	s.log.Debug("released the prefill's KV blocks", "reason", why)
+	return true
 }
 
 // answer sends the client an error, if it has a reply subject. The wait

@@ -750,7 +750,11 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	}
 	l.cfg.Metrics.jobEnded(l.cfg.Stage, took)
 	d.stopBeats()
-	s.ran = true
+	// A job whose engine never ran it (a decode that waited for its
+	// engine, say) counts as not run: a handoff's KV is unread, and is
+	// released however the job ends.
+	var unread *Failure
+	s.ran = !errors.As(err, &unread) || !unread.Unread
 	s.sent = d.sent()
 
 	cause := context.Cause(jctx)

@@ -187,3 +187,24 @@ func TestAnswerLargerThanAMessage(t *testing.T) {
 		t.Errorf("the decode engine got %d requests, want 1", s.Requests)
 	}
 }
+
+// TestClientLeavesWhileDecodeWaits: a client leaves while its handoff
+// waits for a decode engine that answers 503: the engine never ran the
+// decode, so the prefill's KV is released, not left to its lease (found
+// by review).
+func TestClientLeavesWhileDecodeWaits(t *testing.T) {
+	cfg := simtest.FastConfig()
+	cfg.KVLease = time.Minute
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	setFault(t, p.decode[0], `{"rate":1,"kind":"503"}`)
+	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	defer cancel()
+	if _, err := send(ctx, p.completions(), "leave-waiting", completionBody(model, longPrompt, body{"max_tokens": 8, "stream": true})); err == nil {
+		t.Fatal("the request was answered while its decode engine answered 503")
+	}
+	p.prefill[0].WaitStats(t, 5*time.Second, "the prompt prefilled", func(s sim.Stats) bool { return s.Prefills == 1 })
+	setFault(t, p.decode[0], `{"rate":0}`)
+	if s, err := p.prefill[0].Poll(10*time.Second, func(s sim.Stats) bool { return s.BlocksHeld == 0 }); err != nil {
+		t.Errorf("prefill engine %+v: the blocks of a decode never run are still held: %v", s, err)
+	}
+}

@@ -162,8 +162,10 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
+			// Its client gone, or its deadline passed, while it waited:
+			// its engine never ran it, so its KV is released.
 			t.Stop()
-			return nil, ctx.Err()
+			return nil, dispatcher.Unread(ctx.Err())
 		case <-t.C:
 		}
 		alive()
