@@ -150,7 +150,9 @@ func TestBatchOwnsItsID(t *testing.T) {
 // sending it must not hold a connection and its reserved bytes for ever;
 // the gateway answers 408 once the body's read time is over.
 func TestStalledBodyTimedOut(t *testing.T) {
-	p := startPipeline(t, pipelineOptions{gateway: gateway.Config{BodyTimeout: 500 * time.Millisecond}})
+	// A budget of 10 MiB: the stalled body's 7 MB reserved, another of 6
+	// MiB fits only once they are given back.
+	p := startPipeline(t, pipelineOptions{gateway: gateway.Config{BodyTimeout: 500 * time.Millisecond, MaxInflightBytes: 10 << 20}})
 	conn, err := net.Dial("tcp", strings.TrimPrefix(p.url, "http://"))
 	if err != nil {
 		t.Fatal(err)
@@ -159,14 +161,25 @@ func TestStalledBodyTimedOut(t *testing.T) {
 	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: pdq\r\nContent-Type: application/json\r\nContent-Length: 7000000\r\n\r\n")
 	fmt.Fprintf(conn, `{"model":"%s","prompt":"%s`, model, strings.Repeat("x", 1000))
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
 	if err != nil {
 		t.Fatalf("no answer to a stalled body within 5 s: %v", err)
 	}
-	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
 	if resp.StatusCode != http.StatusRequestTimeout {
-		raw, _ := io.ReadAll(resp.Body)
 		t.Errorf("a stalled body: %d %s, want 408", resp.StatusCode, raw)
+	}
+	// The connection is closed: the client cannot go on sending its body.
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Errorf("after the 408 the connection reads %v, want it closed (EOF)", err)
+	}
+	// The bytes it had reserved are back: the largest body fits the
+	// gateway's budget again.
+	r := post(t, p.completions(), "", completionBody(model, strings.Repeat("x", 6<<20), body{"max_tokens": 1}))
+	if r.status == http.StatusTooManyRequests {
+		t.Errorf("a 6 MiB body after the stalled one: 429, the budget still held: %s", r.body)
 	}
 }
 
