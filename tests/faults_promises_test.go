@@ -210,7 +210,7 @@ func longPromptRow(t *testing.T) row {
 	b := head + words[:gateway.DefaultMaxBodyBytes-len(head)-len(tail)] + tail
 	d0 := c.decode.Stats(t)
 	start := time.Now()
-	r := row{scenario: "P/D prompt of the largest body (7 MiB, 1.2M tokens)"}
+	r := row{scenario: "P/D prompt of the largest body (7 MiB, 1.36M tokens)"}
 	resp, err := tryDo(http.MethodPost, c.url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, b)
 	o := outcome{status: resp.status, ok: err == nil && resp.status == http.StatusOK}
 	if err != nil {

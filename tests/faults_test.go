@@ -609,6 +609,8 @@ func TestFaultSuite(t *testing.T) {
 			}
 		})
 	}
+	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
+	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 	t.Run("kill -9 of a decode worker mid-stream", func(t *testing.T) { check(t, killedDecodeWorkerRow(t)) })
 	t.Run("the longest prompt", func(t *testing.T) { check(t, longPromptRow(t)) })
 	t.Run("lost cancels", func(t *testing.T) { check(t, lostCancelRow(t)) })
@@ -623,8 +625,6 @@ func TestFaultSuite(t *testing.T) {
 		}
 		check(t, fullStoreRow(t))
 	})
-	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
-	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 }
 
 // record reads a request's record through the gateway's API.
