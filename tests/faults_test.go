@@ -225,13 +225,16 @@ func (c *cluster) send(id string, giveUp time.Duration, b body) outcome {
 
 // row is one line of the fault table.
 type row struct {
-	scenario            string
-	left                int // clients that gave up before or during their answer
-	accepted            int // requests whose clients waited for their answer
-	completed, errors   int // answered whole, answered with an error
-	lost                int // accepted, yet no answer
-	cancelledCalls      int64
-	blocksHeld          int64
+	scenario          string
+	left              int // clients that gave up before or during their answer
+	accepted          int // requests whose clients waited for their answer
+	completed, errors int // answered whole, answered with an error
+	lost              int // accepted, yet no answer
+	cancelledCalls    int64
+	blocksHeld        int64
+	// byLimit says the blocks held are a documented limit's, left to the
+	// engine's lease (reliability.md, Limits), not a release pdq missed.
+	byLimit             bool
 	replayed, replayedN int
 	// cost is what the fault cost the clients, e.g. "+320 ms p50"; empty
 	// when not measured.
@@ -320,7 +323,7 @@ func TestFaultSuite(t *testing.T) {
 	})
 	check := func(t *testing.T, r row) {
 		t.Helper()
-		if r.lost != 0 || r.blocksHeld != 0 || r.cancelledCalls > 0 || r.accepted != r.completed+r.errors {
+		if r.lost != 0 || (r.blocksHeld != 0 && !r.byLimit) || r.cancelledCalls > 0 || r.accepted != r.completed+r.errors {
 			t.Errorf("%+v: want 0 lost, 0 blocks held, 0 calls for cancelled requests", r)
 		}
 		add(r)
