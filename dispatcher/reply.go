@@ -545,7 +545,7 @@ const replyBuffer = 4096
 // up never meets the budget, and when slow clients have spent it, the
 // one that needs more fails, not every other.
 const (
-	StreamReplyBytes = 16 << 20
+	streamReplyBytes = 16 << 20
 	MaxWholeAnswer   = 64 << 20
 	wholeReplyBytes  = MaxWholeAnswer + 8<<20
 	replyAllowance   = 1 << 20
@@ -576,7 +576,7 @@ type replyQueue struct {
 }
 
 func newReplyQueue(budget Budget) *replyQueue {
-	return &replyQueue{ready: make(chan struct{}, 1), limit: StreamReplyBytes, budget: budget}
+	return &replyQueue{ready: make(chan struct{}, 1), limit: streamReplyBytes, budget: budget}
 }
 
 // push queues msg; false when the queue is full. A queue closed takes
@@ -817,14 +817,18 @@ func (r *Replies) deliver(msg *nats.Msg) delivery {
 
 // ack answers a worker's beat or end with the number of chunks the
 // gateway has.
-func ack(msg *nats.Msg, seq string) {
+func ack(msg *nats.Msg, seq string) { answerAck(msg, HeaderSeq, seq) }
+
+// answerAck answers a worker's beat or end with an ack that says one
+// thing, in header key.
+func answerAck(msg *nats.Msg, key, value string) {
 	if msg.Reply == "" {
 		return
 	}
 	a := nats.NewMsg(msg.Reply)
 	a.Header[HeaderKind] = []string{KindAck}
-	a.Header[HeaderSeq] = []string{seq}
-	_ = msg.RespondMsg(a) // a lost ack is asked for again
+	a.Header[key] = []string{value}
+	_ = msg.RespondMsg(a) // a lost ack, or gone, is asked for again at the next beat or end
 }
 
 // The values of HeaderGone.
@@ -838,15 +842,7 @@ const (
 
 // ackGone answers a beat the gateway no longer waits for, saying why: the
 // worker stops.
-func ackGone(msg *nats.Msg, why string) {
-	if msg.Reply == "" {
-		return
-	}
-	a := nats.NewMsg(msg.Reply)
-	a.Header[HeaderKind] = []string{KindAck}
-	a.Header[HeaderGone] = []string{why}
-	_ = msg.RespondMsg(a) // a lost answer is asked for again at the next beat
-}
+func ackGone(msg *nats.Msg, why string) { answerAck(msg, HeaderGone, why) }
 
 // ReplyStream is one request's reply, read in order.
 type ReplyStream struct {

@@ -619,7 +619,7 @@ func TestReplyQueueBytes(t *testing.T) {
 		}
 	}
 	if took != 2 {
-		t.Errorf("a stream's queue took %d replies of 6 MiB, want 2: its bound is %d bytes", took, StreamReplyBytes)
+		t.Errorf("a stream's queue took %d replies of 6 MiB, want 2: its bound is %d bytes", took, streamReplyBytes)
 	}
 	q = newReplyQueue(nil)
 	q.limit = wholeReplyBytes

@@ -276,12 +276,12 @@ func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
 	m := d.handoff.Msg(StageDecode)
 	// With room to spare for the headers a dead letter adds: a handoff
 	// that fits, but whose dead letter would not, could never fail.
-	limit := s.l.nc.MaxPayload() - 4<<10
-	if len(d.handoff.KV) == 0 || limit <= 0 || int64(msgSize(m)) <= limit {
+	maxPayload := s.l.nc.MaxPayload()
+	if len(d.handoff.KV) == 0 || maxPayload <= 4<<10 || int64(msgSize(m)) <= maxPayload-4<<10 {
 		return m
 	}
 	s.log.Warn("the handoff is larger than a NATS message: sent decode-only, its KV left to the prefill engine's lease",
-		"body_bytes", len(d.handoff.Body), "kv_bytes", len(d.handoff.KV), "max_payload", limit)
+		"body_bytes", len(d.handoff.Body), "kv_bytes", len(d.handoff.KV), "max_payload", maxPayload)
 	s.l.cfg.Metrics.DecodeOnly("handoff_too_large")
 	d.Forward()
 	return d.handoff.Msg(StageDecode)
@@ -425,9 +425,9 @@ func (s *settle) failed(ctx context.Context, err error) {
 		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
 		s.failForGood(ctx, e, err, true)
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && f.Unread:
-		// Before output, and the engine never ran it: the KV is unread.
+		// Before output, and the engine never ran it: the KV is unread
+		// (and s.ran false, see process).
 		s.log.Warn("decode failed before its engine ran it", logging.Err(err))
-		s.ran = false
 		s.regenerate(ctx, "decode failed before its engine ran it: "+err.Error(), true)
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
 		// Before output, but the engine may have read the KV blocks.

@@ -73,8 +73,7 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 	if err != nil {
 		return nil, err
 	}
-	rev := claim.rev
-	job.Generation, job.RecordRevision = rec.Generation, rev
+	job.Generation, job.RecordRevision = rec.Generation, claim.rev
 	if err = publishGeneration(ctx, s.js, s.records, job, stage); err != nil {
 		status := 503
 		if errors.Is(err, ErrQueueFull) {
@@ -88,9 +87,9 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 		return nil, err
 	}
 	if job.Generation != rec.Generation {
-		rev = 0 // publishGeneration wrote the record again
+		claim.rev = 0 // publishGeneration wrote the record again
 	}
-	return &Claim{rec: rec, rev: rev}, nil
+	return claim, nil
 }
 
 // Claim writes rec, a new request's record (state queued, generation 1),

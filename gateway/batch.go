@@ -119,7 +119,6 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 // run under <id>-<i>: it makes the id one request, so that a single
 // request cannot take it while the batch runs or after it was answered.
 type batchRecord struct {
-	id    string
 	claim *dispatcher.Claim
 	rec   *dispatcher.Record
 	// state and err are the first end the batch came to; state is empty
@@ -149,7 +148,7 @@ func (h *handlers) claimBatch(c echo.Context, endpoint openai.Endpoint, id strin
 	if err != nil {
 		return nil, h.submitFailed(c, err, log)
 	}
-	return &batchRecord{id: id, claim: claim, rec: rec}, nil
+	return &batchRecord{claim: claim, rec: rec}, nil
 }
 
 // endBatch records how the batch ended: done once its answer went out
@@ -173,7 +172,7 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 		b.end(dispatcher.StateCancelled, 499, "client went away")
 	}
 	b.end(dispatcher.StateFailed, http.StatusBadGateway, "the batch ended without an answer")
-	if err := h.records.End(ctx, b.id, b.rec.Generation, b.state, b.err); err != nil {
+	if err := h.records.End(ctx, b.rec.ID, b.rec.Generation, b.state, b.err); err != nil {
 		log.Warn("could not record the batch's end", logging.Err(err))
 	}
 }
@@ -316,8 +315,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 				// The response, in parts if it was larger than a message:
 				// what the gateway joins counts in its budget.
 				if !h.budget.take(int64(len(br.r.Data))) {
-					c.Response().Header().Set("Retry-After", "1")
-					return fail(openai.NewError(http.StatusServiceUnavailable, "the gateway holds too many bytes to take this answer; retry"))
+					return fail(h.answerOverBudget(c))
 				}
 				joined += int64(len(br.r.Data))
 				whole[br.i] = append(slices.Clip(whole[br.i]), br.r.Data...)

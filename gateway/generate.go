@@ -202,8 +202,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			}
 			if !h.budget.take(int64(len(end.Data))) {
 				h.cancel(job, log, dispatcher.StateFailed, http.StatusServiceUnavailable, "the gateway holds PDQ_MAX_INFLIGHT_BYTES")
-				c.Response().Header().Set("Retry-After", "1")
-				return writeError(c, openai.NewError(http.StatusServiceUnavailable, "the gateway holds too many bytes to take this answer; retry"))
+				return writeError(c, h.answerOverBudget(c))
 			}
 			held += int64(len(end.Data))
 			answer = append(slices.Clip(answer), end.Data...)

@@ -506,6 +506,14 @@ func (b *budgetReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// answerOverBudget is the error of a whole answer, come in parts, that the
+// budget cannot hold as the gateway joins them: a 503, the engine's work
+// done, with Retry-After.
+func (h *handlers) answerOverBudget(c echo.Context) *openai.Error {
+	c.Response().Header().Set("Retry-After", "1")
+	return openai.NewError(http.StatusServiceUnavailable, "the gateway holds too many bytes to take this answer; retry")
+}
+
 func (h *handlers) overBudget(c echo.Context) *openai.Error {
 	c.Response().Header().Set("Retry-After", "1")
 	return openai.NewError(http.StatusTooManyRequests,

@@ -135,12 +135,11 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 	for waited := 0; ; waited++ {
 		resp, err := w.call(ctx, job, body...)
 		var refused *notRun
-		var fault *engineFault
 		switch {
 		case err == nil || len(job.KV) == 0:
 			return resp, err
 		case !errors.As(err, &refused) || !refused.surely(streamed):
-			if streamed && errors.As(err, &fault) && fault.status != 0 {
+			if neverRan(err, streamed) {
 				return nil, dispatcher.Unread(err)
 			}
 			return nil, err
@@ -148,14 +147,14 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 			return nil, dispatcher.Unread(dispatcher.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
 		}
 		wait := max(b.NextBackOff(), refused.retryAfter)
-		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.kvTTL())) < wait {
+		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.cfg.KVTTL)) < wait {
 			w.log.Warn("decode engine did not take the handoff within its KV TTL; sending it back to prefill",
 				logging.KeyRequestID, job.ID, logging.Err(err), "tries", waited+1)
 			return nil, dispatcher.Unread(err)
 		}
 		if waited == 0 {
 			w.log.Debug("decode engine did not take the handoff; waiting for it with the KV", logging.KeyRequestID, job.ID,
-				logging.Err(err), "kv_ttl", w.kvTTL().String())
+				logging.Err(err), "kv_ttl", w.cfg.KVTTL.String())
 		}
 		// The engine's silence is not what the stall watchdog times.
 		alive()
@@ -176,14 +175,6 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 // did not take it, so that it waits for an engine rather than bounce
 // between busy ones.
 const blipHandBacks = 2
-
-// kvTTL is the oldest handoff the worker decodes.
-func (w *Worker) kvTTL() time.Duration {
-	if w.cfg.KVTTL > 0 {
-		return w.cfg.KVTTL
-	}
-	return dispatcher.DefaultKVTTL
-}
 
 // brokeAfterOutput handles a decode that failed after part of the answer
 // went out. Nothing can start over; the rest of the answer moves to
@@ -292,11 +283,9 @@ func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 		return err
 	}
 	resp, err := w.call(ctx, job, body)
-	var refused *notRun
-	var fault *engineFault
 	switch {
 	case err == nil:
-	case errors.As(err, &refused), errors.As(err, &fault) && fault.status != 0:
+	case neverRan(err, true):
 		return dispatcher.Unread(fmt.Errorf("release call: %w", err))
 	default:
 		// A 4xx, which a retry would meet again, or a call cut off.

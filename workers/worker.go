@@ -32,8 +32,9 @@ const (
 	DefaultDecodeSlots  = 64
 )
 
-// maxResponseBytes bounds a non-streamed engine response held in memory.
-const maxResponseBytes = 64 << 20
+// maxResponseBytes bounds a non-streamed engine response held in memory:
+// the largest whole answer a gateway's reply queue is sized for.
+const maxResponseBytes = dispatcher.MaxWholeAnswer
 
 // Config configures one worker: one engine, one role.
 type Config struct {
@@ -138,6 +139,9 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	}
 	if cfg.StallTimeout <= 0 {
 		cfg.StallTimeout = dispatcher.DefaultStallTimeout
+	}
+	if cfg.KVTTL <= 0 {
+		cfg.KVTTL = dispatcher.DefaultKVTTL
 	}
 	if cfg.ModelsRefresh <= 0 {
 		cfg.ModelsRefresh = DefaultModelsRefresh
@@ -433,6 +437,19 @@ type notRun struct {
 // "upstream reset" after the engine began, and so read a handoff's KV.
 func (e *notRun) surely(streamed bool) bool {
 	return e.status != http.StatusServiceUnavailable || streamed || e.retryAfter > 0
+}
+
+// neverRan reports whether a failed engine call was surely never run, so
+// that a handoff's KV is unread: a refusal that says so (notRun), or, on a
+// streamed call, any error status, since an engine answers a stream's
+// errors in the stream once it has begun.
+func neverRan(err error, streamed bool) bool {
+	var refused *notRun
+	if errors.As(err, &refused) && refused.surely(streamed) {
+		return true
+	}
+	var fault *engineFault
+	return streamed && errors.As(err, &fault) && fault.status != 0
 }
 
 func (e *notRun) Error() string { return e.err.Error() }
