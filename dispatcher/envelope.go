@@ -16,9 +16,10 @@ import (
 
 // EnvelopeVersion is the version of the job envelope this build writes
 // for a job whose payload is the client's body alone: the body's bytes,
-// never re-encoded, with everything else in headers. A job whose payload
-// carries more than the body (a handoff's kv_transfer_params) is written
-// as [EnvelopeParts]. This build reads both.
+// never re-encoded, with everything else in headers (a handoff's
+// kv_transfer_params too, while they fit maxHeaderKV). A job whose payload
+// carries more than the body (longer params, a continuation's text) is
+// written as [EnvelopeParts]. This build reads both.
 const EnvelopeVersion = 2
 
 // EnvelopeParts is the version of a job whose payload is the client's body
@@ -312,8 +313,8 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 }
 
 // maxHeaderKV is the largest kv_transfer_params still written in a header
-// (version 2): a prompt of some 30,000 tokens. NATS takes 64 KiB of
-// headers in all.
+// (version 2): some 2,500 block ids, a prompt of some 40,000 tokens. NATS
+// takes 64 KiB of headers in all.
 const maxHeaderKV = 16 << 10
 
 // The version header's values, made once.
@@ -373,8 +374,9 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	}
 	switch v := h.Get(HeaderVersion); v {
 	case versionBody[0]:
-		// Written by an older prefill worker, a handoff has its params in
-		// a header.
+		// A handoff whose params fit a header has them there (and one
+		// written by a prefill worker of the build before, whatever their
+		// length).
 		if kv := h.Get(HeaderKV); kv != "" {
 			j.KV = json.RawMessage(kv)
 		}
@@ -433,7 +435,8 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 }
 
 // CompactKV returns params as compact JSON: the same object, without the
-// whitespace, which a handoff need not store.
+// whitespace, which a header value cannot hold (a newline) and a handoff
+// need not store.
 func CompactKV(params json.RawMessage) (json.RawMessage, error) {
 	var b bytes.Buffer
 	if err := json.Compact(&b, params); err != nil {

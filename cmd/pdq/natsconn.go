@@ -107,8 +107,9 @@ func connectError(err error) (permanent bool, hint string) {
 
 // redactURLs is a list of NATS URLs, comma-separated, fit for a log line
 // or an error: a password, or a token (a user without one), is replaced
-// by xxxxx. A URL that does not parse is shown as its scheme and host at
-// most.
+// by xxxxx. A URL without a scheme is shown with nats://, as nats.go reads
+// it; one that does not parse loses all before its last @. nats.go's
+// ConnectedUrlRedacted leaves a token as it is.
 func redactURLs(list string) string {
 	urls := strings.Split(list, ",")
 	for i, raw := range urls {
