@@ -326,6 +326,22 @@ func TestStageLoop(t *testing.T) {
 			stopped <- context.Cause(ctx)
 			return ctx.Err()
 		}})
+		// cancelStops cancels the request id claimed at origin, and wants
+		// the running job stopped by it.
+		cancelStops := func(id string, origin int, what string) {
+			t.Helper()
+			if err := Cancel(nc, id, origin); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-stopped:
+				if !errors.Is(err, errCancelled) {
+					t.Errorf("stopped by %v, want the cancel", err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("a cancel of %s did not stop the job", what)
+			}
+		}
 		lt.submit("job-gen") // claimed at generation 1
 		<-started
 		// A late cancel of another request under the same id (one claimed
@@ -339,17 +355,7 @@ func TestStageLoop(t *testing.T) {
 			t.Fatalf("the request claimed at generation 1 stopped by another's cancel: %v", err)
 		case <-time.After(300 * time.Millisecond):
 		}
-		if err := Cancel(nc, "job-gen", 1); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case err := <-stopped:
-			if !errors.Is(err, errCancelled) {
-				t.Errorf("stopped by %v, want the cancel", err)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatal("a cancel of its own request did not stop the job")
-		}
+		cancelStops("job-gen", 1, "its own request")
 
 		// A later generation of the request (prefilled again, or moved)
 		// is the same request: its cancel stops it.
@@ -359,17 +365,7 @@ func TestStageLoop(t *testing.T) {
 			t.Fatal(err)
 		}
 		<-started
-		if err := Cancel(nc, "job-gen2", 1); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case err := <-stopped:
-			if !errors.Is(err, errCancelled) {
-				t.Errorf("stopped by %v, want the cancel", err)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatal("a cancel of its request did not stop its second generation")
-		}
+		cancelStops("job-gen2", 1, "its request (a second generation of it)")
 	})
 
 	t.Run("a decode told a later attempt runs stops, and leaves the request to it", func(t *testing.T) {

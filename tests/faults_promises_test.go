@@ -170,12 +170,7 @@ func killedDecodeWorkerRow(t *testing.T) row {
 	r := row{scenario: "kill -9 of a decode worker mid-stream; replay"}
 	tally(&r, outs)
 	r.blocksHeld = c.settle(10 * time.Second)
-	replay := startPDQ(t, []string{"PDQ_NATS_URL=" + c.natsURL}, "replay", "--failed", "--wait")
-	select {
-	case <-replay.exited:
-	case <-time.After(30 * time.Second):
-		t.Fatal("pdq replay --failed --wait did not finish in 30s")
-	}
+	replay := c.replay("--failed")
 	r.replayedN = r.errors
 	for i := range 3 {
 		if rec := c.record(fmt.Sprintf("killdec-%d", i)); rec.State == dispatcher.StateDone && len(rec.Result) > 0 {

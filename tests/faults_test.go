@@ -581,12 +581,7 @@ func TestFaultSuite(t *testing.T) {
 		}
 		c.decodeP, c.decode = startSimProcess(t, "--addr", addr)
 		r.blocksHeld = c.settle(10 * time.Second)
-		replay := startPDQ(t, []string{"PDQ_NATS_URL=" + c.natsURL}, "replay", "--failed", "--wait")
-		select {
-		case <-replay.exited:
-		case <-time.After(30 * time.Second):
-			t.Fatal("pdq replay --failed --wait did not finish in 30s")
-		}
+		replay := c.replay("--failed")
 		r.replayedN = 3
 		for i := range 3 {
 			rec := c.record(fmt.Sprintf("dead-%d", i))
@@ -628,6 +623,19 @@ func TestFaultSuite(t *testing.T) {
 		}
 		check(t, fullStoreRow(t))
 	})
+}
+
+// replay runs `pdq replay <args> --wait` against the cluster's NATS and
+// returns the process once it has exited (within 30 s).
+func (c *cluster) replay(args ...string) *process {
+	c.t.Helper()
+	p := startPDQ(c.t, []string{"PDQ_NATS_URL=" + c.natsURL}, append(append([]string{"replay"}, args...), "--wait")...)
+	select {
+	case <-p.exited:
+	case <-time.After(30 * time.Second):
+		c.t.Fatalf("pdq replay %v --wait did not finish in 30s", args)
+	}
+	return p
 }
 
 // record reads a request's record through the gateway's API.

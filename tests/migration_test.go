@@ -123,12 +123,7 @@ func TestReplayOfAContinuation(t *testing.T) {
 		t.Fatalf("status %d, events %q: want an in-stream error past the migration limit", s.status, s.events)
 	}
 	setFault(t, c.decode, `{"rate":0}`)
-	replay := startPDQ(t, []string{"PDQ_NATS_URL=" + c.natsURL}, "replay", "--id", "mig-replay", "--wait")
-	select {
-	case <-replay.exited:
-	case <-time.After(30 * time.Second):
-		t.Fatal("pdq replay --wait did not finish in 30s")
-	}
+	replay := c.replay("--id", "mig-replay")
 	rec := c.record("mig-replay")
 	res, _, err := checkResponse(response{status: 200, body: rec.Result})
 	if rec.State != dispatcher.StateDone || err != nil {
