@@ -138,11 +138,12 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 			})
 			time.Sleep(100 * time.Millisecond)
 		}
-		before := faulty.Stats(t).Faults
+		s0 := faulty.Stats(t)
 		setFault(t, faulty, fmt.Sprintf(`{"rate":0.3,"kind":%q,"delay":"1s"}`, kind))
 		outs, lat := load(fmt.Sprintf("%s-%s", stage, kind))
 		setFault(t, faulty, `{"rate":0}`)
-		injected := faulty.Stats(t).Faults - before
+		s1 := faulty.Stats(t)
+		injected := s1.Faults - s0.Faults
 		r := row{scenario: fmt.Sprintf("%s engine: %s at rate 0.3, 2nd engine healthy", stage, kind),
 			cost: fmt.Sprintf("%d faults: %s", injected, lat.cost(baseLat))}
 		tally(&r, outs)
@@ -154,6 +155,11 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 		if stage == dispatcher.StagePrefill && kind == sim.FaultDrop {
 			r.blocksHeld = idleAndHeld(t, 20*time.Second, prefills, decodes)
 			r.byLimit = true
+			// Exactly the blocks of the dropped prefills, and no other.
+			perPrompt := (s1.PromptTokens - s0.PromptTokens) / max(s1.Prefills-s0.Prefills, 1)
+			if want := injected * ((perPrompt + 15) / 16); r.blocksHeld != want {
+				t.Errorf("%d blocks held after %d dropped prefills of %d tokens: want %d, those of the dropped ones", r.blocksHeld, injected, perPrompt, want)
+			}
 			r.cost += fmt.Sprintf("; %d blocks to the lease", r.blocksHeld)
 		} else {
 			r.blocksHeld = idleAndFreed(t, 20*time.Second, prefills, decodes)

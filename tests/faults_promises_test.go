@@ -123,30 +123,41 @@ func decodeBlipRows(t *testing.T) []row {
 // kvReleaseRows: failures after which pdq, not the engine's lease, frees a
 // prefill's KV, counted right after each row with leases of 60 s, so that
 // only a release can have freed the blocks.
+//
+// A decode answered 500 before any output, its only engine failing every
+// call: streamed, the engine never ran it (vLLM answers a stream's errors
+// in the stream once it has begun), so each generation's KV is unread,
+// and released as the request goes back to prefill. Not streamed, the
+// engine may have read the KV before it failed; the params name the
+// blocks by the prefill's remote_request_id (NIXL v2), so a second read
+// is harmless, and the KV is released all the same.
 func kvReleaseRows(t *testing.T) []row {
-	// A streamed decode answered 500 before any output, its only engine
-	// failing every call: the engine never ran it, so each generation's
-	// KV is unread, and released as the request goes back to prefill.
 	c := startCluster(t, clusterOptions{prefillSim: []string{"--kv-lease", "60s"}, env: []string{"PDQ_MAX_GENERATIONS=2"}})
 	c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 4)
 	c.ready()
-	p0 := c.prefill.Stats(t)
-	setFault(t, c.decode, `{"rate":1,"kind":"500"}`)
-	outs := c.load(4, "kv500", 0, func(int) body {
-		return completionBody(model, longPrompt, body{"max_tokens": 8, "ignore_eos": true, "stream": true})
-	})
-	setFault(t, c.decode, `{"rate":0}`)
-	r := row{scenario: "decode engine 500 before output: KV released"}
-	tally(&r, outs)
-	held := c.prefill.Stats(t).BlocksHeld // right after the answers, before any lease ends
-	r.blocksHeld = c.settle(5 * time.Second)
-	p1 := c.prefill.Stats(t)
-	r.cost = fmt.Sprintf("%d prefills, %d blocks held at the answers", p1.Prefills-p0.Prefills, held)
-	if r.errors != 4 || p1.HoldsExpired != p0.HoldsExpired {
-		t.Errorf("%+v, prefill engine %+v: want 4 errors and no hold left to its lease", outs, p1)
+	var rows []row
+	for _, stream := range []bool{true, false} {
+		name, id := "decode engine 500 before output: KV released", "kv500"
+		if !stream {
+			name, id = "the same, not streamed", "kv500whole"
+		}
+		p0 := c.prefill.Stats(t)
+		setFault(t, c.decode, `{"rate":1,"kind":"500"}`)
+		outs := c.load(4, id, 0, pd(8, stream))
+		setFault(t, c.decode, `{"rate":0}`)
+		r := row{scenario: name}
+		tally(&r, outs)
+		held := c.prefill.Stats(t).BlocksHeld // right after the answers, before any lease ends
+		r.blocksHeld = c.settle(5 * time.Second)
+		p1 := c.prefill.Stats(t)
+		r.cost = fmt.Sprintf("%d prefills, %d blocks held at the answers", p1.Prefills-p0.Prefills, held)
+		if r.errors != 4 || p1.HoldsExpired != p0.HoldsExpired {
+			t.Errorf("%s: %+v, prefill engine %+v: want 4 errors and no hold left to its lease", name, outs, p1)
+		}
+		rows = append(rows, r)
 	}
-	return []row{r}
+	return rows
 }
 
 // killedDecodeWorkerRow: the only decode worker is killed (-9) while its
