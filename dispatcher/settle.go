@@ -617,8 +617,7 @@ func (s *settle) drop(ctx context.Context, why string) {
 // reports whether it did.
 func (s *settle) release(ctx context.Context, why string) bool {
 	// A second read of the blocks fails, and with NIXL v1 kills the decode
-	// engine: release only a handoff no engine can have read, or whose
-	// handler judged a second read harmless (both marked Unread).
+	// engine: release only a handoff no engine can have read.
 	if s.l.cfg.Release == nil || len(s.job.KV) == 0 || s.ran || s.kvSpent {
 		return false
 	}

@@ -41,9 +41,9 @@ type Failure struct {
 	// queue for another worker, as the same generation, with no delivery
 	// counted against it.
 	HandBack bool
-	// Unread means a decode engine never ran the request, or may have read
-	// its KV but a second read is harmless (params of NIXL v2): the KV is
-	// released when the request goes back to prefill.
+	// Unread means a decode engine never ran the request: a handoff's KV
+	// was not read, and is released when the request goes back to
+	// prefill.
 	Unread bool
 }
 

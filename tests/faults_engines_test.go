@@ -111,7 +111,12 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 		})
 		return outcomes(ts), measure(durations(ts))
 	}
+	b0 := faulty.Stats(t)
 	base, baseLat := load(string(stage) + "-base")
+	b1 := faulty.Stats(t)
+	// The blocks of one prompt, from the healthy load (one prompt for all).
+	blockSize := int64(sim.DefaultConfig().BlockSize)
+	promptBlocks := ((b1.PromptTokens-b0.PromptTokens)/max(b1.Prefills-b0.Prefills, 1) + blockSize - 1) / blockSize
 	for _, o := range base {
 		if !o.ok {
 			t.Fatalf("the healthy baseline failed: %+v", base)
@@ -155,10 +160,11 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 		if stage == dispatcher.StagePrefill && kind == sim.FaultDrop {
 			r.blocksHeld = idleAndHeld(t, 20*time.Second, prefills, decodes)
 			r.byLimit = true
-			// Exactly the blocks of the dropped prefills, and no other.
-			perPrompt := (s1.PromptTokens - s0.PromptTokens) / max(s1.Prefills-s0.Prefills, 1)
-			if want := injected * ((perPrompt + 15) / 16); r.blocksHeld != want {
-				t.Errorf("%d blocks held after %d dropped prefills of %d tokens: want %d, those of the dropped ones", r.blocksHeld, injected, perPrompt, want)
+			// Exactly the blocks of the prefills whose answer was dropped
+			// (a breaker's dropped probe holds none), and no other.
+			unread := (s1.Prefills - s0.Prefills) - (s1.KVServed - s0.KVServed)
+			if want := unread * promptBlocks; r.blocksHeld != want {
+				t.Errorf("%d blocks held after %d prefills left unread (%d faults): want %d, %d per prompt", r.blocksHeld, unread, injected, want, promptBlocks)
 			}
 			r.cost += fmt.Sprintf("; %d blocks to the lease", r.blocksHeld)
 		} else {

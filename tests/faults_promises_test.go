@@ -124,13 +124,14 @@ func decodeBlipRows(t *testing.T) []row {
 // prefill's KV, counted right after each row with leases of 60 s, so that
 // only a release can have freed the blocks.
 //
-// A decode answered 500 before any output, its only engine failing every
-// call: streamed, the engine never ran it (vLLM answers a stream's errors
-// in the stream once it has begun), so each generation's KV is unread,
-// and released as the request goes back to prefill. Not streamed, the
-// engine may have read the KV before it failed; the params name the
-// blocks by the prefill's remote_request_id (NIXL v2), so a second read
-// is harmless, and the KV is released all the same.
+// A streamed decode answered 500 before any output, its only engine
+// failing every call: the engine never ran it (vLLM answers a stream's
+// errors in the stream once it has begun), so each generation's KV is
+// unread, and released as the request goes back to prefill. The same not
+// streamed is the counter-case: such a 500 may come after the engine read
+// the blocks, and a second read could be of blocks freed and reused, so
+// the KV is left to the lease: exactly each generation's blocks stay
+// held, and no second read of them is tried.
 func kvReleaseRows(t *testing.T) []row {
 	c := startCluster(t, clusterOptions{prefillSim: []string{"--kv-lease", "60s"}, env: []string{"PDQ_MAX_GENERATIONS=2"}})
 	c.worker(dispatcher.StagePrefill, 2)
@@ -140,20 +141,33 @@ func kvReleaseRows(t *testing.T) []row {
 	for _, stream := range []bool{true, false} {
 		name, id := "decode engine 500 before output: KV released", "kv500"
 		if !stream {
-			name, id = "the same, not streamed", "kv500whole"
+			name, id = "the same, not streamed: KV left to the lease", "kv500whole"
 		}
-		p0 := c.prefill.Stats(t)
+		p0, d0 := c.prefill.Stats(t), c.decode.Stats(t)
 		setFault(t, c.decode, `{"rate":1,"kind":"500"}`)
 		outs := c.load(4, id, 0, pd(8, stream))
 		setFault(t, c.decode, `{"rate":0}`)
 		r := row{scenario: name}
 		tally(&r, outs)
-		held := c.prefill.Stats(t).BlocksHeld // right after the answers, before any lease ends
-		r.blocksHeld = c.settle(5 * time.Second)
 		p1 := c.prefill.Stats(t)
+		held := p1.BlocksHeld - p0.BlocksHeld // right after the answers, before any lease ends
 		r.cost = fmt.Sprintf("%d prefills, %d blocks held at the answers", p1.Prefills-p0.Prefills, held)
 		if r.errors != 4 || p1.HoldsExpired != p0.HoldsExpired {
-			t.Errorf("%s: %+v, prefill engine %+v: want 4 errors and no hold left to its lease", name, outs, p1)
+			t.Errorf("%s: %+v, prefill engine %+v: want 4 errors and no hold expired", name, outs, p1)
+		}
+		if stream {
+			r.blocksHeld = c.settle(5 * time.Second)
+			rows = append(rows, r)
+			continue
+		}
+		time.Sleep(2 * time.Second) // a release, were one made, would have run
+		p2, d2 := c.prefill.Stats(t), c.decode.Stats(t)
+		r.blocksHeld, r.byLimit = p2.BlocksHeld-p0.BlocksHeld, true
+		perPrompt := (p1.PromptTokens - p0.PromptTokens) / max(p1.Prefills-p0.Prefills, 1)
+		want := (p1.Prefills - p0.Prefills) * ((perPrompt + int64(sim.DefaultConfig().BlockSize) - 1) / int64(sim.DefaultConfig().BlockSize))
+		if r.blocksHeld != want || p2.KVServed != p0.KVServed || d2.KVReads+d2.KVReadFailures != d0.KVReads+d0.KVReadFailures {
+			t.Errorf("%s: %d blocks held, %d reads served; want %d held (each generation's), none read",
+				name, r.blocksHeld, p2.KVServed-p0.KVServed, want)
 		}
 		rows = append(rows, r)
 	}

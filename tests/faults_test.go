@@ -164,6 +164,8 @@ type outcome struct {
 	// whole nor an error.
 	cut  bool
 	tail string // the answer's last bytes, to say what went wrong
+	// retryAfter is the answer's Retry-After header.
+	retryAfter string
 }
 
 // load sends n requests at once and returns what each client got. Each
@@ -205,7 +207,7 @@ func (c *cluster) send(id string, giveUp time.Duration, b body) outcome {
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
-	o := outcome{status: resp.StatusCode, tail: string(raw[max(len(raw)-300, 0):])}
+	o := outcome{status: resp.StatusCode, tail: string(raw[max(len(raw)-300, 0):]), retryAfter: resp.Header.Get("Retry-After")}
 	if err != nil {
 		o.err, o.cut = err.Error(), resp.StatusCode == http.StatusOK && ctx.Err() == nil
 		return o

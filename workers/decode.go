@@ -3,7 +3,6 @@ package workers
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -14,7 +13,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
-	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -141,7 +139,7 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		case err == nil || len(job.KV) == 0:
 			return resp, err
 		case !errors.As(err, &refused) || !refused.surely(streamed):
-			if neverRan(err, streamed) || rereadable(err, job.KV) {
+			if neverRan(err, streamed) {
 				return nil, dispatcher.Unread(err)
 			}
 			return nil, err
@@ -171,24 +169,6 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		}
 		alive()
 	}
-}
-
-// rereadable reports whether a decode call answered with an engine error,
-// which may have come after the engine read the handoff's KV (a call
-// answered whole: see notRun.surely), may still have its KV released:
-// when the params name the blocks by the prefill's remote_request_id
-// (NIXL v2), a second read of blocks already freed only makes the
-// prefill engine log an unrecognized request. With NIXL v1 the decode
-// engine names them by its own request id, and such a read kills it.
-// A call cut off (no status) is left alone: the engine, seeing its client
-// go, frees the blocks itself if it had not read them.
-func rereadable(err error, params json.RawMessage) bool {
-	var fault *engineFault
-	if !errors.As(err, &fault) || fault.status < 500 {
-		return false
-	}
-	id, ok, perr := jsonobj.Get(params, keyRemoteRequestID)
-	return perr == nil && ok && len(id) > 2 && id[0] == '"'
 }
 
 // blipHandBacks bounds the hand-backs of a handoff whose decode engine

@@ -23,7 +23,6 @@ const (
 	keyRemoteHost          = "remote_host"
 	keyRemoteEngineID      = "remote_engine_id"
 	keyRemoteBlockIDs      = "remote_block_ids"
-	keyRemoteRequestID     = "remote_request_id"
 	keyDoRemotePrefill     = "do_remote_prefill"
 )
 
