@@ -63,7 +63,10 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 	if err := job.Validate(); err != nil {
 		return nil, err
 	}
-	now := time.Now()
+	now := job.Submitted
+	if now.IsZero() {
+		now = time.Now()
+	}
 	rec := &Record{
 		ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool,
 		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == StageDecode,

@@ -146,6 +146,7 @@ func (h *handlers) claimBatch(c echo.Context, endpoint openai.Endpoint, id strin
 	}
 	claim, err := h.submitter.Claim(c.Request().Context(), rec)
 	if err != nil {
+		h.unclaim(id, rec.Created, err)
 		return nil, h.submitFailed(c, err, log)
 	}
 	return &batchRecord{claim: claim, rec: rec}, nil
@@ -157,14 +158,16 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if trackOf(c).whole {
-		if _, err := h.records.TransitionFrom(ctx, b.claim, func(r *dispatcher.Record) error {
+		done := func(r *dispatcher.Record) error {
 			if r.Gateway != b.rec.Gateway || r.Generation != b.rec.Generation {
 				return dispatcher.ErrNoChange
 			}
 			r.State, r.Error = dispatcher.StateDone, nil
 			return nil
-		}); err != nil {
-			log.Warn("could not record the delivered answer", logging.Err(err))
+		}
+		if _, err := h.records.TransitionFrom(ctx, b.claim, done); err != nil {
+			log.Debug("could not record the delivered answer yet; kept until NATS answers", logging.Err(err))
+			h.ledger.keep(b.rec.ID, b.rec.Created, done)
 		}
 		return
 	}
@@ -172,9 +175,13 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 		b.end(dispatcher.StateCancelled, 499, "client went away")
 	}
 	b.end(dispatcher.StateFailed, http.StatusBadGateway, "the batch ended without an answer")
-	if err := h.records.End(ctx, b.rec.ID, b.rec.Generation, b.state, b.err); err != nil {
-		log.Warn("could not record the batch's end", logging.Err(err))
-	}
+	h.ledger.write(ctx, b.rec.ID, b.rec.Created, func(r *dispatcher.Record) error {
+		if r.Generation > b.rec.Generation || r.State.Ended() {
+			return dispatcher.ErrNoChange
+		}
+		r.State, r.Error = b.state, b.err
+		return nil
+	}, log)
 }
 
 // batchReply is a reply of one prompt's job.

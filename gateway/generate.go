@@ -10,9 +10,11 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
+	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -58,6 +60,10 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		}
 		if apiErr := checkLength(endpoint, in.req, pool.MaxModelLen); apiErr != nil {
 			return writeError(c, apiErr)
+		}
+		if !h.natsUp(c.Request().Context(), id) {
+			log.Debug("refused: NATS is out of reach")
+			return h.unavailable(c, "pdq cannot reach its queue (NATS); retry")
 		}
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, id, in, pool, log)
@@ -112,6 +118,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 	claim, err := h.submitter.Submit(c.Request().Context(), stage, job)
 	if err != nil {
 		replies.Close()
+		h.unclaim(id, job.Submitted, err)
 		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
 	replies.Start(job.Generation)
@@ -142,6 +149,50 @@ func (h *handlers) prefillDown(model string, pool dispatcher.PoolStatus) bool {
 	return down
 }
 
+// natsUp reports whether NATS is connected, waiting up to a second for a
+// reconnect in progress (a cluster node's loss moves the connection to
+// another in milliseconds). A record write for id that waited for NATS is
+// made first, so that a retry of a request the outage ended finds it ended.
+func (h *handlers) natsUp(ctx context.Context, id string) bool {
+	for wait := time.Second; !h.nc.IsConnected(); wait -= 25 * time.Millisecond {
+		if wait <= 0 || sleepCtx(ctx, 25*time.Millisecond) != nil {
+			return false
+		}
+	}
+	if h.ledger.has(id) {
+		h.ledger.flushOne(ctx, id)
+	}
+	return true
+}
+
+// sleepCtx sleeps for d, or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// unclaim ends the record of a claim whose submit failed, should it have
+// been stored (a write whose answer was lost): a record left queued would
+// make the id a 409 until its deadline. Refusals wrote nothing.
+func (h *handlers) unclaim(id string, created time.Time, err error) {
+	if errors.Is(err, dispatcher.ErrDuplicate) || errors.Is(err, dispatcher.ErrQueueFull) {
+		return
+	}
+	h.ledger.keep(id, created, func(r *dispatcher.Record) error {
+		if r.State.Ended() || r.Gateway != h.id {
+			return dispatcher.ErrNoChange
+		}
+		r.State, r.Error = dispatcher.StateFailed, &dispatcher.RecordError{Status: http.StatusServiceUnavailable, Message: "not queued: " + err.Error()}
+		return nil
+	})
+}
+
 func (h *handlers) unavailable(c echo.Context, format string, args ...any) error {
 	c.Response().Header().Set("Retry-After", "5")
 	return writeError(c, openai.NewError(http.StatusServiceUnavailable, format, args...))
@@ -162,9 +213,20 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) *op
 		c.Response().Header().Set("Retry-After", strconv.Itoa(int(wait.Seconds())))
 		return openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", int(wait.Seconds()))
 	}
-	log.Error("could not queue the request", logging.Err(err))
 	c.Response().Header().Set("Retry-After", "5")
+	if natsGone(err) {
+		log.Warn("could not queue the request: NATS is out of reach", logging.Err(err))
+		return openai.NewError(http.StatusServiceUnavailable, "pdq cannot reach its queue (NATS); retry")
+	}
+	log.Error("could not queue the request", logging.Err(err))
 	return openai.NewError(http.StatusServiceUnavailable, "could not queue the request")
+}
+
+// natsGone reports whether err says the NATS connection is down (the
+// gateway keeps no messages while it reconnects: see cmd/pdq).
+func natsGone(err error) bool {
+	return errors.Is(err, nats.ErrReconnectBufExceeded) || errors.Is(err, nats.ErrConnectionReconnecting) ||
+		errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrNoServers) || errors.Is(err, nats.ErrDisconnected)
 }
 
 // relay writes the workers' reply to the client: the JSON body, or the SSE
@@ -268,6 +330,11 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 		if !errors.Is(err, dispatcher.ErrReplyStalled) {
 			return r, err
 		}
+		if !h.nc.IsConnected() {
+			// No reply can come while NATS is out of reach, nor the record
+			// be read: the client gets its answer now, not at the deadline.
+			return r, errNATSDown
+		}
 		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		rec, _, gerr := h.records.Get(rctx, job.ID)
 		cancel()
@@ -294,6 +361,10 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 		replies.Rearm()
 	}
 }
+
+// errNATSDown fails a request whose reply went silent while NATS was out
+// of reach: a 503, for the client to retry.
+var errNATSDown = errors.New("pdq lost its connection to NATS during the request; retry it")
 
 // errDeadline is the cause of a relay stopped by the request's deadline.
 var errDeadline = errors.New("the request's deadline passed")
@@ -370,14 +441,16 @@ func (r *relays) ended() (time.Time, bool) {
 func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done dispatcher.Reply, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if _, err := h.records.TransitionFrom(ctx, claim, func(r *dispatcher.Record) error {
+	change := func(r *dispatcher.Record) error {
 		if r.Gateway != h.id {
 			return dispatcher.ErrNoChange
 		}
 		r.State, r.Error, r.Stages = dispatcher.StateDone, nil, done.Stages
 		return nil
-	}); err != nil {
-		log.Warn("could not record the delivered answer", logging.Err(err))
+	}
+	if _, err := h.records.TransitionFrom(ctx, claim, change); err != nil {
+		log.Debug("could not record the delivered answer yet; kept until NATS answers", logging.Err(err))
+		h.ledger.keep(job.ID, job.Submitted, change)
 	}
 }
 
@@ -394,6 +467,9 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 		status, state, err = http.StatusGatewayTimeout, dispatcher.StateExpired, errDeadline
 	case errors.Is(cause, errShutdown):
 		status, err = http.StatusServiceUnavailable, errShutdown
+	case errors.Is(err, errNATSDown):
+		status = http.StatusServiceUnavailable
+		c.Response().Header().Set("Retry-After", "5")
 	case errors.Is(err, dispatcher.ErrReplyStalled):
 		status, err = http.StatusGatewayTimeout, fmt.Errorf("%w for %v", err, h.cfg.StallTimeout)
 	}
@@ -463,20 +539,20 @@ func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	ours := false
-	if _, err := h.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
+	// Not knowing, stop the work: it is ours unless the record says not.
+	var theirs atomic.Bool
+	h.ledger.write(ctx, job.ID, job.Submitted, func(r *dispatcher.Record) error {
 		if r.State.Ended() || r.Gateway != h.id {
+			theirs.Store(true)
 			return dispatcher.ErrNoChange
 		}
-		ours = true
 		r.State, r.Error = state, &dispatcher.RecordError{Status: status, Message: why}
 		return nil
-	}); err != nil {
-		ours = true // not knowing, stop the work: it is ours unless proven otherwise
-		log.Warn("could not record the cancel", logging.Err(err))
-	}
-	if ours {
-		if err := dispatcher.Cancel(h.nc, job.ID, job.Origin); err != nil {
+	}, log)
+	if !theirs.Load() {
+		// Lost while NATS is out of reach: the record, written once it is
+		// back, stops the work at its next beat.
+		if err := dispatcher.Cancel(h.nc, job.ID, job.Origin); err != nil && !natsGone(err) {
 			log.Warn("could not publish the cancel", logging.Err(err))
 		}
 	}

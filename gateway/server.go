@@ -184,7 +184,14 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	// Bodies and the replies waiting for their clients share one budget.
 	budget := newByteBudget(s.cfg.MaxInflightBytes)
 	replies.SetBudget(budget)
-	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(),
+	// The ledger outlives the grace period: the last requests' ends are
+	// written after their relays stop.
+	ledgerCtx, stopLedger := context.WithCancel(context.Background())
+	ledgerDone := make(chan struct{})
+	led := newLedger(s.nc, records, s.log)
+	go func() { led.run(ledgerCtx); close(ledgerDone) }()
+	defer func() { stopLedger(); <-ledgerDone }()
+	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(), ledger: led,
 		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
 		budget:    budget,
 		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
@@ -228,10 +235,12 @@ type handlers struct {
 	*Server
 	// relays are the relays running, ended when the shutdown grace
 	// period runs out.
-	relays    *relays
-	registry  *dispatcher.Registry
-	replies   *dispatcher.Replies
-	records   *dispatcher.Records
+	relays   *relays
+	registry *dispatcher.Registry
+	replies  *dispatcher.Replies
+	records  *dispatcher.Records
+	// ledger keeps the record writes NATS did not take, until it does.
+	ledger    *ledger
 	submitter *dispatcher.Submitter
 	budget    *byteBudget
 	admission *dispatcher.Admission

@@ -108,13 +108,10 @@ func answered(tokens int) func(int) body {
 // natsStallTimeout is the gateway's PDQ_STALL_TIMEOUT in the NATS runs.
 const natsStallTimeout = 5 * time.Second
 
-// natsRestartScenario kills a standalone nats-server (file storage) with
-// -9 while streams run, and starts it again 3 s later on the same port and
-// store. Every stream must complete or end with an error (the gateway's
-// stall time-out is 5 s), /ready must say 503 while NATS is down and 200
-// after, and new requests must be served, also once every registry entry
-// from before the restart has aged past its liveness window.
-func natsRestartScenario(t *testing.T) row {
+// standaloneNATS starts a standalone nats-server (file storage) and pdq on
+// it: 4 prefill slots, 16 decode slots, a decode engine at 50 ms a token,
+// and the gateway's stall time-out at natsStallTimeout.
+func standaloneNATS(t *testing.T) (*natsServer, *cluster) {
 	dir := t.TempDir()
 	node := natsNode{name: "standalone", client: freeAddr(t)}
 	ns := startNATSServer(t, node, writeNATSConf(t, dir, node, nil, ""))
@@ -123,6 +120,17 @@ func natsRestartScenario(t *testing.T) row {
 	c.worker(dispatcher.StagePrefill, 4)
 	c.worker(dispatcher.StageDecode, 16)
 	c.ready()
+	return ns, c
+}
+
+// natsRestartScenario kills a standalone nats-server (file storage) with
+// -9 while streams run, and starts it again 3 s later on the same port and
+// store. Every stream must complete or end with an error (the gateway's
+// stall time-out is 5 s), /ready must say 503 while NATS is down and 200
+// after, and new requests must be served, also once every registry entry
+// from before the restart has aged past its liveness window.
+func natsRestartScenario(t *testing.T) row {
+	ns, c := standaloneNATS(t)
 
 	r := row{scenario: "kill -9 and restart of a standalone nats-server"}
 	base := c.timedLoad(4, "nrb", streamed(60))
@@ -169,6 +177,11 @@ func natsRestartScenario(t *testing.T) row {
 	}
 	<-done
 	<-downDone
+	for i, o := range whileDown {
+		if o.status != http.StatusServiceUnavailable || o.retryAfter == "" {
+			t.Errorf("nrd-%d, sent while NATS was down: %+v; want a 503 with Retry-After", i, o.outcome)
+		}
+	}
 	// Every stream ends, whole or with an error, within the stall
 	// time-out of NATS coming back (plus a stream's own time and a margin
 	// for a loaded machine): none hangs past it.

@@ -59,7 +59,7 @@ func service(name, summary string, args []string, stderr io.Writer) (config.Conf
 // now, and again after every reconnect (a restarted server may have lost
 // some) until ctx ends. Refused credentials or certificates end the
 // retries at once: they will not get better.
-func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logger) (*nats.Conn, jetstream.JetStream, error) {
+func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logger, extra ...nats.Option) (*nats.Conn, jetstream.JetStream, error) {
 	url := cfg.NATSURL
 	if url == "" {
 		return nil, nil, fmt.Errorf("%w: PDQ_NATS_URL is required for pdq %s", config.ErrInvalid, name)
@@ -82,7 +82,7 @@ func connect(ctx context.Context, cfg config.Config, name string, log *slog.Logg
 			log.Warn("disconnected from NATS; reconnecting", logging.Err(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("reconnected to NATS", "url", redactURLs(nc.ConnectedUrl())) }),
-	}, auth...)
+	}, append(auth, extra...)...)
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 200*time.Millisecond, 5*time.Second, 0
 	var nc *nats.Conn
@@ -169,7 +169,12 @@ func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return helpIsNoError(err)
 	}
-	nc, js, err := connect(ctx, cfg, "gateway", log)
+	// The gateway keeps nothing to send while it reconnects: a message
+	// sent then fails at once, so that its client is refused with a 503
+	// during an outage instead of waiting for it, and no claim or job the
+	// client has given up on is sent when NATS is back (a claim so stored
+	// kept its id a 409 until its deadline).
+	nc, js, err := connect(ctx, cfg, "gateway", log, nats.ReconnectBufSize(-1))
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,177 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// ledger keeps the record writes the gateway could not make while NATS was
+// out of reach (a request's end: done, failed, cancelled, expired) and makes
+// them once it is back. A record left queued would keep its id unusable
+// until its deadline, hide the failure from pdq requests --failed, and let
+// a job stored just before the outage run for a client who has its answer.
+//
+// A write applies only to the request the gateway ran: the record of its
+// claim (the same Created). A retry that has claimed the id since is left
+// alone.
+type ledger struct {
+	nc      *nats.Conn
+	records *dispatcher.Records
+	log     *slog.Logger
+
+	mu      sync.Mutex
+	pending map[string]pendingWrite
+	seq     uint64
+}
+
+// pendingWrite is a record write waiting for NATS.
+type pendingWrite struct {
+	created time.Time // the claim's: the request the write is for
+	change  func(*dispatcher.Record) error
+	seq     uint64 // which write for the request: the latest stands
+}
+
+// maxPending bounds the writes the ledger holds; past it a write is dropped
+// (its record ends at its deadline instead), with a warning.
+const maxPending = 100_000
+
+func newLedger(nc *nats.Conn, records *dispatcher.Records, log *slog.Logger) *ledger {
+	return &ledger{nc: nc, records: records, log: log, pending: make(map[string]pendingWrite)}
+}
+
+// write applies change to the record of id that a claim wrote at created,
+// now if NATS answers, or else once it is back. A change that returns
+// dispatcher.ErrNoChange leaves the record alone, as in a Transition.
+// It reports whether the write was made now.
+func (l *ledger) write(ctx context.Context, id string, created time.Time, change func(*dispatcher.Record) error, log *slog.Logger) bool {
+	w := pendingWrite{created: created, change: change}
+	if l.nc.IsConnected() {
+		err := l.apply(ctx, id, w)
+		if err == nil {
+			return true
+		}
+		log.Debug("could not write the request's record; keeping the write until NATS answers", logging.Err(err))
+	}
+	l.keep(id, created, change) // the latest write for a request stands
+	return false
+}
+
+// keep holds a write for later, without trying it now: its caller has just
+// tried it.
+func (l *ledger) keep(id string, created time.Time, change func(*dispatcher.Record) error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.pending[id]; !ok && len(l.pending) >= maxPending {
+		l.log.Warn("too many record writes wait for NATS: one is dropped, and its record ends at its deadline", logging.KeyRequestID, id)
+		return
+	}
+	l.seq++
+	l.pending[id] = pendingWrite{created: created, change: change, seq: l.seq}
+}
+
+// apply makes one write. A record gone from the bucket, or one another
+// request has claimed since, needs none.
+func (l *ledger) apply(ctx context.Context, id string, w pendingWrite) error {
+	_, err := l.records.Transition(ctx, id, func(r *dispatcher.Record) error {
+		if !r.Created.Equal(w.created) {
+			return dispatcher.ErrNoChange
+		}
+		return w.change(r)
+	})
+	if errors.Is(err, dispatcher.ErrNoRecord) {
+		return nil
+	}
+	return err
+}
+
+// has reports whether a write for id waits.
+func (l *ledger) has(id string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.pending[id]
+	return ok
+}
+
+// len is the number of writes waiting.
+func (l *ledger) len() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.pending)
+}
+
+// run makes the waiting writes every second while NATS is connected. It
+// makes a last try as ctx ends.
+func (l *ledger) run(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			fctx, cancel := context.WithTimeout(context.Background(), lastWords)
+			l.flush(fctx)
+			cancel()
+			if n := l.len(); n > 0 {
+				l.log.Warn("record writes still waited for NATS at shutdown: those records end at their deadline", "writes", n)
+			}
+			return
+		case <-t.C:
+		}
+		l.flush(ctx)
+	}
+}
+
+// flush tries every waiting write once, while NATS is connected.
+func (l *ledger) flush(ctx context.Context) {
+	l.mu.Lock()
+	ids := make([]string, 0, len(l.pending))
+	for id := range l.pending {
+		ids = append(ids, id)
+	}
+	l.mu.Unlock()
+	if len(ids) == 0 {
+		return
+	}
+	written := 0
+	for _, id := range ids {
+		if !l.nc.IsConnected() || ctx.Err() != nil {
+			break
+		}
+		if l.flushOne(ctx, id) {
+			written++
+		}
+	}
+	if written > 0 {
+		l.log.Info("wrote the records that waited for NATS", "writes", written, "still_waiting", l.len())
+	}
+}
+
+// flushOne makes the write waiting for id, and reports whether it did.
+func (l *ledger) flushOne(ctx context.Context, id string) bool {
+	l.mu.Lock()
+	w, ok := l.pending[id]
+	l.mu.Unlock()
+	if !ok {
+		return false
+	}
+	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	err := l.apply(wctx, id, w)
+	cancel()
+	if err != nil {
+		l.log.Debug("a record write still waits for NATS", logging.KeyRequestID, id, logging.Err(err))
+		return false
+	}
+	l.mu.Lock()
+	if cur, ok := l.pending[id]; ok && cur.seq == w.seq {
+		delete(l.pending, id)
+	}
+	l.mu.Unlock()
+	return true
+}
