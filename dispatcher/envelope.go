@@ -462,6 +462,10 @@ const (
 	// HeaderAttempt orders the attempts that write a request's reply: see
 	// [ReplyAttempt]. A reply from a later attempt starts over.
 	HeaderAttempt = "Pdq-Attempt"
+	// HeaderDelivery names one delivery of a job, in a running query: the
+	// delivery count cannot, since a restarted nats-server may deliver a
+	// job again as a first delivery.
+	HeaderDelivery = "Pdq-Delivery"
 	// HeaderStatus is the HTTP status of an error reply.
 	HeaderStatus = "Pdq-Status"
 	// HeaderStages carries the stage records on a done reply, as JSON, for

@@ -40,12 +40,17 @@ type settle struct {
 	// direct is set on a release asked of this worker directly (the
 	// release queue refused it): one that does not run is not queued.
 	direct bool
+	// delivery names this delivery, in running queries and as the reader
+	// of a handoff's KV claim (kvread.go); kvClaimed is set while it holds
+	// the claim.
+	delivery  string
+	kvClaimed bool
 }
 
 // settleOf settles a delivery of job, its attempt-th, logging with the
 // request's id, generation and attempt.
 func (l *StageLoop) settleOf(msg jetstream.Msg, job *Job, attempt int) *settle {
-	return &settle{l: l, msg: msg, job: job, attempt: attempt,
+	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: randomID(),
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 }
 
@@ -94,7 +99,16 @@ func (s *settle) admit(ctx context.Context) bool {
 		}
 		return false
 	}
-	if s.attempt > 1 && l.runningElsewhere(ctx, job, s.attempt) {
+	redelivered := s.attempt > 1
+	if handoff && !redelivered && !s.claimKV(ctx) {
+		// NATS delivered it as a first delivery, but an earlier one has
+		// claimed its KV: a restarted server forgot that delivery, or its
+		// ack came late. It may have read the KV.
+		l.cfg.Metrics.retry(l.cfg.Stage, "kv_claimed")
+		s.log.Info("handoff delivered again after an earlier delivery claimed its KV")
+		redelivered = true
+	}
+	if redelivered && l.runningElsewhere(ctx, job, s.attempt, s.delivery) {
 		// Redelivered while its first delivery still runs: that worker was
 		// cut off from NATS for longer than the ack wait, but its engine
 		// call went on. Running it twice would read a handoff's KV twice
@@ -112,7 +126,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		s.failForGood(ctx, e, fmt.Errorf("deliveries used up (%d)", s.attempt-1), true)
 		return false
 	}
-	if handoff && s.attempt > 1 {
+	if handoff && redelivered {
 		// An earlier delivery may have read the KV blocks, which a prefill
 		// engine serves once.
 		s.regenerate(ctx, "a redelivered handoff's KV may have been read", false)
@@ -187,7 +201,7 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 		return
 	}
 	if d.handoff != nil {
-		if err := s.storeHandoff(ctx, s.fitHandoff(d)); err != nil {
+		if err := s.storeHandoff(ctx, s.fitHandoff(d), d.handoff); err != nil {
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
 			status := http.StatusServiceUnavailable
 			if errors.Is(err, ErrQueueFull) {
@@ -258,10 +272,35 @@ func (s *settle) confirmAck(ctx context.Context) {
 }
 
 // storeHandoff publishes a prefill's result, retrying the publish (never
-// the prefill) with back-off for up to 10 s.
-func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg) error {
-	_, err := s.publishRetry(ctx, m, "handoff")
-	return err
+// the prefill) with back-off for up to 10 s. A duplicate may be this
+// handoff, a try whose answer was lost, or that of an earlier run of this
+// prefill (a restarted nats-server forgot its delivery, or its ack came
+// late): then this run's KV has no reader, and is released.
+func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg, h *Job) error {
+	seq, dup, err := s.publishRetry(ctx, m, "handoff")
+	if err != nil || !dup || len(h.KV) == 0 || s.storedIsThis(ctx, seq, h) {
+		return err
+	}
+	s.log.Info("the prefill ran again after its handoff was stored; releasing this run's KV")
+	s.queueRelease(ctx, h)
+	return nil
+}
+
+// storedIsThis reports whether the decode stream's message seq is the
+// handoff h, with h's params. A message already decoded and gone is taken
+// as another's: a release of KV a decode has read is not made (its claim
+// is taken, see kvread.go).
+func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *Job) bool {
+	st, err := s.l.js.Stream(ctx, StreamDecode)
+	if err != nil {
+		return false
+	}
+	raw, err := st.GetMsg(ctx, seq)
+	if err != nil {
+		return false
+	}
+	stored, err := ParseJob(raw.Header, raw.Data)
+	return err == nil && bytes.Equal(stored.KV, h.KV)
 }
 
 // fitHandoff is the message of the delivery's handoff, or, when that is
@@ -306,7 +345,8 @@ func (s *settle) queueRelease(ctx context.Context, h *Job) {
 	m.Subject = ReleaseSubject(h.Pool, h.ID)
 	// One release per generation; a release tried again (its call did
 	// not run) is a copy of its own, counted in its hand-backs.
-	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation) + "." + strconv.Itoa(h.HandBacks)}
+	// Keyed by the KV too: two runs of one prefill each have their own.
+	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation) + "." + strconv.Itoa(h.HandBacks) + "." + kvReadKey(h.KV)[:8]}
 	if h.HandBacks > 0 {
 		m.Header[headerNotBefore] = []string{strconv.FormatInt(time.Now().Add(releaseRetry).UnixMilli(), 10)}
 	}
@@ -336,21 +376,21 @@ const releaseNowWait = 40 * time.Second
 // publishRetry stores msg, retrying with back-off for up to 10 s, and
 // returns its stream sequence. A duplicate is an earlier try whose ack was
 // lost: stored.
-func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (uint64, error) {
+func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (seq uint64, dup bool, err error) {
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
-	var seq uint64
-	err := backoff.RetryNotify(func() error {
+	err = backoff.RetryNotify(func() error {
 		var err error
 		seq, err = publishSeq(ctx, s.l.js, msg)
 		if errors.Is(err, ErrDuplicate) {
+			dup = true
 			return nil
 		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
 		s.log.Warn(what+" publish failed; retrying", logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
 	})
-	return seq, err
+	return seq, dup, err
 }
 
 // keepResult writes a replay's answer into its record: the JSON response
@@ -450,9 +490,10 @@ func (s *settle) failed(ctx context.Context, err error) {
 // new message id, and acks this one: another worker takes it as if it were
 // new, with its KV (a handoff's) unread and its deliveries uncounted.
 func (s *settle) handBack(ctx context.Context, why error) {
+	s.unclaimKV(ctx) // unread: the next delivery claims it
 	next := *s.job
 	next.HandBacks++
-	if _, err := s.publishRetry(ctx, next.Msg(s.l.cfg.Stage), "hand-back"); err != nil {
+	if _, _, err := s.publishRetry(ctx, next.Msg(s.l.cfg.Stage), "hand-back"); err != nil {
 		s.log.Warn("could not hand the job back; retrying it later", logging.Err(err))
 		if nerr := s.msg.NakWithDelay(retryDelay(s.l.cfg.RetryBase, s.attempt)); nerr != nil {
 			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(nerr))
@@ -475,6 +516,7 @@ func (s *settle) unrun(ctx context.Context, why error) {
 		s.handBack(ctx, why)
 		return
 	}
+	s.unclaimKV(ctx)
 	if err := s.msg.Nak(); err != nil {
 		s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
 	}
@@ -521,7 +563,7 @@ func (s *settle) regenerate(ctx context.Context, why string, release bool) {
 func (s *settle) storeGeneration(ctx context.Context, next *Job, stage Stage, what string) (bool, error) {
 	l, job := s.l, s.job
 	next.RecordRevision = 0 // the record is written after the job
-	seq, err := s.publishRetry(ctx, next.Msg(stage), what)
+	seq, _, err := s.publishRetry(ctx, next.Msg(stage), what)
 	if err != nil {
 		return false, err
 	}
@@ -613,6 +655,38 @@ func (s *settle) drop(ctx context.Context, why string) {
 	s.term(why)
 }
 
+// claimKV claims this handoff's KV for this delivery, its one reader (see
+// kvread.go), and reports whether the delivery holds it. Not knowing
+// (NATS did not answer) counts as not holding it: a decode then goes back
+// to prefill and a release is not made, rather than read the KV twice.
+func (s *settle) claimKV(ctx context.Context) bool {
+	if s.kvClaimed || s.l.kvReads == nil || len(s.job.KV) == 0 {
+		return true // held, or nothing to claim
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	ok, err := s.l.kvReads.claim(cctx, s.job.KV, s.delivery)
+	if err != nil {
+		s.log.Warn("could not claim the handoff's KV; taking it as read", logging.Err(err))
+		return false
+	}
+	s.kvClaimed = ok
+	return ok
+}
+
+// unclaimKV gives back this delivery's claim of a KV it did not read.
+func (s *settle) unclaimKV(ctx context.Context) {
+	if !s.kvClaimed {
+		return
+	}
+	s.kvClaimed = false
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := s.l.kvReads.unclaim(cctx, s.job.KV, s.delivery); err != nil {
+		s.log.Warn("could not give back the handoff's KV claim: its next delivery sends it to prefill", logging.Err(err))
+	}
+}
+
 // release frees the prefill engine's KV blocks of this handoff, and
 // reports whether it did.
 func (s *settle) release(ctx context.Context, why string) bool {
@@ -627,6 +701,10 @@ func (s *settle) release(ctx context.Context, why string) bool {
 		// 30 s against the default 25 s), the blocks are presumably freed
 		// already, and a read of freed blocks fails the same way.
 		s.log.Debug("not releasing KV blocks that have presumably expired", "reason", why)
+		return false
+	}
+	if !s.claimKV(ctx) {
+		s.log.Debug("not releasing KV blocks another reader has claimed", "reason", why)
 		return false
 	}
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -646,6 +724,7 @@ func (s *settle) release(ctx context.Context, why string) bool {
 			// before it runs anything): the blocks are still held, and a
 			// decode worker tries again from the release queue.
 			s.log.Debug("the release call did not run; queued to try again", "reason", why, logging.Err(err))
+			s.unclaimKV(ctx)
 			next := *s.job
 			next.HandBacks++ // a new copy: its own message id
 			s.queueRelease(ctx, &next)

@@ -356,10 +356,12 @@ func (p Permit) release() {
 
 // StageLoop pulls jobs of one stage and pool and runs them.
 type StageLoop struct {
-	cfg      StageConfig
-	nc       *nats.Conn
-	js       jetstream.JetStream
-	records  *Records
+	cfg     StageConfig
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	records *Records
+	// kvReads claims handoffs' KV for one reader (decode stage only).
+	kvReads  *kvReads
 	liveness *Liveness
 	log      *slog.Logger
 
@@ -384,6 +386,7 @@ type runningJob struct {
 	generation int
 	origin     int
 	attempt    int
+	delivery   string // the settle's: which delivery this is
 	cancel     context.CancelCauseFunc
 }
 
@@ -498,6 +501,11 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	}
 	if l.records, err = OpenRecords(ctx, l.js); err != nil {
 		return err
+	}
+	if l.cfg.Stage == StageDecode {
+		if l.kvReads, err = openKVReads(ctx, l.js); err != nil {
+			return err
+		}
 	}
 	var gate *decodeGate
 	if l.cfg.Stage == StagePrefill {
@@ -674,7 +682,9 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		jctx, stop = context.WithDeadlineCause(jctx, job.Deadline, errExpired)
 		defer stop()
 	}
-	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, origin: job.Origin, attempt: attempt, cancel: cancel}
+	s := l.settleOf(msg, job, attempt)
+	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, origin: job.Origin, attempt: attempt,
+		delivery: s.delivery, cancel: cancel}
 	l.mu.Lock()
 	l.running[r] = struct{}{}
 	l.mu.Unlock()
@@ -684,7 +694,6 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		l.mu.Unlock()
 	}()
 
-	s := l.settleOf(msg, job, attempt)
 	// The engine slot is held before the checks, so that a handoff that
 	// waited for it is judged by its age after the wait, and a KV release
 	// on the way runs in it; it is given back as soon as the engine is
@@ -940,6 +949,7 @@ func (l *StageLoop) onRunning(msg *nats.Msg) {
 	id := msg.Subject[len(RunningSubject("")):]
 	gen, _ := strconv.Atoi(msg.Header.Get(HeaderGeneration))
 	asker, _ := strconv.Atoi(msg.Header.Get(HeaderAttempt))
+	delivery := msg.Header.Get(HeaderDelivery) // empty from a build before it
 	stage := Stage(msg.Header.Get(HeaderStage))
 	if stage != l.cfg.Stage {
 		return
@@ -947,7 +957,11 @@ func (l *StageLoop) onRunning(msg *nats.Msg) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for r := range l.running {
-		if r.id == id && r.generation == gen && r.attempt != asker {
+		other := r.attempt != asker
+		if delivery != "" {
+			other = r.delivery != delivery
+		}
+		if r.id == id && r.generation == gen && other {
 			_ = msg.Respond(nil) // a lost answer only costs a duplicate run
 			return
 		}
@@ -958,10 +972,11 @@ func (l *StageLoop) onRunning(msg *nats.Msg) {
 // job still runs. NATS redelivers a job whose worker could not signal
 // progress for the ack wait, as when the worker was cut off from NATS
 // while its engine call went on.
-func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int) bool {
+func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int, delivery string) bool {
 	m := nats.NewMsg(RunningSubject(job.ID))
 	m.Header[HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
 	m.Header[HeaderAttempt] = []string{strconv.Itoa(attempt)}
+	m.Header[HeaderDelivery] = []string{delivery}
 	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
 	wait := runningQueryWait
 	if l.reconnectedWithin(10 * time.Second) {

@@ -836,11 +836,15 @@ func TestHandoffGenerations(t *testing.T) {
 		name        string
 		age         time.Duration
 		crashes     int
+		claimed     bool // its KV claimed by a delivery NATS has forgotten
 		wantRelease int32
 	}{
-		{"older than the KV TTL", 10400 * time.Millisecond, 0, 1},
-		{"older than the lease", 30 * time.Second, 0, 0},
-		{"redelivered after a crash", 0, 1, 0},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1},
+		{"older than the lease", 30 * time.Second, 0, false, 0},
+		{"redelivered after a crash", 0, 1, false, 0},
+		// A restarted nats-server delivers it again as a first delivery.
+		{"delivered again as a first", 0, 0, true, 0},
+		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := PoolName(t.Name())
@@ -862,7 +866,7 @@ func TestHandoffGenerations(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			job.KV = []byte(`{"remote_block_ids":[1]}`)
+			job.KV = []byte(`{"remote_block_ids":[1],"remote_request_id":"` + id + `"}`)
 			job.Prefill = &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now().Add(-tc.age)}
 			if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
 				t.Fatal(err)
@@ -872,6 +876,15 @@ func TestHandoffGenerations(t *testing.T) {
 			for range tc.crashes {
 				if _, err := dcons.Next(jetstream.FetchMaxWait(5 * time.Second)); err != nil {
 					t.Fatal(err)
+				}
+			}
+			if tc.claimed {
+				reads, err := openKVReads(ctx, js)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if ok, err := reads.claim(ctx, job.KV, "forgotten"); !ok || err != nil {
+					t.Fatalf("claim: %v %v", ok, err)
 				}
 			}
 			loop, err := NewStageLoop(nc, js, cfg, logging.Discard())
@@ -899,6 +912,55 @@ func TestHandoffGenerations(t *testing.T) {
 			})
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
+			}
+		})
+	}
+}
+
+// TestPrefillRunAgainReleasesItsKV: a prefill that runs again after its
+// handoff was stored (a restarted nats-server forgot the first delivery,
+// or its ack came late) finds its handoff a duplicate of the first run's,
+// whose params name other blocks: its own KV has no reader, and goes to
+// the release queue. A duplicate of its own handoff (a try whose answer
+// was lost) releases nothing.
+func TestPrefillRunAgainReleasesItsKV(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name       string
+		firstKV    string
+		wantQueued bool
+	}{
+		{"an earlier run's handoff stored", `{"remote_request_id":"first"}`, true},
+		{"its own handoff stored", `{"remote_request_id":"second"}`, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+				d.HandOff([]byte(`{"remote_request_id":"second"}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+				return nil
+			}})
+			id := "again-" + strings.Fields(tc.name)[1]
+			first := &Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Generation: 1, Origin: 1,
+				KV: []byte(tc.firstKV), Deadline: time.Now().Add(time.Minute)}
+			if _, err := js.PublishMsg(ctx, first.Msg(StageDecode)); err != nil {
+				t.Fatal(err)
+			}
+			lt.submit(id)
+			waitFor(t, "the prefill job acked", func() bool { return lt.pending(StagePrefill) == 0 })
+			st, err := js.Stream(ctx, StreamRelease)
+			if err != nil {
+				t.Fatal(err)
+			}
+			m, err := st.GetLastMsgForSubject(ctx, ReleaseSubject(lt.pool, id))
+			queued := err == nil
+			if queued != tc.wantQueued {
+				t.Fatalf("release queued %v (%v), want %v", queued, err, tc.wantQueued)
+			}
+			if queued {
+				rel, err := ParseJob(m.Header, m.Data)
+				if err != nil || string(rel.KV) != `{"remote_request_id":"second"}` {
+					t.Errorf("release of %s (%v), want the second run's KV", rel.KV, err)
+				}
 			}
 		})
 	}
@@ -1198,21 +1260,30 @@ func TestRunningElsewhere(t *testing.T) {
 		t.Fatal("the job did not start")
 	}
 	other := startLoopOn(t, nc, js, "other-pool", StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
-	if !other.loop.runningElsewhere(ctx, job, 2) {
+	var self string // the running delivery's name
+	lt.loop.mu.Lock()
+	for r := range lt.loop.running {
+		self = r.delivery
+	}
+	lt.loop.mu.Unlock()
+	if !other.loop.runningElsewhere(ctx, job, 2, "another") {
 		t.Error("a second delivery was not told that the first still runs")
 	}
-	if lt.loop.runningElsewhere(ctx, job, 1) {
+	if !other.loop.runningElsewhere(ctx, job, 1, "another") {
+		t.Error("a delivery NATS counts as a first one (a restarted server forgot the first) was not told that the first still runs")
+	}
+	if lt.loop.runningElsewhere(ctx, job, 1, self) {
 		t.Error("a delivery was told that it runs elsewhere: itself")
 	}
 	next := *job
 	next.Generation++
-	if other.loop.runningElsewhere(ctx, &next, 1) {
+	if other.loop.runningElsewhere(ctx, &next, 1, "another") {
 		t.Error("another generation was taken for the one running")
 	}
 	close(release)
 	waitFor(t, "the job done", func() bool { return lt.pending(StagePrefill) == 0 })
 	// The ack comes a moment before the loop forgets the job.
-	waitFor(t, "the finished delivery no longer said to run", func() bool { return !other.loop.runningElsewhere(ctx, job, 2) })
+	waitFor(t, "the finished delivery no longer said to run", func() bool { return !other.loop.runningElsewhere(ctx, job, 2, "another") })
 }
 
 // TestQueues: the status of a pool's queues, with the age of its oldest

@@ -23,6 +23,7 @@ const (
 	StreamRelease  = "PDQ_RELEASE"
 	BucketWorkers  = "pdq_workers"
 	BucketRequests = "pdq_requests"
+	BucketKVReads  = "pdq_kv_reads"
 )
 
 // Subject prefixes. A job's subject is <prefix>.<pool>.<request id>.

@@ -110,7 +110,7 @@ func Ensure(ctx context.Context, js jetstream.JetStream, opts ...EnsureOption) e
 			return err
 		}
 	}
-	for _, cfg := range []jetstream.KeyValueConfig{workersBucketConfig(o.replicas), requestsBucketConfig(o.replicas)} {
+	for _, cfg := range []jetstream.KeyValueConfig{workersBucketConfig(o.replicas), requestsBucketConfig(o.replicas), kvReadsBucketConfig(o.replicas)} {
 		if err := ensureBucket(ctx, js, cfg, o.log); err != nil {
 			return err
 		}

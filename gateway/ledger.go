@@ -107,10 +107,12 @@ func (l *ledger) len() int {
 	return len(l.pending)
 }
 
-// run makes the waiting writes every second while NATS is connected. It
-// makes a last try as ctx ends.
+// run makes the waiting writes while NATS is connected, looking four times
+// a second: a request the outage ended must be recorded so before the
+// workers, reconnecting too, pull its jobs. It makes a last try as ctx
+// ends.
 func (l *ledger) run(ctx context.Context) {
-	t := time.NewTicker(time.Second)
+	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
 	for {
 		select {

@@ -611,6 +611,9 @@ func TestFaultSuite(t *testing.T) {
 	}
 	t.Run("kill -9 and restart of a standalone nats-server", func(t *testing.T) { check(t, natsRestartScenario(t)) })
 	t.Run("a NATS outage of 20 s", func(t *testing.T) { check(t, natsOutageScenario(t, 20*time.Second)) })
+	for _, down := range []time.Duration{3 * time.Second, 20 * time.Second} {
+		t.Run(fmt.Sprintf("NATS down %v under load", down), func(t *testing.T) { check(t, natsRestartUnderLoad(t, down)) })
+	}
 	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 	t.Run("kill -9 of a decode worker mid-stream", func(t *testing.T) { check(t, killedDecodeWorkerRow(t)) })
 	t.Run("the longest prompt", func(t *testing.T) { check(t, longPromptRow(t)) })

@@ -1,0 +1,99 @@
+package dispatcher
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// A prefill engine serves a request's KV blocks to one read: a second read
+// fails, or reads blocks since freed and reused. pdq tells a handoff's
+// first delivery from a redelivery, whose KV an earlier delivery may have
+// read, by the consumer's delivery count. A nats-server killed and
+// started again can forget a delivery and hand the job out again as a
+// first one (issue 24: handoffs decoded twice after a restart), and a
+// worker's ack sent into its reconnect buffer can reach the server after
+// the job went to another worker. So whoever reads a handoff's KV, its
+// decode or its release, first claims it in the pdq_kv_reads bucket, keyed
+// by the params (they name one prefill's blocks): the first claim wins,
+// and a delivery that finds the KV claimed by another takes it as read.
+//
+// It costs one write per decoded handoff. The bucket is file-stored, so
+// that it outlives the restart it guards against, and its entries expire
+// after kvReadsTTL, far past any handoff's KV TTL.
+
+const kvReadsTTL = 15 * time.Minute
+
+// kvReadsBucketConfig is pdq_kv_reads.
+func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{
+		Bucket:      BucketKVReads,
+		Description: "handoffs whose KV a decode or a release has claimed to read: one reader per prefill",
+		TTL:         kvReadsTTL,
+		Storage:     jetstream.FileStorage,
+		History:     1,
+		MaxBytes:    releaseMaxBytes,
+		Replicas:    max(replicas, 1),
+	}
+}
+
+// kvReads claims handoffs' KV for one reader each.
+type kvReads struct{ kv jetstream.KeyValue }
+
+func openKVReads(ctx context.Context, js jetstream.JetStream) (*kvReads, error) {
+	kv, err := js.KeyValue(ctx, BucketKVReads)
+	if err != nil {
+		return nil, fmt.Errorf("open bucket %s: %w", BucketKVReads, err)
+	}
+	return &kvReads{kv: kv}, nil
+}
+
+// kvReadKey is the key of the KV that params name.
+func kvReadKey(params json.RawMessage) string {
+	sum := sha256.Sum256(params)
+	return hex.EncodeToString(sum[:16])
+}
+
+// claim reports whether reader holds the KV that params name: it claimed
+// it now, or had before. False means another reader has.
+func (r *kvReads) claim(ctx context.Context, params json.RawMessage, reader string) (bool, error) {
+	key := kvReadKey(params)
+	_, err := r.kv.Create(ctx, key, []byte(reader))
+	if err == nil {
+		return true, nil
+	}
+	if !errors.Is(err, jetstream.ErrKeyExists) {
+		return false, fmt.Errorf("claim the handoff's KV: %w", err)
+	}
+	e, err := r.kv.Get(ctx, key)
+	if err != nil {
+		return false, fmt.Errorf("read the handoff's KV claim: %w", err)
+	}
+	return string(e.Value()) == reader, nil
+}
+
+// unclaim gives back reader's claim of a read that did not happen: the
+// handoff goes back to the queue, unread, for another reader.
+func (r *kvReads) unclaim(ctx context.Context, params json.RawMessage, reader string) error {
+	key := kvReadKey(params)
+	e, err := r.kv.Get(ctx, key)
+	if errors.Is(err, jetstream.ErrKeyNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read the handoff's KV claim: %w", err)
+	}
+	if string(e.Value()) != reader {
+		return nil
+	}
+	if err := r.kv.Delete(ctx, key, jetstream.LastRevision(e.Revision())); err != nil {
+		return fmt.Errorf("give back the handoff's KV claim: %w", err)
+	}
+	return nil
+}
