@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -21,8 +20,10 @@ import (
 // worker's ack sent into its reconnect buffer can reach the server after
 // the job went to another worker. So whoever reads a handoff's KV, its
 // decode or its release, first claims it in the pdq_kv_reads bucket, keyed
-// by the params (they name one prefill's blocks): the first claim wins,
-// and a delivery that finds the KV claimed by another takes it as read.
+// by the request, its generation and the params (which name one prefill's
+// blocks, but not always its request: NIXL v1 params carry no request id,
+// and an engine reuses freed block ids): the first claim wins, and a
+// delivery that finds the KV claimed by another takes it as read.
 //
 // It costs one write per decoded handoff. The bucket is file-stored, so
 // that it outlives the restart it guards against, and its entries expire
@@ -54,16 +55,18 @@ func openKVReads(ctx context.Context, js jetstream.JetStream) (*kvReads, error) 
 	return &kvReads{kv: kv}, nil
 }
 
-// kvReadKey is the key of the KV that params name.
-func kvReadKey(params json.RawMessage) string {
-	sum := sha256.Sum256(params)
-	return hex.EncodeToString(sum[:16])
+// kvReadKey is the key of the KV that a handoff of job names.
+func kvReadKey(job *Job) string {
+	h := sha256.New()
+	fmt.Fprintf(h, "%s\x00%d\x00", job.ID, job.Generation)
+	h.Write(job.KV)
+	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-// claim reports whether reader holds the KV that params name: it claimed
+// claim reports whether reader holds the KV of job's handoff: it claimed
 // it now, or had before. False means another reader has.
-func (r *kvReads) claim(ctx context.Context, params json.RawMessage, reader string) (bool, error) {
-	key := kvReadKey(params)
+func (r *kvReads) claim(ctx context.Context, job *Job, reader string) (bool, error) {
+	key := kvReadKey(job)
 	_, err := r.kv.Create(ctx, key, []byte(reader))
 	if err == nil {
 		return true, nil
@@ -80,8 +83,8 @@ func (r *kvReads) claim(ctx context.Context, params json.RawMessage, reader stri
 
 // unclaim gives back reader's claim of a read that did not happen: the
 // handoff goes back to the queue, unread, for another reader.
-func (r *kvReads) unclaim(ctx context.Context, params json.RawMessage, reader string) error {
-	key := kvReadKey(params)
+func (r *kvReads) unclaim(ctx context.Context, job *Job, reader string) error {
+	key := kvReadKey(job)
 	e, err := r.kv.Get(ctx, key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return nil

@@ -883,7 +883,7 @@ func TestHandoffGenerations(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if ok, err := reads.claim(ctx, job.KV, "forgotten"); !ok || err != nil {
+				if ok, err := reads.claim(ctx, job, "forgotten"); !ok || err != nil {
 					t.Fatalf("claim: %v %v", ok, err)
 				}
 			}
