@@ -119,18 +119,42 @@ func topologyOptions(replicas int, log *slog.Logger) []dispatcher.EnsureOption {
 }
 
 // ensure creates the streams and buckets that are missing, with replicas
-// copies; existing ones keep their settings (a difference is logged).
+// copies; existing ones keep their settings (a difference is logged). It
+// waits for JetStream as long as it takes, saying so: a cluster starting
+// with pdq has no meta leader for its first seconds, and a process that
+// gave up then would leave its pool a worker short. Only a setting the
+// server can never take ends the wait.
 func ensure(ctx context.Context, nc *nats.Conn, replicas int, log *slog.Logger) (jetstream.JetStream, error) {
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
-	ectx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if err := dispatcher.Ensure(ectx, js, topologyOptions(replicas, log)...); err != nil {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 250*time.Millisecond, 5*time.Second, 0
+	err = backoff.RetryNotify(func() error {
+		ectx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		err := dispatcher.Ensure(ectx, js, topologyOptions(replicas, log)...)
+		if neverTaken(err) {
+			return backoff.Permanent(fmt.Errorf("%w (PDQ_NATS_REPLICAS=%d needs a NATS cluster of as many servers)", err, replicas))
+		}
+		return err
+	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
+		log.Warn("waiting for JetStream to create or find pdq's streams and buckets (a cluster elects its leaders first)",
+			logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+	})
+	if err != nil {
 		return nil, err
 	}
 	return js, nil
+}
+
+// neverTaken reports whether err is a JetStream refusal that waiting does
+// not change: replicas on a server that is not in a cluster.
+func neverTaken(err error) bool {
+	const replicasNotSupported = 10074 // nats-server's JSStreamReplicasNotSupportedErr
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == replicasNotSupported
 }
 
 // drain flushes what the connection still holds and closes it.
