@@ -26,10 +26,13 @@ import (
 // delivery that finds the KV claimed by another takes it as read.
 //
 // It costs one write per decoded handoff. The bucket is file-stored, so
-// that it outlives the restart it guards against, and its entries expire
-// after kvReadsTTL, far past any handoff's KV TTL.
+// that it outlives the restart it guards against. A claim need only outlive
+// the handoff's KV: a handoff older than 1.1 times PDQ_KV_TTL is neither
+// decoded nor released. So entries expire after kvReadsTTL, past any sane
+// KV TTL (vLLM's lease is 30 s; its older abort timeout 480 s), and the
+// bucket holds what 3,000 handoffs a second leave in that time.
 
-const kvReadsTTL = 15 * time.Minute
+const kvReadsTTL = 10 * time.Minute
 
 // kvReadsBucketConfig is pdq_kv_reads.
 func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
@@ -39,7 +42,7 @@ func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
 		TTL:         kvReadsTTL,
 		Storage:     jetstream.FileStorage,
 		History:     1,
-		MaxBytes:    releaseMaxBytes,
+		MaxBytes:    stageMaxBytes,
 		Replicas:    max(replicas, 1),
 	}
 }
@@ -64,10 +67,19 @@ func kvReadKey(job *Job) string {
 }
 
 // claim reports whether reader holds the KV of job's handoff: it claimed
-// it now, or had before. False means another reader has.
+// it now, or had before. False means another reader has. A create that got
+// no answer (the bucket's leader being elected again in a cluster) is tried
+// again, up to ctx's end: one that was stored after all finds the key
+// holding this reader's name, and stands.
 func (r *kvReads) claim(ctx context.Context, job *Job, reader string) (bool, error) {
 	key := kvReadKey(job)
 	_, err := r.kv.Create(ctx, key, []byte(reader))
+	for noAnswer(err) && ctx.Err() == nil {
+		if sleepCtx(ctx, publishRetryWait) != nil {
+			break
+		}
+		_, err = r.kv.Create(ctx, key, []byte(reader))
+	}
 	if err == nil {
 		return true, nil
 	}

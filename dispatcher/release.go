@@ -92,7 +92,7 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 		_ = msg.Term() // nothing to release: a lost term redelivers it, to be dropped again
 		return
 	}
-	s := &settle{l: l, msg: msg, job: job, attempt: 1, engineHeld: l.cfg.EngineSlots != nil,
+	s := &settle{l: l, msg: msg, job: job, attempt: 1, delivery: randomID(), engineHeld: l.cfg.EngineSlots != nil,
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	// At most once: a release that ran twice would read freed blocks, which
 	// with NIXL v1 kills the decode engine; one that never ran only leaves
@@ -165,7 +165,7 @@ func (l *StageLoop) releaseNow(ctx context.Context, m *nats.Msg) {
 		_ = m.RespondMsg(reply) // the asker gives up on its own
 		return
 	}
-	s := &settle{l: l, job: job, attempt: 1, direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	s := &settle{l: l, job: job, attempt: 1, delivery: randomID(), direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	if !s.release(ctx, "its handoff and its release could not be stored") {
 		reply.Header[HeaderStatus] = []string{"500"}
 	}

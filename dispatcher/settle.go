@@ -201,7 +201,8 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 		return
 	}
 	if d.handoff != nil {
-		if err := s.storeHandoff(ctx, s.fitHandoff(d), d.handoff); err != nil {
+		m := s.fitHandoff(d) // may send it on decode-only, as d.handoff
+		if err := s.storeHandoff(ctx, m, d.handoff); err != nil {
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
 			status := http.StatusServiceUnavailable
 			if errors.Is(err, ErrQueueFull) {
@@ -289,15 +290,17 @@ func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg, h *Job) error {
 // storedIsThis reports whether the decode stream's message seq is the
 // handoff h, with h's params. A message already decoded and gone is taken
 // as another's: a release of KV a decode has read is not made (its claim
-// is taken, see kvread.go).
+// is taken, see kvread.go). Not knowing (NATS did not answer), it is taken
+// as this one: the KV is left to its lease rather than released under a
+// decode.
 func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *Job) bool {
 	st, err := s.l.js.Stream(ctx, StreamDecode)
 	if err != nil {
-		return false
+		return true
 	}
 	raw, err := st.GetMsg(ctx, seq)
 	if err != nil {
-		return false
+		return !errors.Is(err, jetstream.ErrMsgNotFound)
 	}
 	stored, err := ParseJob(raw.Header, raw.Data)
 	return err == nil && bytes.Equal(stored.KV, h.KV)
@@ -427,6 +430,9 @@ func (s *settle) interrupted(ctx context.Context, err error) {
 	case s.sent > 0:
 		e := openai.NewError(http.StatusBadGateway, "the %s worker shut down mid-answer", s.l.cfg.Stage)
 		s.failForGood(ctx, e, fmt.Errorf("interrupted by shutdown after output: %w", err), true)
+	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && !s.ran:
+		// Its engine never ran it (it waited for a busy engine, say).
+		s.unrun(ctx, fmt.Errorf("interrupted by shutdown before its engine ran it: %w", err))
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
 		s.regenerate(ctx, "interrupted by shutdown; its KV may have been read", false)
 	default:
@@ -663,10 +669,12 @@ func (s *settle) claimKV(ctx context.Context) bool {
 	if s.kvClaimed || s.l.kvReads == nil || len(s.job.KV) == 0 {
 		return true // held, or nothing to claim
 	}
-	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	// As long as a publish waits for a stream's new leader.
+	cctx, cancel := context.WithTimeout(ctx, publishFailover)
 	defer cancel()
 	ok, err := s.l.kvReads.claim(cctx, s.job, s.delivery)
 	if err != nil {
+		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "kv_claim_failed")
 		s.log.Warn("could not claim the handoff's KV; taking it as read", logging.Err(err))
 		return false
 	}

@@ -735,9 +735,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		return
 	case cause != nil: // the grace period ended during the checks
 		s.log.Warn("shutdown before the job ran; handing it back")
-		if err := msg.Nak(); err != nil {
-			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
-		}
+		s.unrun(sctx, errors.New("shutdown before the job ran")) // its KV unread, for the next delivery
 		return
 	}
 	start := time.Now()

@@ -151,16 +151,17 @@ func (h *handlers) prefillDown(model string, pool dispatcher.PoolStatus) bool {
 
 // natsUp reports whether NATS is connected, waiting up to a second for a
 // reconnect in progress (a cluster node's loss moves the connection to
-// another in milliseconds). A record write for id that waited for NATS is
-// made first, so that a retry of a request the outage ended finds it ended.
+// another in milliseconds). The record writes for id (and its batch's
+// prompts) that waited for NATS are made first, so that a retry of a
+// request the outage ended finds it ended.
 func (h *handlers) natsUp(ctx context.Context, id string) bool {
 	for wait := time.Second; !h.nc.IsConnected(); wait -= 25 * time.Millisecond {
 		if wait <= 0 || sleepCtx(ctx, 25*time.Millisecond) != nil {
 			return false
 		}
 	}
-	if h.ledger.has(id) {
-		h.ledger.flushOne(ctx, id)
+	if h.ledger.len() > 0 {
+		h.ledger.flushFor(ctx, id)
 	}
 	return true
 }

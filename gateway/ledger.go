@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -30,6 +32,7 @@ type ledger struct {
 	mu      sync.Mutex
 	pending map[string]pendingWrite
 	seq     uint64
+	stopped bool // run has ended: a write is made at once, or lost
 }
 
 // pendingWrite is a record write waiting for NATS.
@@ -69,6 +72,17 @@ func (l *ledger) write(ctx context.Context, id string, created time.Time, change
 func (l *ledger) keep(id string, created time.Time, change func(*dispatcher.Record) error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.stopped {
+		// A request that ended after the last flush, at shutdown: one try.
+		l.mu.Unlock()
+		defer l.mu.Lock()
+		ctx, cancel := context.WithTimeout(context.Background(), lastWords)
+		defer cancel()
+		if err := l.apply(ctx, id, pendingWrite{created: created, change: change}); err != nil {
+			l.log.Warn("could not write a request's end at shutdown: its record ends at its deadline", logging.KeyRequestID, id, logging.Err(err))
+		}
+		return
+	}
 	if _, ok := l.pending[id]; !ok && len(l.pending) >= maxPending {
 		l.log.Warn("too many record writes wait for NATS: one is dropped, and its record ends at its deadline", logging.KeyRequestID, id)
 		return
@@ -120,6 +134,9 @@ func (l *ledger) run(ctx context.Context) {
 			fctx, cancel := context.WithTimeout(context.Background(), lastWords)
 			l.flush(fctx)
 			cancel()
+			l.mu.Lock()
+			l.stopped = true
+			l.mu.Unlock()
 			if n := l.len(); n > 0 {
 				l.log.Warn("record writes still waited for NATS at shutdown: those records end at their deadline", "writes", n)
 			}
@@ -141,18 +158,60 @@ func (l *ledger) flush(ctx context.Context) {
 	if len(ids) == 0 {
 		return
 	}
-	written := 0
+	// A few at once: after a long outage thousands may wait, and workers
+	// pull the jobs of requests whose end is not written yet.
+	var written atomic.Int64
+	var wg sync.WaitGroup
+	work := make(chan string)
+	for range min(flushWorkers, len(ids)) {
+		wg.Go(func() {
+			for id := range work {
+				if l.flushOne(ctx, id) {
+					written.Add(1)
+				}
+			}
+		})
+	}
 	for _, id := range ids {
 		if !l.nc.IsConnected() || ctx.Err() != nil {
 			break
 		}
-		if l.flushOne(ctx, id) {
-			written++
+		work <- id
+	}
+	close(work)
+	wg.Wait()
+	if n := written.Load(); n > 0 {
+		l.log.Info("wrote the records that waited for NATS", "writes", n, "still_waiting", l.len())
+	}
+}
+
+// flushWorkers is how many waiting writes a flush makes at once.
+const flushWorkers = 8
+
+// flushFor makes the writes waiting for id, and for the prompts of a batch
+// under id (<id>-<i>), before a request under id is taken: a retry finds
+// its earlier request ended.
+func (l *ledger) flushFor(ctx context.Context, id string) {
+	l.mu.Lock()
+	var ids []string
+	for k := range l.pending {
+		if k == id || (strings.HasPrefix(k, id+"-") && isDigits(k[len(id)+1:])) {
+			ids = append(ids, k)
 		}
 	}
-	if written > 0 {
-		l.log.Info("wrote the records that waited for NATS", "writes", written, "still_waiting", l.len())
+	l.mu.Unlock()
+	for _, k := range ids {
+		l.flushOne(ctx, k)
 	}
+}
+
+func isDigits(s string) bool {
+	for _, r := range s {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return s != ""
 }
 
 // flushOne makes the write waiting for id, and reports whether it did.

@@ -131,17 +131,22 @@ func ensure(ctx context.Context, nc *nats.Conn, replicas int, log *slog.Logger) 
 	}
 	b := backoff.NewExponentialBackOff()
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 250*time.Millisecond, 5*time.Second, 0
+	start := time.Now()
 	err = backoff.RetryNotify(func() error {
 		ectx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		err := dispatcher.Ensure(ectx, js, topologyOptions(replicas, log)...)
-		if neverTaken(err) {
-			return backoff.Permanent(fmt.Errorf("%w (PDQ_NATS_REPLICAS=%d needs a NATS cluster of as many servers)", err, replicas))
+		if hint := neverTaken(err, replicas); hint != "" {
+			return backoff.Permanent(fmt.Errorf("%w (%s)", err, hint))
 		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {
-		log.Warn("waiting for JetStream to create or find pdq's streams and buckets (a cluster elects its leaders first)",
-			logging.Err(err), "retry_in", next.Round(time.Millisecond).String())
+		msg, level := "waiting for JetStream to create or find pdq's streams and buckets (a cluster elects its leaders first)", slog.LevelWarn
+		if time.Since(start) > time.Minute {
+			// Longer than any election: say what else it can be.
+			msg, level = "still waiting for JetStream: is it enabled on the server, for this account, with room for pdq's streams?", slog.LevelError
+		}
+		log.Log(ctx, level, msg, logging.Err(err), "waited_s", int(time.Since(start).Seconds()), "retry_in", next.Round(time.Millisecond).String())
 	})
 	if err != nil {
 		return nil, err
@@ -149,12 +154,25 @@ func ensure(ctx context.Context, nc *nats.Conn, replicas int, log *slog.Logger) 
 	return js, nil
 }
 
-// neverTaken reports whether err is a JetStream refusal that waiting does
-// not change: replicas on a server that is not in a cluster.
-func neverTaken(err error) bool {
-	const replicasNotSupported = 10074 // nats-server's JSStreamReplicasNotSupportedErr
+// neverTaken says what to fix when err is a JetStream refusal that waiting
+// does not change (empty when it is not one): replicas on a server outside
+// a cluster, or an account without JetStream, as the server says so.
+func neverTaken(err error, replicas int) string {
+	const (
+		replicasNotSupported = 10074 // nats-server's JSStreamReplicasNotSupportedErr
+		notEnabledForAccount = 10039 // JSNotEnabledForAccountErr
+	)
 	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.ErrorCode == replicasNotSupported
+	if !errors.As(err, &apiErr) {
+		return ""
+	}
+	switch apiErr.ErrorCode {
+	case replicasNotSupported:
+		return fmt.Sprintf("PDQ_NATS_REPLICAS=%d needs a NATS cluster of as many servers", replicas)
+	case notEnabledForAccount:
+		return "enable JetStream for the account pdq's NATS user belongs to"
+	}
+	return ""
 }
 
 // drain flushes what the connection still holds and closes it.
