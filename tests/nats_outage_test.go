@@ -61,16 +61,23 @@ func natsOutageScenario(t *testing.T, down time.Duration) row {
 	}
 	// Every record ends once NATS is back; a request refused at once may
 	// have none.
+	var ids []string
+	for i := range inFlight {
+		ids = append(ids, fmt.Sprintf("no-%d", i))
+	}
+	for i := range arriving {
+		ids = append(ids, fmt.Sprintf("nod-%d", i))
+	}
 	var unended []string
-	for _, g := range []struct {
-		prefix string
-		ts     []timed
-	}{{"no", inFlight}, {"nod", arriving}} {
-		for i := range g.ts {
-			id := fmt.Sprintf("%s-%d", g.prefix, i)
-			if st := c.state(id); st != "" && !st.Ended() {
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		unended = unended[:0]
+		for _, id := range ids {
+			if st := c.record(id).State; st != "" && !st.Ended() {
 				unended = append(unended, fmt.Sprintf("%s %s", id, st))
 			}
+		}
+		if len(unended) == 0 || time.Now().After(deadline) {
+			break
 		}
 	}
 	if len(unended) > 0 {
