@@ -294,19 +294,21 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 		// a handoff's params grow with the prompt, a continuation's text
 		// with the answer. The body is copied once, before them.
 		h[HeaderVersion] = versionParts
-		var list []string
+		parts := ""
 		data := make([]byte, 0, len(j.Body)+len(j.KV)+len(j.Sent))
 		data = append(data, j.Body...)
-		for _, p := range []struct {
-			name string
-			data []byte
-		}{{partKV, j.KV}, {partSent, j.Sent}} {
-			if len(p.data) > 0 {
-				list = append(list, p.name+"="+strconv.Itoa(len(p.data)))
-				data = append(data, p.data...)
-			}
+		if len(j.KV) > 0 {
+			parts = partKV + "=" + strconv.Itoa(len(j.KV))
+			data = append(data, j.KV...)
 		}
-		h[HeaderParts] = []string{strings.Join(list, ",")}
+		if len(j.Sent) > 0 {
+			if parts != "" {
+				parts += ","
+			}
+			parts += partSent + "=" + strconv.Itoa(len(j.Sent))
+			data = append(data, j.Sent...)
+		}
+		h[HeaderParts] = []string{parts}
 		m.Data = data
 	}
 	return m

@@ -61,7 +61,7 @@ type ReplyWriter struct {
 	// gone is called once when the gateway says it no longer holds the
 	// request; wanted, when a beat gets no answer, says whether the
 	// request still wants this writer's work (see Watch).
-	gone     func(superseded bool)
+	gone     func(cause error)
 	goneOnce sync.Once
 	wanted   func(context.Context) bool
 }
@@ -226,18 +226,24 @@ var newline = []byte{'\n'}
 // the gateway has ended it. The cancel broadcast is sent once, on core
 // NATS, and may be lost; a running decode beats every few seconds.
 //
-// gone's superseded says the request goes on under a later attempt (a
-// redelivery of the job, run elsewhere while this writer was cut off):
-// that attempt owns it. Otherwise it has ended at its gateway.
-func (w *ReplyWriter) Watch(gone func(superseded bool), wanted func(context.Context) bool) {
+// gone gets errSuperseded when the request goes on under a later attempt
+// (a redelivery of the job, run elsewhere while this writer was cut off):
+// that attempt owns it. Otherwise, errAbandoned: it has ended at its
+// gateway.
+func (w *ReplyWriter) Watch(gone func(cause error), wanted func(context.Context) bool) {
 	w.gone, w.wanted = gone, wanted
 }
 
-// isGone calls the gone hook once.
+// isGone calls the gone hook once, with errSuperseded or errAbandoned.
 func (w *ReplyWriter) isGone(superseded bool) {
-	if w.gone != nil {
-		w.goneOnce.Do(func() { w.gone(superseded) })
+	if w.gone == nil {
+		return
 	}
+	cause := errAbandoned
+	if superseded {
+		cause = errSuperseded
+	}
+	w.goneOnce.Do(func() { w.gone(cause) })
 }
 
 // Beats sends a heartbeat every interval until stopped, so that the
@@ -653,7 +659,6 @@ func (q *replyQueue) close() {
 	defer q.mu.Unlock()
 	q.closed = true
 	q.giveBack(q.bytes)
-	clear(q.msgs)
 	q.msgs, q.head = nil, 0
 }
 

@@ -222,15 +222,7 @@ func (d *Delivery) Replies() *ReplyWriter {
 	if d.replies == nil {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
 		if d.loop.cfg.Stage == StageDecode && d.ctx != nil {
-			if d.stop != nil {
-				d.replies.Watch(func(superseded bool) {
-					if superseded {
-						d.stop(errSuperseded)
-					} else {
-						d.stop(errAbandoned)
-					}
-				}, d.loop.wanted(d.Job))
-			}
+			d.replies.Watch(d.stop, d.loop.wanted(d.Job))
 			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
 		}
 	}
@@ -770,7 +762,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	// A beat's answer stops a decode only if the handler ended by it: one
 	// that came as the handler ended the reply itself (a beat racing its
 	// end) leaves the handler's own outcome to settle.
-	cutOff := err != nil && errors.Is(err, context.Canceled)
+	cutOff := errors.Is(err, context.Canceled)
 	switch {
 	case err == nil && d.handoff != nil && (stoppedBy || expired):
 		// The prefill's answer came after its client had gone, or its

@@ -130,8 +130,7 @@ func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, 
 // in the stream once it has begun), and is marked so, for its KV to be
 // released.
 func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]byte, streamed bool, alive func()) (*http.Response, error) {
-	b := backoff.NewExponentialBackOff()
-	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 100*time.Millisecond, time.Second, 0
+	var b *backoff.ExponentialBackOff // made only for an engine that refuses
 	for waited := 0; ; waited++ {
 		resp, err := w.call(ctx, job, body...)
 		var refused *notRun
@@ -145,6 +144,10 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 			return nil, err
 		case refused.status != http.StatusTooManyRequests && job.HandBacks < blipHandBacks && w.healthyPeer(job.Model, w.engine.URL()):
 			return nil, dispatcher.Unread(dispatcher.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
+		}
+		if b == nil {
+			b = backoff.NewExponentialBackOff()
+			b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 100*time.Millisecond, time.Second, 0
 		}
 		wait := max(b.NextBackOff(), refused.retryAfter)
 		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.cfg.KVTTL)) < wait {

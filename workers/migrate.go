@@ -28,8 +28,9 @@ import (
 // how vLLM streams (an estimate: speculative decoding or text held back at
 // a stop string puts several tokens in a chunk); with continuous usage
 // stats the engine's own count replaces it. The chunks are kept as they
-// came and read only if a migration needs them: the streaming path, which
-// runs once per token, parses nothing.
+// came and read only if a migration needs them, or once they pass
+// maxTranscriptRaw: the streaming path, which runs once per token, parses
+// nothing but a long stream's chunks every 256 KiB.
 type transcript struct {
 	raw      [][]byte // relayed, not read yet
 	rawBytes int      // their size
@@ -89,7 +90,8 @@ func (t *transcript) read() {
 	for _, data := range t.raw {
 		t.readChunk(data)
 	}
-	t.raw, t.rawBytes = nil, 0
+	clear(t.raw) // the slice is kept for the next chunks, not what it held
+	t.raw, t.rawBytes = t.raw[:0], 0
 }
 
 func (t *transcript) readChunk(data []byte) {
