@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -477,8 +478,10 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		t.Run("a writer whose beats get no answer asks the record", func(t *testing.T) {
 			for _, wanted := range []bool{true, false} {
 				w := newWriter(nc, ReplySubject("no-gateway", p+"doubt"), 1)
-				if gone, _ := watch(t, w, func(context.Context) bool { return wanted }, 300*time.Millisecond); gone == wanted {
-					t.Errorf("record wants the work: %v; the writer was told it is gone: %v", wanted, gone)
+				var asked atomic.Int32
+				gone, _ := watch(t, w, func(context.Context) bool { asked.Add(1); return wanted }, 300*time.Millisecond)
+				if gone == wanted || asked.Load() == 0 {
+					t.Errorf("record wants the work: %v, asked %d times; the writer was told it is gone: %v", wanted, asked.Load(), gone)
 				}
 			}
 		})

@@ -147,6 +147,25 @@ func (lt *loopTest) pending(stage Stage) uint64 {
 	return n
 }
 
+// handoff reads id's last message on the decode stage, and the job it
+// holds.
+func (lt *loopTest) handoff(id string) (*jetstream.RawStreamMsg, *Job) {
+	lt.t.Helper()
+	st, err := lt.js.Stream(context.Background(), StreamDecode)
+	if err != nil {
+		lt.t.Fatal(err)
+	}
+	m, err := st.GetLastMsgForSubject(context.Background(), JobSubject(StageDecode, lt.pool, id))
+	if err != nil {
+		lt.t.Fatal(err)
+	}
+	job, err := ParseJob(m.Header, m.Data)
+	if err != nil {
+		lt.t.Fatalf("the decode job of %s: %v", id, err)
+	}
+	return m, job
+}
+
 func (lt *loopTest) deadLetter(id string) *jetstream.RawStreamMsg {
 	lt.t.Helper()
 	st, err := lt.js.Stream(context.Background(), StreamDLQ)
@@ -158,6 +177,19 @@ func (lt *loopTest) deadLetter(id string) *jetstream.RawStreamMsg {
 		return nil
 	}
 	return m
+}
+
+// recv receives from ch, failing the test after 10 s: a regression
+// fails, rather than hangs until the package's time-out.
+func recv[T any](t *testing.T, what string, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s: not within 10s", what)
+		panic("unreachable")
+	}
 }
 
 func waitFor(t *testing.T, what string, cond func() bool) {
@@ -196,15 +228,10 @@ func TestStageLoop(t *testing.T) {
 		if len(attempts) != 3 || attempts[2] != 3 {
 			t.Errorf("attempts = %v, want [1 2 3]", attempts)
 		}
-		st, _ := js.Stream(ctx, StreamDecode)
-		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "job-1"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		h, err := ParseJob(m.Header, m.Data)
-		if err != nil || string(h.Body) != `{}` || string(h.KV) != `{"remote_block_ids":[[1]]}` ||
+		m, h := lt.handoff("job-1")
+		if string(h.Body) != `{}` || string(h.KV) != `{"remote_block_ids":[[1]]}` ||
 			m.Header.Get(jetstream.MsgIDHeader) != "job-1/d1" || m.Header.Get(HeaderGeneration) != "1" {
-			t.Errorf("handoff %s %v: %v", m.Data, m.Header, err)
+			t.Errorf("handoff %s %v", m.Data, m.Header)
 		}
 	})
 
@@ -306,7 +333,7 @@ func TestStageLoop(t *testing.T) {
 			return ctx.Err()
 		}})
 		lt.submit("job-5")
-		<-started
+		recv(t, "the handler started", started)
 		if err := nc.Publish(CancelSubject("job-5"), nil); err != nil {
 			t.Fatal(err)
 		}
@@ -343,7 +370,7 @@ func TestStageLoop(t *testing.T) {
 			}
 		}
 		lt.submit("job-gen") // claimed at generation 1
-		<-started
+		recv(t, "the handler started", started)
 		// A late cancel of another request under the same id (one claimed
 		// at generation 2, from the worker's point of view a retry that
 		// runs later, or an earlier one): not this request's business.
@@ -364,7 +391,7 @@ func TestStageLoop(t *testing.T) {
 		if _, err := js.PublishMsg(ctx, job.Msg(StagePrefill)); err != nil {
 			t.Fatal(err)
 		}
-		<-started
+		recv(t, "the handler started", started)
 		cancelStops("job-gen2", 1, "its request (a second generation of it)")
 	})
 
@@ -393,11 +420,11 @@ func TestStageLoop(t *testing.T) {
 				chunks <- string(r.Data)
 			}
 		}()
-		<-running
+		recv(t, "the handler running", running)
 		// The later attempt's chunk: the stream follows it.
 		later := NewReplyWriter(nc, lt.replies.Subject("job-superseded"), ReplyAttempt(1, 2))
 		later.Chunk([]byte("again"))
-		if c := <-chunks; c != "again" {
+		if c := recv(t, "the later attempt's chunk", chunks); c != "again" {
 			t.Fatalf("chunk %q, want the later attempt's", c)
 		}
 		select {
@@ -408,7 +435,11 @@ func TestStageLoop(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("the superseded attempt still runs")
 		}
-		time.Sleep(200 * time.Millisecond) // its settle
+		waitFor(t, "its settle", func() bool {
+			lt.loop.mu.Lock()
+			defer lt.loop.mu.Unlock()
+			return len(lt.loop.running) == 0
+		})
 		if r := lt.record("job-superseded"); r.State != StateQueued {
 			t.Errorf("record %+v: the superseded attempt ended the live request", r)
 		}
@@ -449,7 +480,8 @@ func TestStageLoop(t *testing.T) {
 			return ctx.Err()
 		}})
 		// A replay's job: no reply subject, so no gateway gives up on it.
-		deadline := time.UnixMilli(time.Now().Add(500 * time.Millisecond).UnixMilli()) // as the job carries it
+		// Long enough to be pulled and run on a loaded machine first.
+		deadline := time.UnixMilli(time.Now().Add(2 * time.Second).UnixMilli()) // as the job carries it
 		lt.submitJob(&Job{ID: "job-deadline", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: deadline})
 		waitFor(t, "the job dropped", func() bool { return lt.pending(StagePrefill) == 0 })
 		at, _ := stopped.Load().(time.Time)
@@ -473,7 +505,7 @@ func TestStageLoop(t *testing.T) {
 			}
 		}})
 		lt.submit("job-6")
-		<-started
+		recv(t, "the handler started", started)
 		lt.stop()
 		// The ack is a plain one, sent as the loop stops: the server takes
 		// it a moment later. A job not acked stays (its ack wait is 30 s).
@@ -650,14 +682,9 @@ func TestLifecycle(t *testing.T) {
 		}})
 		lt.submit("big-kv-1")
 		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
-		st, _ := js.Stream(ctx, StreamDecode)
-		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "big-kv-1"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		job, err := ParseJob(m.Header, m.Data)
-		if err != nil || string(job.KV) != kv.String() || string(job.Body) != `{}` {
-			t.Fatalf("handoff read back with %d bytes of params and body %.40s: %v", len(job.KV), job.Body, err)
+		m, job := lt.handoff("big-kv-1")
+		if string(job.KV) != kv.String() || string(job.Body) != `{}` {
+			t.Fatalf("handoff read back with %d bytes of params and body %.40s", len(job.KV), job.Body)
 		}
 		hdr := 0
 		for k, vs := range m.Header {
@@ -679,28 +706,19 @@ func TestLifecycle(t *testing.T) {
 			d.HandOff(kv, StageRecord{Stage: StagePrefill, Started: time.Now()})
 			return nil
 		}})
-		records, _ := OpenRecords(ctx, js)
 		s, err := lt.replies.Open("huge-1")
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		job := &Job{ID: "huge-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
-			ReplyTo: lt.replies.Subject("huge-1"), Deadline: time.Now().Add(time.Minute)}
-		if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
-			t.Fatal(err)
-		}
+		lt.submitJob(&Job{ID: "huge-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
+			ReplyTo: lt.replies.Subject("huge-1"), Deadline: time.Now().Add(time.Minute)})
 		waitFor(t, "the decode job", func() bool { return lt.pending(StageDecode) == 1 })
 		waitFor(t, "the prefill acked", func() bool { return lt.pending(StagePrefill) == 0 })
-		st, _ := js.Stream(ctx, StreamDecode)
-		m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, lt.pool, "huge-1"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		got, err := ParseJob(m.Header, m.Data)
-		if err != nil || len(got.KV) != 0 || got.Prefill != nil || len(got.Body) != len(body) {
-			t.Errorf("decode job with %d bytes of params, prefill %v, %d bytes of body (%v); want the body alone, decode-only",
-				len(got.KV), got.Prefill, len(got.Body), err)
+		_, got := lt.handoff("huge-1")
+		if len(got.KV) != 0 || got.Prefill != nil || len(got.Body) != len(body) {
+			t.Errorf("decode job with %d bytes of params, prefill %v, %d bytes of body; want the body alone, decode-only",
+				len(got.KV), got.Prefill, len(got.Body))
 		}
 		if r := lt.record("huge-1"); r.State.Ended() {
 			t.Errorf("record %+v: the request ended instead of going decode-only", r)
@@ -903,8 +921,9 @@ func TestHandoffGenerations(t *testing.T) {
 				m, err = st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, id))
 				return err == nil && m.Header.Get(HeaderGeneration) != "1"
 			})
-			if m.Header.Get(HeaderGeneration) != "2" || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || m.Header.Get(HeaderParts) != "" {
-				t.Errorf("prefill job headers %v, want generation 2 without KV params", m.Header)
+			next, err := ParseJob(m.Header, m.Data)
+			if err != nil || next.Generation != 2 || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || len(next.KV) != 0 {
+				t.Errorf("prefill job headers %v, KV %s (%v): want generation 2 without KV params", m.Header, next.KV, err)
 			}
 			waitFor(t, "the record in generation 2", func() bool {
 				r, _, _ := records.Get(ctx, id)

@@ -210,8 +210,13 @@ func TestClientLeavesWhileDecodeWaits(t *testing.T) {
 	cfg.KVLease = time.Minute
 	p := startPipeline(t, pipelineOptions{sim: cfg})
 	setFault(t, p.decode[0], `{"rate":1,"kind":"503"}`)
-	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	go func() {
+		// The client leaves once its decode has met the engine's 503.
+		p.decode[0].Poll(10*time.Second, func(s sim.Stats) bool { return s.Faults >= 1 })
+		cancel()
+	}()
 	if _, err := send(ctx, p.completions(), "leave-waiting", completionBody(model, longPrompt, body{"max_tokens": 8, "stream": true})); err == nil {
 		t.Fatal("the request was answered while its decode engine answered 503")
 	}

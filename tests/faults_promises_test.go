@@ -37,8 +37,9 @@ func lostCancelRow(t *testing.T) row {
 	})
 	r := row{scenario: "lost cancels: clients leave mid-stream"}
 	tally(&r, outs)
-	// The decodes stop within a beat (400 ms here) of their client's
-	// leaving; a decode that went on to its end was for nobody.
+	// The decodes stop at their next beat (every 400 ms here) after their
+	// client leaves; the row waits up to 5 s for them, and counts by the
+	// engine's aborts that none went on to its end, for nobody.
 	d1 := c.decode.WaitStats(t, 5*time.Second, "the decodes stopped", func(s sim.Stats) bool { return s.Running == 0 })
 	r.cancelledCalls = d1.Decodes - d0.Decodes
 	r.blocksHeld = c.settle(10 * time.Second)
@@ -225,9 +226,7 @@ func longPromptRow(t *testing.T) row {
 	c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()
-	const head, tail = `{"model":"` + model + `","max_tokens":4,"ignore_eos":true,"prompt":"`, `"}`
-	words := strings.Repeat("lorem ipsum dolor sit amet ", gateway.DefaultMaxBodyBytes/27+1)
-	b := head + words[:gateway.DefaultMaxBodyBytes-len(head)-len(tail)] + tail
+	b := sizedBody(gateway.DefaultMaxBodyBytes, 4)
 	d0 := c.decode.Stats(t)
 	start := time.Now()
 	r := row{scenario: "P/D prompt of the largest body (7 MiB, 1.36M tokens)"}

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -14,6 +15,16 @@ import (
 // 1.2 million tokens: the handoff's kv_transfer_params (some 80,000 block
 // ids, half a megabyte) must reach the decode engine, which reads the KV
 // instead of computing the prompt again. A byte more is a 413.
+// sizedBody is a completions body of exactly size bytes, its prompt
+// words, asking for maxTokens: the largest prompt pdq takes is
+// sizedBody(gateway.DefaultMaxBodyBytes, n).
+func sizedBody(size, maxTokens int) string {
+	head := `{"model":"` + model + `","max_tokens":` + strconv.Itoa(maxTokens) + `,"ignore_eos":true,"prompt":"`
+	const tail = `"}`
+	words := strings.Repeat("lorem ipsum dolor sit amet ", size/27+1)
+	return head + words[:size-len(head)-len(tail)] + tail
+}
+
 func TestLongestPromptThroughUp(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs pdq up and two engines as processes")
@@ -26,13 +37,8 @@ func TestLongestPromptThroughUp(t *testing.T) {
 	url := "http://" + up.waitLog(t, "gateway listening")["addr"].(string)
 	waitServing(t, url)
 
-	body := func(size int) string {
-		const head, tail = `{"model":"` + model + `","max_tokens":2,"ignore_eos":true,"prompt":"`, `"}`
-		words := strings.Repeat("lorem ipsum dolor sit amet ", size/27+1)
-		return head + words[:size-len(head)-len(tail)] + tail
-	}
 	before := decode.Stats(t)
-	r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, body(gateway.DefaultMaxBodyBytes))
+	r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, sizedBody(gateway.DefaultMaxBodyBytes, 2))
 	res, _ := parseResponse(t, r)
 	if res.usage.CompletionTokens != 2 || res.usage.PromptTokens < 1_000_000 {
 		t.Errorf("usage %+v: want 2 tokens for a prompt of over a million", res.usage)
@@ -45,7 +51,7 @@ func TestLongestPromptThroughUp(t *testing.T) {
 		t.Errorf("prefill engine %+v: the blocks read are still held: %v", s, err)
 	}
 
-	if r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, body(gateway.DefaultMaxBodyBytes+1)); r.status != http.StatusRequestEntityTooLarge {
+	if r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, sizedBody(gateway.DefaultMaxBodyBytes+1, 2)); r.status != http.StatusRequestEntityTooLarge {
 		t.Errorf("a body a byte over the limit: %d %s, want 413", r.status, r.body)
 	}
 }

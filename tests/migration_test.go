@@ -11,19 +11,26 @@ import (
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
+// droppingCluster is a cluster whose decode engine drops every stream
+// halfway, with one migration allowed. The breaker would open on these
+// failures and probe the engine with requests of its own, which the tests
+// count: it is not their subject.
+func droppingCluster(t *testing.T) *cluster {
+	c := startCluster(t, clusterOptions{env: []string{"PDQ_MIGRATION_LIMIT=1", "PDQ_BREAKER_FAILURES=100"}})
+	c.worker(dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 2)
+	c.ready()
+	setFault(t, c.decode, `{"rate":1,"kind":"drop"}`)
+	return c
+}
+
 // TestMigrationBounds drops every decode stream halfway: a request that
 // cannot be continued from its text (echo) ends with an in-stream error at
 // once, and one that can moves once (PDQ_MIGRATION_LIMIT=1), to the same
 // dropping engine here, and then ends with an in-stream error, its text
 // grown by what the continuation said first.
 func TestMigrationBounds(t *testing.T) {
-	// The breaker would open on these failures and probe the engine with
-	// requests of its own, which this test counts: it is not the subject.
-	c := startCluster(t, clusterOptions{env: []string{"PDQ_MIGRATION_LIMIT=1", "PDQ_BREAKER_FAILURES=100"}})
-	c.worker(dispatcher.StagePrefill, 2)
-	c.worker(dispatcher.StageDecode, 2)
-	c.ready()
-	setFault(t, c.decode, `{"rate":1,"kind":"drop"}`)
+	c := droppingCluster(t)
 	for _, tc := range []struct {
 		name         string
 		extra        body
@@ -111,15 +118,11 @@ func TestMigrationAvoidsBrokenEngine(t *testing.T) {
 // record's answer is the whole answer, all its tokens counted against the
 // client's own prompt.
 func TestReplayOfAContinuation(t *testing.T) {
-	c := startCluster(t, clusterOptions{env: []string{"PDQ_MIGRATION_LIMIT=1", "PDQ_BREAKER_FAILURES=100"}})
-	c.worker(dispatcher.StagePrefill, 2)
-	c.worker(dispatcher.StageDecode, 2)
-	c.ready()
-	setFault(t, c.decode, `{"rate":1,"kind":"drop"}`)
+	c := droppingCluster(t)
 	const tokens = 16
 	s := postStream(t, c.url+"/v1/completions", "mig-replay", completionBody(model, longPrompt,
 		body{"max_tokens": tokens, "ignore_eos": true, "stream": true, "stream_options": body{"include_usage": true}}))
-	if s.status != 200 || len(s.events) == 0 || !strings.Contains(string(s.events[len(s.events)-1]), `"error"`) {
+	if s.status != 200 || lcInStreamError(s) == nil {
 		t.Fatalf("status %d, events %q: want an in-stream error past the migration limit", s.status, s.events)
 	}
 	setFault(t, c.decode, `{"rate":0}`)

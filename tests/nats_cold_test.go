@@ -14,8 +14,9 @@ import (
 // coldClusterRow starts a fresh 3-node NATS cluster and every pdq process
 // at the same moment, as a deploy that starts everything together does:
 // JetStream has no meta leader for the first seconds, and creating a stream
-// waits for one. Every process must wait for the cluster, saying what it
-// waits for, and come up; none may exit, or the pool runs a worker short.
+// waits for one. Every process must wait for the cluster and come up (its
+// WARN says what it waits for: not checked, as a quick cluster needs no
+// wait); none may exit, or the pool runs a worker short.
 func coldClusterRow(t *testing.T) row {
 	dir := t.TempDir()
 	nodes := make([]natsNode, 3)

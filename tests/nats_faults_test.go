@@ -151,6 +151,7 @@ func natsRestartScenario(t *testing.T) row {
 	var whileDown []timed
 	downDone := make(chan struct{})
 	go func() { whileDown = c.timedLoad(2, "nrd", answered(4)); close(downDone) }()
+	<-downDone // answered while NATS is down, not after it is back
 	time.Sleep(3*time.Second - time.Since(killed))
 	ns.start()
 	restarted := time.Now()
@@ -176,7 +177,6 @@ func natsRestartScenario(t *testing.T) row {
 		}
 	}
 	<-done
-	<-downDone
 	for i, o := range whileDown {
 		if o.status != http.StatusServiceUnavailable || o.retryAfter == "" {
 			t.Errorf("nrd-%d, sent while NATS was down: %+v; want a 503 with Retry-After", i, o.outcome)
