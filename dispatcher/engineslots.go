@@ -12,16 +12,25 @@ import (
 // jobs than it has slots (KV releases included), a busy engine leaves its
 // other models' jobs in the queue for other workers, and a job that waits
 // (two loops pulled for the last slot) is checked after the wait.
+//
+// How many slots there are may change while jobs run (see SetLimit): a
+// worker that watches its engine's load gives the engine no more jobs
+// than it starts, so that the rest wait in the queue, where the decode
+// gate sees them and any idle worker can take them.
 type EngineSlots struct {
-	mu    sync.Mutex
-	used  int
-	size  int
-	freed chan struct{} // closed, and replaced, whenever a slot frees
+	mu      sync.Mutex
+	used    int
+	limit   int           // slots now, 1..max
+	max     int           // slots at most: PDQ_ENGINE_SLOTS
+	seats   int           // requests the engine runs at once, as last seen: limit when not known
+	freed   chan struct{} // closed, and replaced, whenever a slot frees
+	changed chan struct{} // closed, and replaced, whenever the limit changes
 }
 
 // NewEngineSlots returns n slots.
 func NewEngineSlots(n int) *EngineSlots {
-	return &EngineSlots{size: max(n, 1), freed: make(chan struct{})}
+	n = max(n, 1)
+	return &EngineSlots{limit: n, max: n, seats: n, freed: make(chan struct{}), changed: make(chan struct{})}
 }
 
 // acquire takes a slot, waiting for one until ctx ends.
@@ -29,11 +38,11 @@ func (e *EngineSlots) acquire(ctx context.Context) error {
 	return e.wait(ctx, true)
 }
 
-// tryAcquire takes a slot if one is free.
-func (e *EngineSlots) tryAcquire() bool {
+// TryAcquire takes a slot if one is free.
+func (e *EngineSlots) TryAcquire() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.used < e.size {
+	if e.used < e.limit {
 		e.used++
 		return true
 	}
@@ -48,7 +57,7 @@ func (e *EngineSlots) waitFree(ctx context.Context) error {
 func (e *EngineSlots) wait(ctx context.Context, take bool) error {
 	for {
 		e.mu.Lock()
-		if e.used < e.size {
+		if e.used < e.limit {
 			if take {
 				e.used++
 			}
@@ -65,11 +74,62 @@ func (e *EngineSlots) wait(ctx context.Context, take bool) error {
 	}
 }
 
-// release gives a slot back.
-func (e *EngineSlots) release() {
+// Release gives a slot back.
+func (e *EngineSlots) Release() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.used--
+	e.wake()
+}
+
+// wake tells the waiters for a slot to look again. e.mu is held.
+func (e *EngineSlots) wake() {
 	close(e.freed)
 	e.freed = make(chan struct{})
+}
+
+// SetLimit makes n slots (kept within 1 and the slots NewEngineSlots
+// made), for an engine that runs seats requests at once (0: n). Jobs that
+// run beyond a lowered limit run to their end; no new job starts until
+// fewer run than the limit.
+func (e *EngineSlots) SetLimit(n, seats int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n = min(max(n, 1), e.max)
+	if seats <= 0 || seats > n {
+		seats = n
+	}
+	if n == e.limit && seats == e.seats {
+		return
+	}
+	if n > e.limit {
+		e.wake()
+	}
+	e.limit, e.seats = n, seats
+	close(e.changed)
+	e.changed = make(chan struct{})
+}
+
+// Load is how many slots are taken, how many there are now, and how many
+// there are at most.
+func (e *EngineSlots) Load() (used, limit, most int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.used, e.limit, e.max
+}
+
+// Seats is how many requests the engine runs at once, as last seen: what
+// the decode gate counts on (the slots beyond it only queue in the
+// engine).
+func (e *EngineSlots) Seats() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.seats
+}
+
+// Changed is closed at the next change of the limit.
+func (e *EngineSlots) Changed() <-chan struct{} {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.changed
 }

@@ -98,7 +98,7 @@ func TestEngineSlotsWait(t *testing.T) {
 	}
 	got := make(chan error, 1)
 	go func() { got <- e.acquire(ctx) }()
-	e.release()
+	e.Release()
 	select {
 	case err := <-got:
 		if err != nil {
@@ -107,11 +107,90 @@ func TestEngineSlotsWait(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("a freed slot was not taken")
 	}
-	e.release()
+	e.Release()
 	if err := e.waitFree(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if e.used != 1 {
 		t.Errorf("waitFree took a slot: %d used", e.used)
+	}
+}
+
+// TestEngineSlotsLimit: a lowered limit lets the jobs running beyond it
+// finish but starts none until fewer run; a raised one wakes the jobs that
+// wait at once; the limit stays within 1 and the slots made; the seats
+// reported are never more than the limit.
+func TestEngineSlotsLimit(t *testing.T) {
+	ctx := context.Background()
+	e := NewEngineSlots(4)
+	for range 3 {
+		if !e.TryAcquire() {
+			t.Fatal("a free slot refused")
+		}
+	}
+	changed := e.Changed()
+	e.SetLimit(2, 1)
+	select {
+	case <-changed:
+	default:
+		t.Error("a new limit did not close Changed")
+	}
+	if used, limit, most := e.Load(); used != 3 || limit != 2 || most != 4 || e.Seats() != 1 {
+		t.Errorf("Load() = %d, %d, %d, seats %d; want 3, 2, 4 and 1", used, limit, most, e.Seats())
+	}
+	e.Release()
+	if e.TryAcquire() {
+		t.Fatal("a slot taken at the limit")
+	}
+	got := make(chan error, 1)
+	go func() { got <- e.acquire(ctx) }()
+	select {
+	case err := <-got:
+		t.Fatalf("a slot taken at the limit: %v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	e.SetLimit(3, 0)
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a raised limit did not wake the job waiting for a slot")
+	}
+	for _, tc := range []struct{ n, seats, limit, wantSeats int }{
+		{0, 0, 1, 1},
+		{99, 0, 4, 4},
+		{3, 7, 3, 3},
+		{3, 2, 3, 2},
+	} {
+		e.SetLimit(tc.n, tc.seats)
+		if _, limit, _ := e.Load(); limit != tc.limit || e.Seats() != tc.wantSeats {
+			t.Errorf("SetLimit(%d, %d): limit %d, seats %d; want %d and %d", tc.n, tc.seats, limit, e.Seats(), tc.limit, tc.wantSeats)
+		}
+	}
+}
+
+// TestJobDurations: the average is not reported until avgWarmup jobs
+// finished, so one short first job (a readiness probe) does not stand for
+// them all; then it follows the jobs.
+func TestJobDurations(t *testing.T) {
+	var j jobDurations
+	j.add(4 * time.Millisecond)
+	for range avgWarmup - 2 {
+		j.add(300 * time.Millisecond)
+		if got := j.avgMs(); got != 0 {
+			t.Fatalf("reported %v ms before %d jobs", got, avgWarmup)
+		}
+	}
+	j.add(300 * time.Millisecond)
+	if got, want := j.avgMs(), (4+300*(avgWarmup-1))/float64(avgWarmup); got != want {
+		t.Errorf("after %d jobs: %v ms, want their mean %v", avgWarmup, got, want)
+	}
+	for range 40 {
+		j.add(time.Second)
+	}
+	if got := j.avgMs(); got < 990 || got > 1000 {
+		t.Errorf("after 40 jobs of 1 s: %v ms, want about 1000", got)
 	}
 }

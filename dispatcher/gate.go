@@ -26,8 +26,15 @@ const gateFresh = 50 * time.Millisecond
 // starts only while its handoff can be expected to start decoding within
 // the KV TTL. Prefilling further ahead would only make KV that expires
 // unread. See [decodeRoom].
+//
+// What decodeRoom expects rests on the decode workers' reports (their
+// slots, how long their decodes took), which lag, and are wrong for a
+// while after a worker starts: its first decodes may be short. So the gate
+// also looks at the handoff at the head of the queue: while it has waited
+// half the TTL, a new one would wait at least as long, and the gate stays
+// closed whatever the reports say.
 type decodeGate struct {
-	js       jetstream.StreamConsumerManager
+	js       jetstream.JetStream
 	pool     string
 	ttl      time.Duration
 	registry *Registry
@@ -41,6 +48,10 @@ type decodeGate struct {
 	// pending and idle are what the last look saw (handoffs waiting,
 	// decode pulls waiting); since counts the prefills let through after.
 	pending, idle, since int
+	// headAge is how long the oldest waiting handoff had waited at the
+	// last look; stream reads it.
+	headAge time.Duration
+	stream  jetstream.Stream
 }
 
 func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*decodeGate, error) {
@@ -76,18 +87,41 @@ func (g *decodeGate) isOpen(ctx context.Context) bool {
 		}
 		info := cons.CachedInfo() // fresh: Consumer just fetched it
 		g.looked, g.pending, g.idle, g.since = time.Now(), int(info.NumPending), info.NumWaiting, 0
+		g.headAge = 0
+		if info.NumPending > 0 {
+			g.headAge = g.waited(ctx, info)
+		}
 	}
 	was, waiting := g.open, g.pending+g.since
 	slots, avg := g.registry.DecodeCapacity(g.pool)
-	g.open = decodeRoom(waiting, g.idle, slots, avg, g.ttl)
+	g.open = g.headAge < g.ttl/2 && decodeRoom(waiting, g.idle, slots, avg, g.ttl)
 	if g.open {
 		g.since++
 	}
 	if g.open != was {
 		g.log.Debug("decode backlog gate", "open", g.open, "handoffs_waiting", waiting,
-			"idle_decode_slots", g.idle, "decode_slots", slots, logging.Ms("avg_decode_ms", avg))
+			"idle_decode_slots", g.idle, "decode_slots", slots, logging.Ms("avg_decode_ms", avg),
+			logging.Ms("oldest_waiting_ms", g.headAge))
 	}
 	return g.open
+}
+
+// waited is how long the next handoff the decode consumer delivers has
+// waited: the first of the pool's after the last delivered. 0 when it
+// cannot be read (the gate then goes by the reports alone).
+func (g *decodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) time.Duration {
+	if g.stream == nil {
+		s, err := g.js.Stream(ctx, StreamDecode)
+		if err != nil {
+			return 0
+		}
+		g.stream = s
+	}
+	m, err := g.stream.GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(info.Config.FilterSubject))
+	if err != nil {
+		return 0
+	}
+	return time.Since(m.Time)
 }
 
 // decodeRoom decides whether one more handoff can be expected to start
@@ -97,8 +131,10 @@ func (g *decodeGate) isOpen(ctx context.Context) bool {
 //
 // A new handoff starts at once while idle slots outnumber the waiting
 // handoffs. Otherwise it waits for the decodes ahead of it: about
-// (pending-idle+1)/slots rounds of avg. Without an average, it waits at
-// most one decode as long as fewer handoffs wait than there are slots.
+// (pending-idle+1)/slots rounds of avg, which must fit in half the TTL:
+// decodes vary in length, and an average is a guess. Without an average,
+// it waits at most one decode as long as fewer handoffs wait than there
+// are slots.
 func decodeRoom(pending, idle, slots int, avg, ttl time.Duration) bool {
 	if pending < idle {
 		return true
@@ -109,5 +145,5 @@ func decodeRoom(pending, idle, slots int, avg, ttl time.Duration) bool {
 	}
 	ahead := pending - idle + 1
 	rounds := (ahead + slots - 1) / slots
-	return time.Duration(rounds)*avg < ttl
+	return time.Duration(rounds)*avg < ttl/2
 }

@@ -58,8 +58,15 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 	defer l.nc.RemoveStatusListener(status)
 	bucket := &workersBucket{js: l.js, replicas: l.cfg.Replicas}
 	var healthChanged <-chan struct{}
+	var slotsChanged <-chan struct{}
 	beat := func() {
 		info.InFlight = l.InFlight()
+		if e := l.cfg.EngineSlots; e != nil {
+			// What the engine runs at once now (see [EngineSlots.SetLimit]):
+			// the decode gate counts on it.
+			slotsChanged = e.Changed()
+			info.Slots = min(l.cfg.Slots, e.Seats())
+		}
 		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
 		info.AvgJobMs = l.avgJobMs()
 		if l.cfg.Health != nil {
@@ -88,12 +95,21 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 	beat()
 	t := time.NewTicker(HeartbeatInterval)
 	defer t.Stop()
+	// The decode gate counts on the average job time: one that moved by
+	// half since the last beat is news before the next.
+	check := time.NewTicker(avgCheck)
+	defer check.Stop()
 	for {
 		select {
 		case <-t.C:
+		case <-check.C:
+			if !moved(info.AvgJobMs, l.avgJobMs()) {
+				continue
+			}
 		case <-now:
 		case <-status:
 		case <-healthChanged: // a breaker that opens or closes is news at once
+		case <-slotsChanged: // and so is the engine's room
 		case <-ctx.Done():
 			l.leave(context.WithoutCancel(ctx), info.ID, bucket)
 			return
@@ -155,4 +171,13 @@ func (b *workersBucket) delete(ctx context.Context, id string) error {
 		return nil
 	}
 	return b.kv.Delete(ctx, id)
+}
+
+// avgCheck is how often a worker looks whether its average job time
+// moved enough to tell the registries before the next heartbeat.
+const avgCheck = 250 * time.Millisecond
+
+// moved reports whether an average went from was to now by more than half.
+func moved(was, now float64) bool {
+	return now != was && (now < was*2/3 || now > was*3/2)
 }

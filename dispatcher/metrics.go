@@ -32,6 +32,10 @@ type Metrics struct {
 	inflight   *prometheus.GaugeVec
 	queueDepth *prometheus.GaugeVec
 	engineUp   *prometheus.GaugeVec
+	// engineSlots is each engine's slots now, wastedPrefills the prefills
+	// whose KV no decode read.
+	engineSlots    *prometheus.GaugeVec
+	wastedPrefills *prometheus.CounterVec
 }
 
 // Bucket boundaries fit LLM serving: a first token from 10 ms to 60 s, a
@@ -116,6 +120,13 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0.5 on trial (half-open), 0 while its breaker is open.",
 	}, []string{"stage", "engine"})
+	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
+	}, []string{"stage", "engine"})
+	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_prefills_wasted_total",
+		Help: "Prefills whose KV no decode read, the request prefilled again, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (its KV may have been read), decode_failed, shutdown.",
+	}, []string{"reason"})
 	// The Go runtime's and the process's own series (go_*, process_*), as
 	// every Go service exports them: memory, GC, CPU seconds, open files.
 	// make bench reads go_memstats_alloc_bytes_total for the bytes a
@@ -139,6 +150,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, reason := range []string{"short_prompt", "no_healthy_prefill", "prefill_refused"} {
 		m.decodeOnly.WithLabelValues(reason)
 	}
+	for _, reason := range wasteReasons {
+		m.wastedPrefills.WithLabelValues(string(reason))
+	}
 	return m, nil
 }
 
@@ -147,7 +161,7 @@ func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
 		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
 		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp}
+		m.inflight, m.queueDepth, m.engineUp, m.engineSlots, m.wastedPrefills}
 }
 
 // pool shows the series of a pool's stage from the start.
@@ -247,6 +261,19 @@ func (m *Metrics) jobEnded(stage Stage, engine time.Duration) {
 	m.inflight.WithLabelValues(string(stage)).Dec()
 	if engine > 0 {
 		m.engineTime.WithLabelValues(string(stage)).Observe(engine.Seconds())
+	}
+}
+
+// EngineSlots reports the slots a worker gives its engine now.
+func (m *Metrics) EngineSlots(stage Stage, engine string, n int) {
+	if m != nil {
+		m.engineSlots.WithLabelValues(string(stage), engine).Set(float64(n))
+	}
+}
+
+func (m *Metrics) wasted(reason waste) {
+	if m != nil {
+		m.wastedPrefills.WithLabelValues(string(reason)).Inc()
 	}
 }
 

@@ -73,7 +73,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 		}
 		l.releaseOne(ctx, msg)
 		if l.cfg.EngineSlots != nil {
-			l.cfg.EngineSlots.release()
+			l.cfg.EngineSlots.Release()
 		}
 		<-slots
 	}

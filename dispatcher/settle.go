@@ -129,11 +129,11 @@ func (s *settle) admit(ctx context.Context) bool {
 	if handoff && redelivered {
 		// An earlier delivery may have read the KV blocks, which a prefill
 		// engine serves once.
-		s.regenerate(ctx, "a redelivered handoff's KV may have been read", false)
+		s.regenerate(ctx, wasteRedelivered, "a redelivered handoff's KV may have been read", false)
 		return false
 	}
 	if handoff && job.Prefill != nil && time.Since(job.Prefill.Ended()) > l.cfg.KVTTL {
-		s.regenerate(ctx, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
+		s.regenerate(ctx, wasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
 		return false
 	}
 	return true
@@ -434,7 +434,7 @@ func (s *settle) interrupted(ctx context.Context, err error) {
 		// Its engine never ran it (it waited for a busy engine, say).
 		s.unrun(ctx, fmt.Errorf("interrupted by shutdown before its engine ran it: %w", err))
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
-		s.regenerate(ctx, "interrupted by shutdown; its KV may have been read", false)
+		s.regenerate(ctx, wasteShutdown, "interrupted by shutdown; its KV may have been read", false)
 	default:
 		s.log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
 		if err := s.msg.Nak(); err != nil {
@@ -474,11 +474,11 @@ func (s *settle) failed(ctx context.Context, err error) {
 		// Before output, and the engine never ran it: the KV is unread
 		// (and s.ran false, see process).
 		s.log.Warn("decode failed before its engine ran it", logging.Err(err))
-		s.regenerate(ctx, "decode failed before its engine ran it: "+err.Error(), true)
+		s.regenerate(ctx, wasteDecodeFailed, "decode failed before its engine ran it: "+err.Error(), true)
 	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
 		// Before output, but the engine may have read the KV blocks.
 		s.log.Warn("decode failed before output", logging.Err(err))
-		s.regenerate(ctx, "decode failed before output: "+err.Error(), false)
+		s.regenerate(ctx, wasteDecodeFailed, "decode failed before output: "+err.Error(), false)
 	case s.attempt < s.l.cfg.MaxDeliver:
 		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "retry")
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
@@ -528,11 +528,26 @@ func (s *settle) unrun(ctx context.Context, why error) {
 	}
 }
 
+// waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
+// reason.
+type waste string
+
+const (
+	wasteKVTTL        waste = "kv_ttl"
+	wasteRedelivered  waste = "redelivered"
+	wasteDecodeFailed waste = "decode_failed"
+	wasteShutdown     waste = "shutdown"
+)
+
+var wasteReasons = []waste{wasteKVTTL, wasteRedelivered, wasteDecodeFailed, wasteShutdown}
+
 // regenerate sends the request back to prefill as its next generation:
-// new KV, new message ids. release says whether this handoff's KV was
-// certainly never read, and so is freed.
-func (s *settle) regenerate(ctx context.Context, why string, release bool) {
+// new KV, new message ids; its prefill was wasted, for reason. release
+// says whether this handoff's KV was certainly never read, and so is
+// freed.
+func (s *settle) regenerate(ctx context.Context, reason waste, why string, release bool) {
 	l, job := s.l, s.job
+	l.cfg.Metrics.wasted(reason)
 	if release {
 		s.release(ctx, why)
 	}
@@ -723,7 +738,7 @@ func (s *settle) release(ctx context.Context, why string) bool {
 			s.log.Warn("no engine slot to release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
 			return false
 		}
-		defer e.release()
+		defer e.Release()
 	}
 	if err := s.l.cfg.Release(rctx, s.job); err != nil {
 		var f *Failure

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"net/http"
 	"runtime/debug"
 	"strconv"
@@ -360,7 +359,7 @@ type StageLoop struct {
 	inFlight   atomic.Int64
 	released   atomic.Int64
 	dlqRefused atomic.Int64
-	avgMs      atomic.Uint64 // math.Float64bits of the jobs' average duration
+	durations  jobDurations
 	mu         sync.Mutex
 	running    map[*runningJob]struct{}
 	// reconnects and reconnectedAt track the connection's outages, for
@@ -459,22 +458,44 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 func (l *StageLoop) InFlight() int { return int(l.inFlight.Load()) }
 
 // recordDuration folds a finished job's duration into the average.
-func (l *StageLoop) recordDuration(d time.Duration) {
-	ms := float64(d.Microseconds()) / 1000
-	for {
-		old := l.avgMs.Load()
-		avg := math.Float64frombits(old)
-		next := ms
-		if avg > 0 {
-			next = 0.8*avg + 0.2*ms
-		}
-		if l.avgMs.CompareAndSwap(old, math.Float64bits(next)) {
-			return
-		}
-	}
+func (l *StageLoop) recordDuration(d time.Duration) { l.durations.add(d) }
+
+func (l *StageLoop) avgJobMs() float64 { return l.durations.avgMs() }
+
+// avgWarmup is how many jobs a loop finishes before it reports how long
+// its jobs take: the first may be unlike the rest (a readiness probe of
+// one token), and the decode gate lets prefills through on the report.
+const avgWarmup = 8
+
+// jobDurations averages how long a loop's jobs take: the plain mean of the
+// first avgWarmup, then an exponential average that follows changes.
+type jobDurations struct {
+	mu sync.Mutex
+	n  int
+	ms float64
 }
 
-func (l *StageLoop) avgJobMs() float64 { return math.Float64frombits(l.avgMs.Load()) }
+func (j *jobDurations) add(d time.Duration) {
+	ms := float64(d.Microseconds()) / 1000
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.n++
+	if j.n <= avgWarmup {
+		j.ms += (ms - j.ms) / float64(j.n)
+		return
+	}
+	j.ms = 0.8*j.ms + 0.2*ms
+}
+
+// avgMs is the average in milliseconds, 0 until avgWarmup jobs finished.
+func (j *jobDurations) avgMs() float64 {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.n < avgWarmup {
+		return 0
+	}
+	return j.ms
+}
 
 // Released counts the handoffs whose KV blocks this loop released.
 func (l *StageLoop) Released() int64 { return l.released.Load() }
@@ -590,7 +611,7 @@ pull:
 		// The engine slot is taken at once, so that the next turn of the
 		// loop sees it gone; losing a race for the last one, the job waits
 		// for it in process.
-		held := l.cfg.EngineSlots != nil && l.cfg.EngineSlots.tryAcquire()
+		held := l.cfg.EngineSlots != nil && l.cfg.EngineSlots.TryAcquire()
 		l.inFlight.Add(1)
 		wg.Go(func() {
 			defer func() {
@@ -641,7 +662,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	// back once, however process ends.
 	defer func() {
 		if engineHeld {
-			l.cfg.EngineSlots.release()
+			l.cfg.EngineSlots.Release()
 		}
 	}()
 	attempt := 1
@@ -712,7 +733,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	releaseEngine := func() {
 		if engineHeld {
 			engineHeld, s.engineHeld = false, false
-			l.cfg.EngineSlots.release()
+			l.cfg.EngineSlots.Release()
 		}
 	}
 	if !s.admit(sctx) {

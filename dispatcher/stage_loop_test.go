@@ -856,21 +856,26 @@ func TestHandoffGenerations(t *testing.T) {
 		crashes     int
 		claimed     bool // its KV claimed by a delivery NATS has forgotten
 		wantRelease int32
+		wantWaste   waste // the wasted prefill's reason
 	}{
-		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1},
-		{"older than the lease", 30 * time.Second, 0, false, 0},
-		{"redelivered after a crash", 0, 1, false, 0},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, wasteKVTTL},
+		{"older than the lease", 30 * time.Second, 0, false, 0, wasteKVTTL},
+		{"redelivered after a crash", 0, 1, false, 0, wasteRedelivered},
 		// A restarted nats-server delivers it again as a first delivery.
-		{"delivered again as a first", 0, 0, true, 0},
-		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0},
+		{"delivered again as a first", 0, 0, true, 0, wasteRedelivered},
+		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, wasteRedelivered},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := PoolName(t.Name())
 			id := "gen-" + strings.ReplaceAll(tc.name, " ", "-")
 			var ran, released atomic.Int32
+			metrics, err := NewMetrics(prometheus.NewRegistry())
+			if err != nil {
+				t.Fatal(err)
+			}
 			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 				Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
-				Release: func(context.Context, *Job) error { released.Add(1); return nil }}
+				Release: func(context.Context, *Job) error { released.Add(1); return nil }, Metrics: metrics}
 			records, _ := OpenRecords(ctx, js)
 			job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 				Deadline: time.Now().Add(time.Minute)}
@@ -931,6 +936,15 @@ func TestHandoffGenerations(t *testing.T) {
 			})
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
+			}
+			for _, reason := range wasteReasons {
+				want := 0.0
+				if reason == tc.wantWaste {
+					want = 1
+				}
+				if got := testutil.ToFloat64(metrics.wastedPrefills.WithLabelValues(string(reason))); got != want {
+					t.Errorf("pdq_prefills_wasted_total{reason=%q} = %v, want %v", reason, got, want)
+				}
 			}
 		})
 	}
@@ -1103,8 +1117,9 @@ func TestDecodeRoom(t *testing.T) {
 		{"more idle slots than waiting handoffs", 2, 3, 4, time.Minute, true},
 		{"no average yet: fewer waiting than slots", 3, 0, 4, 0, true},
 		{"no average yet: as many waiting as slots", 4, 0, 4, 0, false},
-		{"short decodes: a queue of rounds within the TTL", 10, 0, 4, 5 * time.Second, true}, // 3 rounds of 5 s
-		{"short decodes: too many rounds", 20, 0, 4, 5 * time.Second, false},                 // 6 rounds of 5 s
+		{"short decodes: a queue of rounds within half the TTL", 10, 0, 4, 4 * time.Second, true}, // 3 rounds of 4 s
+		{"short decodes: rounds past half the TTL", 14, 0, 4, 4 * time.Second, false},             // 4 rounds of 4 s
+		{"short decodes: too many rounds", 20, 0, 4, 4 * time.Second, false},                      // 6 rounds of 4 s
 		{"decodes longer than the TTL: only a free slot will do", 0, 0, 4, 30 * time.Second, false},
 		{"no slots known: one at a time", 0, 0, 0, 0, true},
 	} {

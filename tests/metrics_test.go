@@ -92,6 +92,7 @@ func TestMetricsCountTraffic(t *testing.T) {
 		{"pdq_retries_total", nil, 0},
 		{"pdq_dead_letters_total", nil, 0},
 		{"pdq_kv_params_missing_total", nil, 0},
+		{"pdq_prefills_wasted_total", []string{`reason="kv_ttl"`}, 0},
 	} {
 		if _, ok := metricValue(after, c.name, c.labels...); !ok {
 			t.Errorf("%s%v is not exported", c.name, c.labels)
@@ -115,6 +116,13 @@ func TestMetricsCountTraffic(t *testing.T) {
 	} {
 		if got, ok := metricValue(after, g.name, g.labels...); !ok || got != g.want {
 			t.Errorf("%s%v = %v (present %v), want %v", g.name, g.labels, got, ok, g.want)
+		}
+	}
+	for _, stage := range []string{"prefill", "decode"} {
+		// The engine's slots follow its load, from a few up to
+		// PDQ_ENGINE_SLOTS.
+		if got, ok := metricValue(after, "pdq_engine_slots", `stage="`+stage+`"`); !ok || got < 1 {
+			t.Errorf("pdq_engine_slots{stage=%q} = %v (present %v), want at least 1", stage, got, ok)
 		}
 	}
 	if _, ok := metricValue(after, "pdq_queue_depth", `stage="prefill"`, `pool="`); !ok {

@@ -181,6 +181,19 @@ func (w *Worker) Run(ctx context.Context) error {
 		}
 		return err
 	}
+	// The engine's slots follow its load while the worker runs; the first
+	// look is made before the first pull.
+	looked, followed := make(chan struct{}), make(chan struct{})
+	loadCtx, stopLoad := context.WithCancel(ctx)
+	go func() {
+		defer close(followed)
+		w.followLoad(loadCtx, looked)
+	}()
+	defer func() {
+		stopLoad()
+		<-followed
+	}()
+	<-looked
 	w.breaker.life = ctx
 	w.breaker.generate = func(ctx context.Context) error {
 		return w.engine.Generate(ctx, w.probeModel(), "pdq-probe-"+w.id)
