@@ -18,19 +18,18 @@ import (
 // than it starts, so that the rest wait in the queue, where the decode
 // gate sees them and any idle worker can take them.
 type EngineSlots struct {
-	mu      sync.Mutex
-	used    int
-	limit   int           // slots now, 1..max
-	max     int           // slots at most: PDQ_ENGINE_SLOTS
-	seats   int           // requests the engine runs at once, as last seen: limit when not known
-	freed   chan struct{} // closed, and replaced, whenever a slot frees
-	changed chan struct{} // closed, and replaced, whenever the limit changes
+	mu    sync.Mutex
+	used  int
+	limit int           // slots now, 1..max
+	max   int           // slots at most: PDQ_ENGINE_SLOTS
+	seats int           // requests the engine runs at once, as last seen: limit when not known
+	freed chan struct{} // closed, and replaced, whenever a slot frees
 }
 
 // NewEngineSlots returns n slots.
 func NewEngineSlots(n int) *EngineSlots {
 	n = max(n, 1)
-	return &EngineSlots{limit: n, max: n, seats: n, freed: make(chan struct{}), changed: make(chan struct{})}
+	return &EngineSlots{limit: n, max: n, seats: n, freed: make(chan struct{})}
 }
 
 // acquire takes a slot, waiting for one until ctx ends.
@@ -99,15 +98,10 @@ func (e *EngineSlots) SetLimit(n, seats int) {
 	if seats <= 0 || seats > n {
 		seats = n
 	}
-	if n == e.limit && seats == e.seats {
-		return
-	}
 	if n > e.limit {
 		e.wake()
 	}
 	e.limit, e.seats = n, seats
-	close(e.changed)
-	e.changed = make(chan struct{})
 }
 
 // Load is how many slots are taken, how many there are now, and how many
@@ -125,11 +119,4 @@ func (e *EngineSlots) Seats() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.seats
-}
-
-// Changed is closed at the next change of the limit.
-func (e *EngineSlots) Changed() <-chan struct{} {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.changed
 }

@@ -48,10 +48,13 @@ type decodeGate struct {
 	// pending and idle are what the last look saw (handoffs waiting,
 	// decode pulls waiting); since counts the prefills let through after.
 	pending, idle, since int
-	// headAge is how long the oldest waiting handoff had waited at the
-	// last look; stream reads it.
-	headAge time.Duration
-	stream  jetstream.Stream
+	// headAge is how long the next handoff to be delivered had waited at
+	// the last look, by the server's clock. It was stored at headTime,
+	// read when the consumer had delivered up to headAfter, at headRead.
+	headAge            time.Duration
+	headTime, headRead time.Time
+	headAfter          uint64
+	stream             jetstream.Stream
 }
 
 func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*decodeGate, error) {
@@ -87,10 +90,7 @@ func (g *decodeGate) isOpen(ctx context.Context) bool {
 		}
 		info := cons.CachedInfo() // fresh: Consumer just fetched it
 		g.looked, g.pending, g.idle, g.since = time.Now(), int(info.NumPending), info.NumWaiting, 0
-		g.headAge = 0
-		if info.NumPending > 0 {
-			g.headAge = g.waited(ctx, info)
-		}
+		g.headAge = g.waited(ctx, info)
 	}
 	was, waiting := g.open, g.pending+g.since
 	slots, avg := g.registry.DecodeCapacity(g.pool)
@@ -106,22 +106,45 @@ func (g *decodeGate) isOpen(ctx context.Context) bool {
 	return g.open
 }
 
+// headEvery is how often the gate reads the next handoff to be delivered
+// anew: a read fetches the whole message, prompt included.
+const headEvery = 250 * time.Millisecond
+
 // waited is how long the next handoff the decode consumer delivers has
-// waited: the first of the pool's after the last delivered. 0 when it
-// cannot be read (the gate then goes by the reports alone).
+// waited: the first of the pool's after the last delivered (a handoff
+// waiting to be delivered again is not counted, as NumPending does not
+// count it). It is read again only when the consumer has delivered more,
+// at most every headEvery; 0 when none waits, or it cannot be read (the
+// gate then goes by the reports alone).
 func (g *decodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) time.Duration {
+	if info.NumPending == 0 {
+		g.headTime = time.Time{}
+		return 0
+	}
+	if g.headTime.IsZero() || info.Delivered.Stream != g.headAfter && time.Since(g.headRead) >= headEvery {
+		g.headAfter, g.headRead, g.headTime = info.Delivered.Stream, time.Now(), g.stored(ctx, info)
+	}
+	if g.headTime.IsZero() {
+		return 0
+	}
+	return info.TimeStamp.Sub(g.headTime)
+}
+
+// stored is when the next handoff to be delivered was stored; zero if it
+// cannot be read.
+func (g *decodeGate) stored(ctx context.Context, info *jetstream.ConsumerInfo) time.Time {
 	if g.stream == nil {
 		s, err := g.js.Stream(ctx, StreamDecode)
 		if err != nil {
-			return 0
+			return time.Time{}
 		}
 		g.stream = s
 	}
 	m, err := g.stream.GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(info.Config.FilterSubject))
 	if err != nil {
-		return 0
+		return time.Time{}
 	}
-	return time.Since(m.Time)
+	return m.Time
 }
 
 // decodeRoom decides whether one more handoff can be expected to start

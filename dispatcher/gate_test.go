@@ -2,10 +2,12 @@ package dispatcher
 
 import (
 	"context"
+	"encoding/json"
 	"testing"
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
 // TestDecodeGateCountsWhatItLetThrough: within one look at the decode
@@ -38,5 +40,49 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 	}
 	if g.pending != 0 || g.since != 1 {
 		t.Errorf("after a fresh look: %d waiting, %d let through; want 0 and 1", g.pending, g.since)
+	}
+}
+
+// TestDecodeGateHeadAge: whatever the decode workers report, the gate
+// closes while the next handoff of its pool to be delivered has waited
+// half the TTL; another pool's older handoff in the same stream does not
+// count.
+func TestDecodeGateHeadAge(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	pool, other := PoolName(t.Name()), PoolName(t.Name()+"-other")
+	for _, p := range []string{pool, other} {
+		if _, err := EnsureConsumer(ctx, js, StageDecode, p, time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const ttl = time.Second
+	g, err := newDecodeGate(ctx, js, pool, ttl, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A decode worker that reports room for a hundred handoffs.
+	info, _ := json.Marshal(WorkerInfo{ID: "w1", Role: StageDecode, Pool: pool, Slots: 100, AvgJobMs: 1})
+	if err := nc.Publish(WorkerSubject("w1"), info); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the worker registered", func() bool { s, _ := g.registry.DecodeCapacity(pool); return s == 100 })
+
+	handoff := func(p, id string) {
+		job := &Job{ID: id, Model: "m", Pool: p, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`)}
+		if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	handoff(other, "old-other")
+	time.Sleep(ttl / 2)
+	handoff(pool, "new")
+	g.fresh = 0
+	if !g.isOpen(ctx) {
+		t.Fatalf("a fresh handoff waits (another pool's has waited %v): the gate is closed", ttl/2)
+	}
+	time.Sleep(ttl/2 + headEvery)
+	if g.isOpen(ctx) {
+		t.Errorf("the next handoff has waited %v of a %v TTL: the gate is open (it waited %v by the gate)", ttl/2, ttl, g.headAge)
 	}
 }

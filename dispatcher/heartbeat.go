@@ -58,15 +58,20 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 	defer l.nc.RemoveStatusListener(status)
 	bucket := &workersBucket{js: l.js, replicas: l.cfg.Replicas}
 	var healthChanged <-chan struct{}
-	var slotsChanged <-chan struct{}
-	beat := func() {
-		info.InFlight = l.InFlight()
+	// seats is what the engine runs at once now (see
+	// [EngineSlots.SetLimit]): the decode gate counts on it.
+	seats := func() int {
 		if e := l.cfg.EngineSlots; e != nil {
-			// What the engine runs at once now (see [EngineSlots.SetLimit]):
-			// the decode gate counts on it.
-			slotsChanged = e.Changed()
-			info.Slots = min(l.cfg.Slots, e.Seats())
+			return min(l.cfg.Slots, e.Seats())
 		}
+		return l.cfg.Slots
+	}
+	// beat sends the entry; an early one (news for the decode gates
+	// before the next heartbeat) skips the bucket, which only operators
+	// read.
+	beat := func(early bool) {
+		info.InFlight = l.InFlight()
+		info.Slots = seats()
 		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
 		info.AvgJobMs = l.avgJobMs()
 		if l.cfg.Health != nil {
@@ -80,6 +85,9 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		if err := l.nc.Publish(WorkerSubject(info.ID), data); err != nil {
 			l.log.Warn("heartbeat not sent", logging.Err(err))
 		}
+		if early {
+			return
+		}
 		pctx, cancel := context.WithTimeout(ctx, HeartbeatInterval)
 		defer cancel()
 		if err := bucket.put(pctx, info.ID, data); err != nil && ctx.Err() == nil {
@@ -92,29 +100,33 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 			l.log.Log(ctx, level, "registry bucket not written", logging.Err(err))
 		}
 	}
-	beat()
+	beat(false)
 	t := time.NewTicker(HeartbeatInterval)
 	defer t.Stop()
-	// The decode gate counts on the average job time: one that moved by
-	// half since the last beat is news before the next.
-	check := time.NewTicker(avgCheck)
-	defer check.Stop()
+	// The decode gates count on a decode worker's seats and average job
+	// time: a change is news before the next heartbeat.
+	var check <-chan time.Time
+	if l.cfg.Stage == StageDecode {
+		tc := time.NewTicker(avgCheck)
+		defer tc.Stop()
+		check = tc.C
+	}
 	for {
 		select {
 		case <-t.C:
-		case <-check.C:
-			if !moved(info.AvgJobMs, l.avgJobMs()) {
-				continue
+		case <-check:
+			if seats() != info.Slots || moved(info.AvgJobMs, l.avgJobMs()) {
+				beat(true)
 			}
+			continue
 		case <-now:
 		case <-status:
 		case <-healthChanged: // a breaker that opens or closes is news at once
-		case <-slotsChanged: // and so is the engine's room
 		case <-ctx.Done():
 			l.leave(context.WithoutCancel(ctx), info.ID, bucket)
 			return
 		}
-		beat()
+		beat(false)
 	}
 }
 
@@ -173,11 +185,13 @@ func (b *workersBucket) delete(ctx context.Context, id string) error {
 	return b.kv.Delete(ctx, id)
 }
 
-// avgCheck is how often a worker looks whether its average job time
-// moved enough to tell the registries before the next heartbeat.
+// avgCheck is how often a decode worker looks whether its seats changed,
+// or its average job time moved enough, to tell the registries before the
+// next heartbeat.
 const avgCheck = 250 * time.Millisecond
 
-// moved reports whether an average went from was to now by more than half.
+// moved reports whether an average went from was to now by more than half
+// up, or a third down (back to where half up would have come from).
 func moved(was, now float64) bool {
 	return now != was && (now < was*2/3 || now > was*3/2)
 }

@@ -32,8 +32,8 @@ type Metrics struct {
 	inflight   *prometheus.GaugeVec
 	queueDepth *prometheus.GaugeVec
 	engineUp   *prometheus.GaugeVec
-	// engineSlots is each engine's slots now, wastedPrefills the prefills
-	// whose KV no decode read.
+	// engineSlots is each engine's slots now, wastedPrefills the handoffs
+	// sent back to prefill.
 	engineSlots    *prometheus.GaugeVec
 	wastedPrefills *prometheus.CounterVec
 }
@@ -125,7 +125,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}, []string{"stage", "engine"})
 	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "pdq_prefills_wasted_total",
-		Help: "Prefills whose KV no decode read, the request prefilled again, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (its KV may have been read), decode_failed, shutdown.",
+		Help: "Handoffs sent back to prefill (or failed, out of generations), their prefill's work lost, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (a redelivered handoff, whose KV an earlier delivery may have read), decode_failed, shutdown.",
 	}, []string{"reason"})
 	// The Go runtime's and the process's own series (go_*, process_*), as
 	// every Go service exports them: memory, GC, CPU seconds, open files.

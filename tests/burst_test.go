@@ -39,8 +39,13 @@ func burstRow(t *testing.T) row {
 	if expired != 0 || failed != 0 {
 		t.Errorf("%d holds expired unread and %d KV reads failed: want none (prefill engine %+v, decode engine %+v)", expired, failed, p1, d1)
 	}
-	if prefills != int64(n) {
-		t.Errorf("%d prefills for %d requests: want one each", prefills, n)
+	if r.completed != n {
+		t.Errorf("%d of %d requests completed: want all", r.completed, n)
+	}
+	// One prefill a request; a handful more would be a gate a moment late
+	// on a busy machine, not one that lets the burst through.
+	if wasted := prefills - int64(n); wasted > int64(n/20) {
+		t.Errorf("%d prefills for %d requests: want one each (at most %d more)", prefills, n, n/20)
 	}
 	return r
 }

@@ -3,6 +3,7 @@ package workers
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -29,21 +30,48 @@ const (
 	// keeping up (a cold burst queues little in any engine), up to
 	// PDQ_ENGINE_SLOTS.
 	firstSlots = 4
+	// loadFailuresTold is how many failed looks in a row make a WARN.
+	loadFailuresTold = 20
 )
 
-// nextSlots decides the engine's slots from its load, given the slots used
-// and there now and at most. An engine that makes requests wait is full:
-// it gets what it runs and an eighth more (at least one), for requests
-// that wait only a moment (a decode waits for its KV to arrive). An engine
-// that keeps up with every slot taken gets twice as many.
-func nextSlots(l vllm.Load, used, slots, most int) int {
-	switch {
-	case l.Waiting > 0:
-		return max(1, min(slots, l.Running+max(1, l.Running/8)))
-	case used >= slots:
-		return min(most, 2*slots)
+// slotPolicy decides an engine's slots, and the seats to report for it,
+// from its load, look after look.
+//
+// vLLM counts as waiting both the requests that wait for a seat and the
+// decodes that wait a moment for their KV to arrive, so a few waiting
+// requests say nothing: an engine is full only while more wait than an
+// eighth of those running (at least one), on two looks in a row. A full
+// engine's seats are the most it ran in those looks, and it gets them and
+// an eighth more (at least one): what it runs is the most it can, and the
+// decodes waiting for their KV cannot walk the slots down one by one. An
+// engine with nothing waiting and every slot taken gets twice as many
+// slots, up to PDQ_ENGINE_SLOTS; in between, the slots stay. Its seats are
+// then the most it was seen to run since it was last full: the decode gate
+// counts on them, and slots given on trial are not seats.
+type slotPolicy struct {
+	fullLooks int // looks in a row that found the engine full
+	fullMax   int // the most it ran in those looks
+	seats     int // what it runs at once, as far as seen
+}
+
+// next returns the slots to give the engine and its seats, from its load
+// and the slots used, there now and at most.
+func (p *slotPolicy) next(l vllm.Load, used, slots, most int) (next, seats int) {
+	if l.Waiting > max(1, l.Running/8) {
+		p.fullLooks++
+		p.fullMax = max(p.fullMax, l.Running)
+		if p.fullLooks >= 2 {
+			p.seats = max(1, p.fullMax)
+			slots = max(1, min(slots, p.seats+max(1, p.seats/8)))
+		}
+	} else {
+		p.fullLooks, p.fullMax = 0, 0
+		p.seats = max(p.seats, l.Running)
+		if l.Waiting == 0 && used >= slots {
+			slots = min(most, 2*slots)
+		}
 	}
-	return slots
+	return slots, min(max(1, p.seats), slots)
 }
 
 // followLoad keeps the worker's engine slots at what the engine starts,
@@ -68,10 +96,12 @@ func (w *Worker) followLoad(ctx context.Context, looked chan<- struct{}) {
 
 // loadFollower is what followLoad knows between its looks.
 type loadFollower struct {
-	w *Worker
+	w      *Worker
+	policy slotPolicy
 	// known: the engine reported its load last time; told: the log said
-	// that it does not.
+	// that it does not; failed counts the failed looks in a row.
 	known, told bool
+	failed      int
 }
 
 // look reads the engine's load, sets its slots, and returns when to look
@@ -91,29 +121,36 @@ func (f *loadFollower) look(ctx context.Context) time.Duration {
 		return loadEvery
 	case errors.Is(err, vllm.ErrNoLoad):
 		if !f.told {
-			w.log.Info("the engine does not report its load; it gets PDQ_ENGINE_SLOTS jobs at once", "slots", most)
+			w.log.Info("the engine does not report its load; it gets PDQ_ENGINE_SLOTS jobs at once", "slots", most, logging.Err(err))
 			f.told = true
 		}
-		f.known = false
+		f.known, f.failed = false, 0
 		w.slots.SetLimit(most, 0)
 		w.cfg.Metrics.EngineSlots(w.cfg.Role, w.engine.URL(), most)
 		return loadRetry
 	default:
-		w.log.Debug("engine load not read; its slots stay", "slots", slots, logging.Err(err))
+		// The engine is down or slow: its breaker deals with that; the
+		// slots stay as they are.
+		f.failed++
+		level := slog.LevelDebug
+		if f.failed == loadFailuresTold {
+			level = slog.LevelWarn
+		}
+		w.log.Log(ctx, level, "engine load not read; its slots stay", "slots", slots, "failed_looks", f.failed, logging.Err(err))
+		if !f.known {
+			return loadRetry / 12
+		}
 		return loadEvery
 	}
+	f.failed = 0
 	if !f.known {
 		f.known = true
 		slots = min(most, firstSlots)
 		w.log.Info("engine slots follow the engine's load", "first", slots, "most", most)
 	}
-	next := nextSlots(load, used, slots, most)
+	next, seats := f.policy.next(load, used, slots, most)
 	if next != slots {
-		w.log.Debug("engine slots", "slots", next, "was", slots, "running", load.Running, "waiting", load.Waiting, "used", used)
-	}
-	seats := 0 // not full: as many as it is given
-	if load.Waiting > 0 {
-		seats = load.Running
+		w.log.Debug("engine slots", "slots", next, "was", slots, "seats", seats, "running", load.Running, "waiting", load.Waiting, "used", used)
 	}
 	w.slots.SetLimit(next, seats)
 	w.cfg.Metrics.EngineSlots(w.cfg.Role, w.engine.URL(), next)

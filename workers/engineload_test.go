@@ -18,23 +18,72 @@ import (
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
 
-func TestNextSlots(t *testing.T) {
+// TestSlotPolicy runs the policy through looks at an engine's load, each
+// with the slots used then, and checks the slots and seats after each.
+func TestSlotPolicy(t *testing.T) {
+	type look struct {
+		load               vllm.Load
+		used, slots, seats int // used before the look; slots and seats after
+	}
 	for _, tc := range []struct {
-		name                    string
-		load                    vllm.Load
-		used, slots, most, want int
+		name  string
+		most  int
+		first int
+		looks []look
 	}{
-		{"full: what it runs, and one more", vllm.Load{Running: 2, Waiting: 30}, 32, 64, 64, 3},
-		{"full and large: an eighth more", vllm.Load{Running: 256, Waiting: 9}, 265, 512, 512, 288},
-		{"full: never more than now", vllm.Load{Running: 40, Waiting: 1}, 10, 8, 64, 8},
-		{"nothing running, one waiting for its KV", vllm.Load{Waiting: 1}, 1, 8, 64, 1},
-		{"keeping up with every slot taken: twice", vllm.Load{Running: 4}, 4, 4, 64, 8},
-		{"keeping up: no more than PDQ_ENGINE_SLOTS", vllm.Load{Running: 40}, 40, 40, 64, 64},
-		{"keeping up with slots to spare: as is", vllm.Load{Running: 3}, 3, 16, 64, 16},
+		{"full twice: what it runs and one more", 64, 64, []look{
+			{vllm.Load{Running: 2, Waiting: 30}, 32, 64, 1},
+			{vllm.Load{Running: 2, Waiting: 30}, 32, 3, 2},
+		}},
+		{"full once: a moment's queue changes nothing", 64, 16, []look{
+			{vllm.Load{Running: 4, Waiting: 12}, 16, 16, 1},
+			{vllm.Load{Running: 16}, 16, 32, 16},
+		}},
+		{"full and large: an eighth more", 512, 512, []look{
+			{vllm.Load{Running: 256, Waiting: 90}, 346, 512, 1},
+			{vllm.Load{Running: 256, Waiting: 90}, 346, 288, 256},
+		}},
+		{"full: never more than now", 64, 8, []look{
+			{vllm.Load{Running: 40, Waiting: 10}, 8, 8, 1},
+			{vllm.Load{Running: 40, Waiting: 10}, 8, 8, 8},
+		}},
+		{"decodes waiting for their KV: not full, the slots stay", 64, 16, []look{
+			{vllm.Load{Running: 14, Waiting: 1}, 16, 16, 14},
+			{vllm.Load{Running: 13, Waiting: 1}, 16, 16, 14},
+			{vllm.Load{Running: 15, Waiting: 1}, 16, 16, 15},
+		}},
+		{"more waiting for KV than an eighth: no walk down", 64, 8, []look{
+			{vllm.Load{Running: 6, Waiting: 2}, 8, 8, 1},
+			{vllm.Load{Running: 6, Waiting: 2}, 8, 7, 6},
+			{vllm.Load{Running: 5, Waiting: 2}, 7, 7, 6},
+			{vllm.Load{Running: 5, Waiting: 2}, 7, 7, 6},
+		}},
+		{"slots given on trial are not seats", 64, 3, []look{
+			{vllm.Load{Running: 2, Waiting: 4}, 6, 3, 1},
+			{vllm.Load{Running: 2, Waiting: 4}, 6, 3, 2},
+			{vllm.Load{Running: 2}, 3, 6, 2},
+			{vllm.Load{Running: 2, Waiting: 4}, 6, 6, 2},
+			{vllm.Load{Running: 2, Waiting: 4}, 6, 3, 2},
+		}},
+		{"keeping up with every slot taken: twice", 64, 4, []look{
+			{vllm.Load{Running: 4}, 4, 8, 4},
+			{vllm.Load{Running: 8}, 8, 16, 8},
+		}},
+		{"keeping up: no more than PDQ_ENGINE_SLOTS", 64, 40, []look{{vllm.Load{Running: 40}, 40, 64, 40}}},
+		{"keeping up with slots to spare: as is", 64, 16, []look{{vllm.Load{Running: 3}, 3, 16, 3}}},
 	} {
-		if got := nextSlots(tc.load, tc.used, tc.slots, tc.most); got != tc.want {
-			t.Errorf("%s: nextSlots(%+v, %d, %d, %d) = %d, want %d", tc.name, tc.load, tc.used, tc.slots, tc.most, got, tc.want)
-		}
+		t.Run(tc.name, func(t *testing.T) {
+			var p slotPolicy
+			slots := tc.first
+			for i, l := range tc.looks {
+				next, seats := p.next(l.load, l.used, slots, tc.most)
+				if next != l.slots || seats != l.seats {
+					t.Fatalf("look %d at %+v with %d of %d slots used: %d slots, %d seats; want %d and %d",
+						i+1, l.load, l.used, slots, next, seats, l.slots, l.seats)
+				}
+				slots = next
+			}
+		})
 	}
 }
 
@@ -54,8 +103,8 @@ func TestFollowLoad(t *testing.T) {
 	ctx := context.Background()
 	f := loadFollower{w: w}
 	f.look(ctx)
-	if _, slots, _ := w.slots.Load(); slots != firstSlots {
-		t.Fatalf("after a look at an idle engine: %d slots, want %d", slots, firstSlots)
+	if _, slots, _ := w.slots.Load(); slots != firstSlots || w.slots.Seats() != 1 {
+		t.Fatalf("after a look at an idle engine: %d slots, %d seats; want %d and 1 (none seen yet)", slots, w.slots.Seats(), firstSlots)
 	}
 
 	// 4 jobs in the engine, which runs 2 of them.
@@ -76,6 +125,10 @@ func TestFollowLoad(t *testing.T) {
 		})
 	}
 	engine.WaitStats(t, 5*time.Second, "2 running, 2 waiting", func(s sim.Stats) bool { return s.Running == 2 && s.Waiting == 2 })
+	f.look(ctx) // full once: it may be a moment's queue
+	if _, slots, _ := w.slots.Load(); slots != firstSlots {
+		t.Errorf("an engine seen full once: %d slots, want %d", slots, firstSlots)
+	}
 	f.look(ctx)
 	if _, slots, _ := w.slots.Load(); slots != 3 || w.slots.Seats() != 2 {
 		t.Errorf("an engine running 2 and queueing 2: %d slots, %d seats; want 3 and 2", slots, w.slots.Seats())

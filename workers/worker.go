@@ -194,6 +194,9 @@ func (w *Worker) Run(ctx context.Context) error {
 		<-followed
 	}()
 	<-looked
+	if ctx.Err() != nil {
+		return nil // stopped during the first look: no job taken
+	}
 	w.breaker.life = ctx
 	w.breaker.generate = func(ctx context.Context) error {
 		return w.engine.Generate(ctx, w.probeModel(), "pdq-probe-"+w.id)

@@ -34,9 +34,10 @@ func (c *Client) Load(ctx context.Context) (Load, error) {
 		return Load{}, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode == http.StatusNotFound {
+	if resp.StatusCode >= 400 && resp.StatusCode < 500 {
+		// Not there, or not for us: asking again soon will not change it.
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
-		return Load{}, ErrNoLoad
+		return Load{}, fmt.Errorf("get /metrics: status %d: %w", resp.StatusCode, ErrNoLoad)
 	}
 	if resp.StatusCode != http.StatusOK {
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
