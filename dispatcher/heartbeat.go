@@ -64,14 +64,14 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		if e := l.cfg.EngineSlots; e != nil {
 			return min(l.cfg.Slots, e.Seats())
 		}
-		return l.cfg.Slots
+		return 0
 	}
 	// beat sends the entry; an early one (news for the decode gates
 	// before the next heartbeat) skips the bucket, which only operators
 	// read.
 	beat := func(early bool) {
 		info.InFlight = l.InFlight()
-		info.Slots = seats()
+		info.Seats = seats()
 		info.KVReleased, info.DeadLettersRefused = l.Released(), l.dlqRefused.Load()
 		info.AvgJobMs = l.avgJobMs()
 		if l.cfg.Health != nil {
@@ -115,7 +115,7 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		select {
 		case <-t.C:
 		case <-check:
-			if seats() != info.Slots || moved(info.AvgJobMs, l.avgJobMs()) {
+			if seats() != info.Seats || moved(info.AvgJobMs, l.avgJobMs()) {
 				beat(true)
 			}
 			continue

@@ -30,14 +30,18 @@ const (
 type WorkerInfo struct {
 	// ID is the registry key: one per stage loop. Worker is the worker
 	// process's id, shared by the loops of the models its engine serves.
-	ID       string `json:"id"`
-	Worker   string `json:"worker,omitempty"`
-	Role     Stage  `json:"role"`
-	Pool     string `json:"pool"`
-	Model    string `json:"model"`
-	Engine   string `json:"engine"`
-	Slots    int    `json:"slots"`
-	InFlight int    `json:"in_flight"`
+	ID     string `json:"id"`
+	Worker string `json:"worker,omitempty"`
+	Role   Stage  `json:"role"`
+	Pool   string `json:"pool"`
+	Model  string `json:"model"`
+	Engine string `json:"engine"`
+	Slots  int    `json:"slots"`
+	// Seats is what the engine runs at once, as the worker last saw it
+	// (its slots follow the engine's load), at most Slots; 0 from a worker
+	// that does not say, whose Slots stand for it.
+	Seats    int `json:"seats,omitempty"`
+	InFlight int `json:"in_flight"`
 	// KVReleased counts the handoffs whose KV this worker released, and
 	// DeadLettersRefused the failures a full DLQ refused, since it started.
 	KVReleased         int64 `json:"kv_released,omitempty"`
@@ -54,6 +58,15 @@ type WorkerInfo struct {
 	// unknown; Card is the engine's /v1/models entry for it, verbatim.
 	MaxModelLen int             `json:"max_model_len,omitempty"`
 	Card        json.RawMessage `json:"card,omitempty"`
+}
+
+// Capacity is how many jobs the worker's engine runs at once: its seats,
+// or its slots from a worker that does not report seats.
+func (w WorkerInfo) Capacity() int {
+	if w.Seats > 0 {
+		return w.Seats
+	}
+	return w.Slots
 }
 
 // WorkerID is the id of the worker process this entry belongs to.
@@ -373,9 +386,9 @@ func (r *Registry) Decoders(model string) []WorkerInfo {
 	return out
 }
 
-// DecodeCapacity sums the slots of pool's live decode workers, and
-// averages how long their jobs take (weighted by slots; 0 when no worker
-// has finished one yet).
+// DecodeCapacity sums the capacity (seats) of pool's live decode workers,
+// and averages how long their jobs take (weighted by seats; 0 when no
+// worker has reported one yet).
 func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -386,10 +399,11 @@ func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 		if e.info.Role != StageDecode || e.info.Pool != pool || !r.live(e.at, now) {
 			continue
 		}
-		slots += e.info.Slots
+		c := e.info.Capacity()
+		slots += c
 		if e.info.AvgJobMs > 0 {
-			weighted += e.info.AvgJobMs * float64(e.info.Slots)
-			timed += e.info.Slots
+			weighted += e.info.AvgJobMs * float64(c)
+			timed += c
 		}
 	}
 	if timed > 0 {
@@ -398,7 +412,7 @@ func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 	return slots, avg
 }
 
-// Slots sums the slots of pool's live workers of stage.
+// Slots sums the capacity (seats) of pool's live workers of stage.
 func (r *Registry) Slots(stage Stage, pool string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -406,7 +420,7 @@ func (r *Registry) Slots(stage Stage, pool string) int {
 	n := 0
 	for _, e := range r.workers {
 		if e.info.Role == stage && e.info.Pool == pool && r.live(e.at, now) {
-			n += e.info.Slots
+			n += e.info.Capacity()
 		}
 	}
 	return n

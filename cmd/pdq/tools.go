@@ -256,7 +256,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	watch := fs.Duration("watch", 0, "show it again every this long (e.g. 2s), until interrupted")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: pdq status [--json] [--watch 2s]\n\n"+
-			"Shows the live workers (role, pool, engine, slots, jobs running, the engine's breaker), each\n"+
+			"Shows the live workers (role, pool, engine, slots, the engine's seats, jobs running, its breaker), each\n"+
 			"pool's prefill and decode queues, and the dead letters kept for replay.\n\n")
 		fs.PrintDefaults()
 	}
@@ -323,13 +323,13 @@ func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatch
 		return json.NewEncoder(stdout).Encode(s)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "WORKER\tROLE\tPOOL\tENGINE\tSLOTS\tRUNNING\tBREAKER\tAVG JOB MS")
+	fmt.Fprintln(tw, "WORKER\tROLE\tPOOL\tENGINE\tSLOTS\tSEATS\tRUNNING\tBREAKER\tAVG JOB MS")
 	for _, w := range s.Workers {
 		breaker := w.Breaker
 		if breaker == "" {
 			breaker = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%s\t%.0f\n", w.ID, w.Role, w.Pool, w.Engine, w.Slots, w.InFlight, breaker, w.AvgJobMs)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%.0f\n", w.ID, w.Role, w.Pool, w.Engine, w.Slots, w.Capacity(), w.InFlight, breaker, w.AvgJobMs)
 	}
 	fmt.Fprintln(tw, "\nPOOL\tSTAGE\tWAITING\tOLDEST\tRUNNING\tIDLE PULLS\tREDELIVERED")
 	for _, q := range s.Queues {
