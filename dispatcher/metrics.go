@@ -36,6 +36,8 @@ type Metrics struct {
 	// sent back to prefill.
 	engineSlots    *prometheus.GaugeVec
 	wastedPrefills *prometheus.CounterVec
+	// storeStores is whether each of pdq's file streams stores writes.
+	storeStores *prometheus.GaugeVec
 }
 
 // Bucket boundaries fit LLM serving: a first token from 10 ms to 60 s, a
@@ -123,6 +125,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
 	}, []string{"stage", "engine"})
+	m.storeStores = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_store_writable", Help: "1 while a stream of pdq's stores writes, 0 while the server answers about it but not its writes (its disk may be full), as the gateway's store doctor last probed it.",
+	}, []string{"stream"})
 	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "pdq_prefills_wasted_total",
 		Help: "Handoffs sent back to prefill (or failed, out of generations), their prefill's work lost, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (a redelivered handoff, whose KV an earlier delivery may have read), decode_failed, shutdown.",
@@ -161,7 +166,7 @@ func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
 		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
 		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp, m.engineSlots, m.wastedPrefills}
+		m.inflight, m.queueDepth, m.engineUp, m.engineSlots, m.wastedPrefills, m.storeStores}
 }
 
 // pool shows the series of a pool's stage from the start.
@@ -268,6 +273,16 @@ func (m *Metrics) jobEnded(stage Stage, engine time.Duration) {
 func (m *Metrics) EngineSlots(stage Stage, engine string, n int) {
 	if m != nil {
 		m.engineSlots.WithLabelValues(string(stage), engine).Set(float64(n))
+	}
+}
+
+func (m *Metrics) storeWrites(stream string, stores bool) {
+	if m != nil {
+		v := 0.0
+		if stores {
+			v = 1
+		}
+		m.storeStores.WithLabelValues(stream).Set(v)
 	}
 }
 

@@ -207,10 +207,13 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 			status := http.StatusServiceUnavailable
 			if errors.Is(err, ErrQueueFull) {
 				status = http.StatusTooManyRequests
+			}
+			if errors.Is(err, ErrQueueFull) || errors.Is(err, ErrNotStoring) {
 				// A full stream refused it outright (it checks for a
-				// duplicate first): nothing was stored, so nothing else will
-				// read or release the KV. After any other error the handoff
-				// may have been stored, and is left to its decode or lease.
+				// duplicate first), or one that does not store failed to:
+				// nothing was stored, so nothing else will read or release
+				// the KV. After any other error the handoff may have been
+				// stored, and is left to its decode or lease.
 				s.queueRelease(ctx, d.handoff)
 			}
 			e := openai.NewError(status, "could not queue the decode stage: %v", err)
@@ -385,9 +388,12 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (
 	err = backoff.RetryNotify(func() error {
 		var err error
 		seq, err = publishSeq(ctx, s.l.js, msg)
-		if errors.Is(err, ErrDuplicate) {
+		switch {
+		case errors.Is(err, ErrDuplicate):
 			dup = true
 			return nil
+		case errors.Is(err, ErrNotStoring):
+			return backoff.Permanent(err) // until the stream is rebuilt
 		}
 		return err
 	}, backoff.WithContext(b, ctx), func(err error, next time.Duration) {

@@ -117,15 +117,24 @@ func (s *Submitter) Claim(ctx context.Context, rec *Record) (*Claim, error) {
 // is read, and if it is this very claim the claim stands; if there is
 // none, the create is tried again.
 func (s *Submitter) claim(ctx context.Context, rec *Record) (uint64, error) {
-	rev, err := s.records.create(ctx, rec)
-	for range 3 {
+	create := func() (uint64, error) {
+		cctx, cancel := context.WithTimeout(ctx, publishAttempt)
+		defer cancel()
+		return s.records.create(cctx, rec)
+	}
+	rev, err := create()
+	for i := range 3 {
 		if !noAnswer(err) || ctx.Err() != nil {
 			return rev, err
 		}
 		old, orev, gerr := s.records.Get(ctx, rec.ID)
 		switch {
+		case errors.Is(gerr, ErrNoRecord) && i+1 >= notStoringAfter && answersAbout(ctx, s.js, "$KV."+BucketRequests+"."+rec.ID):
+			// The bucket answers reads but not writes: its store does
+			// not write (see doctor.go).
+			return 0, fmt.Errorf("claim %s: %w", rec.ID, ErrNotStoring)
 		case errors.Is(gerr, ErrNoRecord):
-			rev, err = s.records.create(ctx, rec)
+			rev, err = create()
 		case gerr == nil && old.Gateway == rec.Gateway && old.Created.Equal(rec.Created):
 			return recoveredRevision(old, orev, rec), nil // stored before its answer was lost
 		case gerr == nil:
@@ -233,6 +242,7 @@ const (
 // (for a duplicate, the earlier message's).
 func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
 	giveUp := time.Now().Add(publishFailover)
+	silent := 0 // attempts in a row the stream's leader did not answer
 	for {
 		actx, cancel := context.WithTimeout(ctx, publishAttempt)
 		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(publishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
@@ -245,10 +255,46 @@ func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uin
 		case isFull(err):
 			return 0, fmt.Errorf("publish %s: %w: %w", msg.Subject, ErrQueueFull, err)
 		case ctx.Err() == nil && time.Now().Before(giveUp) && unanswered(err):
+			if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) {
+				silent++
+			} else {
+				silent = 0 // no leader yet: a failover
+			}
+			if silent >= notStoringAfter && answersAbout(ctx, js, msg.Subject) {
+				return 0, fmt.Errorf("publish %s: %w", msg.Subject, ErrNotStoring)
+			}
 			continue
 		}
 		return 0, fmt.Errorf("publish %s: %w", msg.Subject, err)
 	}
+}
+
+// ErrNotStoring means a stream's leader answers about the stream but not
+// its writes: its store latched a write error (a full disk; see
+// doctor.go). Nothing was stored; trying again does not help until the
+// stream is rebuilt.
+var ErrNotStoring = errors.New("the stream does not store (its disk may be full)")
+
+// notStoringAfter is how many unanswered attempts in a row, with the
+// stream's leader answering about it, make a stream not storing: a write
+// sent to a leader that was dying meets one, then the new leader answers.
+const notStoringAfter = 2
+
+// answersAbout reports whether the server answers, within a second, about
+// the stream that stores subject: it has a leader.
+func answersAbout(ctx context.Context, js jetstream.Publisher, subject string) bool {
+	sm, ok := js.(jetstream.StreamManager)
+	if !ok {
+		return false
+	}
+	actx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	name, err := sm.StreamNameBySubject(actx, subject)
+	if err != nil {
+		return false
+	}
+	_, err = sm.Stream(actx, name)
+	return err == nil
 }
 
 // unanswered reports whether a publish failed for want of an answer (no

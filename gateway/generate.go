@@ -65,6 +65,10 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			log.Debug("refused: NATS is out of reach")
 			return h.unavailable(c, "pdq cannot reach its queue (NATS); retry")
 		}
+		if bad, ok := h.doctor.NotStoring(); ok {
+			log.Debug("refused: a stream does not store", "stream", bad.Stream)
+			return h.unavailable(c, "pdq's queue cannot store (stream %s: its disk may be full); retry", bad.Stream)
+		}
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, id, in, pool, log)
 		}
@@ -219,6 +223,10 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) *op
 		log.Warn("could not queue the request: NATS is out of reach", logging.Err(err))
 		return openai.NewError(http.StatusServiceUnavailable, "pdq cannot reach its queue (NATS); retry")
 	}
+	if errors.Is(err, dispatcher.ErrNotStoring) {
+		log.Warn("could not queue the request: a stream does not store", logging.Err(err))
+		return openai.NewError(http.StatusServiceUnavailable, "pdq's queue cannot store (its disk may be full); retry")
+	}
 	log.Error("could not queue the request", logging.Err(err))
 	return openai.NewError(http.StatusServiceUnavailable, "could not queue the request")
 }
@@ -244,6 +252,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 	}
 	switch first.Kind {
 	case dispatcher.KindError:
+		h.failed(job, first, log)
 		return h.writeWorkerError(c, first)
 	case dispatcher.KindDone:
 		h.cancel(job, log, dispatcher.StateFailed, http.StatusBadGateway, "the engine sent an empty reply")
@@ -271,6 +280,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			answer = append(slices.Clip(answer), end.Data...)
 		}
 		if end.Kind == dispatcher.KindError {
+			h.failed(job, end, log)
 			return h.writeWorkerError(c, end)
 		}
 		t.wrote(h.cfg.Counters)
@@ -305,6 +315,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			return nil
 		case dispatcher.KindError:
 			t.failed = true
+			h.failed(job, msg, log)
 			if err := sse.Data(msg.Data); err == nil {
 				sse.Done()
 			}
@@ -517,6 +528,29 @@ func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
 		return writeError(c, openai.NewError(status, "the request failed"))
 	}
 	return c.Blob(status, echo.MIMEApplicationJSON, r.Data)
+}
+
+// failed makes sure that the record of a request a worker failed says so.
+// The worker writes it before it answers, but its write may not have been
+// taken (a stream that does not store, see dispatcher/doctor.go), and a
+// record left queued keeps the id a 409 until its deadline. Most often the
+// record has ended already, and this is one read.
+func (h *handlers) failed(job *dispatcher.Job, r dispatcher.Reply, log *slog.Logger) {
+	status, why := r.Status, "the request failed"
+	if e, ok := openai.ParseError(r.Data); ok {
+		why = e.Message
+	}
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		h.ledger.write(ctx, job.ID, job.Submitted, func(rec *dispatcher.Record) error {
+			if rec.State.Ended() || rec.Gateway != h.id {
+				return dispatcher.ErrNoChange
+			}
+			rec.State, rec.Error = dispatcher.StateFailed, &dispatcher.RecordError{Status: status, Message: why}
+			return nil
+		}, log)
+	}()
 }
 
 // cancel ends a request the gateway gives up on: its record says so

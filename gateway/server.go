@@ -191,7 +191,14 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	led := newLedger(s.nc, records, s.log)
 	go func() { led.run(ledgerCtx); close(ledgerDone) }()
 	defer func() { stopLedger(); <-ledgerDone }()
-	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(), ledger: led,
+	// The store doctor rebuilds a stream whose store stopped writing (a
+	// full disk), once it can write again.
+	doctor := dispatcher.NewStoreDoctor(s.js, records, s.cfg.Counters, s.log)
+	doctorCtx, stopDoctor := context.WithCancel(ctx)
+	doctorDone := make(chan struct{})
+	go func() { doctor.Run(doctorCtx); close(doctorDone) }()
+	defer func() { stopDoctor(); <-doctorDone }()
+	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(), ledger: led, doctor: doctor,
 		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
 		budget:    budget,
 		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
@@ -240,7 +247,9 @@ type handlers struct {
 	replies  *dispatcher.Replies
 	records  *dispatcher.Records
 	// ledger keeps the record writes NATS did not take, until it does.
-	ledger    *ledger
+	ledger *ledger
+	// doctor knows which streams do not store.
+	doctor    *dispatcher.StoreDoctor
 	submitter *dispatcher.Submitter
 	budget    *byteBudget
 	admission *dispatcher.Admission
@@ -416,6 +425,11 @@ func (h *handlers) ready(c echo.Context) error {
 	}
 	if _, err := h.js.KeyValue(ctx, dispatcher.BucketRequests); err != nil {
 		return writeError(c, openai.NewError(http.StatusServiceUnavailable, "bucket %s: %v", dispatcher.BucketRequests, err))
+	}
+	if bad, ok := h.doctor.NotStoring(); ok {
+		return writeError(c, openai.NewError(http.StatusServiceUnavailable,
+			"stream %s does not store since %s (its disk may be full); it is rebuilt once the store can write: %s",
+			bad.Stream, bad.Since.UTC().Format(time.RFC3339), bad.Error))
 	}
 	return c.NoContent(http.StatusOK)
 }

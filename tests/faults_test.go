@@ -616,6 +616,7 @@ func TestFaultSuite(t *testing.T) {
 	}
 	t.Run("a cold 3-node cluster", func(t *testing.T) { check(t, coldClusterRow(t)) })
 	t.Run("a burst past the KV lease", func(t *testing.T) { check(t, burstRow(t)) })
+	t.Run("a full JetStream disk", func(t *testing.T) { check(t, fullDiskRow(t)) })
 	t.Run("kill -9 of the stream leader of a 3-node cluster", func(t *testing.T) { check(t, natsLeaderKillScenario(t)) })
 	t.Run("kill -9 of a decode worker mid-stream", func(t *testing.T) { check(t, killedDecodeWorkerRow(t)) })
 	t.Run("the longest prompt", func(t *testing.T) { check(t, longPromptRow(t)) })

@@ -246,6 +246,8 @@ type status struct {
 	Workers     []dispatcher.WorkerInfo  `json:"workers"`
 	Queues      []dispatcher.QueueStatus `json:"queues"`
 	DeadLetters uint64                   `json:"dead_letters"`
+	// Stores is whether each of pdq's file streams stores writes.
+	Stores []dispatcher.StoreHealth `json:"stores"`
 }
 
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -319,6 +321,7 @@ func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatch
 	if s.DeadLetters, err = dispatcher.DeadLetters(ctx, js); err != nil {
 		return err
 	}
+	s.Stores = dispatcher.CheckStores(ctx, js)
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(s)
 	}
@@ -340,6 +343,14 @@ func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatch
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%d\t%d\t%d\n", q.Pool, q.Stage, q.Waiting, oldest, q.Running, q.IdlePulls, q.Redelivered)
 	}
 	fmt.Fprintf(tw, "\nDEAD LETTERS\t%d\n", s.DeadLetters)
+	fmt.Fprintln(tw, "\nSTREAM\tSTORES")
+	for _, h := range s.Stores {
+		stores := "yes"
+		if !h.Stores {
+			stores = "NO: " + h.Error + " (its disk may be full; a gateway rebuilds it once the store can write)"
+		}
+		fmt.Fprintf(tw, "%s\t%s\n", h.Stream, stores)
+	}
 	return tw.Flush()
 }
 

@@ -1,0 +1,404 @@
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+)
+
+// The store doctor. A nats-server whose disk fills while it writes a
+// stream's file store latches the write error in that store: the stream
+// stops answering publishes, and its acked messages, whose removal is a
+// write, stay; nothing but a restart of the server clears the latch, not
+// even freeing space. pdq's streams and buckets must take writes for any
+// request to be served, so the doctor looks at each one's writes, says
+// when one does not store (for /ready, the metrics, pdq status), and once
+// the store can write again rebuilds it: it reads the messages that still
+// matter, deletes the stream, creates it anew with the same settings (a
+// new store, without the latch) and stores them again. What it keeps is
+// what pdq's checks would act on: a job whose request is still live at its
+// generation, a bucket's latest value of each key, every release; a
+// delivery running meanwhile meets its job again, and pdq's checks for a
+// redelivery (records, the running query, the KV claims) apply.
+
+// doctorEvery is how often the doctor probes each store.
+const doctorEvery = 5 * time.Second
+
+// probeWait is how long a probe waits for the server to store it.
+const probeWait = 2 * time.Second
+
+// brokenLooks is how many probes in a row must find a stream not storing,
+// while the server answers, before the doctor rebuilds it: one may be a
+// busy moment.
+const brokenLooks = 2
+
+// keep decides what a rebuild stores again of a stream's messages.
+type keep int
+
+const (
+	keepLiveJobs keep = iota // jobs whose request is live at their generation
+	keepLatest               // a bucket's last value of each key (none for a deleted one)
+	keepAll
+)
+
+// storeTarget is one of pdq's file streams the doctor watches: where its
+// probe goes, and what a rebuild keeps.
+type storeTarget struct {
+	stream, probe string
+	keep          keep
+}
+
+// storeTargets are the file streams every request writes to.
+func storeTargets() []storeTarget {
+	return []storeTarget{
+		{stream: StreamPrefill, probe: subjectPrefill + "._probe", keep: keepLiveJobs},
+		{stream: StreamDecode, probe: subjectDecode + "._probe", keep: keepLiveJobs},
+		{stream: StreamRelease, probe: subjectRelease + "._probe", keep: keepAll},
+		{stream: "KV_" + BucketRequests, probe: "$KV." + BucketRequests + "._probe", keep: keepLatest},
+		{stream: "KV_" + BucketKVReads, probe: "$KV." + BucketKVReads + "._probe", keep: keepLatest},
+	}
+}
+
+// StoreHealth is what the doctor last saw of one stream's writes.
+type StoreHealth struct {
+	Stream string `json:"stream"`
+	// Stores is false while a probe gets no answer although the server
+	// answers about the stream: its store does not write.
+	Stores bool `json:"stores"`
+	// Since is when it stopped storing; Error what the last probe met.
+	Since time.Time `json:"since,omitzero"`
+	Error string    `json:"error,omitempty"`
+	// Rebuilt counts the rebuilds the doctor made of it.
+	Rebuilt int `json:"rebuilt,omitempty"`
+}
+
+// StoreDoctor watches pdq's file streams and rebuilds one whose store no
+// longer writes. See the comment at the top of this file.
+type StoreDoctor struct {
+	js      jetstream.JetStream
+	records *Records
+	metrics *Metrics
+	log     *slog.Logger
+	every   time.Duration
+
+	mu     sync.Mutex
+	health map[string]*StoreHealth
+	looks  map[string]int // probes in a row that found it not storing
+}
+
+// NewStoreDoctor returns a doctor for the streams js reaches; records
+// tells it which jobs are still live.
+func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, log *slog.Logger) *StoreDoctor {
+	d := &StoreDoctor{js: js, records: records, metrics: metrics, log: log, every: doctorEvery,
+		health: make(map[string]*StoreHealth), looks: make(map[string]int)}
+	for _, t := range storeTargets() {
+		d.health[t.stream] = &StoreHealth{Stream: t.stream, Stores: true}
+		metrics.storeWrites(t.stream, true)
+	}
+	return d
+}
+
+// Run probes the streams every doctorEvery until ctx ends.
+func (d *StoreDoctor) Run(ctx context.Context) {
+	t := time.NewTicker(d.every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		d.Check(ctx)
+	}
+}
+
+// Health is what the doctor last saw of each stream, in a fixed order.
+func (d *StoreDoctor) Health() []StoreHealth {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []StoreHealth
+	for _, t := range storeTargets() {
+		out = append(out, *d.health[t.stream])
+	}
+	return out
+}
+
+// NotStoring names the first stream that does not store, if any.
+func (d *StoreDoctor) NotStoring() (StoreHealth, bool) {
+	for _, h := range d.Health() {
+		if !h.Stores {
+			return h, true
+		}
+	}
+	return StoreHealth{}, false
+}
+
+// Check probes every stream once, and rebuilds those that have not stored
+// for brokenLooks probes when the store can write again.
+func (d *StoreDoctor) Check(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, t := range storeTargets() {
+		wg.Go(func() {
+			stores, err := ProbeStore(ctx, d.js, t.stream, t.probe)
+			if ctx.Err() != nil {
+				return
+			}
+			d.note(t.stream, stores, err)
+		})
+	}
+	wg.Wait()
+	for _, t := range storeTargets() {
+		d.mu.Lock()
+		due := d.looks[t.stream] >= brokenLooks
+		d.mu.Unlock()
+		if !due {
+			continue
+		}
+		if err := canWrite(ctx, d.js); err != nil {
+			d.log.Debug("the store cannot write yet; no rebuild", "stream", t.stream, logging.Err(err))
+			continue
+		}
+		if err := d.rebuild(ctx, t); err != nil {
+			d.log.Error("could not rebuild a stream whose store does not write", "stream", t.stream, logging.Err(err))
+			continue
+		}
+		d.note(t.stream, true, nil)
+		d.mu.Lock()
+		d.health[t.stream].Rebuilt++
+		d.mu.Unlock()
+	}
+}
+
+func (d *StoreDoctor) note(stream string, stores bool, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	h := d.health[stream]
+	switch {
+	case stores:
+		if !h.Stores {
+			d.log.Info("a stream stores again", "stream", stream, "after", time.Since(h.Since).Round(time.Millisecond).String())
+		}
+		h.Stores, h.Since, h.Error = true, time.Time{}, ""
+		d.looks[stream] = 0
+	case err != nil && errors.Is(err, ErrNotStoring):
+		d.looks[stream]++
+		if h.Stores {
+			h.Since = time.Now()
+			d.log.Error("a stream does not store: the server answers, but not its writes (its disk may be full)", "stream", stream, logging.Err(err))
+		}
+		h.Stores, h.Error = false, err.Error()
+	default:
+		// NATS down, or slow: not the store's fault, and not known.
+		d.looks[stream] = 0
+		return
+	}
+	d.metrics.storeWrites(stream, h.Stores)
+}
+
+// CheckStores probes each of pdq's file streams once, for pdq status: a
+// stream the server could not be asked about counts as storing, with the
+// error said.
+func CheckStores(ctx context.Context, js jetstream.JetStream) []StoreHealth {
+	targets := storeTargets()
+	out := make([]StoreHealth, len(targets))
+	var wg sync.WaitGroup
+	for i, t := range targets {
+		wg.Go(func() {
+			stores, err := ProbeStore(ctx, js, t.stream, t.probe)
+			out[i] = StoreHealth{Stream: t.stream, Stores: stores || !errors.Is(err, ErrNotStoring)}
+			if err != nil {
+				out[i].Error = err.Error()
+			}
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+// ProbeStore stores a probe on subject, in stream, and removes it. It
+// reports whether the stream stored it; ErrNotStoring when the server
+// answered about the stream but not the write; another error when the
+// server could not be asked.
+func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject string) (bool, error) {
+	pctx, cancel := context.WithTimeout(ctx, probeWait)
+	defer cancel()
+	msg := nats.NewMsg(subject)
+	bucket := strings.HasPrefix(subject, "$KV.")
+	if bucket {
+		// A bucket denies deletes: its probe is a delete marker, which
+		// every reader of the bucket takes for no key, and which the next
+		// probe replaces (one value a key).
+		msg.Header.Set(kvOperation, "DEL")
+	}
+	ack, err := js.PublishMsg(pctx, msg, jetstream.WithExpectStream(stream), jetstream.WithRetryAttempts(0))
+	if err == nil {
+		if !bucket {
+			ictx, icancel := context.WithTimeout(ctx, probeWait)
+			defer icancel()
+			if st, err := js.Stream(ictx, stream); err == nil {
+				st.DeleteMsg(ictx, ack.Sequence) // a leftover is a few bytes, gone with the stream's MaxAge
+			}
+		}
+		return true, nil
+	}
+	if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, nats.ErrNoResponders) {
+		// The server answered the write with an error (a limit): it
+		// stores, and says why not this time.
+		var apiErr *jetstream.APIError
+		if errors.As(err, &apiErr) {
+			return true, nil
+		}
+		return false, err
+	}
+	ictx, icancel := context.WithTimeout(ctx, probeWait)
+	defer icancel()
+	if _, ierr := js.Stream(ictx, stream); ierr != nil {
+		return false, fmt.Errorf("no answer to a write, nor about the stream: %w", ierr)
+	}
+	return false, fmt.Errorf("%w (%v)", ErrNotStoring, err)
+}
+
+// canWrite reports whether the store can write a new file store: a stream
+// made for the test, given a message, and deleted. It fails while the
+// disk is full.
+func canWrite(ctx context.Context, js jetstream.JetStream) error {
+	cctx, cancel := context.WithTimeout(ctx, 2*probeWait)
+	defer cancel()
+	name := "PDQ_PROBE_" + randomID()
+	subject := "pdq.probe." + strings.ToLower(name)
+	_, err := js.CreateStream(cctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject},
+		Storage: jetstream.FileStorage, MaxBytes: 1 << 20, MaxAge: time.Minute})
+	if err != nil {
+		return fmt.Errorf("create a stream: %w", err)
+	}
+	defer js.DeleteStream(context.WithoutCancel(cctx), name)
+	if _, err := js.Publish(cctx, subject, []byte("probe"), jetstream.WithRetryAttempts(0)); err != nil {
+		return fmt.Errorf("store a message: %w", err)
+	}
+	return nil
+}
+
+// rebuild reads what matters of t's stream, deletes it, creates it anew
+// with its settings, and stores what it read again.
+func (d *StoreDoctor) rebuild(ctx context.Context, t storeTarget) error {
+	start := time.Now()
+	st, err := d.js.Stream(ctx, t.stream)
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", t.stream, err)
+	}
+	info := st.CachedInfo()
+	kept, read, err := d.collect(ctx, st, info, t.keep)
+	if err != nil {
+		return err
+	}
+	// Another gateway's doctor may have rebuilt it meanwhile: delete only
+	// the stream that was read.
+	if now, err := d.js.Stream(ctx, t.stream); err != nil || !now.CachedInfo().Created.Equal(info.Created) {
+		return fmt.Errorf("stream %s changed while it was read (rebuilt elsewhere?)", t.stream)
+	}
+	if err := d.js.DeleteStream(ctx, t.stream); err != nil {
+		return fmt.Errorf("delete stream %s: %w", t.stream, err)
+	}
+	cfg := info.Config
+	if _, err := d.js.CreateStream(ctx, cfg); err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		return fmt.Errorf("create stream %s anew (its %d messages kept are lost): %w", t.stream, len(kept), err)
+	}
+	lost := 0
+	for _, m := range kept {
+		msg := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		for _, h := range republishDropped() {
+			msg.Header.Del(h)
+		}
+		if _, err := d.js.PublishMsg(ctx, msg); err != nil {
+			lost++
+			d.log.Warn("a message of a rebuilt stream could not be stored again", "stream", t.stream, "subject", m.Subject, logging.Err(err))
+		}
+	}
+	d.log.Warn("rebuilt a stream whose store did not write", "stream", t.stream, "messages_read", read,
+		"messages_kept", len(kept)-lost, "lost", lost, logging.Ms("took_ms", time.Since(start)))
+	return nil
+}
+
+// republishDropped are the headers a message read back is stored again
+// without: the expectations it was first published with, which the new
+// stream would check against its own sequences, and those a direct get
+// adds to its answer. A stored Nats-Sequence would stand before the one
+// a later direct get adds: a record's revision read wrong, and every
+// write of it refused.
+func republishDropped() []string {
+	return []string{
+		jetstream.ExpectedStreamHeader, jetstream.ExpectedLastSeqHeader, jetstream.ExpectedLastSubjSeqHeader,
+		jetstream.ExpectedLastSubjSeqSubjHeader, jetstream.ExpectedLastMsgIDHeader,
+		jetstream.StreamHeader, jetstream.SequenceHeader, jetstream.TimeStampHeaer, jetstream.SubjectHeader,
+		"Nats-Num-Pending", "Nats-Last-Sequence", "Nats-UpTo-Sequence",
+	}
+}
+
+// collect reads the stream's messages, and returns those to keep.
+func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *jetstream.StreamInfo, k keep) (kept []*jetstream.RawStreamMsg, read int, err error) {
+	latest := make(map[string]int) // subject → index in kept, for keepLatest
+	for seq := info.State.FirstSeq; seq > 0 && seq <= info.State.LastSeq; seq++ {
+		m, err := st.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, read, fmt.Errorf("read %s message %d: %w", info.Config.Name, seq, err)
+		}
+		read++
+		switch k {
+		case keepAll:
+			kept = append(kept, m)
+		case keepLatest:
+			if strings.HasSuffix(m.Subject, "._probe") {
+				continue
+			}
+			op := m.Header.Get("KV-Operation")
+			if i, ok := latest[m.Subject]; ok {
+				kept[i] = nil
+				delete(latest, m.Subject)
+			}
+			if op == "" {
+				latest[m.Subject] = len(kept)
+				kept = append(kept, m)
+			}
+		case keepLiveJobs:
+			if d.live(ctx, m) {
+				kept = append(kept, m)
+			}
+		}
+	}
+	out := kept[:0]
+	for _, m := range kept {
+		if m != nil {
+			out = append(out, m)
+		}
+	}
+	return out, read, nil
+}
+
+// live reports whether a stored job's request is still live at the job's
+// generation; a message that is not a job (a probe) is not.
+func (d *StoreDoctor) live(ctx context.Context, m *jetstream.RawStreamMsg) bool {
+	job, err := ParseJob(m.Header, m.Data)
+	if err != nil || job.ID == "" {
+		return false
+	}
+	r, _, err := d.records.Get(ctx, job.ID)
+	if errors.Is(err, ErrNoRecord) {
+		return false
+	}
+	if err != nil {
+		return true // not known: keep it, its pull checks it again
+	}
+	return r.Live() && r.Generation <= job.Generation
+}

@@ -1,0 +1,140 @@
+package dispatcher
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// A latched store needs a full disk (the fault suite's "a full JetStream
+// disk" makes one); these tests check, on a healthy server, what the
+// doctor does with what it finds.
+
+// TestProbeStore: a stream that stores answers the probe, which leaves
+// nothing behind.
+func TestProbeStore(t *testing.T) {
+	_, js := startJetStream(t)
+	ctx := context.Background()
+	for _, target := range storeTargets() {
+		stores, err := ProbeStore(ctx, js, target.stream, target.probe)
+		if !stores || err != nil {
+			t.Errorf("%s: stores %v, %v; want true", target.stream, stores, err)
+		}
+		st, err := js.Stream(ctx, target.stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := uint64(0)
+		if strings.HasPrefix(target.stream, "KV_") {
+			want = 1 // a delete marker: no key to the bucket's readers
+		}
+		if n := st.CachedInfo().State.Msgs; n != want {
+			t.Errorf("%s holds %d messages after a probe: want %d", target.stream, n, want)
+		}
+	}
+	records, err := OpenRecords(ctx, js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := records.List(ctx, func(r *Record) bool { t.Errorf("a record listed after the probes: %+v", r); return true }); err != nil {
+		t.Errorf("records listed after the probes: %v", err)
+	}
+	if h := CheckStores(ctx, js); len(h) != len(storeTargets()) || !h[0].Stores {
+		t.Errorf("CheckStores = %+v, want every stream storing", h)
+	}
+}
+
+// TestRebuildKeepsWhatMatters rebuilds the request records' bucket and the
+// prefill stream: the records come back as they were, and take writes (a
+// record stored again once kept the revision it was read at, in a header,
+// and every write of it was refused); of the jobs, only those whose
+// request is live at their generation come back, their message ids kept.
+func TestRebuildKeepsWhatMatters(t *testing.T) {
+	_, js := startJetStream(t)
+	ctx := context.Background()
+	records, err := OpenRecords(ctx, js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := PoolName(t.Name())
+	job := func(id string, generation int) {
+		j := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Generation: generation}
+		if _, err := js.PublishMsg(ctx, j.Msg(StagePrefill)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, r := range []struct {
+		id    string
+		gen   int
+		state State
+	}{{"live", 1, StateQueued}, {"ended", 1, StateFailed}, {"moved-on", 2, StateQueued}} {
+		if _, err := records.create(ctx, &Record{ID: r.id, State: StateQueued, Generation: 1, Created: time.Now()}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := records.Transition(ctx, r.id, func(rec *Record) error { rec.State, rec.Generation = r.state, r.gen; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		job(r.id, 1)
+	}
+	if _, err := js.Publish(ctx, KeeperSubject(StagePrefill), []byte(keeperNote)); err != nil {
+		t.Fatal(err)
+	}
+	d := NewStoreDoctor(js, records, nil, logging.Discard())
+	for _, target := range storeTargets() {
+		if target.stream != "KV_"+BucketRequests && target.stream != StreamPrefill {
+			continue
+		}
+		if err := d.rebuild(ctx, target); err != nil {
+			t.Fatalf("rebuild %s: %v", target.stream, err)
+		}
+	}
+
+	for _, id := range []string{"live", "ended", "moved-on"} {
+		r, _, err := records.Get(ctx, id)
+		if err != nil {
+			t.Fatalf("record %s after the rebuild: %v", id, err)
+		}
+		if _, err := records.Transition(ctx, id, func(rec *Record) error { rec.Replays++; return nil }); err != nil {
+			t.Errorf("record %s (%s) takes no write after the rebuild: %v", id, r.State, err)
+		}
+	}
+	st, err := js.Stream(ctx, StreamPrefill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(ctx, jetstream.WithSubjectFilter(">"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(info.State.Subjects) != 1 || info.State.Subjects[JobSubject(StagePrefill, pool, "live")] != 1 {
+		t.Fatalf("after the rebuild the prefill stream holds %v: want the live request's job alone", info.State.Subjects)
+	}
+	m, err := st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, "live"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := m.Header.Get(jetstream.MsgIDHeader), "live/p1"; got != want {
+		t.Errorf("the job kept message id %q, want %q", got, want)
+	}
+	if m.Header.Get(jetstream.SequenceHeader) != "" && m.Header.Values(jetstream.SequenceHeader)[0] != "1" {
+		t.Errorf("the job was stored with its old sequence in a header: %v", m.Header)
+	}
+	// A consumer works on the stream made anew.
+	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := cons.Next(jetstream.FetchMaxWait(5 * time.Second)); err != nil || got.Headers().Get(jetstream.MsgIDHeader) != "live/p1" {
+		t.Errorf("pull after the rebuild: %v %v", got, err)
+	}
+	if _, _, err := records.Get(ctx, "gone"); !errors.Is(err, ErrNoRecord) {
+		t.Errorf("a record never written: %v", err)
+	}
+}
