@@ -7,8 +7,10 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -26,9 +28,12 @@ import (
 // matter, deletes the stream, creates it anew with the same settings (a
 // new store, without the latch) and stores them again. What it keeps is
 // what pdq's checks would act on: a job whose request is still live at its
-// generation, a bucket's latest value of each key, every release; a
-// delivery running meanwhile meets its job again, and pdq's checks for a
-// redelivery (records, the running query, the KV claims) apply.
+// generation and that its consumer has not acked, a bucket's latest value
+// of each key, every release. A job stored again is marked (HeaderRebuilt)
+// and judged as a redelivery: a delivery still running meets it, and the
+// checks for a redelivery apply (records, the handoff stored, the running
+// query, the KV claims). Only a stream of one replica is rebuilt: a
+// replica whose store latched steps down, and another leads.
 
 // doctorEvery is how often the doctor probes each store.
 const doctorEvery = 5 * time.Second
@@ -57,16 +62,22 @@ type storeTarget struct {
 	keep          keep
 }
 
-// storeTargets are the file streams every request writes to.
+// storeTargets are the file streams every request writes to, the buckets
+// first: a rebuild of a stage stream asks the records which jobs are live.
+// A stage stream's probe subject is a token short of any job's; a
+// bucket's probe key is no request id (they have no dots).
 func storeTargets() []storeTarget {
 	return []storeTarget{
-		{stream: StreamPrefill, probe: subjectPrefill + "._probe", keep: keepLiveJobs},
-		{stream: StreamDecode, probe: subjectDecode + "._probe", keep: keepLiveJobs},
-		{stream: StreamRelease, probe: subjectRelease + "._probe", keep: keepAll},
-		{stream: "KV_" + BucketRequests, probe: "$KV." + BucketRequests + "._probe", keep: keepLatest},
-		{stream: "KV_" + BucketKVReads, probe: "$KV." + BucketKVReads + "._probe", keep: keepLatest},
+		{stream: "KV_" + BucketRequests, probe: "$KV." + BucketRequests + "." + probeToken, keep: keepLatest},
+		{stream: "KV_" + BucketKVReads, probe: "$KV." + BucketKVReads + "." + probeToken, keep: keepLatest},
+		{stream: StreamPrefill, probe: subjectPrefill + "." + probeToken, keep: keepLiveJobs},
+		{stream: StreamDecode, probe: subjectDecode + "." + probeToken, keep: keepLiveJobs},
+		{stream: StreamRelease, probe: subjectRelease + "." + probeToken, keep: keepAll},
 	}
 }
+
+// probeToken ends every probe's subject.
+const probeToken = "_pdq.probe"
 
 // StoreHealth is what the doctor last saw of one stream's writes.
 type StoreHealth struct {
@@ -93,6 +104,9 @@ type StoreDoctor struct {
 	mu     sync.Mutex
 	health map[string]*StoreHealth
 	looks  map[string]int // probes in a row that found it not storing
+	// broken counts the streams not storing, for NotStoring's every
+	// request.
+	broken atomic.Int32
 }
 
 // NewStoreDoctor returns a doctor for the streams js reaches; records
@@ -102,7 +116,7 @@ func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, 
 		health: make(map[string]*StoreHealth), looks: make(map[string]int)}
 	for _, t := range storeTargets() {
 		d.health[t.stream] = &StoreHealth{Stream: t.stream, Stores: true}
-		metrics.storeWrites(t.stream, true)
+		metrics.storeWritable(t.stream, true)
 	}
 	return d
 }
@@ -134,6 +148,9 @@ func (d *StoreDoctor) Health() []StoreHealth {
 
 // NotStoring names the first stream that does not store, if any.
 func (d *StoreDoctor) NotStoring() (StoreHealth, bool) {
+	if d.broken.Load() == 0 {
+		return StoreHealth{}, false
+	}
 	for _, h := range d.Health() {
 		if !h.Stores {
 			return h, true
@@ -163,7 +180,7 @@ func (d *StoreDoctor) Check(ctx context.Context) {
 		if !due {
 			continue
 		}
-		if err := canWrite(ctx, d.js); err != nil {
+		if err := d.canWrite(ctx); err != nil {
 			d.log.Debug("the store cannot write yet; no rebuild", "stream", t.stream, logging.Err(err))
 			continue
 		}
@@ -185,6 +202,7 @@ func (d *StoreDoctor) note(stream string, stores bool, err error) {
 	switch {
 	case stores:
 		if !h.Stores {
+			d.broken.Add(-1)
 			d.log.Info("a stream stores again", "stream", stream, "after", time.Since(h.Since).Round(time.Millisecond).String())
 		}
 		h.Stores, h.Since, h.Error = true, time.Time{}, ""
@@ -192,6 +210,7 @@ func (d *StoreDoctor) note(stream string, stores bool, err error) {
 	case err != nil && errors.Is(err, ErrNotStoring):
 		d.looks[stream]++
 		if h.Stores {
+			d.broken.Add(1)
 			h.Since = time.Now()
 			d.log.Error("a stream does not store: the server answers, but not its writes (its disk may be full)", "stream", stream, logging.Err(err))
 		}
@@ -201,7 +220,7 @@ func (d *StoreDoctor) note(stream string, stores bool, err error) {
 		d.looks[stream] = 0
 		return
 	}
-	d.metrics.storeWrites(stream, h.Stores)
+	d.metrics.storeWritable(stream, h.Stores)
 }
 
 // CheckStores probes each of pdq's file streams once, for pdq status: a
@@ -270,25 +289,38 @@ func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject str
 // canWrite reports whether the store can write a new file store: a stream
 // made for the test, given a message, and deleted. It fails while the
 // disk is full.
-func canWrite(ctx context.Context, js jetstream.JetStream) error {
+func (d *StoreDoctor) canWrite(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 2*probeWait)
 	defer cancel()
 	name := "PDQ_PROBE_" + randomID()
 	subject := "pdq.probe." + strings.ToLower(name)
-	_, err := js.CreateStream(cctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject},
-		Storage: jetstream.FileStorage, MaxBytes: 1 << 20, MaxAge: time.Minute})
-	if err != nil {
+	if _, err := d.js.CreateStream(cctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject},
+		Storage: jetstream.FileStorage, MaxBytes: 1 << 20, MaxAge: time.Minute}); err != nil {
 		return fmt.Errorf("create a stream: %w", err)
 	}
-	defer js.DeleteStream(context.WithoutCancel(cctx), name)
-	if _, err := js.Publish(cctx, subject, []byte("probe"), jetstream.WithRetryAttempts(0)); err != nil {
+	defer func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*probeWait)
+		defer cancel()
+		if err := d.js.DeleteStream(dctx, name); err != nil {
+			d.log.Warn("could not delete the stream made to test the store; delete it by hand", "stream", name, logging.Err(err))
+		}
+	}()
+	if _, err := d.js.Publish(cctx, subject, []byte("probe"), jetstream.WithRetryAttempts(0)); err != nil {
 		return fmt.Errorf("store a message: %w", err)
 	}
 	return nil
 }
 
+// rebuildWait bounds a rebuild's making the stream anew and storing its
+// messages again, whatever becomes of the gateway meanwhile: the stream
+// is gone from the moment it is deleted.
+const rebuildWait = time.Minute
+
 // rebuild reads what matters of t's stream, deletes it, creates it anew
-// with its settings, and stores what it read again.
+// with its settings, and stores what it read again. It stops before the
+// delete if the stream is not latched after all: several replicas, a
+// probe that it answers now, or a message stored while it was read (a
+// latched store stores nothing).
 func (d *StoreDoctor) rebuild(ctx context.Context, t storeTarget) error {
 	start := time.Now()
 	st, err := d.js.Stream(ctx, t.stream)
@@ -296,20 +328,49 @@ func (d *StoreDoctor) rebuild(ctx context.Context, t storeTarget) error {
 		return fmt.Errorf("stream %s: %w", t.stream, err)
 	}
 	info := st.CachedInfo()
+	if info.Config.Replicas > 1 {
+		return fmt.Errorf("stream %s has %d replicas: not rebuilt (another replica takes over from one whose store latched)", t.stream, info.Config.Replicas)
+	}
 	kept, read, err := d.collect(ctx, st, info, t.keep)
 	if err != nil {
 		return err
 	}
-	// Another gateway's doctor may have rebuilt it meanwhile: delete only
-	// the stream that was read.
-	if now, err := d.js.Stream(ctx, t.stream); err != nil || !now.CachedInfo().Created.Equal(info.Created) {
-		return fmt.Errorf("stream %s changed while it was read (rebuilt elsewhere?)", t.stream)
+	if stores, err := ProbeStore(ctx, d.js, t.stream, t.probe); stores || !errors.Is(err, ErrNotStoring) {
+		return fmt.Errorf("stream %s stores, or cannot be asked, after all: not rebuilt (%v)", t.stream, err)
 	}
+	now, err := d.js.Stream(ctx, t.stream)
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", t.stream, err)
+	}
+	if ni := now.CachedInfo(); !ni.Created.Equal(info.Created) || ni.State.LastSeq != info.State.LastSeq {
+		return fmt.Errorf("stream %s changed while it was read (stored a message, or rebuilt elsewhere): not rebuilt", t.stream)
+	}
+	return d.remake(ctx, t, info, kept, read, start)
+}
+
+// remake deletes t's stream, creates it anew with info's settings, and
+// stores kept in it again.
+func (d *StoreDoctor) remake(ctx context.Context, t storeTarget, info *jetstream.StreamInfo, kept []*jetstream.RawStreamMsg, read int, start time.Time) error {
 	if err := d.js.DeleteStream(ctx, t.stream); err != nil {
 		return fmt.Errorf("delete stream %s: %w", t.stream, err)
 	}
+	// From here on the stream is gone: make it and store its messages
+	// again whatever happens to ctx.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rebuildWait)
+	defer cancel()
 	cfg := info.Config
-	if _, err := d.js.CreateStream(ctx, cfg); err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+	// Sequences, and so a bucket's revisions, go on from the old stream's:
+	// an ack of an old delivery, or a revision read before, must not meet
+	// a message of the new stream under the same number.
+	cfg.FirstSeq = info.State.LastSeq + 1
+	b := backoff.WithContext(backoff.NewExponentialBackOff(), wctx)
+	if err := backoff.Retry(func() error {
+		_, err := d.js.CreateStream(wctx, cfg)
+		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return nil
+		}
+		return err
+	}, b); err != nil {
 		return fmt.Errorf("create stream %s anew (its %d messages kept are lost): %w", t.stream, len(kept), err)
 	}
 	lost := 0
@@ -318,7 +379,10 @@ func (d *StoreDoctor) rebuild(ctx context.Context, t storeTarget) error {
 		for _, h := range republishDropped() {
 			msg.Header.Del(h)
 		}
-		if _, err := d.js.PublishMsg(ctx, msg); err != nil {
+		if t.keep == keepLiveJobs {
+			msg.Header.Set(HeaderRebuilt, "true")
+		}
+		if _, err := d.js.PublishMsg(wctx, msg); err != nil {
 			lost++
 			d.log.Warn("a message of a rebuilt stream could not be stored again", "stream", t.stream, "subject", m.Subject, logging.Err(err))
 		}
@@ -343,35 +407,48 @@ func republishDropped() []string {
 	}
 }
 
-// collect reads the stream's messages, and returns those to keep.
+// collect reads the stream's messages, and returns those to keep. It asks
+// for each next message, so the gaps acked jobs left cost nothing.
 func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *jetstream.StreamInfo, k keep) (kept []*jetstream.RawStreamMsg, read int, err error) {
+	var acked map[string]uint64 // a job stage's consumer filters: its ack floor
+	if k == keepLiveJobs {
+		if acked, err = ackFloors(ctx, st); err != nil {
+			return nil, 0, err
+		}
+	}
 	latest := make(map[string]int) // subject → index in kept, for keepLatest
 	for seq := info.State.FirstSeq; seq > 0 && seq <= info.State.LastSeq; seq++ {
-		m, err := st.GetMsg(ctx, seq)
+		m, err := st.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(">"))
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
+			break // none after seq
 		}
 		if err != nil {
 			return nil, read, fmt.Errorf("read %s message %d: %w", info.Config.Name, seq, err)
 		}
+		seq = m.Sequence
+		if seq > info.State.LastSeq {
+			break
+		}
 		read++
+		if strings.HasSuffix(m.Subject, "."+probeToken) {
+			continue
+		}
 		switch k {
 		case keepAll:
 			kept = append(kept, m)
 		case keepLatest:
-			if strings.HasSuffix(m.Subject, "._probe") {
-				continue
-			}
-			op := m.Header.Get("KV-Operation")
 			if i, ok := latest[m.Subject]; ok {
 				kept[i] = nil
 				delete(latest, m.Subject)
 			}
-			if op == "" {
+			if op := m.Header.Get(kvOperation); op == "" {
 				latest[m.Subject] = len(kept)
 				kept = append(kept, m)
 			}
 		case keepLiveJobs:
+			if floor, ok := acked[jobFilter(m.Subject)]; ok && seq <= floor {
+				continue // acked: its removal is what the store failed to write
+			}
 			if d.live(ctx, m) {
 				kept = append(kept, m)
 			}
@@ -384,6 +461,29 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 		}
 	}
 	return out, read, nil
+}
+
+// ackFloors maps each consumer's filter subject to its ack floor: every
+// message of the filter at or below it was acked.
+func ackFloors(ctx context.Context, st jetstream.Stream) (map[string]uint64, error) {
+	floors := make(map[string]uint64)
+	list := st.ListConsumers(ctx)
+	for ci := range list.Info() {
+		floors[ci.Config.FilterSubject] = ci.AckFloor.Stream
+	}
+	if err := list.Err(); err != nil {
+		return nil, fmt.Errorf("list the consumers of %s: %w", st.CachedInfo().Config.Name, err)
+	}
+	return floors, nil
+}
+
+// jobFilter is the consumer filter a job's subject falls under:
+// pdq.<stage>.<pool>.> for pdq.<stage>.<pool>.<id>.
+func jobFilter(subject string) string {
+	if i := strings.LastIndexByte(subject, '.'); i > 0 {
+		return subject[:i] + ".>"
+	}
+	return subject
 }
 
 // live reports whether a stored job's request is still live at the job's

@@ -35,6 +35,9 @@ func TestProbeStore(t *testing.T) {
 		if strings.HasPrefix(target.stream, "KV_") {
 			want = 1 // a delete marker: no key to the bucket's readers
 		}
+		if !strings.HasSuffix(target.probe, "."+probeToken) {
+			t.Errorf("%s: probe subject %s", target.stream, target.probe)
+		}
 		if n := st.CachedInfo().State.Msgs; n != want {
 			t.Errorf("%s holds %d messages after a probe: want %d", target.stream, n, want)
 		}
@@ -91,8 +94,22 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 		if target.stream != "KV_"+BucketRequests && target.stream != StreamPrefill {
 			continue
 		}
-		if err := d.rebuild(ctx, target); err != nil {
-			t.Fatalf("rebuild %s: %v", target.stream, err)
+		// A stream that stores is not rebuilt...
+		if err := d.rebuild(ctx, target); err == nil {
+			t.Fatalf("rebuilt %s, which stores", target.stream)
+		}
+		// ...but here it is, as if it had stopped storing.
+		st, err := js.Stream(ctx, target.stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info := st.CachedInfo()
+		kept, read, err := d.collect(ctx, st, info, target.keep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.remake(ctx, target, info, kept, read, time.Now()); err != nil {
+			t.Fatalf("remake %s: %v", target.stream, err)
 		}
 	}
 
@@ -123,8 +140,11 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 	if got, want := m.Header.Get(jetstream.MsgIDHeader), "live/p1"; got != want {
 		t.Errorf("the job kept message id %q, want %q", got, want)
 	}
-	if m.Header.Get(jetstream.SequenceHeader) != "" && m.Header.Values(jetstream.SequenceHeader)[0] != "1" {
-		t.Errorf("the job was stored with its old sequence in a header: %v", m.Header)
+	if m.Header.Get(HeaderRebuilt) == "" {
+		t.Errorf("the job stored again is not marked so: %v", m.Header)
+	}
+	if m.Sequence <= 3 {
+		t.Errorf("the job stored again has sequence %d: want the old stream's sequences gone on (over 3)", m.Sequence)
 	}
 	// A consumer works on the stream made anew.
 	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)

@@ -196,17 +196,19 @@ func (j *Job) MsgID(stage Stage) string {
 
 // Headers of a job message.
 const (
-	HeaderVersion      = "Pdq-Version"
-	HeaderID           = "Pdq-Id"
-	HeaderModel        = "Pdq-Model"
-	HeaderPool         = "Pdq-Pool"
-	HeaderEndpoint     = "Pdq-Endpoint"
-	HeaderStream       = "Pdq-Stream"
-	HeaderReplyTo      = "Pdq-Reply-To"
-	HeaderDeadline     = "Pdq-Deadline"   // Unix milliseconds
-	HeaderGeneration   = "Pdq-Generation" // from 1
-	HeaderOrigin       = "Pdq-Origin"     // the generation the request was claimed at
-	HeaderSubmitted    = "Pdq-Submitted"  // Unix microseconds
+	HeaderVersion    = "Pdq-Version"
+	HeaderID         = "Pdq-Id"
+	HeaderModel      = "Pdq-Model"
+	HeaderPool       = "Pdq-Pool"
+	HeaderEndpoint   = "Pdq-Endpoint"
+	HeaderStream     = "Pdq-Stream"
+	HeaderReplyTo    = "Pdq-Reply-To"
+	HeaderDeadline   = "Pdq-Deadline"   // Unix milliseconds
+	HeaderGeneration = "Pdq-Generation" // from 1
+	// HeaderRebuilt marks a job the store doctor stored again (doctor.go).
+	HeaderRebuilt      = "Pdq-Rebuilt"
+	HeaderOrigin       = "Pdq-Origin"    // the generation the request was claimed at
+	HeaderSubmitted    = "Pdq-Submitted" // Unix microseconds
 	HeaderPromptTokens = "Pdq-Prompt-Tokens"
 	HeaderOwner        = "Pdq-Owner"
 	// HeaderParts lists the parts of a version 3 payload after the body,

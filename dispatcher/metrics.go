@@ -36,8 +36,8 @@ type Metrics struct {
 	// sent back to prefill.
 	engineSlots    *prometheus.GaugeVec
 	wastedPrefills *prometheus.CounterVec
-	// storeStores is whether each of pdq's file streams stores writes.
-	storeStores *prometheus.GaugeVec
+	// storeWritableVec is whether each of pdq's file streams stores writes.
+	storeWritableVec *prometheus.GaugeVec
 }
 
 // Bucket boundaries fit LLM serving: a first token from 10 ms to 60 s, a
@@ -125,7 +125,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
 	}, []string{"stage", "engine"})
-	m.storeStores = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+	m.storeWritableVec = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_store_writable", Help: "1 while a stream of pdq's stores writes, 0 while the server answers about it but not its writes (its disk may be full), as the gateway's store doctor last probed it.",
 	}, []string{"stream"})
 	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -166,7 +166,7 @@ func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
 		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
 		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp, m.engineSlots, m.wastedPrefills, m.storeStores}
+		m.inflight, m.queueDepth, m.engineUp, m.engineSlots, m.wastedPrefills, m.storeWritableVec}
 }
 
 // pool shows the series of a pool's stage from the start.
@@ -276,13 +276,13 @@ func (m *Metrics) EngineSlots(stage Stage, engine string, n int) {
 	}
 }
 
-func (m *Metrics) storeWrites(stream string, stores bool) {
+func (m *Metrics) storeWritable(stream string, stores bool) {
 	if m != nil {
 		v := 0.0
 		if stores {
 			v = 1
 		}
-		m.storeStores.WithLabelValues(stream).Set(v)
+		m.storeWritableVec.WithLabelValues(stream).Set(v)
 	}
 }
 

@@ -50,6 +50,12 @@ type settle struct {
 // settleOf settles a delivery of job, its attempt-th, logging with the
 // request's id, generation and attempt.
 func (l *StageLoop) settleOf(msg jetstream.Msg, job *Job, attempt int) *settle {
+	if attempt == 1 && msg.Headers().Get(HeaderRebuilt) != "" {
+		// Stored again by a rebuild of its stream (see doctor.go): a first
+		// delivery to NATS, but it may have run before, and is judged as
+		// a redelivery.
+		attempt = 2
+	}
 	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: randomID(),
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 }
@@ -845,6 +851,16 @@ func storeDeadLetter(ctx context.Context, js jetstream.Publisher, m *nats.Msg, i
 		if isFull(err) {
 			metrics.deadLetterRefused(stage)
 			return fmt.Errorf("%w (%d entries or %d bytes): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
+		}
+		if unanswered(err) {
+			if _, ok := answersAbout(ctx, js, m.Subject); ok {
+				// It answers about itself, not the entry: its store does
+				// not write (a full disk), and will not until NATS restarts
+				// (the store doctor leaves PDQ_DLQ alone). Refused, as
+				// when full.
+				metrics.deadLetterRefused(stage)
+				return fmt.Errorf("%w: %w: %w", errDLQFull, ErrNotStoring, err)
+			}
 		}
 		return err
 	}

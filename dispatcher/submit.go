@@ -123,15 +123,21 @@ func (s *Submitter) claim(ctx context.Context, rec *Record) (uint64, error) {
 		return s.records.create(cctx, rec)
 	}
 	rev, err := create()
-	for i := range 3 {
+	var lasts []uint64 // the bucket's last sequence after each unanswered create, while it answers
+	for range 3 {
 		if !noAnswer(err) || ctx.Err() != nil {
 			return rev, err
 		}
 		old, orev, gerr := s.records.Get(ctx, rec.ID)
+		if errors.Is(gerr, ErrNoRecord) {
+			if last, ok := answersAbout(ctx, s.js, "$KV."+BucketRequests+"."+rec.ID); ok {
+				lasts = append(lasts, last)
+			}
+		}
 		switch {
-		case errors.Is(gerr, ErrNoRecord) && i+1 >= notStoringAfter && answersAbout(ctx, s.js, "$KV."+BucketRequests+"."+rec.ID):
-			// The bucket answers reads but not writes: its store does
-			// not write (see doctor.go).
+		case errors.Is(gerr, ErrNoRecord) && len(lasts) >= 2 && lasts[len(lasts)-1] == lasts[len(lasts)-2]:
+			// Twice unanswered, not stored, and nothing stored in between:
+			// the bucket's store does not write (see doctor.go).
 			return 0, fmt.Errorf("claim %s: %w", rec.ID, ErrNotStoring)
 		case errors.Is(gerr, ErrNoRecord):
 			rev, err = create()
@@ -242,7 +248,7 @@ const (
 // (for a duplicate, the earlier message's).
 func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
 	giveUp := time.Now().Add(publishFailover)
-	silent := 0 // attempts in a row the stream's leader did not answer
+	silent, last := 0, uint64(0) // unanswered attempts in a row; the stream's last sequence at the first
 	for {
 		actx, cancel := context.WithTimeout(ctx, publishAttempt)
 		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(publishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
@@ -255,12 +261,18 @@ func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uin
 		case isFull(err):
 			return 0, fmt.Errorf("publish %s: %w: %w", msg.Subject, ErrQueueFull, err)
 		case ctx.Err() == nil && time.Now().Before(giveUp) && unanswered(err):
-			if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) {
-				silent++
-			} else {
+			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, nats.ErrTimeout) {
 				silent = 0 // no leader yet: a failover
+				continue
 			}
-			if silent >= notStoringAfter && answersAbout(ctx, js, msg.Subject) {
+			seq, ok := answersAbout(ctx, js, msg.Subject)
+			switch {
+			case !ok:
+				silent = 0
+			case silent == 0 || seq != last:
+				silent, last = 1, seq
+			default:
+				// Unanswered twice, with nothing stored in between.
 				return 0, fmt.Errorf("publish %s: %w", msg.Subject, ErrNotStoring)
 			}
 			continue
@@ -269,32 +281,36 @@ func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uin
 	}
 }
 
-// ErrNotStoring means a stream's leader answers about the stream but not
-// its writes: its store latched a write error (a full disk; see
-// doctor.go). Nothing was stored; trying again does not help until the
-// stream is rebuilt.
+// ErrNotStoring means a stream answers about itself but stores nothing it
+// is sent: its store latched a write error (a full disk; see doctor.go).
+// Trying again does not help until the stream is rebuilt.
 var ErrNotStoring = errors.New("the stream does not store (its disk may be full)")
 
-// notStoringAfter is how many unanswered attempts in a row, with the
-// stream's leader answering about it, make a stream not storing: a write
-// sent to a leader that was dying meets one, then the new leader answers.
-const notStoringAfter = 2
-
-// answersAbout reports whether the server answers, within a second, about
-// the stream that stores subject: it has a leader.
-func answersAbout(ctx context.Context, js jetstream.Publisher, subject string) bool {
-	sm, ok := js.(jetstream.StreamManager)
-	if !ok {
-		return false
+// answersAbout reports whether the stream that stores subject answers
+// about itself, within a second, and its last sequence. Only a stream of
+// one replica counts: one of several whose leader stops answering hands
+// over to another replica (a store that latched a write error steps
+// down), and what looks like not storing is a failover.
+func answersAbout(ctx context.Context, js jetstream.Publisher, subject string) (last uint64, ok bool) {
+	sm, isManager := js.(jetstream.StreamManager)
+	if !isManager {
+		return 0, false
 	}
 	actx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	name, err := sm.StreamNameBySubject(actx, subject)
 	if err != nil {
-		return false
+		return 0, false
 	}
-	_, err = sm.Stream(actx, name)
-	return err == nil
+	st, err := sm.Stream(actx, name)
+	if err != nil {
+		return 0, false
+	}
+	info := st.CachedInfo()
+	if info.Config.Replicas > 1 || info.Cluster != nil && info.Cluster.Leader == "" {
+		return 0, false
+	}
+	return info.State.LastSeq, true
 }
 
 // unanswered reports whether a publish failed for want of an answer (no

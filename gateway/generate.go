@@ -540,6 +540,13 @@ func (h *handlers) failed(job *dispatcher.Job, r dispatcher.Reply, log *slog.Log
 	if e, ok := openai.ParseError(r.Data); ok {
 		why = e.Message
 	}
+	state := dispatcher.StateFailed
+	switch status {
+	case http.StatusGatewayTimeout:
+		state = dispatcher.StateExpired
+	case 499:
+		state = dispatcher.StateCancelled
+	}
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -547,7 +554,7 @@ func (h *handlers) failed(job *dispatcher.Job, r dispatcher.Reply, log *slog.Log
 			if rec.State.Ended() || rec.Gateway != h.id {
 				return dispatcher.ErrNoChange
 			}
-			rec.State, rec.Error = dispatcher.StateFailed, &dispatcher.RecordError{Status: status, Message: why}
+			rec.State, rec.Error = state, &dispatcher.RecordError{Status: status, Message: why}
 			return nil
 		}, log)
 	}()
