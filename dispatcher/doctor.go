@@ -64,20 +64,28 @@ type storeTarget struct {
 
 // storeTargets are the file streams every request writes to, the buckets
 // first: a rebuild of a stage stream asks the records which jobs are live.
-// A stage stream's probe subject is a token short of any job's; a
-// bucket's probe key is no request id (they have no dots).
 func storeTargets() []storeTarget {
 	return []storeTarget{
-		{stream: "KV_" + BucketRequests, probe: "$KV." + BucketRequests + "." + probeToken, keep: keepLatest},
-		{stream: "KV_" + BucketKVReads, probe: "$KV." + BucketKVReads + "." + probeToken, keep: keepLatest},
+		{stream: "KV_" + BucketRequests, probe: "$KV." + BucketRequests + "." + probeKey, keep: keepLatest},
+		{stream: "KV_" + BucketKVReads, probe: "$KV." + BucketKVReads + "." + probeKey, keep: keepLatest},
 		{stream: StreamPrefill, probe: subjectPrefill + "." + probeToken, keep: keepLiveJobs},
 		{stream: StreamDecode, probe: subjectDecode + "." + probeToken, keep: keepLiveJobs},
 		{stream: StreamRelease, probe: subjectRelease + "." + probeToken, keep: keepAll},
 	}
 }
 
-// probeToken ends every probe's subject.
-const probeToken = "_pdq.probe"
+// A stream's probe subject is a token short of any job's (pdq.<stage>.
+// <pool>.<id>), so no pool's consumer takes it; a bucket's probe key has a
+// dot, which no request id has.
+const (
+	probeToken = "_pdq_probe"
+	probeKey   = "_pdq.probe"
+)
+
+// isProbe reports whether subject is a probe's.
+func isProbe(subject string) bool {
+	return strings.HasSuffix(subject, "."+probeToken) || strings.HasSuffix(subject, "."+probeKey)
+}
 
 // StoreHealth is what the doctor last saw of one stream's writes.
 type StoreHealth struct {
@@ -95,6 +103,7 @@ type StoreHealth struct {
 // StoreDoctor watches pdq's file streams and rebuilds one whose store no
 // longer writes. See the comment at the top of this file.
 type StoreDoctor struct {
+	id      string // in the rebuilds it takes
 	js      jetstream.JetStream
 	records *Records
 	metrics *Metrics
@@ -112,7 +121,7 @@ type StoreDoctor struct {
 // NewStoreDoctor returns a doctor for the streams js reaches; records
 // tells it which jobs are still live.
 func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, log *slog.Logger) *StoreDoctor {
-	d := &StoreDoctor{js: js, records: records, metrics: metrics, log: log, every: doctorEvery,
+	d := &StoreDoctor{id: randomID(), js: js, records: records, metrics: metrics, log: log, every: doctorEvery,
 		health: make(map[string]*StoreHealth), looks: make(map[string]int)}
 	for _, t := range storeTargets() {
 		d.health[t.stream] = &StoreHealth{Stream: t.stream, Stores: true}
@@ -184,7 +193,13 @@ func (d *StoreDoctor) Check(ctx context.Context) {
 			d.log.Debug("the store cannot write yet; no rebuild", "stream", t.stream, logging.Err(err))
 			continue
 		}
-		if err := d.rebuild(ctx, t); err != nil {
+		unlock, ok := d.lock(ctx, t.stream)
+		if !ok {
+			continue // another gateway rebuilds it
+		}
+		err := d.rebuild(ctx, t)
+		unlock()
+		if err != nil {
 			d.log.Error("could not rebuild a stream whose store does not write", "stream", t.stream, logging.Err(err))
 			continue
 		}
@@ -286,6 +301,44 @@ func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject str
 	return false, fmt.Errorf("%w (%v)", ErrNotStoring, err)
 }
 
+// bucketDoctor holds the rebuilds under way, one key a stream: one
+// gateway rebuilds a stream at a time. Memory storage, so that it takes
+// writes while the disk is full; made when first needed.
+const bucketDoctor = "pdq_doctor"
+
+// lock takes the rebuild of stream for this doctor, until unlock, or
+// twice the longest a rebuild takes.
+func (d *StoreDoctor) lock(ctx context.Context, stream string) (unlock func(), ok bool) {
+	lctx, cancel := context.WithTimeout(ctx, probeWait)
+	defer cancel()
+	kv, err := d.js.KeyValue(lctx, bucketDoctor)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		kv, err = d.js.CreateKeyValue(lctx, jetstream.KeyValueConfig{Bucket: bucketDoctor,
+			Description: "streams a gateway's store doctor is rebuilding", TTL: 2 * rebuildWait,
+			Storage: jetstream.MemoryStorage, History: 1})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			kv, err = d.js.KeyValue(lctx, bucketDoctor)
+		}
+	}
+	if err != nil {
+		d.log.Warn("could not take the rebuild of a stream", "stream", stream, logging.Err(err))
+		return nil, false
+	}
+	if _, err := kv.Create(lctx, stream, []byte(d.id)); err != nil {
+		if !errors.Is(err, jetstream.ErrKeyExists) {
+			d.log.Warn("could not take the rebuild of a stream", "stream", stream, logging.Err(err))
+		}
+		return nil, false
+	}
+	return func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), probeWait)
+		defer cancel()
+		if err := kv.Delete(uctx, stream); err != nil {
+			d.log.Warn("could not give back the rebuild of a stream: another gateway may take it when it expires", "stream", stream, logging.Err(err))
+		}
+	}, true
+}
+
 // canWrite reports whether the store can write a new file store: a stream
 // made for the test, given a message, and deleted. It fails while the
 // disk is full.
@@ -367,7 +420,9 @@ func (d *StoreDoctor) remake(ctx context.Context, t storeTarget, info *jetstream
 	if err := backoff.Retry(func() error {
 		_, err := d.js.CreateStream(wctx, cfg)
 		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-			return nil
+			// Made meanwhile (a process that found it missing), perhaps
+			// from sequence 1: an empty one goes on from the old stream's.
+			return d.goOn(wctx, t.stream, cfg.FirstSeq)
 		}
 		return err
 	}, b); err != nil {
@@ -392,6 +447,26 @@ func (d *StoreDoctor) remake(ctx context.Context, t storeTarget, info *jetstream
 	return nil
 }
 
+// goOn makes an empty stream's sequences go on from first; a stream that
+// holds messages numbered below it is left as it is, and said.
+func (d *StoreDoctor) goOn(ctx context.Context, stream string, first uint64) error {
+	st, err := d.js.Stream(ctx, stream)
+	if err != nil {
+		return err
+	}
+	state := st.CachedInfo().State
+	switch {
+	case state.LastSeq+1 >= first:
+	case state.Msgs == 0:
+		if err := st.Purge(ctx, jetstream.WithPurgeSequence(first)); err != nil {
+			return fmt.Errorf("number stream %s on from %d: %w", stream, first, err)
+		}
+	default:
+		d.log.Warn("a stream made anew elsewhere holds messages numbered below the old stream's: a late ack of an old delivery may settle one of them", "stream", stream)
+	}
+	return nil
+}
+
 // republishDropped are the headers a message read back is stored again
 // without: the expectations it was first published with, which the new
 // stream would check against its own sequences, and those a direct get
@@ -410,8 +485,8 @@ func republishDropped() []string {
 // collect reads the stream's messages, and returns those to keep. It asks
 // for each next message, so the gaps acked jobs left cost nothing.
 func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *jetstream.StreamInfo, k keep) (kept []*jetstream.RawStreamMsg, read int, err error) {
-	var acked map[string]uint64 // a job stage's consumer filters: its ack floor
-	if k == keepLiveJobs {
+	var acked map[string]uint64 // each consumer's filter: its ack floor
+	if k != keepLatest {
 		if acked, err = ackFloors(ctx, st); err != nil {
 			return nil, 0, err
 		}
@@ -430,12 +505,14 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 			break
 		}
 		read++
-		if strings.HasSuffix(m.Subject, "."+probeToken) {
+		if isProbe(m.Subject) {
 			continue
 		}
 		switch k {
 		case keepAll:
-			kept = append(kept, m)
+			if floor, ok := acked[jobFilter(m.Subject)]; !ok || seq > floor {
+				kept = append(kept, m)
+			}
 		case keepLatest:
 			if i, ok := latest[m.Subject]; ok {
 				kept[i] = nil

@@ -50,15 +50,13 @@ type settle struct {
 // settleOf settles a delivery of job, its attempt-th, logging with the
 // request's id, generation and attempt.
 func (l *StageLoop) settleOf(msg jetstream.Msg, job *Job, attempt int) *settle {
-	if attempt == 1 && msg.Headers().Get(HeaderRebuilt) != "" {
-		// Stored again by a rebuild of its stream (see doctor.go): a first
-		// delivery to NATS, but it may have run before, and is judged as
-		// a redelivery.
-		attempt = 2
-	}
 	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: randomID(),
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 }
+
+// rebuilt reports whether the job was stored again by a rebuild of its
+// stream (doctor.go).
+func (s *settle) rebuilt() bool { return s.msg.Headers().Get(HeaderRebuilt) != "" }
 
 // admit checks a delivery before any engine call. It settles, and returns
 // false for, a job that must not run: its request ended or moved on to a
@@ -105,7 +103,10 @@ func (s *settle) admit(ctx context.Context) bool {
 		}
 		return false
 	}
-	redelivered := s.attempt > 1
+	// A handoff stored again by a rebuild (its attempt counted as 2, see
+	// deliveryOf) was read by an earlier delivery only if that one claimed
+	// its KV: the claims' bucket is rebuilt first, and kept.
+	redelivered := s.attempt > 1 && !(handoff && s.rebuilt())
 	if handoff && !redelivered && !s.claimKV(ctx) {
 		// NATS delivered it as a first delivery, but an earlier one has
 		// claimed its KV: a restarted server forgot that delivery, or its
@@ -682,8 +683,8 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 // decode engine can have read it.
 func (s *settle) drop(ctx context.Context, why string) {
 	s.log.Debug("job dropped: " + why)
-	if s.l.cfg.Stage == StageDecode && s.attempt == 1 {
-		s.release(ctx, why)
+	if s.l.cfg.Stage == StageDecode && (s.attempt == 1 || s.rebuilt()) {
+		s.release(ctx, why) // a rebuilt one's only if unclaimed: see release
 	}
 	s.term(why)
 }
@@ -846,26 +847,19 @@ func storeDeadLetter(ctx context.Context, js jetstream.Publisher, m *nats.Msg, i
 	m.Header[HeaderStatus] = []string{strconv.Itoa(status)}
 	m.Header[HeaderReason] = []string{truncate(reason, 1024)}
 	m.Header[nats.MsgIdHdr] = []string{id + "/dlq/" + m.Header.Get(HeaderGeneration)}
-	ack, err := js.PublishMsg(ctx, m)
-	if err != nil {
-		if isFull(err) {
-			metrics.deadLetterRefused(stage)
-			return fmt.Errorf("%w (%d entries or %d bytes): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
-		}
-		if unanswered(err) {
-			if _, ok := answersAbout(ctx, js, m.Subject); ok {
-				// It answers about itself, not the entry: its store does
-				// not write (a full disk), and will not until NATS restarts
-				// (the store doctor leaves PDQ_DLQ alone). Refused, as
-				// when full.
-				metrics.deadLetterRefused(stage)
-				return fmt.Errorf("%w: %w: %w", errDLQFull, ErrNotStoring, err)
-			}
-		}
+	// As any job's publish: across a failover, and refused by a full
+	// stream or one whose store does not write (a full disk, and PDQ_DLQ
+	// is not rebuilt: until NATS restarts).
+	_, err := publishSeq(ctx, js, m)
+	switch {
+	case errors.Is(err, ErrDuplicate):
+		return nil // counted when it was stored
+	case errors.Is(err, ErrQueueFull), errors.Is(err, ErrNotStoring):
+		metrics.deadLetterRefused(stage)
+		return fmt.Errorf("%w (%d entries or %d bytes, or its store does not write): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
+	case err != nil:
 		return err
 	}
-	if !ack.Duplicate { // a duplicate was counted when it was stored
-		metrics.deadLetter(stage)
-	}
+	metrics.deadLetter(stage)
 	return nil
 }

@@ -665,11 +665,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 			l.cfg.EngineSlots.Release()
 		}
 	}()
-	attempt := 1
-	var stored time.Time // when the job's message was stored
-	if meta, err := msg.Metadata(); err == nil {
-		attempt, stored = int(meta.NumDelivered), meta.Timestamp
-	}
+	attempt, stored := deliveryOf(msg) // stored: when the job's message was stored
 	// Settling must finish even when the grace period is over; each NATS
 	// call in it has the client's own default timeout.
 	sctx := context.WithoutCancel(jobCtx)
@@ -841,15 +837,28 @@ func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
 		}
 		return
 	}
-	attempt := 1
-	if meta, err := msg.Metadata(); err == nil {
-		attempt = int(meta.NumDelivered)
-	}
+	attempt, _ := deliveryOf(msg)
 	// Storing its copy may retry for a while: the job stays this loop's
 	// meanwhile, not redelivered beside its copy.
 	defer l.keepAlive(ctx, msg)()
 	s := l.settleOf(msg, job, attempt)
 	s.unrun(ctx, errors.New("the worker stopped as the job came"))
+}
+
+// deliveryOf is which delivery of its job msg is, and when the job was
+// stored. A job stored again by a rebuild of its stream (see doctor.go)
+// is a first delivery to NATS but may have run before: it counts as the
+// second at least, so that it is judged as a redelivery and its replies
+// come as a restart of its first delivery's.
+func deliveryOf(msg jetstream.Msg) (attempt int, stored time.Time) {
+	attempt = 1
+	if meta, err := msg.Metadata(); err == nil {
+		attempt, stored = int(meta.NumDelivered), meta.Timestamp
+	}
+	if attempt == 1 && msg.Headers().Get(HeaderRebuilt) != "" {
+		attempt = 2
+	}
+	return attempt, stored
 }
 
 // unreadable settles a message that is not a job this build can run. It
