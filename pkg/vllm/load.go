@@ -2,13 +2,13 @@ package vllm
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strconv"
-	"strings"
 )
 
 // vLLM's scheduler gauges, on its Prometheus /metrics.
@@ -54,11 +54,11 @@ func parseLoad(r io.Reader) (Load, error) {
 	var l Load
 	seen := false
 	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	sc.Buffer(nil, 1<<20) // from the scanner's small first buffer: most lines are short
 	for sc.Scan() {
-		line := sc.Text()
+		line := sc.Bytes() // no copy: most lines are not read past their name
 		var n *int
-		var rest string
+		var rest []byte
 		if r, ok := sample(line, metricRunning); ok {
 			n, rest = &l.Running, r
 		} else if r, ok := sample(line, metricWaiting); ok {
@@ -67,13 +67,13 @@ func parseLoad(r io.Reader) (Load, error) {
 			continue
 		}
 		if rest[0] == '{' {
-			rest = rest[strings.LastIndexByte(rest, '}')+1:]
+			rest = rest[bytes.LastIndexByte(rest, '}')+1:]
 		}
-		fields := strings.Fields(rest)
+		fields := bytes.Fields(rest)
 		if len(fields) == 0 {
 			return Load{}, fmt.Errorf("get /metrics: no value in %q", line)
 		}
-		v, err := strconv.ParseFloat(fields[0], 64)
+		v, err := strconv.ParseFloat(string(fields[0]), 64)
 		if err != nil {
 			return Load{}, fmt.Errorf("get /metrics: %q: %w", line, err)
 		}
@@ -92,7 +92,10 @@ func parseLoad(r io.Reader) (Load, error) {
 // sample reports whether line is a sample of the metric name (not a
 // comment, nor a metric whose name only starts with it), and returns what
 // follows the name: labels, value and time.
-func sample(line, name string) (string, bool) {
-	rest, ok := strings.CutPrefix(line, name)
-	return rest, ok && rest != "" && (rest[0] == '{' || rest[0] == ' ')
+func sample(line []byte, name string) ([]byte, bool) {
+	if len(line) <= len(name) || string(line[:len(name)]) != name {
+		return nil, false
+	}
+	rest := line[len(name):]
+	return rest, rest[0] == '{' || rest[0] == ' '
 }
