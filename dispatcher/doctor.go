@@ -82,11 +82,6 @@ const (
 	probeKey   = "_pdq.probe"
 )
 
-// isProbe reports whether subject is a probe's.
-func isProbe(subject string) bool {
-	return strings.HasSuffix(subject, "."+probeToken) || strings.HasSuffix(subject, "."+probeKey)
-}
-
 // StoreHealth is what the doctor last saw of one stream's writes.
 type StoreHealth struct {
 	Stream string `json:"stream"`
@@ -306,15 +301,21 @@ func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject str
 // writes while the disk is full; made when first needed.
 const bucketDoctor = "pdq_doctor"
 
+// lockTTL is how long a rebuild's lock lasts at most: a gateway killed
+// while it rebuilds leaves the stream to the others after it. Reading a
+// stream of gigabytes may take longer: another gateway may then rebuild
+// it too, and the checks before the delete are all that stop it.
+const lockTTL = 10 * time.Minute
+
 // lock takes the rebuild of stream for this doctor, until unlock, or
-// twice the longest a rebuild takes.
+// lockTTL.
 func (d *StoreDoctor) lock(ctx context.Context, stream string) (unlock func(), ok bool) {
 	lctx, cancel := context.WithTimeout(ctx, probeWait)
 	defer cancel()
 	kv, err := d.js.KeyValue(lctx, bucketDoctor)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
 		kv, err = d.js.CreateKeyValue(lctx, jetstream.KeyValueConfig{Bucket: bucketDoctor,
-			Description: "streams a gateway's store doctor is rebuilding", TTL: 2 * rebuildWait,
+			Description: "streams a gateway's store doctor is rebuilding", TTL: lockTTL,
 			Storage: jetstream.MemoryStorage, History: 1})
 		if errors.Is(err, jetstream.ErrBucketExists) {
 			kv, err = d.js.KeyValue(lctx, bucketDoctor)
@@ -324,7 +325,8 @@ func (d *StoreDoctor) lock(ctx context.Context, stream string) (unlock func(), o
 		d.log.Warn("could not take the rebuild of a stream", "stream", stream, logging.Err(err))
 		return nil, false
 	}
-	if _, err := kv.Create(lctx, stream, []byte(d.id)); err != nil {
+	rev, err := kv.Create(lctx, stream, []byte(d.id))
+	if err != nil {
 		if !errors.Is(err, jetstream.ErrKeyExists) {
 			d.log.Warn("could not take the rebuild of a stream", "stream", stream, logging.Err(err))
 		}
@@ -333,7 +335,7 @@ func (d *StoreDoctor) lock(ctx context.Context, stream string) (unlock func(), o
 	return func() {
 		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), probeWait)
 		defer cancel()
-		if err := kv.Delete(uctx, stream); err != nil {
+		if err := kv.Delete(uctx, stream, jetstream.LastRevision(rev)); err != nil {
 			d.log.Warn("could not give back the rebuild of a stream: another gateway may take it when it expires", "stream", stream, logging.Err(err))
 		}
 	}, true
@@ -384,7 +386,7 @@ func (d *StoreDoctor) rebuild(ctx context.Context, t storeTarget) error {
 	if info.Config.Replicas > 1 {
 		return fmt.Errorf("stream %s has %d replicas: not rebuilt (another replica takes over from one whose store latched)", t.stream, info.Config.Replicas)
 	}
-	kept, read, err := d.collect(ctx, st, info, t.keep)
+	kept, read, err := d.collect(ctx, st, info, t)
 	if err != nil {
 		return err
 	}
@@ -484,7 +486,8 @@ func republishDropped() []string {
 
 // collect reads the stream's messages, and returns those to keep. It asks
 // for each next message, so the gaps acked jobs left cost nothing.
-func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *jetstream.StreamInfo, k keep) (kept []*jetstream.RawStreamMsg, read int, err error) {
+func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *jetstream.StreamInfo, t storeTarget) (kept []*jetstream.RawStreamMsg, read int, err error) {
+	k := t.keep
 	var acked map[string]uint64 // each consumer's filter: its ack floor
 	if k != keepLatest {
 		if acked, err = ackFloors(ctx, st); err != nil {
@@ -505,7 +508,7 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 			break
 		}
 		read++
-		if isProbe(m.Subject) {
+		if m.Subject == t.probe {
 			continue
 		}
 		switch k {

@@ -55,6 +55,11 @@ type Job struct {
 	// client's retry under the same id, and a replay each start the next
 	// one, with new message ids, so consumed KV is never read again.
 	Generation int
+	// Rebuilt is set on a job read from a message the store doctor stored
+	// again (HeaderRebuilt): it may have run before, under delivery
+	// numbers this copy's cannot know. Not written back by Msg: a copy
+	// of it is a new message.
+	Rebuilt bool
 	// Origin is the generation its request was claimed at: the new
 	// generations of one request (a prefill again, a migration) keep it,
 	// while a client's retry of the id, or a replay, claims a new one. A
@@ -375,6 +380,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j := &Job{
 		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
 		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Owner: h.Get(HeaderOwner), Body: data,
+		Rebuilt: h.Get(HeaderRebuilt) != "",
 	}
 	switch v := h.Get(HeaderVersion); v {
 	case versionBody[0]:

@@ -240,6 +240,9 @@ func (d *Delivery) sent() int {
 // and delivery, so a later one starts a new reply; prefill errors are
 // delivery 0 of their generation.
 func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
+	if job.Rebuilt {
+		attempt += rebuiltReplies
+	}
 	if l.cfg.Stage != StageDecode {
 		attempt = 0
 	}
@@ -847,19 +850,24 @@ func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
 
 // deliveryOf is which delivery of its job msg is, and when the job was
 // stored. A job stored again by a rebuild of its stream (see doctor.go)
-// is a first delivery to NATS but may have run before: it counts as the
-// second at least, so that it is judged as a redelivery and its replies
-// come as a restart of its first delivery's.
+// is a first delivery to NATS but may have run before: each of its
+// deliveries counts one more than NATS says, so that it is judged as a
+// redelivery (see replies for its replies).
 func deliveryOf(msg jetstream.Msg) (attempt int, stored time.Time) {
 	attempt = 1
 	if meta, err := msg.Metadata(); err == nil {
 		attempt, stored = int(meta.NumDelivered), meta.Timestamp
 	}
-	if attempt == 1 && msg.Headers().Get(HeaderRebuilt) != "" {
-		attempt = 2
+	if msg.Headers().Get(HeaderRebuilt) != "" {
+		attempt++
 	}
 	return attempt, stored
 }
+
+// rebuiltReplies numbers the replies of a job stored again by a rebuild
+// above any delivery its first message can have had: the gateway takes
+// them for a restart, not for more of an earlier delivery's answer.
+const rebuiltReplies = 128
 
 // unreadable settles a message that is not a job this build can run. It
 // is kept in the dead-letter stream, recorded as failed, and its client

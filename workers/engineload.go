@@ -109,8 +109,11 @@ type loadFollower struct {
 func (f *loadFollower) look(ctx context.Context) time.Duration {
 	w := f.w
 	used, slots, most := w.slots.Load()
-	if f.known && used == 0 {
-		return loadEvery // idle: nothing to learn
+	if f.known && 2*used < slots && f.policy.fullLooks == 0 {
+		// Most slots free, and the engine not full when last seen:
+		// nothing to learn that would change the slots, and a look
+		// costs a /metrics.
+		return loadEvery
 	}
 	lctx, cancel := context.WithTimeout(ctx, 4*loadEvery)
 	load, err := w.engine.Load(lctx)
