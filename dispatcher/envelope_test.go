@@ -28,11 +28,20 @@ func TestJobEnvelope(t *testing.T) {
 		ReplyBatch: true, ReplyFramed: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7,
 	}
 	// A field added to Job later must be set here too, or this fails.
+	// Rebuilt is read, never written: a copy of a job is a new message.
 	v := reflect.ValueOf(full).Elem()
 	for i := range v.NumField() {
-		if v.Field(i).IsZero() {
-			t.Errorf("the full job leaves %s unset", v.Type().Field(i).Name)
+		if name := v.Type().Field(i).Name; v.Field(i).IsZero() && name != "Rebuilt" {
+			t.Errorf("the full job leaves %s unset", name)
 		}
+	}
+	rebuilt := full.Msg(StagePrefill)
+	rebuilt.Header.Set(HeaderRebuilt, "true")
+	if got, err := ParseJob(rebuilt.Header, rebuilt.Data); err != nil || !got.Rebuilt {
+		t.Errorf("a job stored again by a rebuild reads back with Rebuilt %v (%v)", got.Rebuilt, err)
+	}
+	if m := (&Job{ID: "req-3", Model: "m", Pool: "m", Generation: 1, Rebuilt: true}).Msg(StagePrefill); m.Header.Get(HeaderRebuilt) != "" {
+		t.Error("a copy of a rebuilt job is written as rebuilt")
 	}
 	bare := &Job{ID: "req-2", Model: "m", Pool: "m", Endpoint: openai.Completions, Generation: 1,
 		Submitted: time.UnixMicro(time.Now().UnixMicro()), Body: json.RawMessage(`{"prompt":"x"}`)}
