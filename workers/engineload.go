@@ -157,5 +157,11 @@ func (f *loadFollower) look(ctx context.Context) time.Duration {
 	}
 	w.slots.SetLimit(next, seats)
 	w.cfg.Metrics.EngineSlots(w.cfg.Role, w.engine.URL(), next)
+	if next > slots {
+		// Growing, from few slots under a burst: the next doubling is
+		// soon, so that requests do not queue behind slots the engine
+		// has room for.
+		return loadEvery / 5
+	}
 	return loadEvery
 }
