@@ -11,8 +11,9 @@ STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+# -buildvcs=auto: pdq version names the commit, whatever GOFLAGS says.
 build: ## build bin/pdq
-	$(GO) build -o $(BIN) ./cmd/pdq
+	$(GO) build -buildvcs=auto -o $(BIN) ./cmd/pdq
 
 # make run binds the gateway to loopback; set PDQ_HTTP_ADDR=:8000 to serve
 # other machines.

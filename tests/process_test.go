@@ -37,7 +37,7 @@ func runTests(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	pdqBinary = filepath.Join(dir, "pdq")
-	build := exec.Command("go", "build", "-o", pdqBinary, "github.com/pdq-dev/pdq/cmd/pdq")
+	build := exec.Command("go", "build", "-buildvcs=auto", "-o", pdqBinary, "github.com/pdq-dev/pdq/cmd/pdq")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "build pdq:", err)

@@ -103,10 +103,42 @@ func newLogger(stderr io.Writer) (*slog.Logger, error) {
 }
 
 func runVersion(_ context.Context, _ []string, stdout, _ io.Writer) error {
-	version := "(devel)"
-	if info, ok := debug.ReadBuildInfo(); ok && info.Main.Version != "" {
-		version = info.Main.Version
-	}
-	_, err := fmt.Fprintf(stdout, "pdq %s\n", version)
+	_, err := fmt.Fprintf(stdout, "pdq %s\n", version())
 	return err
+}
+
+// version is the module's version and the commit it was built from, as
+// the build stamped them; a build without VCS information (go build
+// -buildvcs=false, or outside a checkout) says so.
+func version() string {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "(unknown: no build information)"
+	}
+	v := info.Main.Version
+	if v == "" {
+		v = "(devel)"
+	}
+	var rev, when, modified string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.time":
+			when = s.Value
+		case "vcs.modified":
+			modified = s.Value
+		}
+	}
+	if rev == "" {
+		return v + " (built without VCS information)"
+	}
+	v += " (commit " + rev[:min(12, len(rev))]
+	if modified == "true" {
+		v += ", with uncommitted changes"
+	}
+	if when != "" {
+		v += ", of " + when
+	}
+	return v + ")"
 }

@@ -71,15 +71,29 @@ func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetst
 
 // parseTool parses a tool's command line; it returns flag.ErrHelp for -h
 // and errUsage for a bad line.
+// parseTool parses a tool's flags, before and after its arguments
+// (`pdq requests ID --json` as `pdq requests --json ID`).
 func parseTool(fs *flag.FlagSet, args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return flag.ErrHelp
+	var positional []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return flag.ErrHelp
+			}
+			return errUsage
 		}
-		return errUsage
+		if fs.NArg() == 0 {
+			break
+		}
+		if used := len(args) - fs.NArg(); used > 0 && args[used-1] == "--" {
+			positional = append(positional, fs.Args()...) // after --, all are arguments
+			break
+		}
+		positional, args = append(positional, fs.Arg(0)), fs.Args()[1:]
 	}
-	return nil
+	// What Args returns: the arguments without the flags.
+	return fs.Parse(append([]string{"--"}, positional...))
 }
 
 func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -209,7 +223,7 @@ func runRequests(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		enc.SetIndent("", "  ")
 		return enc.Encode(r)
 	}
-	var list []*dispatcher.Record
+	list := []*dispatcher.Record{} // none is [] in JSON, not null
 	if err := records.List(ctx, func(r *dispatcher.Record) bool {
 		if r.State.Ended() && r.State != dispatcher.StateDone {
 			list = append(list, r)
@@ -231,6 +245,17 @@ func runRequests(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.State, r.Generation, status, r.Updated.Format(time.RFC3339), truncateLine(msg, 80))
 	}
 	return tw.Flush()
+}
+
+// isTerminal reports whether w is a terminal: screen codes are for a
+// terminal, not for a file or a pipe.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
 func truncateLine(s string, n int) string {
@@ -287,7 +312,10 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	_ = registry.WaitSynced(sctx) // a worker that never answers is not live
 	for {
 		if *watch > 0 && !*asJSON {
-			fmt.Fprintf(stdout, "\x1b[H\x1b[2J%s\n\n", time.Now().Format(time.DateTime))
+			if isTerminal(stdout) {
+				fmt.Fprint(stdout, "\x1b[H\x1b[2J") // the screen anew
+			}
+			fmt.Fprintf(stdout, "%s\n\n", time.Now().Format(time.DateTime))
 		}
 		if err := printStatus(ctx, js, registry, stdout, *asJSON); err != nil {
 			return err

@@ -1,0 +1,46 @@
+package tests
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestToolsOutput: what the operator's tools print as a script or a pipe
+// reads it. With nothing failed, `pdq requests --failed --json` is an
+// empty list, not null; a flag after the id is a flag, not a usage error;
+// `pdq status --watch` into a pipe writes no screen codes; `pdq version`
+// names the commit it was built from.
+func TestToolsOutput(t *testing.T) {
+	c := startCluster(t, clusterOptions{})
+	run := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, pdqBinary, append(args, "--nats", c.natsURL)...).CombinedOutput()
+		return string(out), err
+	}
+
+	if out, err := run("requests", "--failed", "--json"); err != nil || strings.TrimSpace(out) != "[]" {
+		t.Errorf("pdq requests --failed --json with nothing failed: %v\n%s\nwant []", err, out)
+	}
+	if out, err := run("requests", "no-such-request", "--json"); err == nil || strings.Contains(out, "Usage:") || !strings.Contains(out, "no such request") {
+		t.Errorf("pdq requests ID --json: %v\n%s\nwant the lookup's error, not the usage", err, out)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	out, _ := exec.CommandContext(ctx, pdqBinary, "status", "--watch", "300ms", "--nats", c.natsURL).Output()
+	if strings.Contains(string(out), "\x1b[") || strings.Count(string(out), "WORKER") < 2 {
+		t.Errorf("pdq status --watch into a pipe: want the status at least twice and no screen codes, got %q", out)
+	}
+
+	rev, err := exec.Command("git", "rev-parse", "--short=12", "HEAD").Output()
+	if err != nil {
+		t.Skipf("no git checkout to name a commit: %v", err)
+	}
+	if out, err := exec.Command(pdqBinary, "version").Output(); err != nil || !strings.Contains(string(out), strings.TrimSpace(string(rev))) {
+		t.Errorf("pdq version: %v %q, want the commit %s", err, out, strings.TrimSpace(string(rev)))
+	}
+}
