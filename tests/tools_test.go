@@ -44,3 +44,13 @@ func TestToolsOutput(t *testing.T) {
 		t.Errorf("pdq version: %v %q, want the commit %s", err, out, strings.TrimSpace(string(rev)))
 	}
 }
+
+// TestUnknownVariableWarned: a mistyped PDQ_ variable is not ignored in
+// silence: the service says so at start, with the name it meant.
+func TestUnknownVariableWarned(t *testing.T) {
+	p := startPDQ(t, []string{"PDQ_ENGINE_SLOT=3", "PDQ_HTTP_ADDR=127.0.0.1:0", "PDQ_NATS_URL=nats://127.0.0.1:1"}, "gateway")
+	rec := p.waitLog(t, "unknown PDQ_ variable: ignored; did you mean PDQ_ENGINE_SLOTS?")
+	if rec["name"] != "PDQ_ENGINE_SLOT" || rec["level"] != "WARN" {
+		t.Errorf("the warning: %v", rec)
+	}
+}

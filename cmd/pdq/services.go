@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -50,6 +51,18 @@ func service(name, summary string, args []string, stderr io.Writer) (config.Conf
 	log, err := logging.New(stderr, cfg.Log.Level, cfg.Log.Format)
 	if err != nil {
 		return config.Config{}, nil, err
+	}
+	// A mistyped name would be ignored in silence, and its setting with it.
+	unknown, err := config.UnknownNames(os.Environ())
+	if err != nil {
+		return config.Config{}, nil, err
+	}
+	for _, u := range unknown {
+		if u.Nearest != "" {
+			log.Warn("unknown PDQ_ variable: ignored; did you mean "+u.Nearest+"?", "name", u.Name)
+		} else {
+			log.Warn("unknown PDQ_ variable: ignored (see the README for the known ones)", "name", u.Name)
+		}
 	}
 	return cfg, log, nil
 }

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
@@ -334,4 +335,58 @@ func Names() ([]string, error) {
 		}
 	}
 	return strings.Fields(b.String()), nil
+}
+
+// Unknown is a PDQ_ variable of the environment that pdq does not read,
+// with the known name nearest to it ("" when none is near).
+type Unknown struct {
+	Name, Nearest string
+}
+
+// UnknownNames finds the PDQ_ variables of environ (as os.Environ gives
+// them) that pdq does not read: a mistyped name is otherwise ignored in
+// silence, and its setting with it.
+func UnknownNames(environ []string) ([]Unknown, error) {
+	known, err := Names()
+	if err != nil {
+		return nil, err
+	}
+	var out []Unknown
+	for _, kv := range environ {
+		name, _, _ := strings.Cut(kv, "=")
+		if !strings.HasPrefix(name, "PDQ_") || slices.Contains(known, name) {
+			continue
+		}
+		u := Unknown{Name: name}
+		best := len(name)/3 + 1 // nearer than this, or it is no typo
+		for _, k := range known {
+			if d := editDistance(name, k); d < best {
+				u.Nearest, best = k, d
+			}
+		}
+		out = append(out, u)
+	}
+	slices.SortFunc(out, func(a, b Unknown) int { return strings.Compare(a.Name, b.Name) })
+	return out, nil
+}
+
+// editDistance is the Levenshtein distance of a and b.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur := make([]int, len(b)+1)
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev = cur
+	}
+	return prev[len(b)]
 }

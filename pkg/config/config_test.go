@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"os"
+	"reflect"
 	"slices"
 	"testing"
 )
@@ -93,5 +94,26 @@ func TestUnprefixedNamesIgnored(t *testing.T) {
 	}
 	if l, err := LoadLog(); err != nil || l.Level != "info" {
 		t.Errorf("LoadLog = %+v, %v", l, err)
+	}
+}
+
+func TestUnknownNames(t *testing.T) {
+	got, err := UnknownNames([]string{
+		"PATH=/bin", "PDQ_ENGINE_SLOTS=8", // known: nothing to say
+		"PDQ_ENGINE_SLOT=8",     // a letter short
+		"PDQ_KVTTL=5s",          // an underscore short
+		"PDQ_SOMETHING_ELSE=1",  // nothing near
+		"PDQ_NATS_URL=nats://x", // known
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Unknown{
+		{Name: "PDQ_ENGINE_SLOT", Nearest: "PDQ_ENGINE_SLOTS"},
+		{Name: "PDQ_KVTTL", Nearest: "PDQ_KV_TTL"},
+		{Name: "PDQ_SOMETHING_ELSE"},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("UnknownNames = %+v, want %+v", got, want)
 	}
 }
