@@ -36,6 +36,10 @@ func TestToolsOutput(t *testing.T) {
 		t.Errorf("pdq status --watch into a pipe: want the status at least twice and no screen codes, got %q", out)
 	}
 
+	if out, err := exec.Command(pdqBinary, "status", "--nats", "nats://127.0.0.1:1").CombinedOutput(); err == nil || !strings.Contains(string(out), "PDQ_NATS_LISTEN") {
+		t.Errorf("pdq status with no NATS to reach: %v\n%s\nwant a hint of what to set", err, out)
+	}
+
 	rev, err := exec.Command("git", "rev-parse", "--short=12", "HEAD").Output()
 	if err != nil {
 		t.Skipf("no git checkout to name a commit: %v", err)

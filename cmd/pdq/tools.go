@@ -58,6 +58,9 @@ func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetst
 	if err != nil {
 		if _, hint := connectError(err); hint != "" {
 			err = fmt.Errorf("%w (%s)", err, hint)
+		} else if errors.Is(err, nats.ErrNoServers) {
+			// The first thing a new user meets after make run.
+			err = fmt.Errorf("%w (set --nats or PDQ_NATS_URL to the NATS pdq uses; pdq up lets tools join its embedded NATS only when started with PDQ_NATS_LISTEN, e.g. PDQ_NATS_LISTEN=127.0.0.1:4222)", err)
 		}
 		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURLs(f.url()), err)
 	}
