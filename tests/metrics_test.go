@@ -118,6 +118,9 @@ func TestMetricsCountTraffic(t *testing.T) {
 			t.Errorf("%s%v = %v (present %v), want %v", g.name, g.labels, got, ok, g.want)
 		}
 	}
+	if v, ok := metricValue(after, "pdq_build_info", `goversion="go`); !ok || v != 1 {
+		t.Errorf("pdq_build_info = %v (present %v), want 1 with the build's labels", v, ok)
+	}
 	for _, stage := range []string{"prefill", "decode"} {
 		// The engine's slots follow its load, from a few up to
 		// PDQ_ENGINE_SLOTS.

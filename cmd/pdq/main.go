@@ -107,38 +107,50 @@ func runVersion(_ context.Context, _ []string, stdout, _ io.Writer) error {
 	return err
 }
 
-// version is the module's version and the commit it was built from, as
-// the build stamped them; a build without VCS information (go build
-// -buildvcs=false, or outside a checkout) says so.
-func version() string {
+// buildInfo is what the build stamped: the module's version, and the
+// commit it was built from, when, and whether with uncommitted changes
+// (empty without VCS information: go build -buildvcs=false, or outside a
+// checkout).
+type buildInfo struct {
+	version, revision, when string
+	modified                bool
+}
+
+func readBuildInfo() buildInfo {
+	b := buildInfo{version: "(devel)"}
 	info, ok := debug.ReadBuildInfo()
 	if !ok {
-		return "(unknown: no build information)"
+		return b
 	}
-	v := info.Main.Version
-	if v == "" {
-		v = "(devel)"
+	if info.Main.Version != "" {
+		b.version = info.Main.Version
 	}
-	var rev, when, modified string
 	for _, s := range info.Settings {
 		switch s.Key {
 		case "vcs.revision":
-			rev = s.Value
+			b.revision = s.Value
 		case "vcs.time":
-			when = s.Value
+			b.when = s.Value
 		case "vcs.modified":
-			modified = s.Value
+			b.modified = s.Value == "true"
 		}
 	}
-	if rev == "" {
-		return v + " (built without VCS information)"
+	return b
+}
+
+// version is the module's version and the commit it was built from; a
+// build without VCS information says so.
+func version() string {
+	b := readBuildInfo()
+	if b.revision == "" {
+		return b.version + " (built without VCS information)"
 	}
-	v += " (commit " + rev[:min(12, len(rev))]
-	if modified == "true" {
+	v := b.version + " (commit " + b.revision[:min(12, len(b.revision))]
+	if b.modified {
 		v += ", with uncommitted changes"
 	}
-	if when != "" {
-		v += ", of " + when
+	if b.when != "" {
+		v += ", of " + b.when
 	}
 	return v + ")"
 }

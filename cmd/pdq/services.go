@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"runtime"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -235,7 +236,7 @@ func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	defer drain(nc, log)
 	reg := prometheus.NewRegistry()
-	metrics, err := dispatcher.NewMetrics(reg)
+	metrics, err := newMetrics(reg)
 	if err != nil {
 		return err
 	}
@@ -265,7 +266,7 @@ func runWorker(ctx context.Context, role dispatcher.Stage, args []string, stderr
 	}
 	defer drain(nc, log)
 	reg := prometheus.NewRegistry()
-	metrics, err := dispatcher.NewMetrics(reg)
+	metrics, err := newMetrics(reg)
 	if err != nil {
 		return err
 	}
@@ -317,4 +318,22 @@ func helpIsNoError(err error) error {
 		return nil
 	}
 	return err
+}
+
+// newMetrics registers pdq's metrics with reg, and pdq_build_info: which
+// build runs, for dashboards that compare versions during a rollout.
+func newMetrics(reg *prometheus.Registry) (*dispatcher.Metrics, error) {
+	m, err := dispatcher.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	b := readBuildInfo()
+	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_build_info", Help: "1, labelled with the running build's module version, commit (empty without VCS information) and Go version.",
+	}, []string{"version", "revision", "goversion"})
+	if err := reg.Register(info); err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
+	info.WithLabelValues(b.version, b.revision, runtime.Version()).Set(1)
+	return m, nil
 }

@@ -71,7 +71,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	// One set of metrics for the whole process, served by the gateway.
 	reg := prometheus.NewRegistry()
-	metrics, err := dispatcher.NewMetrics(reg)
+	metrics, err := newMetrics(reg)
 	if err != nil {
 		gwLn.Close()
 		return err
