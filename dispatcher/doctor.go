@@ -103,7 +103,6 @@ type StoreDoctor struct {
 	records *Records
 	metrics *Metrics
 	log     *slog.Logger
-	every   time.Duration
 
 	mu     sync.Mutex
 	health map[string]*StoreHealth
@@ -116,7 +115,7 @@ type StoreDoctor struct {
 // NewStoreDoctor returns a doctor for the streams js reaches; records
 // tells it which jobs are still live.
 func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, log *slog.Logger) *StoreDoctor {
-	d := &StoreDoctor{id: randomID(), js: js, records: records, metrics: metrics, log: log, every: doctorEvery,
+	d := &StoreDoctor{id: randomID(), js: js, records: records, metrics: metrics, log: log,
 		health: make(map[string]*StoreHealth), looks: make(map[string]int)}
 	for _, t := range storeTargets() {
 		d.health[t.stream] = &StoreHealth{Stream: t.stream, Stores: true}
@@ -127,7 +126,7 @@ func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, 
 
 // Run probes the streams every doctorEvery until ctx ends.
 func (d *StoreDoctor) Run(ctx context.Context) {
-	t := time.NewTicker(d.every)
+	t := time.NewTicker(doctorEvery)
 	defer t.Stop()
 	for {
 		select {

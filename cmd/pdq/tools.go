@@ -377,6 +377,9 @@ func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatch
 	fmt.Fprintln(tw, "\nSTREAM\tSTORES")
 	for _, h := range s.Stores {
 		stores := "yes"
+		if h.Stores && h.Error != "" {
+			stores = "unknown: " + h.Error // the server could not be asked
+		}
 		if !h.Stores {
 			stores = "NO: " + h.Error + " (its disk may be full; a gateway rebuilds it once the store can write)"
 		}
