@@ -57,6 +57,7 @@ func commands() []command {
 		{"requests", "show a request's record (ID), or list the failed ones (--failed)", runRequests},
 		{"status", "show the live workers and their engines' health, each pool's queues, the dead letters", runStatus},
 		{"bench", "benchmark an OpenAI-compatible server as vllm bench serve does (its flags, its result block)", runBench},
+		{"pool-name", "print a model's pool and its consumers' names, for deploy files (KEDA)", runPoolName},
 		{"probe", "check a URL for a container health check: exit 0 when it answers 2xx", runProbe},
 		{"version", "print the version", runVersion},
 	}

@@ -423,3 +423,37 @@ func runProbe(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	return nil
 }
+
+// runPoolName prints the pool a model's jobs go to, and its consumers'
+// names: deploy files (KEDA's scalers) name a consumer, and a consumer that
+// does not exist makes KEDA scale to its maximum, so the name is computed
+// here rather than by hand.
+func runPoolName(_ context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("pdq pool-name", flag.ContinueOnError)
+	consumer := fs.String("consumer", "", "print the consumer name of this stage (prefill or decode) instead of the pool")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: pdq pool-name [--consumer prefill|decode] MODEL\n\n"+
+			"Prints the pool's subject token for a served model name, or with --consumer the name of\n"+
+			"that stage's JetStream consumer (what KEDA's nats-jetstream scaler reads).\n\n")
+		fs.PrintDefaults()
+	}
+	if err := parseTool(fs, args, stderr); err != nil {
+		return helpIsNoError(err)
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
+		return errUsage
+	}
+	pool := dispatcher.PoolName(fs.Arg(0))
+	switch *consumer {
+	case "":
+		_, err := fmt.Fprintln(stdout, pool)
+		return err
+	case string(dispatcher.StagePrefill), string(dispatcher.StageDecode):
+		_, err := fmt.Fprintln(stdout, dispatcher.ConsumerName(dispatcher.Stage(*consumer), pool))
+		return err
+	default:
+		fmt.Fprintf(stderr, "pdq pool-name: --consumer is prefill or decode, not %q\n", *consumer)
+		return errUsage
+	}
+}
