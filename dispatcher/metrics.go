@@ -40,13 +40,26 @@ type Metrics struct {
 	storeWritableVec *prometheus.GaugeVec
 }
 
-// Bucket boundaries fit LLM serving: a first token from 10 ms to 60 s, a
-// token after it from 1 ms to 5 s, a whole request or a queue wait up to
-// 10 minutes.
+// Bucket bounds are round numbers that an operator can write an SLO
+// against: the share of requests under a bound is exact at a bucket's
+// bound (rate of its le bucket over the count) and only interpolated
+// between bounds, so each bound is one an SLO would name. They step 1,
+// 2.5, 5 per decade (past 10 s: 30 s, then whole minutes), which bounds
+// histogram_quantile's error by a bucket's width and keeps the buckets
+// few: every bound is a series per label value. Most are also vLLM's own bounds
+// (vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds), so
+// that pdq's latency and its engines' can be compared at the same le.
 var (
-	ttftBuckets = prometheus.ExponentialBucketsRange(0.01, 60, 16)
-	itlBuckets  = prometheus.ExponentialBucketsRange(0.001, 5, 14)
-	longBuckets = prometheus.ExponentialBucketsRange(0.001, 600, 20)
+	// ttftBuckets: a first token from 25 ms (a short prompt on an idle
+	// engine) to 60 s (a long prompt behind a queue); SLOs are written at
+	// 100 ms to 2.5 s.
+	ttftBuckets = []float64{0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
+	// itlBuckets: a token after the first, from 5 ms to 5 s; SLOs are
+	// written at 25 to 100 ms (40 to 10 tokens a second).
+	itlBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}
+	// longBuckets: a whole answer, a queue wait or an engine call, from
+	// 10 ms to 10 minutes (PDQ_REQUEST_TIMEOUT's default).
+	longBuckets = []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
 )
 
 // NewMetrics registers the counters with reg.

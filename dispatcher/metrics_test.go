@@ -2,10 +2,14 @@ package dispatcher
 
 import (
 	"encoding/json"
+	"math"
 	"os"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -94,5 +98,54 @@ func TestDashboardQueriesExist(t *testing.T) {
 		if !used[want] {
 			t.Errorf("the dashboard does not show %s", want)
 		}
+	}
+}
+
+// TestHistogramBucketsAreRound: every bucket bound is a number an SLO is
+// written against (a whole number of milliseconds, two significant digits
+// at most), TTFT's are the ones issue 25 names, and each histogram keeps
+// few buckets, since every bound is a series per label value.
+func TestHistogramBucketsAreRound(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Request("m", "ok", time.Second, time.Second)
+	m.ITL("m").Observe(0.02)
+	m.jobStarted(StagePrefill, time.Second)
+	m.jobEnded(StagePrefill, time.Second)
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bounds := map[string][]float64{}
+	for _, f := range families {
+		for _, metric := range f.GetMetric() {
+			if h := metric.GetHistogram(); h != nil && bounds[f.GetName()] == nil {
+				for _, b := range h.GetBucket() {
+					bounds[f.GetName()] = append(bounds[f.GetName()], b.GetUpperBound())
+				}
+			}
+		}
+	}
+	for _, name := range []string{"pdq_ttft_seconds", "pdq_itl_seconds", "pdq_e2e_seconds", "pdq_queue_wait_seconds", "pdq_engine_seconds"} {
+		le := bounds[name]
+		if len(le) == 0 {
+			t.Errorf("%s has no buckets", name)
+		}
+		if len(le) > 16 {
+			t.Errorf("%s has %d buckets, want 16 at most", name, len(le))
+		}
+		for _, b := range le {
+			ms := b * 1000
+			digits := strings.TrimRight(strconv.FormatFloat(ms, 'f', -1, 64), "0")
+			if ms != math.Round(ms) || len(strings.ReplaceAll(digits, ".", "")) > 2 {
+				t.Errorf("%s has the bucket le=%q: not a round number", name, strconv.FormatFloat(b, 'g', -1, 64))
+			}
+		}
+	}
+	if want := []float64{0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}; !slices.Equal(bounds["pdq_ttft_seconds"], want) {
+		t.Errorf("pdq_ttft_seconds buckets %v, want %v", bounds["pdq_ttft_seconds"], want)
 	}
 }
