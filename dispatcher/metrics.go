@@ -32,6 +32,8 @@ type Metrics struct {
 	inflight   *prometheus.GaugeVec
 	queueDepth *prometheus.GaugeVec
 	engineUp   *prometheus.GaugeVec
+	// breakerState is each engine's breaker, one series per state.
+	breakerState *prometheus.GaugeVec
 	// engineSlots is each engine's slots now, wastedPrefills the handoffs
 	// sent back to prefill.
 	engineSlots    *prometheus.GaugeVec
@@ -39,6 +41,9 @@ type Metrics struct {
 	// storeWritableVec is whether each of pdq's file streams stores writes.
 	storeWritableVec *prometheus.GaugeVec
 }
+
+// breakerStates are the values of pdq_engine_breaker_state's state label.
+var breakerStates = []BreakerState{BreakerClosed, BreakerHalfOpen, BreakerOpen}
 
 // Bucket bounds are round numbers that an operator can write an SLO
 // against: the share of requests under a bound is exact at a bucket's
@@ -133,8 +138,11 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		Name: "pdq_queue_depth", Help: "Jobs waiting in a pool's stage queue, not yet delivered (as its workers last saw it).",
 	}, []string{"stage", "pool"})
 	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0.5 on trial (half-open), 0 while its breaker is open.",
+		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0 while it does not (its breaker open, or half-open: one trial job at most); pdq_engine_breaker_state says which.",
 	}, []string{"stage", "engine"})
+	m.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_engine_breaker_state", Help: "A worker's circuit breaker on its engine: 1 for its state (closed, half-open, open), 0 for the others.",
+	}, []string{"stage", "engine", "state"})
 	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
 	}, []string{"stage", "engine"})
@@ -179,7 +187,7 @@ func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
 		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
 		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp, m.engineSlots, m.wastedPrefills, m.storeWritableVec}
+		m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.wastedPrefills, m.storeWritableVec}
 }
 
 // pool shows the series of a pool's stage from the start.
@@ -247,19 +255,26 @@ func (m *Metrics) DecodeOnly(reason string) {
 	}
 }
 
-// EngineUp records a worker's engine health: its breaker state.
+// EngineUp records a worker's engine health: its breaker state. The
+// engine is up only while its breaker is closed: a half-open breaker lets
+// one trial job through, not the pool's share of the work, so it counts as
+// down, and pdq_engine_breaker_state tells half-open from open.
 func (m *Metrics) EngineUp(stage Stage, engine string, state BreakerState) {
 	if m == nil {
 		return
 	}
-	v := 1.0
-	switch state {
-	case BreakerOpen:
-		v = 0
-	case BreakerHalfOpen:
-		v = 0.5
+	up := 0.0
+	if state == BreakerClosed {
+		up = 1
 	}
-	m.engineUp.WithLabelValues(string(stage), engine).Set(v)
+	m.engineUp.WithLabelValues(string(stage), engine).Set(up)
+	for _, s := range breakerStates {
+		v := 0.0
+		if s == state {
+			v = 1
+		}
+		m.breakerState.WithLabelValues(string(stage), engine, string(s)).Set(v)
+	}
 }
 
 func (m *Metrics) jobStarted(stage Stage, wait time.Duration) {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // metricNames are the names NewMetrics registers, histograms as their
@@ -147,5 +148,34 @@ func TestHistogramBucketsAreRound(t *testing.T) {
 	}
 	if want := []float64{0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}; !slices.Equal(bounds["pdq_ttft_seconds"], want) {
 		t.Errorf("pdq_ttft_seconds buckets %v, want %v", bounds["pdq_ttft_seconds"], want)
+	}
+}
+
+// TestEngineUpAndBreakerState: pdq_engine_up is 1 only while the breaker is
+// closed, never a fraction, and pdq_engine_breaker_state has one series per
+// state, 1 for the breaker's.
+func TestEngineUpAndBreakerState(t *testing.T) {
+	m, err := NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	const engine = "http://10.0.0.7:8200"
+	for _, c := range []struct {
+		state BreakerState
+		up    float64
+	}{{BreakerClosed, 1}, {BreakerHalfOpen, 0}, {BreakerOpen, 0}, {BreakerHalfOpen, 0}, {BreakerClosed, 1}} {
+		m.EngineUp(StageDecode, engine, c.state)
+		if got := testutil.ToFloat64(m.engineUp.WithLabelValues("decode", engine)); got != c.up {
+			t.Errorf("breaker %s: pdq_engine_up = %v, want %v", c.state, got, c.up)
+		}
+		for _, s := range []BreakerState{BreakerClosed, BreakerHalfOpen, BreakerOpen} {
+			want := 0.0
+			if s == c.state {
+				want = 1
+			}
+			if got := testutil.ToFloat64(m.breakerState.WithLabelValues("decode", engine, string(s))); got != want {
+				t.Errorf("breaker %s: pdq_engine_breaker_state{state=%q} = %v, want %v", c.state, s, got, want)
+			}
+		}
 	}
 }
