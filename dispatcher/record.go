@@ -68,7 +68,9 @@ type Record struct {
 	Deadline time.Time `json:"deadline"`
 	// Error is why the request failed, was cancelled or expired.
 	Error *RecordError `json:"error,omitempty"`
-	// Stages are the stage runs that led to the answer.
+	// Stages are the stage runs that led to the answer; on a request that
+	// failed, was cancelled or expired in a stage, those of its last
+	// generation up to there (the last one is where it ended).
 	Stages []StageRecord `json:"stages,omitempty"`
 	// Replays counts the runs started by pdq replay.
 	Replays int `json:"replays,omitempty"`
@@ -294,16 +296,19 @@ func (rs *Records) transition(ctx context.Context, id string, from *Record, rev 
 	return nil, fmt.Errorf("write record %s: too many concurrent writes", id)
 }
 
-// End moves id's generation to an ended state, unless the record has moved
-// on to a later generation or already ended. The record may still name an
-// earlier generation: a new generation's job is stored before it is
-// recorded.
-func (rs *Records) End(ctx context.Context, id string, generation int, state State, e *RecordError) error {
+// End moves id's generation to an ended state, with the stage runs that
+// led there, unless the record has moved on to a later generation or
+// already ended. The record may still name an earlier generation: a new
+// generation's job is stored before it is recorded.
+func (rs *Records) End(ctx context.Context, id string, generation int, state State, e *RecordError, stages ...StageRecord) error {
 	_, err := rs.Transition(ctx, id, func(r *Record) error {
 		if r.Generation > generation || r.State.Ended() {
 			return ErrNoChange
 		}
 		r.State, r.Generation, r.Error = state, generation, e
+		if len(stages) > 0 {
+			r.Stages = stages
+		}
 		return nil
 	})
 	if errors.Is(err, ErrNoRecord) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -203,6 +204,45 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 		return job.Generation, fmt.Errorf("queued, but the dead letter stays: %w", err)
 	}
 	return job.Generation, nil
+}
+
+// WaitAll waits until the records of ids end, or ctx does, calling ended
+// with each as it ends, in the order they end, and idle each time a period
+// has passed without one ending (for a progress line).
+func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Duration, ended func(*Record), idle func(left int)) error {
+	left := slices.Clone(ids)
+	last := time.Now()
+	for len(left) > 0 {
+		before := len(left)
+		var err error
+		left = slices.DeleteFunc(left, func(id string) bool {
+			if err != nil {
+				return false
+			}
+			var r *Record
+			if r, _, err = rp.records.Get(ctx, id); err != nil || !r.State.Ended() {
+				return false
+			}
+			ended(r)
+			return true
+		})
+		if err != nil {
+			return err
+		}
+		switch {
+		case len(left) < before:
+			last = time.Now()
+		case time.Since(last) >= period:
+			idle(len(left))
+			last = time.Now()
+		}
+		if len(left) > 0 {
+			if err := sleepCtx(ctx, 100*time.Millisecond); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // Wait waits until id's record ends, or ctx does, and returns it.

@@ -45,6 +45,22 @@ type settle struct {
 	// the claim.
 	delivery  string
 	kvClaimed bool
+	// run is this delivery's engine call, once the handler started: a
+	// request that ends here keeps it in its record, beside its prefill's.
+	run *StageRecord
+}
+
+// stages are the stage runs that led to where the request is: its
+// prefill's (on a handoff) and this delivery's.
+func (s *settle) stages() []StageRecord {
+	var out []StageRecord
+	if s.job.Prefill != nil && s.l.cfg.Stage == StageDecode {
+		out = append(out, *s.job.Prefill)
+	}
+	if s.run != nil {
+		out = append(out, *s.run)
+	}
+	return out
 }
 
 // settleOf settles a delivery of job, its attempt-th, logging with the
@@ -793,7 +809,7 @@ func (s *settle) answer(e *openai.Error) {
 
 // end records the request's end.
 func (s *settle) end(ctx context.Context, state State, e *RecordError) {
-	if err := s.l.records.End(ctx, s.job.ID, s.job.Generation, state, e); err != nil {
+	if err := s.l.records.End(ctx, s.job.ID, s.job.Generation, state, e, s.stages()...); err != nil {
 		s.log.Warn("could not record the request's end", "state", string(state), logging.Err(err))
 	}
 }

@@ -751,6 +751,8 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		return
 	}
 	start := time.Now()
+	s.run = &StageRecord{Stage: l.cfg.Stage, Generation: job.Generation, Worker: l.cfg.Worker.Worker,
+		Engine: l.cfg.Worker.Engine, Started: start}
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token, stop: cancel}
 	d.ctx = jctx
 	handled = true
@@ -762,6 +764,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	}
 	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
 	err = l.handle(jctx, d)
+	s.run.Ms = float64(time.Since(start).Microseconds()) / 1000
 	releaseEngine()
 	var took time.Duration
 	if f := (*Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {

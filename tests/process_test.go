@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -70,7 +71,7 @@ func (p *process) output() string {
 func startPDQ(t *testing.T, env []string, args ...string) *process {
 	t.Helper()
 	cmd := exec.Command(pdqBinary, args...)
-	cmd.Env = append(append(os.Environ(), "PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=debug"), env...)
+	cmd.Env = processEnv(env)
 	p := &process{name: strings.Join(args, " "), cmd: cmd, grew: make(chan struct{}), exited: make(chan struct{})}
 	cmd.Stdout = &lockedWriter{mu: &p.mu, w: &p.stdout}
 	stderr, err := cmd.StderrPipe()
@@ -102,6 +103,23 @@ func startPDQ(t *testing.T, env []string, args ...string) *process {
 	}()
 	t.Cleanup(func() { p.stop(t) })
 	return p
+}
+
+// processEnv is the environment of a pdq process that a test starts: the
+// test's own, JSON logs at debug level, pdq up's NATS on a free port (not
+// its default 4222, which tests running at once would share), then env.
+// "-NAME" in env removes NAME.
+func processEnv(env []string) []string {
+	out := append(os.Environ(), "PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=debug", "PDQ_NATS_LISTEN=127.0.0.1:0")
+	for _, e := range env {
+		name, unset := strings.CutPrefix(e, "-")
+		if !unset {
+			out = append(out, e)
+			continue
+		}
+		out = slices.DeleteFunc(out, func(kv string) bool { return strings.HasPrefix(kv, name+"=") })
+	}
+	return out
 }
 
 // waitLog waits for the first log record with message msg and returns it.

@@ -2,10 +2,19 @@ package tests
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
 	"os/exec"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // TestToolsOutput: what the operator's tools print as a script or a pipe
@@ -65,5 +74,80 @@ func TestUnknownVariableWarned(t *testing.T) {
 	rec := p.waitLog(t, "unknown PDQ_ variable: ignored; did you mean PDQ_ENGINE_SLOTS?")
 	if rec["name"] != "PDQ_ENGINE_SLOT" || rec["level"] != "WARN" {
 		t.Errorf("the warning: %v", rec)
+	}
+}
+
+// TestToolsReachUp: the README's lines after `make run` work as written.
+// pdq up, started with no NATS settings, lets the tools join its NATS on
+// their default address with no flag or variable: `pdq status`, `pdq
+// requests --failed`, `pdq requests ID` (a failed request's record keeps
+// the stage runs it failed in), and `pdq replay`, which says how far it
+// has got.
+func TestToolsReachUp(t *testing.T) {
+	if ln, err := net.Listen("tcp", "127.0.0.1:4222"); err != nil {
+		t.Skipf("NATS's default port is taken here (%v): pdq up would listen elsewhere, as it warns", err)
+	} else {
+		ln.Close()
+	}
+	_, pe := startSimProcess(t)
+	_, de := startSimProcess(t, "--fault-kind", "500", "--fault-rate", "1")
+	// Not startUp: it waits for a request to succeed.
+	up := startPDQ(t, []string{"-PDQ_NATS_LISTEN", "PDQ_DATA_DIR=" + t.TempDir(), "PDQ_HTTP_ADDR=127.0.0.1:0",
+		"PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, "up")
+	url := "http://" + up.waitLog(t, "gateway listening")["addr"].(string)
+	up.waitStdout(t, "pdq is up")
+	up.waitStdout(t, "PDQ_NATS_URL=nats://127.0.0.1:4222")
+
+	// The tools as the README gives them: no --nats, no PDQ_NATS_URL.
+	env := slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "PDQ_") })
+	tool := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, pdqBinary, args...)
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	if out, err := tool("status"); err != nil || !strings.Contains(out, "WORKER") {
+		t.Fatalf("pdq status after pdq up: %v\n%s", err, out)
+	}
+
+	ids := []string{"tools-a", "tools-b", "tools-c"}
+	for _, id := range ids {
+		post(t, url+"/v1/completions", id, completionBody(model, longPrompt, body{"max_tokens": 4})).wantStatus(t, http.StatusBadGateway)
+	}
+	out, err := tool("requests", "--failed")
+	for _, id := range ids {
+		if err != nil || !strings.Contains(out, id) {
+			t.Fatalf("pdq requests --failed: %v\n%s\nwant %s listed", err, out, id)
+		}
+	}
+	out, err = tool("requests", ids[0], "--json")
+	var rec dispatcher.Record
+	if err != nil || json.Unmarshal([]byte(out), &rec) != nil {
+		t.Fatalf("pdq requests %s --json: %v\n%s", ids[0], err, out)
+	}
+	if rec.State != dispatcher.StateFailed || len(rec.Stages) == 0 {
+		t.Fatalf("a failed request's record: state %s, stages %+v; want failed, with the stage runs", rec.State, rec.Stages)
+	}
+	last := rec.Stages[len(rec.Stages)-1]
+	if last.Stage != dispatcher.StageDecode || last.Engine != de.URL || last.Worker == "" || last.Started.IsZero() {
+		t.Errorf("the last stage run of a request that failed in decode: %+v", last)
+	}
+
+	// Replay runs them again (the decode engine still fails); it says how
+	// far it has got as it goes, one line a request, and how many are left.
+	out, err = tool("replay", "--failed", "--since", "1h", "--wait")
+	if err == nil || !strings.Contains(out, "3 of 3 replayed requests did not succeed") {
+		t.Fatalf("pdq replay --failed --wait: %v\n%s", err, out)
+	}
+	for i, id := range ids {
+		if !strings.Contains(out, fmt.Sprintf("[%d/3] %s: replaying", i+1, id)) ||
+			!regexp.MustCompile(`\[\d/3 ended\] `+id+`: failed \(502 `).MatchString(out) {
+			t.Errorf("pdq replay: no progress line for %s, or no end line:\n%s", id, out)
+		}
+	}
+	if !strings.Contains(out, "[3/3 ended]") {
+		t.Errorf("pdq replay --wait: no count of the ended:\n%s", out)
 	}
 }

@@ -60,7 +60,8 @@ func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetst
 			err = fmt.Errorf("%w (%s)", err, hint)
 		} else if errors.Is(err, nats.ErrNoServers) {
 			// The first thing a new user meets after make run.
-			err = fmt.Errorf("%w (set --nats or PDQ_NATS_URL to the NATS pdq uses; pdq up lets tools join its embedded NATS only when started with PDQ_NATS_LISTEN, e.g. PDQ_NATS_LISTEN=127.0.0.1:4222)", err)
+			err = fmt.Errorf("%w (is pdq up running? its NATS is at "+nats.DefaultURL+" unless PDQ_NATS_LISTEN moved it, or its port was taken: its start says where; "+
+				"otherwise set --nats or PDQ_NATS_URL to the NATS pdq uses)", err)
 		}
 		return nil, nil, fmt.Errorf("connect to NATS at %s: %w", redactURLs(f.url()), err)
 	}
@@ -72,10 +73,9 @@ func (f *toolFlags) connect(ctx context.Context, name string) (*nats.Conn, jetst
 	return conn, js, nil
 }
 
-// parseTool parses a tool's command line; it returns flag.ErrHelp for -h
-// and errUsage for a bad line.
 // parseTool parses a tool's flags, before and after its arguments
-// (`pdq requests ID --json` as `pdq requests --json ID`).
+// (`pdq requests ID --json` as `pdq requests --json ID`); it returns
+// flag.ErrHelp for -h and errUsage for a bad line.
 func parseTool(fs *flag.FlagSet, args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var positional []string
@@ -149,32 +149,30 @@ func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	var replayed []string
 	refused := 0
-	for _, dl := range letters {
+	for i, dl := range letters {
 		gen, err := rp.Replay(ctx, dl)
 		switch {
 		case errors.Is(err, dispatcher.ErrSucceeded), errors.Is(err, dispatcher.ErrLive):
 			refused++
-			fmt.Fprintf(stdout, "%s: not replayed: %v\n", dl.ID, err)
+			fmt.Fprintf(stdout, "[%d/%d] %s: not replayed: %v\n", i+1, len(letters), dl.ID, err)
 		case err != nil:
-			return fmt.Errorf("replay %s: %w", dl.ID, err)
+			return fmt.Errorf("replay %s (%d of %d; those before it are replaying): %w", dl.ID, i+1, len(letters), err)
 		default:
 			replayed = append(replayed, dl.ID)
-			fmt.Fprintf(stdout, "%s: replaying as generation %d (failed in %s: %s)\n", dl.ID, gen, dl.Stage, dl.Reason)
+			fmt.Fprintf(stdout, "[%d/%d] %s: replaying as generation %d (failed in %s: %s)\n", i+1, len(letters), dl.ID, gen, dl.Stage, dl.Reason)
 		}
 	}
 	fmt.Fprintf(stdout, "%d replayed, %d not replayed\n", len(replayed), refused)
-	if !*wait {
+	if !*wait || len(replayed) == 0 {
 		return nil
 	}
-	failedAgain := 0
+	// Each as it ends, and every 10 s without an end how many still run.
+	failedAgain, ended := 0, 0
 	wctx, cancel := context.WithTimeout(ctx, *timeout+30*time.Second) // past every replay's deadline
 	defer cancel()
-	for _, id := range replayed {
-		r, err := rp.Wait(wctx, id)
-		if err != nil {
-			return fmt.Errorf("wait for %s: %w", id, err)
-		}
-		line := fmt.Sprintf("%s: %s", id, r.State)
+	err = rp.WaitAll(wctx, replayed, 10*time.Second, func(r *dispatcher.Record) {
+		ended++
+		line := fmt.Sprintf("[%d/%d ended] %s: %s", ended, len(replayed), r.ID, r.State)
 		if r.Error != nil {
 			line += fmt.Sprintf(" (%d %s)", r.Error.Status, r.Error.Message)
 		}
@@ -182,6 +180,11 @@ func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			failedAgain++
 		}
 		fmt.Fprintln(stdout, line)
+	}, func(left int) {
+		fmt.Fprintf(stdout, "[%d/%d ended] %d still running\n", ended, len(replayed), left)
+	})
+	if err != nil {
+		return fmt.Errorf("wait for the replayed requests (%d of %d ended): %w", ended, len(replayed), err)
 	}
 	if failedAgain > 0 {
 		return fmt.Errorf("%d of %d replayed requests did not succeed", failedAgain, len(replayed))

@@ -2,11 +2,14 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -18,6 +21,7 @@ import (
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/nats/embedded"
 	"github.com/pdq-dev/pdq/pkg/config"
+	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/workers"
 )
@@ -45,7 +49,8 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		natsNote = redactURLs(cfg.NATSURL)
 	} else {
-		srv, err := embedded.Start(embedded.Options{DataDir: filepath.Join(cfg.DataDir, "nats"), Listen: cfg.NATSListen}, log)
+		listen := natsListen(cfg, log)
+		srv, err := embedded.Start(embedded.Options{DataDir: filepath.Join(cfg.DataDir, "nats"), Listen: listen}, log)
 		if err != nil {
 			return err
 		}
@@ -57,9 +62,14 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			nc.Close()
 			return err
 		}
-		natsNote = "embedded, in-process only (set PDQ_NATS_LISTEN to let other processes join)"
-		if url := srv.ClientURL(); url != "" {
-			natsNote = "embedded, other processes join at PDQ_NATS_URL=" + url
+		natsNote = "embedded, in-process only (PDQ_NATS_LISTEN is empty): the tools cannot join"
+		switch url := srv.ClientURL(); {
+		case url == nats.DefaultURL:
+			natsNote = "embedded, at " + url + ": the tools (pdq status, requests, replay) join it as they are;\n" +
+				"           other processes with PDQ_NATS_URL=" + url
+		case url != "":
+			natsNote = "embedded, at " + url + ": tools join it with --nats " + url + ",\n" +
+				"           other processes with PDQ_NATS_URL=" + url
 		}
 		log.Info("embedded NATS with JetStream started", "data_dir", filepath.Join(cfg.DataDir, "nats"), "client_url", srv.ClientURL())
 	}
@@ -118,17 +128,45 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	// Say "up" once the workers can take requests, so the curl line works
 	// when it is printed; engines that are still starting only delay it.
 	want := len(prefill) + len(decode)
-	if got := waitRegistered(gctx, js, want, 15*time.Second); got < want {
+	got, models := waitRegistered(gctx, js, want, 15*time.Second)
+	if got < want {
 		log.Warn("not every worker is registered yet; their engines may still be starting", "registered", got, "workers", want)
 	}
 	base := "http://" + displayAddr(gwLn.Addr())
 	fmt.Fprintf(stdout, "pdq is up: OpenAI API at %s/v1\n", base)
 	fmt.Fprintf(stdout, "  engines: %d prefill, %d decode%s\n", len(prefill), len(decode), map[bool]string{true: " (simulated)", false: ""}[simulated])
 	fmt.Fprintf(stdout, "  NATS:    %s\n", natsNote)
-	fmt.Fprintf(stdout, "Try:\n  curl -sN %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"+
-		"    -d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":16,\"stream\":true}'\n",
-		base, modelHint(simulated))
+	fmt.Fprint(stdout, tryLine(base, models, len(cfg.APIKeys) > 0))
 	return g.Wait()
+}
+
+// tryPrompt is long enough (about 25 tokens, estimated as the gateway
+// does) to go through prefill and decode at PDQ_DISAGG_MIN_PROMPT_TOKENS'
+// default; a shorter one is prefilled by the decode engine alone.
+const tryPrompt = "Explain in one paragraph why large language model serving runs prefill and decode on separate engines."
+
+// tryLine is the request pdq up suggests: one that works as printed, for
+// a model its engines serve, with an API key when the gateway wants one (a
+// placeholder: keys are not printed).
+func tryLine(base string, models []string, keys bool) string {
+	model := "<model>" // no worker registered yet
+	if len(models) > 0 {
+		model = models[0]
+	}
+	body, _ := json.Marshal(map[string]any{ // plain values: it always encodes
+		"model": model, "messages": []map[string]string{{"role": "user", "content": tryPrompt}},
+		"max_tokens": 64, "stream": true,
+	})
+	var b strings.Builder
+	fmt.Fprintf(&b, "Try:\n  curl -sN %s/v1/chat/completions -H 'Content-Type: application/json' \\\n", base)
+	if keys {
+		b.WriteString("    -H 'Authorization: Bearer <one of PDQ_API_KEYS>' \\\n")
+	}
+	fmt.Fprintf(&b, "    -d '%s'\n", body)
+	if len(models) > 1 {
+		fmt.Fprintf(&b, "  (models served: %s)\n", strings.Join(models, ", "))
+	}
+	return b.String()
 }
 
 // startSim runs a simulated engine on free loopback ports and returns its
@@ -157,6 +195,27 @@ func startSim(ctx context.Context, g *errgroup.Group, apiKey string, log *slog.L
 
 // displayAddr is an address a person can paste: 127.0.0.1 for a wildcard
 // listener.
+// natsListen is where the embedded NATS listens: PDQ_NATS_LISTEN, or by
+// default NATS's own port on loopback, where the tools look with no
+// settings. When that default is taken (a NATS of its own, another pdq up)
+// a free port does instead, with a warning naming it: the default must not
+// keep pdq from starting. One that was set and is taken fails the start.
+func natsListen(cfg config.Config, log *slog.Logger) string {
+	if cfg.NATSListenSet || cfg.NATSListen == "" {
+		return cfg.NATSListen
+	}
+	ln, err := net.Listen("tcp", cfg.NATSListen)
+	if err != nil {
+		host, _, _ := net.SplitHostPort(cfg.NATSListen)
+		free := net.JoinHostPort(host, "0")
+		log.Warn("NATS's default address is taken: the embedded NATS listens on a free port instead (see the NATS line printed at start); set PDQ_NATS_LISTEN to choose",
+			"address", cfg.NATSListen, logging.Err(err))
+		return free
+	}
+	ln.Close()
+	return cfg.NATSListen
+}
+
 func displayAddr(a net.Addr) string {
 	tcp, ok := a.(*net.TCPAddr)
 	if !ok {
@@ -168,26 +227,29 @@ func displayAddr(a net.Addr) string {
 	return tcp.String()
 }
 
-func modelHint(simulated bool) string {
-	if simulated {
-		return sim.DefaultConfig().Model
-	}
-	return "<model>"
-}
-
 // waitRegistered waits until n workers are in the registry, or timeout,
-// and returns how many there are.
-func waitRegistered(ctx context.Context, js jetstream.JetStream, n int, timeout time.Duration) int {
+// and returns how many there are and the models they serve, sorted.
+func waitRegistered(ctx context.Context, js jetstream.JetStream, n int, timeout time.Duration) (int, []string) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	kv, err := js.KeyValue(ctx, dispatcher.BucketWorkers)
 	if err != nil {
-		return 0
+		return 0, nil
 	}
 	for {
 		keys, _ := kv.Keys(ctx)
 		if len(keys) >= n || ctx.Err() != nil {
-			return len(keys)
+			var models []string
+			gctx, stop := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second) // past a wait that timed out
+			defer stop()
+			for _, k := range keys {
+				var w dispatcher.WorkerInfo
+				if e, err := kv.Get(gctx, k); err == nil && json.Unmarshal(e.Value(), &w) == nil && w.Model != "" {
+					models = append(models, w.Model)
+				}
+			}
+			slices.Sort(models)
+			return len(keys), slices.Compact(models)
 		}
 		select {
 		case <-ctx.Done():

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -34,8 +35,12 @@ type Config struct {
 	// embedded one.
 	NATSURL string `envconfig:"PDQ_NATS_URL"`
 	// NATSListen is where the embedded server also listens for other
-	// processes, e.g. 127.0.0.1:4222; empty means in-process only.
-	NATSListen string `envconfig:"PDQ_NATS_LISTEN"`
+	// processes: by default NATS's own port on loopback, where the tools
+	// look for it with no settings; empty (PDQ_NATS_LISTEN=) means
+	// in-process only. NATSListenSet says it was set, rather than the
+	// default: only the default gives way to a free port when taken.
+	NATSListen    string `envconfig:"PDQ_NATS_LISTEN" default:"127.0.0.1:4222"`
+	NATSListenSet bool   `ignored:"true"`
 	// DataDir holds the embedded server's JetStream store.
 	DataDir string `envconfig:"PDQ_DATA_DIR" default:"./data"`
 	// HTTPAddr is the gateway's listen address.
@@ -168,6 +173,7 @@ func Load() (Config, error) {
 	if err := errors.Join(process(&c), process(&c.NATS)); err != nil {
 		return Config{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
+	_, c.NATSListenSet = os.LookupEnv("PDQ_NATS_LISTEN")
 	c.PrefillEngines = trimAll(c.PrefillEngines)
 	c.DecodeEngines = trimAll(c.DecodeEngines)
 	c.APIKeys = trimAll(c.APIKeys)
