@@ -40,6 +40,10 @@ type Metrics struct {
 	wastedPrefills *prometheus.CounterVec
 	// storeWritableVec is whether each of pdq's file streams stores writes.
 	storeWritableVec *prometheus.GaugeVec
+	// The gateway's load: generation requests it holds and the bytes its
+	// byte budget counts (PDQ_MAX_INFLIGHT_BYTES).
+	gatewayRequests prometheus.Gauge
+	gatewayBytes    prometheus.Gauge
 }
 
 // breakerStates are the values of pdq_engine_breaker_state's state label.
@@ -143,6 +147,12 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_breaker_state", Help: "A worker's circuit breaker on its engine: 1 for its state (closed, half-open, open), 0 for the others.",
 	}, []string{"stage", "engine", "state"})
+	m.gatewayRequests = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "pdq_gateway_inflight_requests", Help: "Generation requests this process's gateway holds now, from their arrival to their answer's end.",
+	})
+	m.gatewayBytes = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "pdq_gateway_inflight_bytes", Help: "Bytes this process's gateway holds now against PDQ_MAX_INFLIGHT_BYTES: request bodies, and replies waiting for their clients.",
+	})
 	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
 	}, []string{"stage", "engine"})
@@ -187,7 +197,8 @@ func (m *Metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
 		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
 		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.wastedPrefills, m.storeWritableVec}
+		m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.wastedPrefills, m.storeWritableVec,
+		m.gatewayRequests, m.gatewayBytes}
 }
 
 // pool shows the series of a pool's stage from the start.
@@ -274,6 +285,24 @@ func (m *Metrics) EngineUp(stage Stage, engine string, state BreakerState) {
 			v = 1
 		}
 		m.breakerState.WithLabelValues(string(stage), engine, string(s)).Set(v)
+	}
+}
+
+// GatewayRequest counts a generation request the gateway holds, until the
+// function it returns is called, once, at the request's end.
+func (m *Metrics) GatewayRequest() (done func()) {
+	if m == nil {
+		return func() {}
+	}
+	m.gatewayRequests.Inc()
+	return m.gatewayRequests.Dec
+}
+
+// GatewayBytes adds n (negative: gives back) to the bytes the gateway
+// holds against its byte budget.
+func (m *Metrics) GatewayBytes(n int64) {
+	if m != nil {
+		m.gatewayBytes.Add(float64(n))
 	}
 }
 

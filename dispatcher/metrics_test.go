@@ -179,3 +179,27 @@ func TestEngineUpAndBreakerState(t *testing.T) {
 		}
 	}
 }
+
+// TestGatewayGauges: the requests and bytes a gateway holds go up and back
+// down to zero.
+func TestGatewayGauges(t *testing.T) {
+	m, err := NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	one, two := m.GatewayRequest(), m.GatewayRequest()
+	m.GatewayBytes(1000)
+	m.GatewayBytes(24)
+	if r, b := testutil.ToFloat64(m.gatewayRequests), testutil.ToFloat64(m.gatewayBytes); r != 2 || b != 1024 {
+		t.Errorf("two requests of 1024 bytes held: pdq_gateway_inflight_requests = %v, _bytes = %v", r, b)
+	}
+	one()
+	two()
+	m.GatewayBytes(-1024)
+	if r, b := testutil.ToFloat64(m.gatewayRequests), testutil.ToFloat64(m.gatewayBytes); r != 0 || b != 0 {
+		t.Errorf("all given back: pdq_gateway_inflight_requests = %v, _bytes = %v", r, b)
+	}
+	var none *Metrics
+	none.GatewayRequest()()
+	none.GatewayBytes(1)
+}

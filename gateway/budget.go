@@ -1,18 +1,26 @@
 package gateway
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
 
 // byteBudget bounds the request bytes the gateway holds at once, so that
 // many large requests (or clients that send one and leave) cannot run it
 // out of memory: past the bound, a request gets a 429 instead. The reply
 // bytes waiting for slow clients count too (dispatcher.Budget), taken and
 // given back once per reply message: it is an atomic count, not a lock.
+// What it holds is pdq_gateway_inflight_bytes.
 type byteBudget struct {
-	limit int64
-	used  atomic.Int64
+	limit   int64
+	used    atomic.Int64
+	metrics *dispatcher.Metrics // nil counts nothing
 }
 
-func newByteBudget(limit int64) *byteBudget { return &byteBudget{limit: limit} }
+func newByteBudget(limit int64, metrics *dispatcher.Metrics) *byteBudget {
+	return &byteBudget{limit: limit, metrics: metrics}
+}
 
 // take reserves n bytes if they fit. Two takes at once may each see the
 // other's bytes and one fail that alone would fit: a bound, not a queue.
@@ -24,6 +32,7 @@ func (b *byteBudget) take(n int64) bool {
 		b.used.Add(-n)
 		return false
 	}
+	b.metrics.GatewayBytes(n)
 	return true
 }
 
@@ -31,6 +40,7 @@ func (b *byteBudget) take(n int64) bool {
 func (b *byteBudget) release(n int64) {
 	if n != 0 {
 		b.used.Add(-n)
+		b.metrics.GatewayBytes(-n)
 	}
 }
 

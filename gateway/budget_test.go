@@ -8,7 +8,7 @@ import (
 )
 
 func TestBudgetReader(t *testing.T) {
-	b := newByteBudget(256 << 10)
+	b := newByteBudget(256<<10, nil)
 	small := &budgetReader{r: bytes.NewReader(make([]byte, 100<<10)), budget: b}
 	if _, err := io.ReadAll(small); err != nil {
 		t.Fatalf("a body within the budget: %v", err)
@@ -31,7 +31,7 @@ func TestBudgetReader(t *testing.T) {
 // the 64 KiB reservation steps would overshoot it.
 func TestBudgetReaderEdge(t *testing.T) {
 	const limit = 1 << 20
-	b := newByteBudget(limit)
+	b := newByteBudget(limit, nil)
 	r := &budgetReader{r: bytes.NewReader(make([]byte, limit-1000)), budget: b}
 	if _, err := io.ReadAll(r); err != nil {
 		t.Fatalf("a chunked body of limit-1000 bytes on an idle gateway: %v", err)

@@ -638,6 +638,7 @@ func (h *handlers) track(next echo.HandlerFunc) echo.HandlerFunc {
 		t := &tracked{arrived: time.Now(), model: "unknown"}
 		c.Set(trackedKey, t)
 		defer h.account(c, t)
+		defer h.cfg.Counters.GatewayRequest()() // in flight until answered
 		return next(c)
 	}
 }

@@ -182,7 +182,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	}
 	defer pings.Unsubscribe()
 	// Bodies and the replies waiting for their clients share one budget.
-	budget := newByteBudget(s.cfg.MaxInflightBytes)
+	budget := newByteBudget(s.cfg.MaxInflightBytes, s.cfg.Counters)
 	replies.SetBudget(budget)
 	// The ledger outlives the grace period: the last requests' ends are
 	// written after their relays stop.

@@ -113,6 +113,13 @@ func TestMetricsCountTraffic(t *testing.T) {
 		{"pdq_inflight", []string{`stage="decode"`}, 0},
 		{"pdq_engine_up", []string{`stage="prefill"`}, 1},
 		{"pdq_engine_up", []string{`stage="decode"`}, 1},
+		{"pdq_engine_breaker_state", []string{`stage="prefill"`, `state="closed"`}, 1},
+		{"pdq_engine_breaker_state", []string{`stage="decode"`, `state="closed"`}, 1},
+		{"pdq_engine_breaker_state", []string{`state="open"`}, 0},
+		{"pdq_engine_breaker_state", []string{`state="half-open"`}, 0},
+		// Every request answered: the gateway holds none, nor their bytes.
+		{"pdq_gateway_inflight_requests", nil, 0},
+		{"pdq_gateway_inflight_bytes", nil, 0},
 	} {
 		if got, ok := metricValue(after, g.name, g.labels...); !ok || got != g.want {
 			t.Errorf("%s%v = %v (present %v), want %v", g.name, g.labels, got, ok, g.want)
