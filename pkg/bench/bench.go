@@ -91,6 +91,22 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 		return nil, err
 	}
 	delays := Delays(len(reqs), cfg.RequestRate, cfg.Burstiness, uint32(cfg.Seed))
+	if cfg.Tokenizer != "" {
+		fmt.Fprintf(stdout, "pdq bench loads no tokenizer (--tokenizer %s): prompts are made of words, and output tokens are the server's usage.\n", cfg.Tokenizer)
+	}
+
+	c := &client{
+		http:       hc,
+		apiURL:     s.apiURL,
+		prefillURL: s.prefillURL,
+		chat:       s.chat,
+		model:      modelName,
+		apiKey:     cfg.APIKey,
+		origin:     time.Now(),
+	}
+	if err := c.testRun(ctx, cfg, reqs[0], stdout); err != nil {
+		return nil, err
+	}
 
 	fmt.Fprintln(stdout, "Starting main benchmark run...")
 	fmt.Fprintf(stdout, "Traffic request rate: %s\n", pyRepr(cfg.RequestRate))
@@ -106,15 +122,7 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 	fmt.Fprintf(stdout, "Maximum request concurrency: %s\n", maxConc)
 
 	start := time.Now()
-	c := &client{
-		http:       hc,
-		apiURL:     s.apiURL,
-		prefillURL: s.prefillURL,
-		chat:       s.chat,
-		model:      modelName,
-		apiKey:     cfg.APIKey,
-		origin:     start,
-	}
+	c.origin = start
 	var bar *progress
 	if progressTo != nil {
 		bar = newProgress(progressTo, len(reqs))
@@ -369,4 +377,70 @@ func firstModel(ctx context.Context, hc *http.Client, baseURL, apiKey string) (n
 		id = name
 	}
 	return name, id, nil
+}
+
+// testRun is vLLM's initial test run and warmup: the first prompt is sent
+// until it succeeds, every 5 s for at most cfg.ReadyCheckTimeoutSec (a
+// server still starting is waited for; one that refuses the run's
+// settings stops it here, not after a thousand failures), then
+// cfg.NumWarmups more times, at most cfg.MaxConcurrency at once. None of
+// them is measured. Each has a request id of its own (the run's prefix
+// and test-N or warmup-N), as pdq refuses an id it has answered.
+func (c *client) testRun(ctx context.Context, cfg Config, first SampleRequest, stdout io.Writer) error {
+	fmt.Fprintln(stdout, "Starting initial single prompt test run...")
+	if cfg.ReadyCheckTimeoutSec == 0 {
+		fmt.Fprintln(stdout, "Skipping endpoint ready check.")
+	} else {
+		timeout := time.Duration(cfg.ReadyCheckTimeoutSec) * time.Second
+		fmt.Fprintf(stdout, "Waiting for endpoint to become up in %d seconds\n", cfg.ReadyCheckTimeoutSec)
+		deadline := time.Now().Add(timeout)
+		for i := 0; ; i++ {
+			req := first
+			req.RequestID = fmt.Sprintf("%stest-%d", cfg.RequestIDPrefix, i)
+			rctx, cancel := context.WithDeadline(ctx, deadline)
+			out := c.do(rctx, req)
+			cancel()
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if out.Success {
+				break
+			}
+			wait := min(5*time.Second, time.Until(deadline))
+			if wait <= 0 {
+				return fmt.Errorf("bench: Initial test run failed - Please make sure benchmark arguments are correctly specified. Error: %s", out.Error)
+			}
+			if err := sleepUntil(ctx, time.Now().Add(wait)); err != nil {
+				return err
+			}
+		}
+		fmt.Fprintln(stdout, "Initial test run completed.")
+	}
+	if cfg.NumWarmups == 0 {
+		return nil
+	}
+	fmt.Fprintf(stdout, "Warming up with %d requests...\n", cfg.NumWarmups)
+	conc := cfg.MaxConcurrency
+	if conc == 0 {
+		conc = cfg.NumWarmups
+	}
+	sem := make(chan struct{}, conc)
+	var wg sync.WaitGroup
+	for i := range cfg.NumWarmups {
+		req := first
+		req.RequestID = fmt.Sprintf("%swarmup-%d", cfg.RequestIDPrefix, i)
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			c.do(ctx, req) // a failed warmup is not the run's failure, as in vLLM
+		}()
+	}
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, "Warmup run completed.")
+	return nil
 }

@@ -37,7 +37,21 @@ type Config struct {
 	RandomOutputLen  int
 	RandomRangeRatio float64
 	RandomPrefixLen  int
-	NumPrompts       int
+	// InputLen and OutputLen are vLLM's general lengths: when set (not
+	// 0), they are the dataset's (--random-input-len, --random-output-len).
+	InputLen   int
+	OutputLen  int
+	NumPrompts int
+	// NumWarmups requests (the first prompt) run after the initial test
+	// run and before the measured ones, and are not counted.
+	NumWarmups int
+	// ReadyCheckTimeoutSec bounds the initial test run: the first prompt
+	// is sent, every 5 s again until it succeeds, for as long; 0 skips it.
+	ReadyCheckTimeoutSec int
+	// Tokenizer is vLLM's --tokenizer. pdq bench loads none: prompts are
+	// made of words (one token each on pdq sim) and output tokens are the
+	// server's usage; a run that names one says so once.
+	Tokenizer string
 	// RequestRate is requests per second; +Inf sends all at once.
 	RequestRate float64
 	Burstiness  float64
@@ -72,18 +86,19 @@ func DefaultConfig() Config {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	return Config{
-		Host:              "127.0.0.1",
-		Port:              8000,
-		Backend:           "openai",
-		DatasetName:       "random",
-		RandomInputLen:    1024,
-		RandomOutputLen:   128,
-		NumPrompts:        1000,
-		RequestRate:       math.Inf(1),
-		Burstiness:        1.0,
-		PercentileMetrics: "ttft,tpot,itl",
-		MetricPercentiles: "99",
-		RequestIDPrefix:   "bench-" + hex.EncodeToString(b[:]) + "-",
+		Host:                 "127.0.0.1",
+		Port:                 8000,
+		Backend:              "openai",
+		DatasetName:          "random",
+		RandomInputLen:       1024,
+		RandomOutputLen:      128,
+		NumPrompts:           1000,
+		ReadyCheckTimeoutSec: 600,
+		RequestRate:          math.Inf(1),
+		Burstiness:           1.0,
+		PercentileMetrics:    "ttft,tpot,itl",
+		MetricPercentiles:    "99",
+		RequestIDPrefix:      "bench-" + hex.EncodeToString(b[:]) + "-",
 	}
 }
 
@@ -102,7 +117,12 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.RandomOutputLen, "random-output-len", c.RandomOutputLen, "output tokens per request")
 	fs.Float64Var(&c.RandomRangeRatio, "random-range-ratio", c.RandomRangeRatio, "range ratio r in [0, 1): lengths drawn uniformly from [len*(1-r), len*(1+r)]")
 	fs.IntVar(&c.RandomPrefixLen, "random-prefix-len", c.RandomPrefixLen, "tokens of a fixed prefix before the random part of every prompt")
+	fs.IntVar(&c.InputLen, "input-len", c.InputLen, "input tokens per request: the dataset's (--random-input-len), when set")
+	fs.IntVar(&c.OutputLen, "output-len", c.OutputLen, "output tokens per request: the dataset's (--random-output-len), when set")
 	fs.IntVar(&c.NumPrompts, "num-prompts", c.NumPrompts, "number of prompts to process")
+	fs.IntVar(&c.NumWarmups, "num-warmups", c.NumWarmups, "warmup requests to run before the measured ones (not counted)")
+	fs.IntVar(&c.ReadyCheckTimeoutSec, "ready-check-timeout-sec", c.ReadyCheckTimeoutSec, "seconds to wait for the initial test request to succeed, trying every 5 s; 0 skips the test run")
+	fs.StringVar(&c.Tokenizer, "tokenizer", c.Tokenizer, "tokenizer name or path: accepted, but none is loaded (prompts are words; output tokens are the server's usage)")
 	fs.Float64Var(&c.RequestRate, "request-rate", c.RequestRate, "requests per second; inf sends all at time 0, else a Poisson process or gamma distribution (see --burstiness)")
 	fs.Float64Var(&c.Burstiness, "burstiness", c.Burstiness, "burstiness factor: 1 is a Poisson process, below 1 burstier, above 1 more uniform (inf: constant gaps)")
 	fs.Func("max-concurrency", "maximum number of requests in flight (default: no limit)", func(s string) error {
@@ -193,6 +213,15 @@ func (c *Config) check() (settings, error) {
 	}
 	if c.DatasetName != "random" {
 		return bad("pdq bench has only --dataset-name random, got %q", c.DatasetName)
+	}
+	if c.InputLen < 0 || c.OutputLen < 0 || c.NumWarmups < 0 || c.ReadyCheckTimeoutSec < 0 {
+		return bad("--input-len, --output-len, --num-warmups and --ready-check-timeout-sec must not be negative")
+	}
+	if c.InputLen > 0 {
+		c.RandomInputLen = c.InputLen
+	}
+	if c.OutputLen > 0 {
+		c.RandomOutputLen = c.OutputLen
 	}
 	if c.NumPrompts <= 0 {
 		return bad("--num-prompts must be positive, got %d", c.NumPrompts)

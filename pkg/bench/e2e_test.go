@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"flag"
 	"io"
 	"os"
 	"path/filepath"
@@ -94,7 +95,8 @@ func TestBenchAgainstSim(t *testing.T) {
 		}
 	}
 	s := engine.Stats(t)
-	if s.Requests != 8 || s.GenerationTokens != 8*16 || s.PromptTokens != 8*40 {
+	// The eight, and the initial test run (the first prompt once more).
+	if s.Requests != 9 || s.GenerationTokens != 9*16 || s.PromptTokens != 9*40 {
 		t.Errorf("engine stats %+v", s)
 	}
 
@@ -160,9 +162,9 @@ func TestBenchPDAgainstSims(t *testing.T) {
 	if got := atoi(t, v["Total generated tokens:"]); got != 8*8 {
 		t.Errorf("Total generated tokens: %d, want %d", got, 8*8)
 	}
-	ps := prefill.WaitStats(t, 5*time.Second, "prefills", func(s sim.Stats) bool { return s.KVServed == 8 })
+	ps := prefill.WaitStats(t, 5*time.Second, "prefills", func(s sim.Stats) bool { return s.KVServed == 9 })
 	ds := decode.Stats(t)
-	if ps.Prefills != 8 || ds.Decodes != 8 || ds.KVReads != 8 || ds.Local != 0 || ds.RequestIDMismatches != 0 {
+	if ps.Prefills != 9 || ds.Decodes != 9 || ds.KVReads != 9 || ds.Local != 0 || ds.RequestIDMismatches != 0 {
 		t.Errorf("prefill stats %+v\ndecode stats %+v", ps, ds)
 	}
 	for _, o := range res.Outputs {
@@ -197,5 +199,60 @@ func TestChatBodyIsWhatBenchSends(t *testing.T) {
 		if len(got) != 1 || !bytes.Equal(got[0].Body, want) {
 			t.Errorf("%s: the engine received %d requests; want one body of\n%s", r.RequestID, len(got), want)
 		}
+	}
+}
+
+// TestBenchVLLMFlags: the flags of vllm bench serve that pdq bench once
+// refused are taken: --input-len and --output-len (the dataset's lengths),
+// --num-warmups (requests run before the measured ones, not counted),
+// --tokenizer (none is loaded: said once, and the run goes on with words),
+// and --ready-check-timeout-sec, with vLLM's initial test run before it
+// all: a run whose first request cannot succeed stops there.
+func TestBenchVLLMFlags(t *testing.T) {
+	engine := simtest.Start(t, simtest.FastConfig())
+	run := func(args ...string) (string, error) {
+		cfg := bench.DefaultConfig()
+		fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+		cfg.RegisterFlags(fs)
+		if err := fs.Parse(bench.JoinNargs(append([]string{"--base-url", engine.URL, "--num-prompts", "5"}, args...))); err != nil {
+			t.Fatalf("flags %q: %v", args, err)
+		}
+		var out strings.Builder
+		_, err := bench.Run(context.Background(), cfg, &out, nil)
+		return out.String(), err
+	}
+
+	out, err := run("--input-len", "30", "--output-len", "4", "--num-warmups", "3", "--tokenizer", "meta-llama/Llama-3.1-8B")
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, want := range []string{"Starting initial single prompt test run...\n", "Initial test run completed.\n",
+		"Warming up with 3 requests...\n", "Warmup run completed.\n", "Starting main benchmark run...\n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("no %q in:\n%s", want, out)
+		}
+	}
+	if strings.Count(out, "meta-llama/Llama-3.1-8B") != 1 || !strings.Contains(out, "no tokenizer") {
+		t.Errorf("--tokenizer: want one line saying none is loaded:\n%s", out)
+	}
+	v := parseBlock(t, out)
+	if v["Successful requests:"] != "5" || atoi(t, v["Total input tokens:"]) != 5*30 || atoi(t, v["Total generated tokens:"]) != 5*4 {
+		t.Errorf("the measured run: %v\n%s", v, out)
+	}
+	if s := engine.Stats(t); s.Requests != 5+1+3 || s.PromptTokens != 9*30 {
+		t.Errorf("engine stats %+v: want the 5, the test run and 3 warmups, of 30 tokens each", s)
+	}
+
+	out, err = run("--model", "no-such-model", "--ready-check-timeout-sec", "1")
+	if err == nil || !strings.Contains(err.Error(), "Initial test run failed") || strings.Contains(out, "Serving Benchmark Result") {
+		t.Errorf("a run whose test request fails: %v\n%s", err, out)
+	}
+	before := engine.Stats(t).Requests
+	out, err = run("--ready-check-timeout-sec", "0", "--input-len", "20", "--output-len", "2")
+	if err != nil || !strings.Contains(out, "Skipping endpoint ready check.\n") {
+		t.Errorf("--ready-check-timeout-sec 0: %v\n%s", err, out)
+	}
+	if got := engine.Stats(t).Requests - before; got != 5 {
+		t.Errorf("with the ready check skipped the engine saw %d requests, want 5", got)
 	}
 }
