@@ -2,6 +2,8 @@ package dispatcher
 
 import (
 	"encoding/json"
+	"fmt"
+	"maps"
 	"math"
 	"os"
 	"regexp"
@@ -13,19 +15,32 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/prometheus/prometheus/promql/parser"
 )
 
 // metricNames are the names NewMetrics registers, histograms as their
-// base name.
+// base name, and pdq_build_info.
 func metricNames(t *testing.T) (names map[string]bool) {
+	t.Helper()
+	names = map[string]bool{}
+	for name := range metricLabels(t) {
+		names[name] = true
+	}
+	return names
+}
+
+// metricLabels are the metrics NewMetrics registers, histograms as their
+// base name, with their labels; and pdq_build_info, which cmd/pdq
+// registers (tests/metrics_test.go checks that a live pdq serves it).
+func metricLabels(t *testing.T) map[string][]string {
 	t.Helper()
 	reg := prometheus.NewRegistry()
 	m, err := NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	fq := regexp.MustCompile(`fqName: "([a-z0-9_]+)"`)
-	names = map[string]bool{}
+	desc := regexp.MustCompile(`fqName: "([a-z0-9_]+)".*variableLabels: \{([a-z0-9_,]*)\}`)
+	metrics := map[string][]string{"pdq_build_info": {"version", "revision", "goversion"}}
 	ch := make(chan *prometheus.Desc, 64)
 	go func() {
 		for _, c := range m.collectors() {
@@ -34,71 +49,149 @@ func metricNames(t *testing.T) (names map[string]bool) {
 		close(ch)
 	}()
 	for d := range ch {
-		if s := fq.FindStringSubmatch(d.String()); s != nil {
-			names[s[1]] = true
+		s := desc.FindStringSubmatch(d.String())
+		if s == nil {
+			t.Fatalf("cannot read the metric description %s", d)
+		}
+		metrics[s[1]] = []string{}
+		if s[2] != "" {
+			metrics[s[1]] = strings.Split(s[2], ",")
 		}
 	}
-	return names
+	return metrics
 }
 
-// TestDashboardQueriesExist: every metric the Grafana dashboard queries is
-// one pdq exports, and the dashboard shows what issue 8 asks of it.
+// dashboard is deploy/grafana/pdq-dashboard.json, as much as the tests
+// read of it.
+type dashboard struct {
+	Panels []struct {
+		Title   string `json:"title"`
+		Targets []struct {
+			Expr string `json:"expr"`
+		} `json:"targets"`
+	} `json:"panels"`
+	Templating struct {
+		List []struct {
+			Query any `json:"query"`
+		} `json:"list"`
+	} `json:"templating"`
+}
+
+// grafanaVars stand for Grafana's own variables, so that a panel's query
+// parses as PromQL.
+var grafanaVars = strings.NewReplacer("$__rate_interval", "5m", "$__interval", "1m", "$__range", "1h")
+
+// TestDashboardQueriesExist: every query of the Grafana dashboard parses
+// as PromQL and selects metrics and labels pdq exports, and the dashboard
+// shows what issues 8 and 25 ask of it, every metric an alert watches
+// among them.
 func TestDashboardQueriesExist(t *testing.T) {
 	raw, err := os.ReadFile("../deploy/grafana/pdq-dashboard.json")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var dash struct {
-		Panels []struct {
-			Title   string `json:"title"`
-			Targets []struct {
-				Expr string `json:"expr"`
-			} `json:"targets"`
-		} `json:"panels"`
-		Templating struct {
-			List []struct {
-				Query any `json:"query"`
-			} `json:"list"`
-		} `json:"templating"`
-	}
+	var dash dashboard
 	if err := json.Unmarshal(raw, &dash); err != nil {
 		t.Fatalf("the dashboard is not JSON: %v", err)
 	}
-	names := metricNames(t)
+	exported := metricLabels(t)
 	used := map[string]bool{}
-	metric := regexp.MustCompile(`\bpdq_[a-z0-9_]+`)
-	check := func(where, expr string) {
-		for _, name := range metric.FindAllString(expr, -1) {
-			base := name
-			for _, suffix := range []string{"_bucket", "_count", "_sum"} {
-				if b, ok := strings.CutSuffix(name, suffix); ok && names[b] {
-					base = b
-				}
-			}
-			if !names[base] {
-				t.Errorf("%s queries %s, which pdq does not export", where, name)
-			}
-			used[base] = true
-		}
-	}
 	for _, p := range dash.Panels {
 		if len(p.Targets) == 0 {
 			t.Errorf("panel %q has no query", p.Title)
 		}
 		for _, target := range p.Targets {
-			check("panel "+p.Title, target.Expr)
+			expr, err := promql.ParseExpr(grafanaVars.Replace(target.Expr))
+			if err != nil {
+				t.Errorf("panel %q: %q does not parse: %v", p.Title, target.Expr, err)
+				continue
+			}
+			maps.Copy(used, checkSelectors(expr, exported, func(format string, args ...any) {
+				t.Errorf("panel %q: %s", p.Title, fmt.Sprintf(format, args...))
+			}))
 		}
 	}
+	// A variable's query is Grafana's (label_values), not PromQL.
+	metric := regexp.MustCompile(`\bpdq_[a-z0-9_]+`)
 	for _, v := range dash.Templating.List {
 		if q, ok := v.Query.(string); ok {
-			check("a variable", q)
+			for _, name := range metric.FindAllString(q, -1) {
+				if exported[name] == nil {
+					t.Errorf("a variable queries %s, which pdq does not export", name)
+				}
+			}
 		}
 	}
-	for _, want := range []string{"pdq_requests_total", "pdq_ttft_seconds", "pdq_itl_seconds", "pdq_queue_depth",
-		"pdq_queue_wait_seconds", "pdq_retries_total", "pdq_dead_letters_total", "pdq_decode_only_total", "pdq_engine_up"} {
-		if !used[want] {
-			t.Errorf("the dashboard does not show %s", want)
+	want := []string{"pdq_requests_total", "pdq_ttft_seconds", "pdq_itl_seconds", "pdq_queue_depth",
+		"pdq_queue_wait_seconds", "pdq_retries_total", "pdq_dead_letters_total", "pdq_decode_only_total", "pdq_engine_up",
+		"pdq_engine_breaker_state", "pdq_gateway_inflight_requests", "pdq_gateway_inflight_bytes", "pdq_build_info"}
+	for _, g := range readRules(t).Groups {
+		for _, r := range g.Rules {
+			if expr, err := promql.ParseExpr(r.Expr); err == nil {
+				want = append(want, slices.Collect(maps.Keys(checkSelectors(expr, exported, func(string, ...any) {})))...)
+			}
 		}
+	}
+	for _, w := range want {
+		if !used[w] {
+			t.Errorf("the dashboard does not show %s", w)
+		}
+	}
+}
+
+// TestDashboardDecodeOnlyShare: the decode-only share divides by the
+// requests that went to an engine: answered, failed or cancelled, not a
+// client's mistake (4xx) nor one turned away (429, 503).
+func TestDashboardDecodeOnlyShare(t *testing.T) {
+	raw, err := os.ReadFile("../deploy/grafana/pdq-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash dashboard
+	if err := json.Unmarshal(raw, &dash); err != nil {
+		t.Fatal(err)
+	}
+	shares := 0
+	for _, p := range dash.Panels {
+		for _, target := range p.Targets {
+			expr, err := promql.ParseExpr(grafanaVars.Replace(target.Expr))
+			if err != nil || !strings.Contains(target.Expr, "pdq_decode_only_total") {
+				continue
+			}
+			parser.Inspect(expr, func(n parser.Node, _ []parser.Node) error {
+				div, ok := n.(*parser.BinaryExpr)
+				if !ok || div.Op != parser.DIV || !strings.Contains(div.LHS.String(), "pdq_decode_only_total") {
+					return nil
+				}
+				shares++
+				denominators := 0
+				for _, vs := range selectors(div.RHS) {
+					if vs.Name != "pdq_requests_total" {
+						t.Errorf("panel %q divides by %s", p.Title, vs.Name)
+						continue
+					}
+					denominators++
+					for outcome, counts := range map[string]bool{"ok": true, "error": true, "cancelled": true, "client_error": false, "rejected": false} {
+						matches := true
+						for _, m := range vs.LabelMatchers {
+							if m.Name == "outcome" {
+								matches = matches && m.Matches(outcome)
+							}
+						}
+						if matches != counts {
+							t.Errorf("panel %q: the decode-only share's denominator %s counts outcome=%q: %v, want %v", p.Title, vs, outcome, matches, counts)
+						}
+					}
+				}
+				if denominators == 0 {
+					t.Errorf("panel %q: the decode-only share divides by no count of requests: %s", p.Title, div)
+				}
+				return nil
+			})
+		}
+	}
+	if shares == 0 {
+		t.Error("the dashboard has no decode-only share")
 	}
 }
 
