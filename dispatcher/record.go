@@ -44,7 +44,12 @@ func (s State) Ended() bool {
 // A request that succeeds is written twice: when the gateway accepts it and
 // when it has delivered the answer.
 type Record struct {
-	ID         string          `json:"id"`
+	// ID is the request's key (see [RequestKey]).
+	ID string `json:"id"`
+	// ClientID is the client's X-Request-Id when it is not the key itself
+	// (an id that is not a subject token): what the client knows the
+	// request by.
+	ClientID   string          `json:"client_id,omitempty"`
 	State      State           `json:"state"`
 	Generation int             `json:"generation"`
 	Model      string          `json:"model"`

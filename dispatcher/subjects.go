@@ -3,6 +3,7 @@ package dispatcher
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"strings"
 )
 
@@ -111,8 +112,66 @@ func validID(id string) bool {
 	return true
 }
 
-// ValidRequestID reports whether id may be used as a request id.
+// ValidRequestID reports whether id may be used as a request id: a key
+// that [RequestKey] returns, the key of a batch's prompt, or an id pdq
+// made.
 func ValidRequestID(id string) bool { return validID(id) }
+
+// MaxClientIDLen bounds a client's X-Request-Id. vLLM takes any header
+// value; pdq keeps the id in its request record and echoes it, so a bound
+// keeps those small. 256 bytes hold a UUID, a W3C traceparent (55), an
+// AWS trace id (~80) and the prefix-plus-index ids of load generators
+// (vLLM's bench: bench-<8 hex>-<n>) with room to spare.
+const MaxClientIDLen = 256
+
+// maxKeptIDLen is the longest subject-safe id kept as its own key: a
+// batched prompt runs as <key>-<i> (i < 256), which must stay within the
+// 128 bytes of a request id.
+const maxKeptIDLen = 124
+
+// hashedKeyPrefix starts every key made from a hash. A client id that
+// starts with it is hashed too, so that no id kept as it is can be another
+// id's hashed key.
+const hashedKeyPrefix = "pdqid_"
+
+// ErrInvalidRequestID is the error of [RequestKey] for an id it does not
+// take.
+var ErrInvalidRequestID = errors.New("invalid X-Request-Id: use 1 to 256 printable ASCII characters (space to '~')")
+
+// RequestKey maps a client's X-Request-Id to the request's key: the id of
+// its record, the token of its subjects, its Nats-Msg-Id, and the
+// X-Request-Id of both engine legs. Any printable ASCII id (0x20 to 0x7E)
+// of 1 to [MaxClientIDLen] bytes is taken; anything else (empty, longer,
+// control characters, other bytes) is [ErrInvalidRequestID].
+//
+// A subject-safe id ([A-Za-z0-9_-], at most 124 bytes) is its own key, so
+// that records, subjects and engine logs show the client's id. Any other
+// (req.1:abc, "a b", a longer one, or one that starts with "pdqid_") is
+// hashed: "pdqid_" and 32 hex digits of its SHA-256. The mapping is a
+// function of the id alone, so the same id always meets its earlier
+// request (a 409, a retry) and its record.
+//
+// Engines get the key, not the client's id: the two legs must carry the
+// same X-Request-Id, and the key is what the job carries everywhere; it
+// is a plain token that no proxy, log format or engine-side parser
+// between pdq and vLLM can take apart (vLLM builds its internal ids and
+// its NIXL notifications, "<id>:<tp size>", from it). The gateway puts
+// the client's own id back into the response ids it relays.
+func RequestKey(clientID string) (string, error) {
+	if len(clientID) < 1 || len(clientID) > MaxClientIDLen {
+		return "", ErrInvalidRequestID
+	}
+	for i := range len(clientID) {
+		if c := clientID[i]; c < 0x20 || c > 0x7e {
+			return "", ErrInvalidRequestID
+		}
+	}
+	if len(clientID) <= maxKeptIDLen && validID(clientID) && !strings.HasPrefix(clientID, hashedKeyPrefix) {
+		return clientID, nil
+	}
+	sum := sha256.Sum256([]byte(clientID))
+	return hashedKeyPrefix + hex.EncodeToString(sum[:16]), nil
+}
 
 // ValidPool reports whether pool may be used as a pool's subject token.
 func ValidPool(pool string) bool { return validID(pool) && len(pool) <= 73 }
