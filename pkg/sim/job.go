@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -95,6 +96,13 @@ func (j *job) markLoaded() {
 // prompt.
 func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) ([]*job, *openai.Error) {
 	req, apiErr := openai.DecodeRequest(endpoint, body)
+	if apiErr != nil && apiErr.Param != nil && *apiErr.Param == "model" {
+		// No model named: looked at only then, so that a request that
+		// names one costs no more.
+		if withModel, ok := withServedModel(body, e.names.served[0]); ok {
+			req, apiErr = openai.DecodeRequest(endpoint, withModel)
+		}
+	}
 	if apiErr != nil {
 		return nil, apiErr
 	}
@@ -220,6 +228,21 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		jobs[i] = j
 	}
 	return jobs, nil
+}
+
+// withServedModel is body with model set to served when it names none
+// (absent, null or ""), and whether it did: vLLM takes such a request as
+// one for its first served name (engine/serving.py _is_model_supported:
+// "if not model_name: return True"; models.model_name(None) is
+// base_model_paths[0].name). pdq's request decoder wants a model, so the
+// sim gives it that one.
+func withServedModel(body []byte, served string) ([]byte, bool) {
+	v, ok, err := jsonobj.Get(body, "model")
+	if err != nil || ok && string(v) != "null" && string(v) != `""` {
+		return body, false
+	}
+	out, err := jsonobj.Edit(body, jsonobj.Set("model", jsonobj.AppendString(nil, served)))
+	return out, err == nil
 }
 
 // kvParams is kv_transfer_params as the engine reads them. Pointers tell a

@@ -100,6 +100,16 @@ func TestServedModelNames(t *testing.T) {
 	if texts[0] != texts[1] {
 		t.Errorf("two names of one model said %q and %q", texts[0], texts[1])
 	}
+	// No model (absent, null, ""): the first served name, as in vLLM.
+	for _, model := range []any{nil, ""} {
+		c := completion(t, e, map[string]any{"model": model, "prompt": "hi", "max_tokens": 3, "ignore_eos": true})
+		if c.Model != "llama" || c.Choices[0].Text != texts[0] {
+			t.Errorf("model %v answered as %q, %q; want llama's %q", model, c.Model, c.Choices[0].Text, texts[0])
+		}
+	}
+	if ch := chat(t, e, map[string]any{"messages": user("hi"), "max_tokens": 1}); ch.Model != "llama" {
+		t.Errorf("chat without a model answered as %q, want llama", ch.Model)
+	}
 	// --model is not a name once served names are set, as in vLLM.
 	call(t, http.MethodPost, e.URL+"/v1/completions", map[string]any{"model": "/models/llama-3.1-8b", "prompt": "hi"}).
 		apiError(t, http.StatusNotFound, "The model `/models/llama-3.1-8b` does not exist.")
