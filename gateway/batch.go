@@ -48,13 +48,11 @@ type batchJob struct {
 }
 
 // generateBatch serves a completions request with several prompts.
-func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id string, in *incoming, pool dispatcher.PoolStatus, log *slog.Logger) error {
+// clientID is the client's X-Request-Id, id the request's key
+// (dispatcher.RequestKey), which leaves room for every prompt's -<i>.
+func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clientID, id string, in *incoming, pool dispatcher.PoolStatus, log *slog.Logger) error {
 	if len(in.batch) > maxBatch {
 		return writeError(c, openai.NewError(http.StatusBadRequest, "'prompt' holds %d prompts; at most %d are served in one request", len(in.batch), maxBatch).WithParam("prompt"))
-	}
-	if last := id + "-" + strconv.Itoa(len(in.batch)-1); !dispatcher.ValidRequestID(last) {
-		return writeError(c, openai.NewError(http.StatusBadRequest,
-			"X-Request-Id is too long for a batch of %d prompts: each prompt runs as <id>-<i>, at most 128 characters", len(in.batch)))
 	}
 	// Each prompt's body repeats the client's other fields: what exceeds
 	// the body already counted is held too, and reserved before it is
@@ -81,7 +79,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 	}
 	// The batch is one request under its id, like any other: claimed
 	// before its prompts are queued, ended with them.
-	parent, apiErr := h.claimBatch(c, endpoint, id, in, log)
+	parent, apiErr := h.claimBatch(c, endpoint, clientID, id, in, log)
 	if apiErr != nil {
 		return writeError(c, apiErr)
 	}
@@ -112,7 +110,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, id st
 		}
 		jobs = append(jobs, &batchJob{job: job, claim: claim, replies: replies, log: jlog})
 	}
-	return h.relayBatch(c, id, in.req, jobs, parent, log)
+	return h.relayBatch(c, clientID, in.req, jobs, parent, log)
 }
 
 // batchRecord is the record of a batched request's own id, whose prompts
@@ -137,10 +135,13 @@ func (b *batchRecord) end(state dispatcher.State, status int, why string) {
 // claimBatch claims the batch's id in its record, as Submit claims a
 // job's: an id that is live or has delivered is a 409, one that ended
 // without delivering is retried.
-func (h *handlers) claimBatch(c echo.Context, endpoint openai.Endpoint, id string, in *incoming, log *slog.Logger) (*batchRecord, *openai.Error) {
+func (h *handlers) claimBatch(c echo.Context, endpoint openai.Endpoint, clientID, id string, in *incoming, log *slog.Logger) (*batchRecord, *openai.Error) {
 	now := time.Now()
+	if clientID == id {
+		clientID = "" // the record's id says it
+	}
 	rec := &dispatcher.Record{
-		ID: id, State: dispatcher.StateQueued, Generation: 1, Model: in.req.Model, Pool: dispatcher.PoolName(in.req.Model),
+		ID: id, ClientID: clientID, State: dispatcher.StateQueued, Generation: 1, Model: in.req.Model, Pool: dispatcher.PoolName(in.req.Model),
 		Endpoint: endpoint, Stream: in.req.Stream, Prompts: len(in.batch), Gateway: h.id, Owner: callerOf(c).owner,
 		Created: now, Updated: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
@@ -192,9 +193,10 @@ type batchReply struct {
 }
 
 // relayBatch merges the replies of a batch's jobs into one answer, as
-// relay does for one job. The request logs its end once; its prompts'
-// records each hold it.
-func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jobs []*batchJob, parent *batchRecord, log *slog.Logger) error {
+// relay does for one job, under the response id cmpl-<clientID>, vLLM's
+// for the client's X-Request-Id. The request logs its end once; its
+// prompts' records each hold it.
+func (h *handlers) relayBatch(c echo.Context, clientID string, req *openai.Request, jobs []*batchJob, parent *batchRecord, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := h.relayContext(c, jobs[0].job.Deadline)
 	in := make(chan batchReply)
@@ -220,7 +222,7 @@ func (h *handlers) relayBatch(c echo.Context, id string, req *openai.Request, jo
 	if req.N != nil {
 		n = *req.N
 	}
-	m := newBatchMerge(openai.Completions.IDPrefix()+id, n)
+	m := newBatchMerge(openai.Completions.IDPrefix()+clientID, n)
 	// stop ends every prompt not settled yet, the ones that finished
 	// included: their answers never went out.
 	stop := func(state dispatcher.State, status int, why string) {

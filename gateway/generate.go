@@ -28,12 +28,15 @@ import (
 func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		t := trackOf(c)
-		id, apiErr := requestID(c.Request().Header.Get("X-Request-Id"))
+		clientID, id, apiErr := requestID(c.Request().Header.Get("X-Request-Id"))
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
-		c.Response().Header().Set("X-Request-Id", id)
+		c.Response().Header().Set("X-Request-Id", clientID)
 		log := h.log.With(logging.KeyRequestID, id)
+		if clientID != id {
+			log = log.With("client_request_id", clientID)
+		}
 
 		body, release, apiErr := h.readBody(c)
 		defer release()
@@ -41,6 +44,17 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			return writeError(c, apiErr)
 		}
 		in, apiErr := parseRequest(endpoint, body)
+		if apiErr != nil && modelMissing(apiErr) {
+			// As vLLM, the served model; looked for only when none was
+			// named, so that a request that names one costs no more.
+			withModel, filled, err := defaultModel(body, h.registry.Cards())
+			switch {
+			case err != nil:
+				apiErr = err
+			case filled:
+				in, apiErr = parseRequest(endpoint, withModel)
+			}
+		}
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
@@ -70,14 +84,17 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			return h.unavailable(c, "pdq's queue cannot store (stream %s: its disk may be full); retry", bad.Stream)
 		}
 		if in.batch != nil {
-			return h.generateBatch(c, endpoint, id, in, pool, log)
+			return h.generateBatch(c, endpoint, clientID, id, in, pool, log)
 		}
 		replies, job, claim, apiErr := h.submit(c, endpoint, id, false, in.req, in.body, in.promptTokens, pool, log)
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
 		defer replies.Close()
-		return h.relay(c, replies, job, claim, log.With("generation", job.Generation))
+		if clientID != id {
+			h.keepClientID(c.Request().Context(), id, clientID, log)
+		}
+		return h.relay(c, replies, job, claim, newResponseIDs(endpoint, clientID, id), log.With("generation", job.Generation))
 	}
 }
 
@@ -102,7 +119,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 	}
 	replies, err := h.replies.Open(id)
 	if err != nil {
-		return nil, nil, nil, openai.NewError(http.StatusConflict, "a request with X-Request-Id %s is in flight", id)
+		return nil, nil, nil, openai.NewError(http.StatusConflict, "a request with this X-Request-Id is in flight")
 	}
 	if !req.Stream {
 		replies.Whole()
@@ -136,6 +153,26 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 		h.cfg.Counters.DecodeOnly("short_prompt")
 	}
 	return replies, job, claim, nil
+}
+
+// keepClientID writes the client's X-Request-Id into the record of a
+// request whose key is made from it, for GET /v1/requests/{id} and pdq
+// requests to show. It is one more write than an id that is its own key
+// costs; one that fails leaves the record without it, and the request
+// runs on.
+func (h *handlers) keepClientID(ctx context.Context, id, clientID string, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	_, err := h.records.Transition(ctx, id, func(r *dispatcher.Record) error {
+		if r.ClientID == clientID {
+			return dispatcher.ErrNoChange
+		}
+		r.ClientID = clientID
+		return nil
+	})
+	if err != nil {
+		log.Debug("could not write the client's X-Request-Id into the record", logging.Err(err))
+	}
 }
 
 // prefillDown reports whether model's pool has no healthy prefill worker
@@ -242,7 +279,8 @@ func natsGone(err error) bool {
 // events flushed one by one. An error that comes before any output keeps
 // its HTTP status; after that it can only be an in-stream error. Whatever
 // ends the relay early, the workers are told to stop.
-func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, claim *dispatcher.Claim, log *slog.Logger) error {
+// ids, when not nil, puts the client's id back into the response ids.
+func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, claim *dispatcher.Claim, ids *responseIDs, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := h.relayContext(c, job.Deadline)
 	defer cancel()
@@ -284,7 +322,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			return h.writeWorkerError(c, end)
 		}
 		t.wrote(h.cfg.Counters)
-		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, answer); err != nil {
+		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, ids.apply(answer)); err != nil {
 			h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 			return nil
 		}
@@ -302,7 +340,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 		switch msg.Kind {
 		case dispatcher.KindChunk:
 			t.wrote(h.cfg.Counters)
-			if err := sse.Write(msg.Data); err != nil {
+			if err := sse.Write(ids.apply(msg.Data)); err != nil {
 				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}

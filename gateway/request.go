@@ -1,11 +1,15 @@
 package gateway
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
@@ -126,17 +130,88 @@ func promptTokens(p openai.Prompt) int {
 	return (len(p.Text) + 3) / 4
 }
 
-// requestID returns the client's X-Request-Id when it is a valid subject
-// token, a new UUID when there is none, and a 400 otherwise.
-func requestID(header string) (string, *openai.Error) {
+// requestID reads the client's X-Request-Id: the id the client knows its
+// request by, echoed and put back in the response ids, and the request's
+// key (dispatcher.RequestKey), which the job, its record and both engine
+// legs carry. They are the same for a subject-safe id, and for the UUID
+// made when the client sent none. An id RequestKey does not take is a 400.
+func requestID(header string) (clientID, key string, apiErr *openai.Error) {
 	if header == "" {
-		return newUUID(), nil
+		id := newUUID()
+		return id, id, nil
 	}
-	if !dispatcher.ValidRequestID(header) {
-		return "", openai.NewError(http.StatusBadRequest,
-			"invalid X-Request-Id: use 1 to 128 characters from A-Z, a-z, 0-9, '_' and '-'")
+	key, err := dispatcher.RequestKey(header)
+	if err != nil {
+		return "", "", openai.NewError(http.StatusBadRequest, "%v", err)
 	}
-	return header, nil
+	return header, key, nil
+}
+
+// responseIDs puts the client's own X-Request-Id back into the response
+// ids of a request whose key is not that id: the engines answer under the
+// key (chatcmpl-<key>, cmpl-<key>), vLLM under the client's id.
+type responseIDs struct {
+	engine, client []byte // the ids, as JSON strings
+}
+
+// newResponseIDs returns nil when the key is the client's id: then there
+// is nothing to put back.
+func newResponseIDs(endpoint openai.Endpoint, clientID, key string) *responseIDs {
+	if clientID == key {
+		return nil
+	}
+	return &responseIDs{engine: jsonobj.AppendString(nil, endpoint.IDPrefix()+key),
+		client: jsonobj.AppendString(nil, endpoint.IDPrefix()+clientID)}
+}
+
+// apply returns a response or chunk with the client's id where the engine
+// put the key's; anything else (an error, another id) as it is.
+func (r *responseIDs) apply(data []byte) []byte {
+	if r == nil {
+		return data
+	}
+	id, ok, err := jsonobj.Get(data, "id")
+	if err != nil || !ok || !bytes.Equal(id, r.engine) {
+		return data
+	}
+	out, err := jsonobj.Edit(data, jsonobj.Replace("id", r.client))
+	if err != nil {
+		return data
+	}
+	return out
+}
+
+// modelMissing reports whether parseRequest refused a body for naming no
+// model.
+func modelMissing(apiErr *openai.Error) bool {
+	return apiErr.Code == http.StatusBadRequest && apiErr.Param != nil && *apiErr.Param == "model"
+}
+
+// defaultModel fills in the model of a request that names none ("model"
+// absent, null or ""): vLLM serves such a request with its served model,
+// and pdq with the only model it serves (whose decode workers are live).
+// The body keeps the client's bytes but for the model's value, appended
+// when the client sent no member; filled says whether it changed. With
+// several models served it is a 400 that names them, with none a 404. A
+// body that names a model, or is not a JSON object, is left as it is.
+func defaultModel(body []byte, served map[string]json.RawMessage) (out []byte, filled bool, apiErr *openai.Error) {
+	v, ok, err := jsonobj.Get(body, "model")
+	if err != nil || ok && string(v) != "null" && string(v) != `""` {
+		return body, false, nil
+	}
+	models := slices.Sorted(maps.Keys(served))
+	switch len(models) {
+	case 0:
+		return nil, false, openai.NewError(http.StatusNotFound, "no model is served: no live decode worker").WithParam("model")
+	case 1:
+		out, err := jsonobj.Edit(body, jsonobj.Set("model", jsonobj.AppendString(nil, models[0])))
+		if err != nil {
+			return nil, false, openai.NewError(http.StatusBadRequest, "request body: %v", err)
+		}
+		return out, true, nil
+	}
+	return nil, false, openai.NewError(http.StatusBadRequest, "'model' is required: pdq serves %d models: `%s`",
+		len(models), strings.Join(models, "`, `")).WithParam("model")
 }
 
 // newUUID returns a random (version 4) UUID.

@@ -14,23 +14,90 @@ func TestRequestID(t *testing.T) {
 	for _, tc := range []struct {
 		header string
 		ok     bool
+		kept   bool // the key is the header itself
 	}{
-		{"abc-123_X", true}, {strings.Repeat("a", 128), true},
-		{"a.b", false}, {"a*", false}, {"a>", false}, {"a b", false}, {" a", false}, {strings.Repeat("a", 129), false},
-		{"pdq.reply.x.>", false}, {"ü", false},
+		{"abc-123_X", true, true}, {strings.Repeat("a", 124), true, true},
+		// Any printable ASCII id up to 256 bytes, as vLLM takes any: the
+		// ones that are no subject token run under a key made from them.
+		{"a.b", true, false}, {"a*", true, false}, {"a>", true, false}, {"a b", true, false},
+		{"req.1:abc", true, false}, {"pdq.reply.x.>", true, false}, {strings.Repeat("a", 256), true, false},
+		{"a\tb", false, false}, {"\u00fc", false, false}, {strings.Repeat("a", 257), false, false}, {"a\x7f", false, false},
 	} {
-		id, err := requestID(tc.header)
-		if tc.ok && (err != nil || id != tc.header) {
-			t.Errorf("requestID(%q) = %q, %v", tc.header, id, err)
+		clientID, key, err := requestID(tc.header)
+		if !tc.ok {
+			if err == nil || err.Code != http.StatusBadRequest || !strings.Contains(err.Message, "X-Request-Id") {
+				t.Errorf("requestID(%q) accepted, got %q, %q", tc.header, clientID, key)
+			}
+			continue
 		}
-		if !tc.ok && (err == nil || err.Code != http.StatusBadRequest) {
-			t.Errorf("requestID(%q) accepted, got %q", tc.header, id)
+		want, _ := dispatcher.RequestKey(tc.header)
+		if err != nil || clientID != tc.header || key != want || (key == tc.header) != tc.kept {
+			t.Errorf("requestID(%q) = %q, %q, %v; want the header and key %q", tc.header, clientID, key, err, want)
 		}
 	}
-	a, _ := requestID("")
-	b, _ := requestID("")
-	if a == b || len(a) != 36 || !dispatcher.ValidRequestID(a) || a[14] != '4' {
+	a, ak, _ := requestID("")
+	b, _, _ := requestID("")
+	if a == b || a != ak || len(a) != 36 || !dispatcher.ValidRequestID(a) || a[14] != '4' {
 		t.Errorf("generated ids %q, %q are not fresh v4 UUIDs", a, b)
+	}
+}
+
+func TestResponseIDs(t *testing.T) {
+	if ids := newResponseIDs(openai.Chat, "same", "same"); ids != nil || string(ids.apply([]byte(`{"id":"x"}`))) != `{"id":"x"}` {
+		t.Errorf("an id that is its own key: %+v", ids)
+	}
+	ids := newResponseIDs(openai.Completions, `a "b".c`, "pdqid_k")
+	for in, want := range map[string]string{
+		`{"id":"cmpl-pdqid_k","choices":[{"text":" x"}]}`: `{"id":"cmpl-a \"b\".c","choices":[{"text":" x"}]}`,
+		`{"choices":[],"id": "cmpl-pdqid_k" }`:            `{"choices":[],"id": "cmpl-a \"b\".c" }`,
+		`{"id":"cmpl-other"}`:                             `{"id":"cmpl-other"}`,
+		`{"error":{"message":"x"}}`:                       `{"error":{"message":"x"}}`,
+		`not json`:                                        `not json`,
+	} {
+		if got := string(ids.apply([]byte(in))); got != want {
+			t.Errorf("apply(%s) = %s, want %s", in, got, want)
+		}
+	}
+}
+
+func TestDefaultModel(t *testing.T) {
+	one := map[string]json.RawMessage{"m": nil}
+	for in, want := range map[string]string{
+		`{"messages":[], "max_tokens":1}`: `{"messages":[], "max_tokens":1,"model":"m"}`,
+		`{"model": null, "prompt":"x"}`:   `{"model": "m", "prompt":"x"}`,
+		`{ "prompt":"x", "model":"" }`:    `{ "prompt":"x", "model":"m" }`,
+		`{"model":"other","prompt":"x"}`:  `{"model":"other","prompt":"x"}`,
+		`{"model":5,"prompt":"x"}`:        `{"model":5,"prompt":"x"}`, // DecodeRequest refuses it
+		`{"Model":"other","prompt":"x"}`:  `{"Model":"other","prompt":"x","model":"m"}`,
+		`{"model": "x"`:                   `{"model": "x"`, // malformed: DecodeRequest words it
+		`[]`:                              `[]`,
+	} {
+		got, filled, err := defaultModel([]byte(in), one)
+		if err != nil || string(got) != want || filled != (in != want) {
+			t.Errorf("defaultModel(%s) = %s, %v, %v; want %s", in, got, filled, err, want)
+		}
+	}
+	_, _, err := defaultModel([]byte(`{"prompt":"x"}`), map[string]json.RawMessage{"b": nil, "a": nil})
+	if err == nil || err.Code != http.StatusBadRequest || err.Param == nil || *err.Param != "model" ||
+		!strings.Contains(err.Message, "pdq serves 2 models: `a`, `b`") {
+		t.Errorf("several models: %+v", err)
+	}
+	if _, _, err := defaultModel([]byte(`{"prompt":"x"}`), nil); err == nil || err.Code != http.StatusNotFound {
+		t.Errorf("no model: %+v", err)
+	}
+}
+
+func TestCardAt(t *testing.T) {
+	card := `{"id":"m","object":"model","created":17,"owned_by":"vllm","permission":[{"id":"modelperm-1","created":17,"allow_view":true},{"created":3}],"max_model_len":8}`
+	want := `{"id":"m","object":"model","created":1000,"owned_by":"vllm","permission":[{"id":"modelperm-1","created":1000,"allow_view":true},{"created":1000}],"max_model_len":8}`
+	if got := string(cardAt(json.RawMessage(card), 1000)); got != want {
+		t.Errorf("cardAt:\n got %s\nwant %s", got, want)
+	}
+	for _, card := range []string{`{"id":"m"}`, `{"id":"m","permission":[]}`, `null`, `{"created":1,"permission":"x"}`} {
+		got := string(cardAt(json.RawMessage(card), 1000))
+		if want := strings.Replace(card, `"created":1,`, `"created":1000,`, 1); got != want {
+			t.Errorf("cardAt(%s) = %s, want %s", card, got, want)
+		}
 	}
 }
 

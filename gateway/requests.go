@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"net/url"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -13,16 +14,31 @@ import (
 )
 
 // request serves GET /v1/requests/{id}: the request's record, with where a
-// live request stands read from the stream its message sits in.
+// live request stands read from the stream its message sits in. id is the
+// client's X-Request-Id (path-escaped), or the request's key
+// (dispatcher.RequestKey).
 func (h *handlers) request(c echo.Context) error {
-	id := c.Param("id")
-	if !dispatcher.ValidRequestID(id) {
-		return writeError(c, openai.NewError(http.StatusBadRequest,
-			"invalid request id: use 1 to 128 characters from A-Z, a-z, 0-9, '_' and '-'"))
+	param := c.Param("id")
+	if c.Request().URL.RawPath != "" {
+		// The router matched the escaped path: its segment is still
+		// escaped (an id with '/', say).
+		var err error
+		if param, err = url.PathUnescape(param); err != nil {
+			return writeError(c, openai.NewError(http.StatusBadRequest, "request id: %v", err))
+		}
+	}
+	id, err := dispatcher.RequestKey(param)
+	if err != nil {
+		return writeError(c, openai.NewError(http.StatusBadRequest, "%v", err))
 	}
 	ctx, cancel := context.WithTimeout(c.Request().Context(), 5*time.Second)
 	defer cancel()
 	rec, err := dispatcher.ReadRecord(ctx, h.js, h.records, id)
+	if errors.Is(err, dispatcher.ErrNoRecord) && id != param && dispatcher.ValidRequestID(param) {
+		// A key itself, as records and pdq requests show it: a hashed
+		// one (pdqid_...), or a batched prompt's <key>-<i>.
+		rec, err = dispatcher.ReadRecord(ctx, h.js, h.records, param)
+	}
 	if who := callerOf(c); err == nil && !who.operator && rec.Owner != who.owner {
 		// Another key's request: as if there were none, so that its
 		// existence does not show either.

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -26,6 +27,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/config"
+	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -126,19 +128,18 @@ func (c *Config) setDefaults() {
 
 // Server is the OpenAI-facing gateway.
 type Server struct {
-	cfg     Config
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	log     *slog.Logger
-	id      string
-	started time.Time
+	cfg Config
+	nc  *nats.Conn
+	js  jetstream.JetStream
+	log *slog.Logger
+	id  string
 }
 
 // New builds a gateway; Run or Serve starts it.
 func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) *Server {
 	cfg.setDefaults()
 	id := newUUID()[:8]
-	return &Server{cfg: cfg, nc: nc, js: js, id: id, started: time.Now(),
+	return &Server{cfg: cfg, nc: nc, js: js, id: id,
 		log: log.With(logging.KeyComponent, "gateway", "gateway_id", id)}
 }
 
@@ -395,16 +396,46 @@ func (h *handlers) models(c echo.Context) error {
 		Object string            `json:"object"`
 		Data   []json.RawMessage `json:"data"`
 	}{Object: openai.ObjectList, Data: make([]json.RawMessage, 0, len(ids))}
+	now := time.Now().Unix()
 	for _, id := range ids {
 		card := cards[id]
 		if len(card) == 0 {
 			// A worker that sent no card: what pdq knows of the model.
-			card, _ = json.Marshal(openai.Model{ID: id, Object: openai.ObjectModel, Created: h.started.Unix(),
+			card, _ = json.Marshal(openai.Model{ID: id, Object: openai.ObjectModel, Created: now,
 				OwnedBy: "pdq", Root: id, Permission: []any{}})
 		}
-		list.Data = append(list.Data, card)
+		list.Data = append(list.Data, cardAt(card, now))
 	}
 	return c.JSON(http.StatusOK, list)
+}
+
+// cardAt is an engine's model card as of now: vLLM builds its cards, and
+// their permissions, for each call, so their created is the call's time,
+// not the time the worker read the card. Anything else is the engine's.
+func cardAt(card json.RawMessage, now int64) json.RawMessage {
+	at := strconv.AppendInt(nil, now, 10)
+	ops := []jsonobj.Op{jsonobj.Replace("created", at)}
+	if perms, ok, err := jsonobj.Get(card, "permission"); err == nil && ok {
+		if spans, err := jsonobj.Elements(perms); err == nil && len(spans) > 0 {
+			var list []byte
+			for i, sp := range spans {
+				perm := []byte(perms[sp.Start:sp.End])
+				if p, err := jsonobj.Edit(perm, jsonobj.Replace("created", at)); err == nil {
+					perm = p
+				}
+				if i > 0 {
+					list = append(list, ',')
+				}
+				list = append(list, perm...)
+			}
+			ops = append(ops, jsonobj.Replace("permission", array(list)))
+		}
+	}
+	out, err := jsonobj.Edit(card, ops...)
+	if err != nil {
+		return card // not an object: as the engine sent it
+	}
+	return out
 }
 
 // ready answers 200 while the gateway can submit: NATS connected, the

@@ -10,8 +10,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -687,5 +689,246 @@ func TestEngineSlotsSharedByModels(t *testing.T) {
 				t.Errorf("decode engine stats %+v: want no failed or mismatched KV read", s)
 			}
 		})
+	}
+}
+
+// The tests below hold pdq to vLLM's own behaviour where pdq differed
+// without a reason (issue 25), as read in vLLM's source:
+// vllm/entrypoints/openai/engine/serving.py (_base_request_id,
+// _is_model_supported), completion/serving.py (the response id),
+// models/serving.py and ModelCard (created at the call), and
+// serve/instrumentator/health.py.
+
+// TestVLLMRequestWithoutModel: vLLM serves a request without a model (or
+// with null or "") with its served model. So does pdq when it serves one
+// model, and the engines get the client's bytes with that model filled
+// in. With several models it is a 400 that names them.
+func TestVLLMRequestWithoutModel(t *testing.T) {
+	cfg := simtest.FastConfig()
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	messages := `"messages":[{"role":"user","content":` + rawString(longPrompt) + `}]`
+	for _, tc := range []struct {
+		name, url, client, sent string
+	}{
+		{"chat without model", p.chat(), `{` + messages + `, "max_tokens": 3}`,
+			`{` + messages + `, "max_tokens": 3,"model":"` + cfg.Model + `"}`},
+		{"chat with model null", p.chat(), `{"model": null, ` + messages + `, "max_tokens": 3}`,
+			`{"model": "` + cfg.Model + `", ` + messages + `, "max_tokens": 3}`},
+		{"completions with model empty", p.completions(), `{"prompt": ` + rawString(longPrompt) + `, "model": "", "max_tokens": 3}`,
+			`{"prompt": ` + rawString(longPrompt) + `, "model": "` + cfg.Model + `", "max_tokens": 3}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			id := "nomodel-" + strings.ReplaceAll(tc.name, " ", "-")
+			r, err := sendRaw(tc.url, id, []byte(tc.client))
+			if err != nil || r.status != http.StatusOK {
+				t.Fatalf("status %d, %v: %s", r.status, err, r.body)
+			}
+			var got struct {
+				Model string `json:"model"`
+			}
+			r.decode(t, &got)
+			// The engine alone answers so too, with its served model.
+			direct, err := sendRaw(strings.Replace(tc.url, p.url, p.decode[0].URL, 1), id+"-direct", []byte(tc.client))
+			if err != nil || direct.status != http.StatusOK {
+				t.Fatalf("the engine alone: status %d, %v: %s", direct.status, err, direct.body)
+			}
+			var want struct {
+				Model string `json:"model"`
+			}
+			direct.decode(t, &want)
+			if got.Model != cfg.Model || want.Model != cfg.Model {
+				t.Errorf("model %q through pdq, %q at the engine; want %q", got.Model, want.Model, cfg.Model)
+			}
+			dec := p.decode[0].Requests(t, id)
+			if len(dec) != 1 {
+				t.Fatalf("the decode engine got %d requests for %s, want 1", len(dec), id)
+			}
+			sent, err := jsonobj.Edit(dec[0].Body, jsonobj.Delete("kv_transfer_params"))
+			if err != nil || string(sent) != tc.sent {
+				t.Errorf("decode leg without its kv_transfer_params:\n got %s\nwant %s", sent, tc.sent)
+			}
+		})
+	}
+
+	t.Run("several models", func(t *testing.T) {
+		cfg := simtest.FastConfig()
+		cfg.Model = "/models/base"
+		cfg.ServedModelNames = []string{"base-a", "base-b"}
+		p := startPipeline(t, pipelineOptions{sim: cfg})
+		for _, url := range []string{p.chat(), p.completions()} {
+			r := post(t, url, "", body{"messages": []any{map[string]any{"role": "user", "content": "x"}}, "prompt": "x"})
+			r.wantStatus(t, http.StatusBadRequest)
+			e := r.apiError(t)
+			if e.Param == nil || *e.Param != "model" || !strings.Contains(e.Message, "`base-a`, `base-b`") {
+				t.Errorf("%s: error %+v; want param model and both models named", url, e)
+			}
+		}
+		if s := p.decode[0].Stats(t); s.Requests != 0 {
+			t.Errorf("a request without a model reached an engine: %+v", s)
+		}
+	})
+}
+
+// TestVLLMAnyRequestID: vLLM takes any X-Request-Id as its request id.
+// pdq takes any printable id up to 256 bytes: one that is not a subject
+// token runs under a key made from it, while the client sees its own id
+// echoed, in the response ids and in its record, and a repeat of it is
+// still a 409.
+func TestVLLMAnyRequestID(t *testing.T) {
+	cfg := simtest.FastConfig()
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	long := strings.Repeat("0123456789abcdef", 16) // 256 bytes, a subject token but too long for one
+	for _, id := range []string{"req.1:abc", "a b", "pdq.reply.>", "x/y?z=%41#", long} {
+		t.Run(id[:min(len(id), 16)], func(t *testing.T) {
+			r := post(t, p.chat(), id, chatBody(cfg.Model, longPrompt, body{"max_tokens": 3}))
+			res, _ := parseResponse(t, r)
+			if got := r.header.Get("X-Request-Id"); got != id {
+				t.Errorf("X-Request-Id echoed as %q", got)
+			}
+			if res.id != "chatcmpl-"+id {
+				t.Errorf("response id %q, want chatcmpl-%s as at vLLM", res.id, id)
+			}
+			// Both legs carried one id, a subject token.
+			last := func(e *simtest.Engine) string {
+				rs := e.RecentRequests(t)
+				for i := len(rs) - 1; i >= 0; i-- {
+					if rs[i].Path == openai.Chat.Path() {
+						return rs[i].ID
+					}
+				}
+				return ""
+			}
+			pre, dec := last(p.prefill[0]), last(p.decode[0])
+			if pre != dec || !dispatcher.ValidRequestID(dec) {
+				t.Errorf("the legs carried X-Request-Id %q and %q; want one subject-safe id", pre, dec)
+			}
+			again := post(t, p.chat(), id, chatBody(cfg.Model, longPrompt, body{"max_tokens": 3}))
+			again.wantStatus(t, http.StatusConflict)
+			if got := again.header.Get("X-Request-Id"); got != id {
+				t.Errorf("the 409 echoes X-Request-Id %q", got)
+			}
+			var rec struct {
+				ID       string `json:"id"`
+				ClientID string `json:"client_id"`
+				State    string `json:"state"`
+			}
+			got := get(t, p.url+"/v1/requests/"+url.PathEscape(id))
+			got.wantStatus(t, http.StatusOK)
+			got.decode(t, &rec)
+			if rec.State != "done" || rec.ID != dec || rec.ClientID != id {
+				t.Errorf("record %s; want done, under the engines' id %q, with client_id %q", got.body, dec, id)
+			}
+			// The key, as records show it, finds the record too.
+			if byKey := get(t, p.url+"/v1/requests/"+dec); byKey.status != http.StatusOK || !bytes.Equal(byKey.body, got.body) {
+				t.Errorf("GET by the key %s: %d %s", dec, byKey.status, byKey.body)
+			}
+		})
+	}
+	t.Run("a subject token stays as it is", func(t *testing.T) {
+		r := post(t, p.chat(), "plain-id_1", chatBody(cfg.Model, "hi", body{"max_tokens": 2}))
+		r.wantStatus(t, http.StatusOK)
+		if ids := p.decode[0].Requests(t, "plain-id_1"); len(ids) != 1 {
+			t.Errorf("the engine got %d requests under the client's own id, want 1", len(ids))
+		}
+		var rec map[string]any
+		get(t, p.url+"/v1/requests/plain-id_1").decode(t, &rec)
+		if rec["id"] != "plain-id_1" || rec["client_id"] != nil {
+			t.Errorf("record %v; want id plain-id_1 and no client_id", rec)
+		}
+	})
+	for _, tc := range []struct{ name, id string }{
+		{"a control character", "a\tb"},
+		{"not ASCII", "caf\u00e9"},
+		{"over 256 bytes", long + "x"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := post(t, p.chat(), tc.id, chatBody(cfg.Model, "hi", body{"max_tokens": 2}))
+			r.wantStatus(t, http.StatusBadRequest)
+			if e := r.apiError(t); !strings.Contains(e.Message, "X-Request-Id") {
+				t.Errorf("error %+v", e)
+			}
+		})
+	}
+	if s := p.decode[0].Stats(t); s.EngineDead || s.KVReadFailures != 0 {
+		t.Errorf("decode engine stats %+v", s)
+	}
+}
+
+// TestVLLMCompletionIDs: vLLM answers a completions request with the id
+// cmpl-<X-Request-Id>, one prompt or a batch, whole or streamed.
+func TestVLLMCompletionIDs(t *testing.T) {
+	cfg := simtest.FastConfig()
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	for _, id := range []string{"cmpl-ids-1", "cmpl ids.2"} {
+		for _, prompt := range []any{longPrompt, []any{longPrompt, "Short one."}} {
+			for _, streamed := range []bool{false, true} {
+				_, batch := prompt.([]any)
+				name := fmt.Sprintf("%s batch %v streamed %v", id, batch, streamed)
+				t.Run(name, func(t *testing.T) {
+					rid := fmt.Sprintf("%s %v %v", id, batch, streamed)
+					if !strings.Contains(id, " ") {
+						rid = fmt.Sprintf("%s-%v-%v", id, batch, streamed)
+					}
+					b := completionBody(cfg.Model, "", body{"prompt": prompt, "max_tokens": 3, "stream": streamed})
+					a := newBatchAnswer()
+					if streamed {
+						s := postStream(t, p.completions(), rid, b)
+						if s.status != http.StatusOK || !s.done {
+							t.Fatalf("stream: %d %v %s", s.status, s.err, s.events)
+						}
+						for _, ev := range s.events {
+							a.add(t, ev)
+						}
+					} else {
+						r := post(t, p.completions(), rid, b)
+						r.wantStatus(t, http.StatusOK)
+						a.add(t, r.body)
+					}
+					if len(a.ids) != 1 || !a.ids["cmpl-"+rid] {
+						t.Errorf("ids %v, want only cmpl-%s", a.ids, rid)
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestVLLMHealthAndModels: the gateway's /health answers as vLLM's does
+// (200, an empty body, no Content-Type), and /v1/models' created is the
+// time of the call, as vLLM builds its cards for each call.
+func TestVLLMHealthAndModels(t *testing.T) {
+	cfg := simtest.FastConfig()
+	p := startPipeline(t, pipelineOptions{sim: cfg})
+	ours, engine := get(t, p.url+"/health"), get(t, p.decode[0].URL+"/health")
+	for _, r := range []response{ours, engine} {
+		if r.status != http.StatusOK || len(r.body) != 0 || r.header.Get("Content-Type") != "" || r.header.Get("Content-Length") != "0" {
+			t.Errorf("/health: %d %v %q; want 200, an empty body, no Content-Type", r.status, r.header, r.body)
+		}
+	}
+	// The workers registered their cards a second ago or more.
+	time.Sleep(1100 * time.Millisecond)
+	before := time.Now().Unix()
+	var list struct {
+		Data []struct {
+			ID         string `json:"id"`
+			Created    int64  `json:"created"`
+			Permission []struct {
+				Created int64 `json:"created"`
+			} `json:"permission"`
+		} `json:"data"`
+	}
+	get(t, p.url+"/v1/models").decode(t, &list)
+	after := time.Now().Unix()
+	if len(list.Data) != 1 {
+		t.Fatalf("/v1/models lists %+v", list.Data)
+	}
+	m := list.Data[0]
+	if m.Created < before || m.Created > after {
+		t.Errorf("created %d, want the time of the call (%d to %d)", m.Created, before, after)
+	}
+	for _, perm := range m.Permission {
+		if perm.Created < before || perm.Created > after {
+			t.Errorf("permission created %d, want the time of the call (%d to %d)", perm.Created, before, after)
+		}
 	}
 }
