@@ -113,13 +113,29 @@ func (rp *Replayer) load(ctx context.Context, st jetstream.Stream, seq uint64) (
 
 // Find returns the dead letter of request id.
 func (rp *Replayer) Find(ctx context.Context, id string) (DeadLetter, error) {
-	if !ValidRequestID(id) {
+	keys := LookupKeys(id)
+	if len(keys) == 0 {
 		return DeadLetter{}, fmt.Errorf("%q is not a valid request id", id)
 	}
 	st, err := rp.js.Stream(ctx, StreamDLQ)
 	if err != nil {
 		return DeadLetter{}, fmt.Errorf("open %s: %w", StreamDLQ, err)
 	}
+	var first error
+	for i, key := range keys {
+		dl, err := rp.find(ctx, st, key)
+		if err == nil {
+			return dl, nil
+		}
+		if i == 0 {
+			first = err
+		}
+	}
+	return DeadLetter{}, first
+}
+
+// find is Find of the request recorded under key.
+func (rp *Replayer) find(ctx context.Context, st jetstream.Stream, id string) (DeadLetter, error) {
 	if r, _, err := rp.records.Get(ctx, id); err == nil {
 		if m, err := st.GetLastMsgForSubject(ctx, DLQSubject(r.Pool, id)); err == nil {
 			return rp.load(ctx, st, m.Sequence)

@@ -173,6 +173,22 @@ func RequestKey(clientID string) (string, error) {
 	return hashedKeyPrefix + hex.EncodeToString(sum[:16]), nil
 }
 
+// LookupKeys are the keys a request that someone names by id may be
+// recorded under, in the order to try: its key (RequestKey), then id
+// itself when that differs and is a key already (a hashed one, or a
+// batched prompt's <key>-<i>, as records and pdq requests show them).
+// None for an id RequestKey refuses.
+func LookupKeys(id string) []string {
+	var keys []string
+	if key, err := RequestKey(id); err == nil {
+		keys = append(keys, key)
+	}
+	if ValidRequestID(id) && (len(keys) == 0 || keys[0] != id) {
+		keys = append(keys, id)
+	}
+	return keys
+}
+
 // ValidPool reports whether pool may be used as a pool's subject token.
 func ValidPool(pool string) bool { return validID(pool) && len(pool) <= 73 }
 

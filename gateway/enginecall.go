@@ -44,11 +44,10 @@ func (h *handlers) engineCall(c echo.Context) error {
 	}
 	var workers []dispatcher.WorkerInfo
 	if model == "" {
-		cards := h.registry.Cards()
-		if len(cards) > 1 && c.Request().Method == http.MethodPost {
-			return writeError(c, openai.NewError(http.StatusBadRequest, "'model' is required: pdq serves %d models", len(cards)).WithParam("model"))
+		ids := slices.Sorted(maps.Keys(h.registry.Cards()))
+		if len(ids) > 1 && c.Request().Method == http.MethodPost {
+			return writeError(c, modelRequired(ids))
 		}
-		ids := slices.Sorted(maps.Keys(cards))
 		for _, m := range ids { // any model's engine knows its version
 			if workers = h.registry.Decoders(m); len(workers) > 0 {
 				model = m

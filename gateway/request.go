@@ -210,7 +210,13 @@ func defaultModel(body []byte, served map[string]json.RawMessage) (out []byte, f
 		}
 		return out, true, nil
 	}
-	return nil, false, openai.NewError(http.StatusBadRequest, "'model' is required: pdq serves %d models: `%s`",
+	return nil, false, modelRequired(models)
+}
+
+// modelRequired is the 400 of a request without a model while pdq serves
+// several: it names them.
+func modelRequired(models []string) *openai.Error {
+	return openai.NewError(http.StatusBadRequest, "'model' is required: pdq serves %d models: `%s`",
 		len(models), strings.Join(models, "`, `")).WithParam("model")
 }
 

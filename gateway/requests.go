@@ -27,17 +27,20 @@ func (h *handlers) request(c echo.Context) error {
 			return writeError(c, openai.NewError(http.StatusBadRequest, "request id: %v", err))
 		}
 	}
-	id, err := dispatcher.RequestKey(param)
-	if err != nil {
+	keys := dispatcher.LookupKeys(param)
+	if len(keys) == 0 {
+		_, err := dispatcher.RequestKey(param)
 		return writeError(c, openai.NewError(http.StatusBadRequest, "%v", err))
 	}
+	id := keys[0]
 	ctx, cancel := context.WithTimeout(c.Request().Context(), 5*time.Second)
 	defer cancel()
-	rec, err := dispatcher.ReadRecord(ctx, h.js, h.records, id)
-	if errors.Is(err, dispatcher.ErrNoRecord) && id != param && dispatcher.ValidRequestID(param) {
-		// A key itself, as records and pdq requests show it: a hashed
-		// one (pdqid_...), or a batched prompt's <key>-<i>.
-		rec, err = dispatcher.ReadRecord(ctx, h.js, h.records, param)
+	var rec *dispatcher.Record
+	err := dispatcher.ErrNoRecord
+	for _, key := range keys {
+		if rec, err = dispatcher.ReadRecord(ctx, h.js, h.records, key); !errors.Is(err, dispatcher.ErrNoRecord) {
+			break
+		}
 	}
 	if who := callerOf(c); err == nil && !who.operator && rec.Owner != who.owner {
 		// Another key's request: as if there were none, so that its

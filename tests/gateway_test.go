@@ -36,14 +36,11 @@ func TestGatewayBadInput(t *testing.T) {
 		{"trailing data", comp, "", `{"model":"pdq-sim","prompt":"x"}}`, 400, "malformed JSON"},
 		{"wrong type", chat, "", `{"model":"pdq-sim","messages":[{"role":"user","content":"x"}],"max_tokens":"ten"}`, 400, "max_tokens"},
 		{"messages not a list", chat, "", `{"model":"pdq-sim","messages":"hi"}`, 400, "messages"},
-		{"missing model", chat, "", body{"messages": []any{map[string]any{"role": "user", "content": "x"}}}, 400, "'model' is required"},
 		{"missing messages", chat, "", body{"model": model}, 400, "'messages' is required"},
 		{"missing prompt", comp, "", body{"model": model}, 400, "'prompt' is required"},
-		{"X-Request-Id with a dot", chat, "a.b", chatBody(model, "x", nil), 400, "X-Request-Id"},
-		{"X-Request-Id with a star", chat, "a*", chatBody(model, "x", nil), 400, "X-Request-Id"},
-		{"X-Request-Id with a gt", chat, "pdq.reply.>", chatBody(model, "x", nil), 400, "X-Request-Id"},
-		{"X-Request-Id with a space", chat, "a b", chatBody(model, "x", nil), 400, "X-Request-Id"},
-		{"X-Request-Id too long", chat, strings.Repeat("x", 129), chatBody(model, "x", nil), 400, "X-Request-Id"},
+		// Any printable id is served (tests/vllm_api_test.go); these are not.
+		{"X-Request-Id with a tab", chat, "a\tb", chatBody(model, "x", nil), 400, "X-Request-Id"},
+		{"X-Request-Id too long", chat, strings.Repeat("x", 257), chatBody(model, "x", nil), 400, "X-Request-Id"},
 		{"unknown model", chat, "", chatBody("gpt-9", "x", nil), 404, "does not exist"},
 		{"oversized body", comp, "", completionBody(model, strings.Repeat("x", 70<<10), nil), 413, "larger than"},
 	} {

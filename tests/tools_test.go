@@ -112,7 +112,10 @@ func TestToolsReachUp(t *testing.T) {
 		t.Fatalf("pdq status after pdq up: %v\n%s", err, out)
 	}
 
-	ids := []string{"tools-a", "tools-b", "tools-c"}
+	// The third is no subject token: it runs under a hashed key, and the
+	// tools find it by the client's id all the same.
+	ids := []string{"tools-a", "tools-b", "tools c:1"}
+	thirdKey, _ := dispatcher.RequestKey(ids[2])
 	for _, id := range ids {
 		post(t, url+"/v1/completions", id, completionBody(model, longPrompt, body{"max_tokens": 4})).wantStatus(t, http.StatusBadGateway)
 	}
@@ -122,8 +125,13 @@ func TestToolsReachUp(t *testing.T) {
 			t.Fatalf("pdq requests --failed: %v\n%s\nwant %s listed", err, out, id)
 		}
 	}
-	out, err = tool("requests", ids[0], "--json")
+	out, err = tool("requests", ids[2], "--json")
 	var rec dispatcher.Record
+	if err != nil || json.Unmarshal([]byte(out), &rec) != nil || rec.ID != thirdKey || rec.ClientID != ids[2] {
+		t.Fatalf("pdq requests %q --json: %v\n%s", ids[2], err, out)
+	}
+	out, err = tool("requests", ids[0], "--json")
+	rec = dispatcher.Record{}
 	if err != nil || json.Unmarshal([]byte(out), &rec) != nil {
 		t.Fatalf("pdq requests %s --json: %v\n%s", ids[0], err, out)
 	}
@@ -141,13 +149,20 @@ func TestToolsReachUp(t *testing.T) {
 	if err == nil || !strings.Contains(out, "3 of 3 replayed requests did not succeed") {
 		t.Fatalf("pdq replay --failed --wait: %v\n%s", err, out)
 	}
-	for i, id := range ids {
+	for i, id := range []string{ids[0], ids[1], thirdKey} {
 		if !strings.Contains(out, fmt.Sprintf("[%d/3] %s: replaying", i+1, id)) ||
-			!regexp.MustCompile(`\[\d/3 ended\] `+id+`: failed \(502 `).MatchString(out) {
+			!regexp.MustCompile(`\[\d/3 ended\] `+regexp.QuoteMeta(id)+`( \(X-Request-Id "[^"]*"\))?: failed \(502 `).MatchString(out) {
 			t.Errorf("pdq replay: no progress line for %s, or no end line:\n%s", id, out)
 		}
 	}
 	if !strings.Contains(out, "[3/3 ended]") {
 		t.Errorf("pdq replay --wait: no count of the ended:\n%s", out)
+	}
+
+	// One again by the client's id, and its end shows that id.
+	out, err = tool("replay", "--id", ids[2], "--wait")
+	if err == nil || !strings.Contains(out, "[1/1] "+thirdKey+": replaying") ||
+		!strings.Contains(out, fmt.Sprintf("[1/1 ended] %s (X-Request-Id %q): failed", thirdKey, ids[2])) {
+		t.Errorf("pdq replay --id %q --wait: %v\n%s", ids[2], err, out)
 	}
 }

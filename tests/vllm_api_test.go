@@ -755,7 +755,9 @@ func TestVLLMRequestWithoutModel(t *testing.T) {
 		cfg.Model = "/models/base"
 		cfg.ServedModelNames = []string{"base-a", "base-b"}
 		p := startPipeline(t, pipelineOptions{sim: cfg})
-		for _, url := range []string{p.chat(), p.completions()} {
+		// /tokenize too: vLLM's other endpoints go to an engine of the
+		// request's model.
+		for _, url := range []string{p.chat(), p.completions(), p.url + "/tokenize"} {
 			r := post(t, url, "", body{"messages": []any{map[string]any{"role": "user", "content": "x"}}, "prompt": "x"})
 			r.wantStatus(t, http.StatusBadRequest)
 			e := r.apiError(t)

@@ -172,7 +172,7 @@ func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	defer cancel()
 	err = rp.WaitAll(wctx, replayed, 10*time.Second, func(r *dispatcher.Record) {
 		ended++
-		line := fmt.Sprintf("[%d/%d ended] %s: %s", ended, len(replayed), r.ID, r.State)
+		line := fmt.Sprintf("[%d/%d ended] %s: %s", ended, len(replayed), recordName(r), r.State)
 		if r.Error != nil {
 			line += fmt.Sprintf(" (%d %s)", r.Error.Status, r.Error.Message)
 		}
@@ -221,7 +221,15 @@ func runRequests(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		return err
 	}
 	if !*failed {
-		r, err := dispatcher.ReadRecord(ctx, js, records, fs.Arg(0))
+		// The client's X-Request-Id, or the key it runs under (as the
+		// list shows it).
+		var r *dispatcher.Record
+		err := fmt.Errorf("%q is not a request id: %w", fs.Arg(0), dispatcher.ErrInvalidRequestID)
+		for _, key := range dispatcher.LookupKeys(fs.Arg(0)) {
+			if r, err = dispatcher.ReadRecord(ctx, js, records, key); !errors.Is(err, dispatcher.ErrNoRecord) {
+				break
+			}
+		}
 		if err != nil {
 			return fmt.Errorf("request %s: %w", fs.Arg(0), err)
 		}
@@ -248,9 +256,18 @@ func runRequests(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		if r.Error != nil {
 			status, msg = r.Error.Status, r.Error.Message
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.State, r.Generation, status, r.Updated.Format(time.RFC3339), truncateLine(msg, 80))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", recordName(r), r.State, r.Generation, status, r.Updated.Format(time.RFC3339), truncateLine(msg, 80))
 	}
 	return tw.Flush()
+}
+
+// recordName is how the tools show a request: its key, and the client's
+// X-Request-Id when that is not the key itself (see dispatcher.RequestKey).
+func recordName(r *dispatcher.Record) string {
+	if r.ClientID == "" || r.ClientID == r.ID {
+		return r.ID
+	}
+	return fmt.Sprintf("%s (X-Request-Id %q)", r.ID, r.ClientID)
 }
 
 // isTerminal reports whether w is a terminal: screen codes are for a
