@@ -41,7 +41,7 @@ func TestOpenAIClient(t *testing.T) {
 	if err != nil {
 		t.Fatalf("openai client failed: %v", err)
 	}
-	if n := strings.Count(string(out), "ok   "); n != 8 {
-		t.Errorf("%d of 8 checks passed", n)
+	if n := strings.Count(string(out), "ok   "); n != 9 {
+		t.Errorf("%d of 9 checks passed", n)
 	}
 }

@@ -138,14 +138,25 @@ await check("error: unknown model", async () => {
   throw new Error("no error for an unknown model");
 });
 
+await check("any printable request id", async () => {
+  const id = "req.1:abc def";
+  const { data, response } = await client.completions
+    .create({ model, prompt: "x", max_tokens: 1 }, { headers: { "X-Request-Id": id } })
+    .withResponse();
+  assert(response.headers.get("x-request-id") === id, `echoed ${response.headers.get("x-request-id")}`);
+  assert(data.id === `cmpl-${id}`, `response id ${data.id}`);
+  return `${data.id}`;
+});
+
 await check("error: bad request id", async () => {
   try {
-    await client.completions.create({ model, prompt: "x", max_tokens: 1 }, { headers: { "X-Request-Id": "not.valid" } });
+    // Any printable id up to 256 characters is taken, as vLLM takes any.
+    await client.completions.create({ model, prompt: "x", max_tokens: 1 }, { headers: { "X-Request-Id": "x".repeat(257) } });
   } catch (err) {
     assert(err instanceof BadRequestError && err.status === 400, `got ${err?.constructor?.name} ${err?.status}`);
     return `${err.constructor.name} ${err.status}`;
   }
-  throw new Error("no error for an X-Request-Id with a dot");
+  throw new Error("no error for an X-Request-Id of 257 characters");
 });
 
 process.exit(failed ? 1 : 0);
