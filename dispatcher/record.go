@@ -303,11 +303,20 @@ func (rs *Records) transition(ctx context.Context, id string, from *Record, rev 
 
 // End moves id's generation to an ended state, with the stage runs that
 // led there, unless the record has moved on to a later generation or
-// already ended. The record may still name an earlier generation: a new
+// already ended (one that ended without stage runs gets these). The record may still name an earlier generation: a new
 // generation's job is stored before it is recorded.
 func (rs *Records) End(ctx context.Context, id string, generation int, state State, e *RecordError, stages ...StageRecord) error {
 	_, err := rs.Transition(ctx, id, func(r *Record) error {
-		if r.Generation > generation || r.State.Ended() {
+		switch {
+		case r.Generation > generation:
+			return ErrNoChange
+		case r.State.Ended() && r.Generation == generation && len(r.Stages) == 0 && len(stages) > 0:
+			// Ended by its gateway first (a client gone, a deadline, a
+			// silent stream): the state stays the gateway's, and the
+			// stage runs are the worker's to add.
+			r.Stages = stages
+			return nil
+		case r.State.Ended():
 			return ErrNoChange
 		}
 		r.State, r.Generation, r.Error = state, generation, e

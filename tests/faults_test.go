@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -508,6 +509,20 @@ func TestFaultSuite(t *testing.T) {
 			if st := c.state(id); st != dispatcher.StateCancelled {
 				t.Errorf("%s: state %s, want cancelled", id, st)
 			}
+		}
+		// The gateway ends the record as its client leaves; the worker
+		// that stops adds the stage runs it stopped in.
+		for id, stages := range map[string][]dispatcher.Stage{
+			"leave-decoding":   {dispatcher.StagePrefill, dispatcher.StageDecode},
+			"leave-prefilling": {dispatcher.StagePrefill},
+		} {
+			waitUntil(t, id+"'s record has its stage runs", func() bool {
+				var got []dispatcher.Stage
+				for _, s := range c.record(id).Stages {
+					got = append(got, s.Stage)
+				}
+				return slices.Equal(got, stages)
+			})
 		}
 		check(t, r)
 	})
