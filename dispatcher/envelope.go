@@ -73,6 +73,9 @@ type Job struct {
 	// Owner names the API key that made the request (a hash of it, not
 	// the key), for its record; empty on a gateway that takes no keys.
 	Owner string
+	// ClientID is the client's X-Request-Id when it is not ID itself (see
+	// RequestKey), for its record and its workers' logs.
+	ClientID string
 	// Body is the client's request body, without any kv_transfer_params,
 	// on every job of the request: a migrated decode builds its
 	// continuation from it and Sent (see Resume), and a replay starts from
@@ -216,6 +219,7 @@ const (
 	HeaderSubmitted    = "Pdq-Submitted" // Unix microseconds
 	HeaderPromptTokens = "Pdq-Prompt-Tokens"
 	HeaderOwner        = "Pdq-Owner"
+	HeaderClientID     = "Pdq-Client-Id"
 	// HeaderParts lists the parts of a version 3 payload after the body,
 	// in payload order, as name=length, comma-separated: "kv=123".
 	HeaderParts = "Pdq-Parts"
@@ -263,6 +267,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	h[HeaderPromptTokens] = []string{strconv.Itoa(j.PromptTokens)}
 	if j.Owner != "" {
 		h[HeaderOwner] = []string{j.Owner}
+	}
+	if j.ClientID != "" {
+		h[HeaderClientID] = []string{j.ClientID}
 	}
 	if j.Prefill != nil {
 		rec, _ := json.Marshal(j.Prefill) // plain fields: it always encodes
@@ -379,7 +386,8 @@ var ErrEnvelopeVersion = errors.New("unknown envelope version")
 func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j := &Job{
 		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
-		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Owner: h.Get(HeaderOwner), Body: data,
+		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Owner: h.Get(HeaderOwner),
+		ClientID: h.Get(HeaderClientID), Body: data,
 		Rebuilt: h.Get(HeaderRebuilt) != "",
 	}
 	switch v := h.Get(HeaderVersion); v {

@@ -19,7 +19,7 @@ func TestJobEnvelope(t *testing.T) {
 	full := &Job{
 		ID: "req-1", Model: "m", Pool: "m", Endpoint: openai.Chat, Stream: true,
 		ReplyTo: ReplySubject("gw", "req-1"), Deadline: time.UnixMilli(time.Now().Add(time.Minute).UnixMilli()),
-		Generation: 3, Origin: 2, Owner: "3f2a", Submitted: time.UnixMicro(time.Now().UnixMicro()), PromptTokens: 42,
+		Generation: 3, Origin: 2, Owner: "3f2a", ClientID: "req.1:a b", Submitted: time.UnixMicro(time.Now().UnixMicro()), PromptTokens: 42,
 		Body:       json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`),
 		KV:         json.RawMessage(`{"remote_engine_id":"e","remote_block_ids":[1,2],"remote_host":"h","remote_port":5600}`),
 		Prefill:    &StageRecord{Stage: StagePrefill, Generation: 3, Worker: "w", Engine: "http://p", Started: started, Ms: 1.5},

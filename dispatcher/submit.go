@@ -70,7 +70,7 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 	rec := &Record{
 		ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool,
 		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == StageDecode,
-		Gateway: job.GatewayID(), Owner: job.Owner, Created: now, Updated: now, Deadline: job.Deadline,
+		Gateway: job.GatewayID(), Owner: job.Owner, ClientID: job.ClientID, Created: now, Updated: now, Deadline: job.Deadline,
 	}
 	claim, err := s.Claim(ctx, rec)
 	if err != nil {

@@ -99,7 +99,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clien
 	for i, body := range bodies {
 		sub := id + "-" + strconv.Itoa(i)
 		jlog := h.log.With(logging.KeyRequestID, sub)
-		replies, job, claim, apiErr := h.submit(c, endpoint, sub, true, in.req, body, in.batchTokens[i], pool, jlog)
+		replies, job, claim, apiErr := h.submit(c, endpoint, sub, sub, true, in.req, body, in.batchTokens[i], pool, jlog)
 		if apiErr != nil {
 			// The prompts queued so far must not run for nobody.
 			for _, b := range jobs {

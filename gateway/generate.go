@@ -86,14 +86,11 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, clientID, id, in, pool, log)
 		}
-		replies, job, claim, apiErr := h.submit(c, endpoint, id, false, in.req, in.body, in.promptTokens, pool, log)
+		replies, job, claim, apiErr := h.submit(c, endpoint, id, clientID, false, in.req, in.body, in.promptTokens, pool, log)
 		if apiErr != nil {
 			return writeError(c, apiErr)
 		}
 		defer replies.Close()
-		if clientID != id {
-			h.keepClientID(c.Request().Context(), id, clientID, log)
-		}
 		return h.relay(c, replies, job, claim, newResponseIDs(endpoint, clientID, id), log.With("generation", job.Generation))
 	}
 }
@@ -101,9 +98,10 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 // submit queues one job for body, through prefill or decode-only as the
 // prompt's length and the pool's health decide, with its reply stream
 // open before it is queued. The caller closes the stream. The claim is
-// the request's record as written, for delivered. batch marks a prompt of
-// a batched request.
-func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, batch bool, req *openai.Request, body []byte,
+// the request's record as written, for delivered. clientID is the
+// client's X-Request-Id, for the record; batch marks a prompt of a
+// batched request.
+func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID string, batch bool, req *openai.Request, body []byte,
 	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*dispatcher.ReplyStream, *dispatcher.Job, *dispatcher.Claim, *openai.Error) {
 	model := req.Model
 	stage := dispatcher.StagePrefill
@@ -131,6 +129,9 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 		Owner:     callerOf(c).owner,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
+	if clientID != id {
+		job.ClientID = clientID
+	}
 	slots := func() int { return h.registry.Slots(stage, job.Pool) }
 	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, slots); err != nil {
 		replies.Close()
@@ -153,26 +154,6 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id string, b
 		h.cfg.Counters.DecodeOnly("short_prompt")
 	}
 	return replies, job, claim, nil
-}
-
-// keepClientID writes the client's X-Request-Id into the record of a
-// request whose key is made from it, for GET /v1/requests/{id} and pdq
-// requests to show. It is one more write than an id that is its own key
-// costs; one that fails leaves the record without it, and the request
-// runs on.
-func (h *handlers) keepClientID(ctx context.Context, id, clientID string, log *slog.Logger) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	_, err := h.records.Transition(ctx, id, func(r *dispatcher.Record) error {
-		if r.ClientID == clientID {
-			return dispatcher.ErrNoChange
-		}
-		r.ClientID = clientID
-		return nil
-	})
-	if err != nil {
-		log.Debug("could not write the client's X-Request-Id into the record", logging.Err(err))
-	}
 }
 
 // prefillDown reports whether model's pool has no healthy prefill worker
