@@ -47,7 +47,10 @@ func TestMetricsCountTraffic(t *testing.T) {
 			body := string(get(t, url+"/metrics").body)
 			p, _ := metricValue(body, "pdq_inflight", `stage="prefill"`)
 			d, _ := metricValue(body, "pdq_inflight", `stage="decode"`)
-			if p == 0 && d == 0 || time.Now().After(deadline) {
+			// The gateway's own, after the client has its last byte.
+			gr, _ := metricValue(body, "pdq_gateway_inflight_requests")
+			gb, _ := metricValue(body, "pdq_gateway_inflight_bytes")
+			if p == 0 && d == 0 && gr == 0 && gb == 0 || time.Now().After(deadline) {
 				return body
 			}
 			time.Sleep(20 * time.Millisecond)

@@ -38,9 +38,28 @@ func TestToolsOutput(t *testing.T) {
 		t.Errorf("pdq requests ID --json: %v\n%s\nwant the lookup's error, not the usage", err, out)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
-	defer cancel()
-	out, _ := exec.CommandContext(ctx, pdqBinary, "status", "--watch", "300ms", "--nats", c.natsURL).Output()
+	// Read until the status came twice (the first may wait up to 2 s for
+	// the workers' beats), for at most 10 s.
+	watch := exec.Command(pdqBinary, "status", "--watch", "300ms", "--nats", c.natsURL)
+	pipe, err := watch.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := watch.Start(); err != nil {
+		t.Fatal(err)
+	}
+	stop := time.AfterFunc(10*time.Second, func() { watch.Process.Kill() }) // a read then ends
+	defer stop.Stop()
+	var out []byte
+	for buf := make([]byte, 4096); strings.Count(string(out), "WORKER") < 2; {
+		n, err := pipe.Read(buf)
+		out = append(out, buf[:n]...)
+		if err != nil {
+			break
+		}
+	}
+	watch.Process.Kill()
+	watch.Wait()
 	if strings.Contains(string(out), "\x1b[") || strings.Count(string(out), "WORKER") < 2 {
 		t.Errorf("pdq status --watch into a pipe: want the status at least twice and no screen codes, got %q", out)
 	}
@@ -77,40 +96,89 @@ func TestUnknownVariableWarned(t *testing.T) {
 	}
 }
 
-// TestToolsReachUp: the README's lines after `make run` work as written.
+// TestToolsReachUp: the README's lines after `make run` work as written:
 // pdq up, started with no NATS settings, lets the tools join its NATS on
-// their default address with no flag or variable: `pdq status`, `pdq
-// requests --failed`, `pdq requests ID` (a failed request's record keeps
-// the stage runs it failed in), and `pdq replay`, which says how far it
-// has got.
+// their default address with no flag or variable.
 func TestToolsReachUp(t *testing.T) {
 	if ln, err := net.Listen("tcp", "127.0.0.1:4222"); err != nil {
-		t.Skipf("NATS's default port is taken here (%v): pdq up would listen elsewhere, as it warns", err)
+		t.Skipf("NATS's default port is taken here (%v): pdq up listens elsewhere, as TestUpNATSListen checks", err)
 	} else {
 		ln.Close()
 	}
+	up, _ := startUp(t, "-PDQ_NATS_LISTEN")
+	up.waitStdout(t, "join it as they are")
+	if out, err := toolRun(t, nil, "status"); err != nil || !strings.Contains(out, "WORKER") {
+		t.Fatalf("pdq status after pdq up, with no flags: %v\n%s", err, out)
+	}
+}
+
+// toolRun runs a pdq tool as the README gives them: no PDQ_ variable but
+// env.
+func toolRun(t *testing.T, env []string, args ...string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, pdqBinary, args...)
+	cmd.Env = append(slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "PDQ_") }), env...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// TestUpNATSListen: where pdq up's NATS listens when nothing says. With
+// NATS's default port taken, on a free one, with a warning, and pdq up
+// prints the flag the tools then need; not at all while the gateway wants
+// API keys and NATS has no credentials (the NATS would let anyone on the
+// machine around the keys); with PDQ_NATS_TOKEN, only for clients that
+// give it.
+func TestUpNATSListen(t *testing.T) {
+	t.Run("default taken", func(t *testing.T) {
+		// Held here, or by another process: taken either way.
+		if ln, err := net.Listen("tcp", "127.0.0.1:4222"); err == nil {
+			defer ln.Close()
+		}
+		up, _ := startUp(t, "-PDQ_NATS_LISTEN")
+		up.waitLog(t, "NATS's default address is taken: the embedded NATS listens on a free port instead (pdq up prints it); set PDQ_NATS_LISTEN to choose")
+		out := up.waitStdout(t, "tools join it with --nats ")
+		m := regexp.MustCompile(`tools join it with --nats (nats://127\.0\.0\.1:\d+)`).FindStringSubmatch(out)
+		if m == nil || strings.HasSuffix(m[1], ":4222") {
+			t.Fatalf("pdq up's NATS line:\n%s", out)
+		}
+		if out, err := toolRun(t, nil, "status", "--nats", m[1]); err != nil || !strings.Contains(out, "WORKER") {
+			t.Errorf("pdq status --nats %s: %v\n%s", m[1], err, out)
+		}
+	})
+	t.Run("API keys without NATS credentials", func(t *testing.T) {
+		up := startPDQ(t, []string{"-PDQ_NATS_LISTEN", "PDQ_API_KEYS=k1", "PDQ_DATA_DIR=" + t.TempDir(), "PDQ_HTTP_ADDR=127.0.0.1:0"}, "up")
+		if out := up.waitStdout(t, "NATS:"); !strings.Contains(out, "in-process only (PDQ_API_KEYS is set and NATS has no credentials") {
+			t.Errorf("pdq up with API keys opened its NATS without credentials:\n%s", out)
+		}
+	})
+	t.Run("token", func(t *testing.T) {
+		up, _ := startUp(t, "PDQ_NATS_TOKEN=t0k3n")
+		url := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)
+		if out, err := toolRun(t, nil, "status", "--nats", url); err == nil || !strings.Contains(out, "PDQ_NATS_TOKEN") {
+			t.Errorf("pdq status without the token: %v\n%s\nwant refused, naming what to set", err, out)
+		}
+		if out, err := toolRun(t, []string{"PDQ_NATS_TOKEN=t0k3n"}, "status", "--nats", url); err != nil || !strings.Contains(out, "WORKER") {
+			t.Errorf("pdq status with the token: %v\n%s", err, out)
+		}
+	})
+}
+
+// TestFailedRecordsAndReplay: what the tools show of requests that failed.
+// A failed request's record keeps the stage runs it failed in; a request
+// sent with an X-Request-Id that is no subject token is found by that id;
+// `pdq replay` says how far it has got, and with --wait how each ended.
+func TestFailedRecordsAndReplay(t *testing.T) {
 	_, pe := startSimProcess(t)
 	_, de := startSimProcess(t, "--fault-kind", "500", "--fault-rate", "1")
 	// Not startUp: it waits for a request to succeed.
-	up := startPDQ(t, []string{"-PDQ_NATS_LISTEN", "PDQ_DATA_DIR=" + t.TempDir(), "PDQ_HTTP_ADDR=127.0.0.1:0",
+	up := startPDQ(t, []string{"PDQ_DATA_DIR=" + t.TempDir(), "PDQ_HTTP_ADDR=127.0.0.1:0",
 		"PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, "up")
 	url := "http://" + up.waitLog(t, "gateway listening")["addr"].(string)
+	natsURL := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)
 	up.waitStdout(t, "pdq is up")
-	up.waitStdout(t, "PDQ_NATS_URL=nats://127.0.0.1:4222")
-
-	// The tools as the README gives them: no --nats, no PDQ_NATS_URL.
-	env := slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "PDQ_") })
-	tool := func(args ...string) (string, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, pdqBinary, args...)
-		cmd.Env = env
-		out, err := cmd.CombinedOutput()
-		return string(out), err
-	}
-	if out, err := tool("status"); err != nil || !strings.Contains(out, "WORKER") {
-		t.Fatalf("pdq status after pdq up: %v\n%s", err, out)
-	}
+	tool := func(args ...string) (string, error) { return toolRun(t, nil, append(args, "--nats", natsURL)...) }
 
 	// The third is no subject token: it runs under a hashed key, and the
 	// tools find it by the client's id all the same.

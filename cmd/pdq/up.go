@@ -49,20 +49,28 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		natsNote = redactURLs(cfg.NATSURL)
 	} else {
-		listen := natsListen(cfg, log)
-		srv, err := embedded.Start(embedded.Options{DataDir: filepath.Join(cfg.DataDir, "nats"), Listen: listen}, log)
+		listen, why := natsListen(cfg, log)
+		srv, err := embedded.Start(embedded.Options{DataDir: filepath.Join(cfg.DataDir, "nats"), Listen: listen,
+			User: cfg.NATS.User, Password: cfg.NATS.Password, Token: cfg.NATS.Token}, log)
 		if err != nil {
 			return err
 		}
 		defer srv.Shutdown()
-		if nc, err = srv.Connect(nats.Name("pdq up")); err != nil {
+		opts := []nats.Option{nats.Name("pdq up")}
+		switch {
+		case cfg.NATS.User != "":
+			opts = append(opts, nats.UserInfo(cfg.NATS.User, cfg.NATS.Password))
+		case cfg.NATS.Token != "":
+			opts = append(opts, nats.Token(cfg.NATS.Token))
+		}
+		if nc, err = srv.Connect(opts...); err != nil {
 			return err
 		}
 		if js, err = ensure(ctx, nc, cfg.NATS.Replicas, log); err != nil {
 			nc.Close()
 			return err
 		}
-		natsNote = "embedded, in-process only (PDQ_NATS_LISTEN is empty): the tools cannot join"
+		natsNote = "embedded, in-process only (" + why + "): the tools cannot join"
 		switch url := srv.ClientURL(); {
 		case url == nats.DefaultURL:
 			natsNote = "embedded, at " + url + ": the tools (pdq status, requests, replay) join it as they are;\n" +
@@ -193,29 +201,36 @@ func startSim(ctx context.Context, g *errgroup.Group, apiKey string, log *slog.L
 	return "http://" + httpLn.Addr().String(), nil
 }
 
-// displayAddr is an address a person can paste: 127.0.0.1 for a wildcard
-// listener.
-// natsListen is where the embedded NATS listens: PDQ_NATS_LISTEN, or by
-// default NATS's own port on loopback, where the tools look with no
-// settings. When that default is taken (a NATS of its own, another pdq up)
-// a free port does instead, with a warning naming it: the default must not
+// natsListen is where the embedded NATS listens, and why nowhere when it
+// does not: PDQ_NATS_LISTEN, or by default NATS's own port on loopback,
+// where the tools look with no settings. The default is not taken while
+// the gateway wants API keys and NATS wants no credentials: anyone on the
+// machine could read and queue requests there, around the keys. When the
+// default address is taken (a NATS of its own, another pdq up) a free port
+// does instead, with a warning, and pdq up prints it: the default must not
 // keep pdq from starting. One that was set and is taken fails the start.
-func natsListen(cfg config.Config, log *slog.Logger) string {
-	if cfg.NATSListenSet || cfg.NATSListen == "" {
-		return cfg.NATSListen
+func natsListen(cfg config.Config, log *slog.Logger) (addr, why string) {
+	switch {
+	case cfg.NATSListenSet && cfg.NATSListen == "":
+		return "", "PDQ_NATS_LISTEN is empty"
+	case cfg.NATSListenSet:
+		return cfg.NATSListen, ""
+	case len(cfg.APIKeys) > 0 && cfg.NATS.User == "" && cfg.NATS.Token == "":
+		return "", "PDQ_API_KEYS is set and NATS has no credentials: set PDQ_NATS_TOKEN, or PDQ_NATS_LISTEN"
 	}
 	ln, err := net.Listen("tcp", cfg.NATSListen)
 	if err != nil {
 		host, _, _ := net.SplitHostPort(cfg.NATSListen)
-		free := net.JoinHostPort(host, "0")
-		log.Warn("NATS's default address is taken: the embedded NATS listens on a free port instead (see the NATS line printed at start); set PDQ_NATS_LISTEN to choose",
+		log.Warn("NATS's default address is taken: the embedded NATS listens on a free port instead (pdq up prints it); set PDQ_NATS_LISTEN to choose",
 			"address", cfg.NATSListen, logging.Err(err))
-		return free
+		return net.JoinHostPort(host, "0"), ""
 	}
 	ln.Close()
-	return cfg.NATSListen
+	return cfg.NATSListen, ""
 }
 
+// displayAddr is an address a person can paste: 127.0.0.1 for a wildcard
+// listener.
 func displayAddr(a net.Addr) string {
 	tcp, ok := a.(*net.TCPAddr)
 	if !ok {

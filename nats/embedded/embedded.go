@@ -41,6 +41,9 @@ type Options struct {
 	// MaxMemory and MaxStore bound JetStream; 0 takes the defaults above.
 	MaxMemory int64
 	MaxStore  int64
+	// User and Password, or Token, when set, are required of every
+	// client, the in-process ones too (give them to Connect).
+	User, Password, Token string
 }
 
 // Server is a running embedded NATS server.
@@ -62,6 +65,9 @@ func Start(opts Options, log *slog.Logger) (*Server, error) {
 		MaxPayload:         MaxPayload,
 		NoSigs:             true,
 		DontListen:         opts.Listen == "",
+		Username:           opts.User,
+		Password:           opts.Password,
+		Authorization:      opts.Token,
 	}
 	if opts.Listen != "" {
 		host, port, err := net.SplitHostPort(opts.Listen)
