@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -38,8 +39,9 @@ type composeFile struct {
 type composeService struct {
 	Image string `yaml:"image"`
 	Build *struct {
-		Context    string `yaml:"context"`
-		Dockerfile string `yaml:"dockerfile"`
+		Context    string            `yaml:"context"`
+		Dockerfile string            `yaml:"dockerfile"`
+		Args       map[string]string `yaml:"args"`
 	} `yaml:"build"`
 	Command     []string                     `yaml:"command"`
 	Environment map[string]string            `yaml:"environment"`
@@ -131,6 +133,8 @@ func TestComposeFile(t *testing.T) {
 			pdqCommand(t, name, s.Command)
 			if s.Build == nil || s.Build.Dockerfile != "deploy/Dockerfile" {
 				t.Errorf("service %s runs pdq:local without building deploy/Dockerfile", name)
+			} else if s.Build.Args["REVISION"] == "" {
+				t.Errorf("service %s builds pdq:local without the REVISION its version names", name)
 			}
 		}
 		if h := s.Healthcheck; h != nil && len(h.Test) > 2 && h.Test[1] == "/pdq" {
@@ -286,5 +290,30 @@ func TestComposeGPUs(t *testing.T) {
 			}
 			seen[id] = name
 		}
+	}
+}
+
+// TestImageVersion: the image is built without .git, so its build stamps
+// no VCS information; the Dockerfile's REVISION argument, through the
+// linker flag it gives, is what pdq version and pdq_build_info name. This
+// builds pdq with that flag as the Dockerfile writes it.
+func TestImageVersion(t *testing.T) {
+	docker, err := os.ReadFile(repoRoot + "/deploy/Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	flag := regexp.MustCompile(`-X main\.\w+=\$\{REVISION\}`).Find(docker)
+	if flag == nil || !strings.Contains(string(docker), "ARG REVISION") {
+		t.Fatalf("deploy/Dockerfile stamps no REVISION into the binary:\n%s", docker)
+	}
+	const rev = "0123456789abcdef0123456789abcdef01234567"
+	bin := filepath.Join(t.TempDir(), "pdq")
+	build := exec.Command("go", "build", "-buildvcs=false", "-ldflags", strings.ReplaceAll(string(flag), "${REVISION}", rev), "-o", bin, "./cmd/pdq")
+	build.Dir = repoRoot
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	if out, err := exec.Command(bin, "version").Output(); err != nil || !strings.Contains(string(out), "commit "+rev[:12]) {
+		t.Errorf("pdq version of an image build: %v %q, want commit %s", err, out, rev[:12])
 	}
 }

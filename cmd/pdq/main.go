@@ -117,8 +117,14 @@ type buildInfo struct {
 	modified                bool
 }
 
+// stampedRevision is the commit an image was built from, set by the
+// linker (-X main.stampedRevision=...): the image is built without .git,
+// so the build stamps no VCS information. The one package variable here,
+// written only by the linker.
+var stampedRevision string
+
 func readBuildInfo() buildInfo {
-	b := buildInfo{version: "(devel)"}
+	b := buildInfo{version: "(devel)", revision: stampedRevision}
 	info, ok := debug.ReadBuildInfo()
 	if !ok {
 		return b
