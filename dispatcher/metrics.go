@@ -46,9 +46,6 @@ type Metrics struct {
 	gatewayBytes    prometheus.Gauge
 }
 
-// breakerStates are the values of pdq_engine_breaker_state's state label.
-var breakerStates = []BreakerState{BreakerClosed, BreakerHalfOpen, BreakerOpen}
-
 // Bucket bounds are round numbers that an operator can write an SLO
 // against: the share of requests under a bound is exact at a bucket's
 // bound (rate of its le bucket over the count) and only interpolated
@@ -279,7 +276,8 @@ func (m *Metrics) EngineUp(stage Stage, engine string, state BreakerState) {
 		up = 1
 	}
 	m.engineUp.WithLabelValues(string(stage), engine).Set(up)
-	for _, s := range breakerStates {
+	// One series for each value of the state label.
+	for _, s := range [...]BreakerState{BreakerClosed, BreakerHalfOpen, BreakerOpen} {
 		v := 0.0
 		if s == state {
 			v = 1
