@@ -18,17 +18,6 @@ import (
 	"github.com/prometheus/prometheus/promql/parser"
 )
 
-// metricNames are the names NewMetrics registers, histograms as their
-// base name, and pdq_build_info.
-func metricNames(t *testing.T) (names map[string]bool) {
-	t.Helper()
-	names = map[string]bool{}
-	for name := range metricLabels(t) {
-		names[name] = true
-	}
-	return names
-}
-
 // metricLabels are the metrics NewMetrics registers, histograms as their
 // base name, with their labels; and pdq_build_info, which cmd/pdq
 // registers (tests/metrics_test.go checks that a live pdq serves it).
