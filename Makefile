@@ -33,7 +33,7 @@ bench: ## side by side: engine alone, the floor, a plain P/D proxy, pdq up at BA
 	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))
 
 microbench: ## go test -bench of the hot pieces, with allocations, and the durable path alone
-	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./dispatcher ./workers
+	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./pkg/nixl ./dispatcher ./workers
 
 openai-client: ## install the pinned official OpenAI Node client that the suite drives
 	npm ci --prefix tests/openai-client --no-audit --no-fund --loglevel=error

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -27,7 +28,7 @@ func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
 	if err != nil {
 		return badBody(err)
 	}
-	body, err := decodeParts(client, job.KV, job.ReplyTo == "")
+	body, err := nixl.DecodeParts(client, job.KV, job.ReplyTo == "")
 	if err != nil {
 		return badBody(err)
 	}
@@ -281,7 +282,7 @@ func wholeAnswerLimit(endpoint openai.Endpoint, body []byte, stall time.Duration
 // (no connection, or an error status: the stream never began) is marked
 // dispatcher.Unread: the blocks are still held, and may be released later.
 func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
-	body, err := ReleaseBody(job.Body, job.KV)
+	body, err := nixl.ReleaseBody(job.Body, job.KV)
 	if err != nil {
 		return err
 	}

@@ -13,6 +13,15 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
+// Keys of the request body that a continuation sets or removes.
+const (
+	keyKVTransferParams    = "kv_transfer_params"
+	keyMaxTokens           = "max_tokens"
+	keyMaxCompletionTokens = "max_completion_tokens"
+	keyMinTokens           = "min_tokens"
+	keyMinCompletionTokens = "min_completion_tokens"
+)
+
 // Migration: a decode that fails after output goes on, on another decode
 // engine, from the text generated so far. The worker that failed keeps a
 // transcript of what it relayed; from it and the request it builds the
@@ -110,7 +119,7 @@ func (t *transcript) readChunk(data []byte) {
 		case ch.Delta != nil:
 			s = ch.Delta.Content
 			d := ch.Delta
-			if !empty(d.ToolCalls) || !empty(d.FunctionCall) || (d.Reasoning != nil && *d.Reasoning != "") ||
+			if !jsonobj.Empty(d.ToolCalls) || !jsonobj.Empty(d.FunctionCall) || (d.Reasoning != nil && *d.Reasoning != "") ||
 				(d.ReasoningContent != nil && *d.ReasoningContent != "") {
 				t.opaque = true
 			}
@@ -164,7 +173,7 @@ func continuable(endpoint openai.Endpoint, body []byte) error {
 		return fmt.Errorf("%w: %w", errNotContinuable, err)
 	}
 	for i, v := range vals {
-		if !empty(v) {
+		if !jsonobj.Empty(v) {
 			return fmt.Errorf("%w: %s", errNotContinuable, guided[i])
 		}
 	}
@@ -235,7 +244,7 @@ func ContinueBody(endpoint openai.Endpoint, body []byte, text string, tokens int
 		}
 		ops = append(ops, jsonobj.Set("messages", msgs),
 			jsonobj.Set("continue_final_message", []byte("true")),
-			jsonobj.Set("add_generation_prompt", jsonFalse))
+			jsonobj.Set("add_generation_prompt", []byte("false")))
 	}
 	for i, key := range limits {
 		raw := vals[3+i]

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -18,7 +19,7 @@ import (
 func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
-	body, err := prefillParts(job.Body)
+	body, err := nixl.PrefillParts(job.Body)
 	if err != nil {
 		return badBody(err)
 	}
@@ -53,16 +54,16 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	default:
 		return err
 	}
-	params, err := ExtractKVParams(raw)
+	params, err := nixl.ExtractKVParams(raw)
 	if err != nil {
-		if errors.Is(err, ErrNoKVParams) || errors.Is(err, ErrIncompleteKVParams) {
+		if errors.Is(err, nixl.ErrNoKVParams) || errors.Is(err, nixl.ErrIncompleteKVParams) {
 			w.cfg.Metrics.HandoffWithoutKV(job.Pool)
 			log.Error("prefill engine answered 200 without usable kv_transfer_params; not falling back to a recomputing decode",
 				logging.Err(err), "attempt", d.Attempt)
 		}
 		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no usable kv_transfer_params"))
 	}
-	if fixed, ok := FixRemoteHost(params, w.kvHost); ok {
+	if fixed, ok := nixl.FixRemoteHost(params, w.kvHost); ok {
 		params = fixed
 		log.Debug("rewrote the loopback remote_host of the prefill engine", "remote_host", w.kvHost)
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
@@ -162,7 +163,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	w.id = dispatcher.NewWorkerID(cfg.Role)
 	w.breaker = newBreaker(cfg.BreakerFailures, engine, cfg.Role, cfg.Metrics, w.log)
 	w.kvHost = cfg.KVHost
-	if w.kvHost == "" && !IsLocalHost(engine.Host()) {
+	if w.kvHost == "" && !nixl.IsLocalHost(engine.Host()) {
 		w.kvHost = engine.Host()
 	}
 	return w, nil

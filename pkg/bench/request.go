@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
-	"github.com/pdq-dev/pdq/workers"
+	"github.com/pdq-dev/pdq/pkg/nixl"
 )
 
 // Output is what one request gave, vLLM's RequestFuncOutput. Times are in
@@ -264,13 +264,13 @@ func (c *client) message(line []byte, st time.Time, last *time.Time, first *bool
 }
 
 // prefill runs the prefill leg of body as vLLM's toy proxy does, with the
-// bodies pdq's workers send (workers.PrefillBody, workers.DecodeBody), and
+// bodies pdq's workers send (nixl.PrefillBody, nixl.DecodeBody: one handshake for both), and
 // returns the body for the decode leg: body with the kv_transfer_params
 // the prefill returned; when it returned none (null or {}) body goes
 // unchanged, as the toy proxy sends it, and the decode engine prefills
 // itself.
 func (c *client) prefill(ctx context.Context, body []byte, requestID string) ([]byte, error) {
-	pbody, err := workers.PrefillBody(body)
+	pbody, err := nixl.PrefillBody(body)
 	if err != nil {
 		return nil, fmt.Errorf("prefill body: %w", err)
 	}
@@ -294,7 +294,7 @@ func (c *client) prefill(ctx context.Context, body []byte, requestID string) ([]
 	if !ok || json.Unmarshal(params, &m) != nil || len(m) == 0 {
 		return body, nil
 	}
-	dbody, err := workers.DecodeBody(body, params)
+	dbody, err := nixl.DecodeBody(body, params)
 	if err != nil {
 		return nil, fmt.Errorf("decode body: %w", err)
 	}

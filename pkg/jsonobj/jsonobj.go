@@ -396,6 +396,17 @@ func (m *members) finish() error {
 	return nil
 }
 
+// Empty reports whether a value, as Get or Lookup returns it, is missing,
+// null, or an empty (or blank) string, list or object: what a reader of a
+// request or response takes as not there.
+func Empty(raw json.RawMessage) bool {
+	switch string(bytes.Join(bytes.Fields(raw), nil)) {
+	case "", "null", `""`, "[]", "{}":
+		return true
+	}
+	return false
+}
+
 // Get returns the value of the top-level member key of the JSON object
 // obj, the last one if the key is there twice, as a slice of obj (no
 // copy, capacity cut to its length), without the whitespace around it.

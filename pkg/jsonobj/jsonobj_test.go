@@ -279,3 +279,14 @@ func TestLookupEach(t *testing.T) {
 		}
 	}
 }
+
+func TestEmpty(t *testing.T) {
+	for raw, want := range map[string]bool{
+		"": true, "null": true, `""`: true, "[]": true, "{}": true, "[ ]": true, "{\n}": true,
+		`" "`: true, "0": false, "false": false, "[null]": false, `{"a":1}`: false, `"x"`: false,
+	} {
+		if got := Empty(json.RawMessage(raw)); got != want {
+			t.Errorf("Empty(%q) = %v, want %v", raw, got, want)
+		}
+	}
+}

@@ -1,7 +1,40 @@
-package workers
+// Package nixl is the prefill/decode handshake of vLLM's NIXL KV connector,
+// as a router drives it: the only code that builds a prefill body and a
+// decode body from a client's body, and that checks what a prefill
+// returns. pdq's workers and pdq bench's --pd-prefill both use it.
+//
+// For one request, whose client body is B:
+//
+//  1. The prefill leg: B with kv_transfer_params set to the skeleton
+//     {"do_remote_decode":true, "do_remote_prefill":false, and the remote
+//     fields null}, stream false, max_tokens 1 (and max_completion_tokens
+//     1 if B has it), without stream_options, min_tokens or
+//     min_completion_tokens ([PrefillBody]). The router sends it with an
+//     X-Request-Id.
+//  2. The prefill engine computes the prompt's KV, holds its blocks, and
+//     answers 200 with kv_transfer_params: do_remote_prefill true, its
+//     engine id, the block ids, its side-channel host and port, and (vLLM
+//     0.14 and later) the remote request id. [ExtractKVParams] takes them
+//     out of the answer as opaque bytes, and refuses an answer without
+//     them, or with params that name no engine or no blocks: a decode
+//     engine would silently recompute the prompt from such an answer.
+//  3. A loopback or unspecified remote_host is replaced by a host the
+//     decode engine can reach ([FixRemoteHost]); nothing else is changed.
+//  4. The decode leg: B, unchanged but for those kv_transfer_params
+//     ([DecodeBody]), with the SAME X-Request-Id as the prefill leg. The
+//     decode engine reads the blocks over NIXL once, and the prefill
+//     engine frees them.
+//  5. A decode that will not run (its client gone, say) still reads the
+//     blocks, so that the prefill engine frees them before its lease:
+//     [ReleaseBody], one streamed output token.
+//
+// The bodies are the client's bytes with these fields spliced in (see
+// [jsonobj.Edit]): its other members keep their order and spelling, and a
+// large prompt is copied once, not decoded and encoded; the Parts forms
+// leave it in place for a write of several pieces.
+package nixl
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -26,9 +59,12 @@ const (
 	keyDoRemotePrefill     = "do_remote_prefill"
 )
 
-// prefillParams is what the prefill leg asks for, exactly as vLLM's
+// PrefillParams is what the prefill leg asks for, exactly as vLLM's
 // reference proxy sends it.
-var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+const PrefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+// prefillParams is PrefillParams as the bytes an edit takes, made once.
+var prefillParams = json.RawMessage(PrefillParams)
 
 // Values the handshake sets.
 var (
@@ -47,10 +83,6 @@ var ErrNoKVParams = errors.New("prefill engine answered 200 without kv_transfer_
 // point a decode engine at the prompt's blocks.
 var ErrIncompleteKVParams = errors.New("prefill engine answered 200 with incomplete kv_transfer_params")
 
-// The bodies for the engines are the client's bytes with the P/D fields
-// spliced in (see [jsonobj.Edit]): its other members keep their order and
-// spelling, and a large prompt is copied once, not decoded and encoded.
-
 // PrefillBody builds the prefill leg's body from the client's: the
 // kv_transfer_params skeleton, stream false, one output token, and none of
 // the fields a prefill does not support (stream_options, min_tokens). The
@@ -60,9 +92,9 @@ func PrefillBody(client json.RawMessage) ([]byte, error) {
 	return edit(client, ops[:]...)
 }
 
-// prefillParts is PrefillBody as the pieces it is made of, for the
-// worker to send without joining them (see jsonobj.EditParts).
-func prefillParts(client json.RawMessage) ([][]byte, error) {
+// PrefillParts is PrefillBody as the pieces it is made of, to send
+// without joining them (see jsonobj.EditParts).
+func PrefillParts(client json.RawMessage) ([][]byte, error) {
 	ops := oneToken(prefillParams)
 	return editParts(client, ops[:]...)
 }
@@ -77,10 +109,10 @@ func DecodeBody(client, params json.RawMessage) ([]byte, error) {
 	return edit(client, jsonobj.Set(keyKVTransferParams, params))
 }
 
-// decodeParts is DecodeBody as the pieces it is made of; with whole (a
+// DecodeParts is DecodeBody as the pieces it is made of; with whole (a
 // replay, which has no client to stream to) it also asks, with
 // oneResponse, for the whole answer in one response.
-func decodeParts(client, params json.RawMessage, whole bool) ([][]byte, error) {
+func DecodeParts(client, params json.RawMessage, whole bool) ([][]byte, error) {
 	var ops [3]jsonobj.Op
 	n := 0
 	if len(params) > 0 {
@@ -100,7 +132,7 @@ func decodeParts(client, params json.RawMessage, whole bool) ([][]byte, error) {
 // free, a prefill's KV blocks: the decode body, cut to one output token.
 // It is streamed, without usage: an engine answers a stream's errors in the
 // stream once it has begun, so an error status means it never ran the
-// call, and the blocks are still held and unread (see Worker.release).
+// call, and the blocks are still held and unread.
 func ReleaseBody(client, params json.RawMessage) ([]byte, error) {
 	if len(params) == 0 {
 		params = jsonNull
@@ -183,7 +215,7 @@ func ExtractKVParams(response []byte) (json.RawMessage, error) {
 		return nil, fmt.Errorf("%w: %w", ErrIncompleteKVParams, err)
 	}
 	for i, key := range []string{keyRemoteEngineID, keyRemoteBlockIDs} {
-		if empty(vals[i]) {
+		if jsonobj.Empty(vals[i]) {
 			return nil, fmt.Errorf("%w: no %s", ErrIncompleteKVParams, key)
 		}
 	}
@@ -193,21 +225,14 @@ func ExtractKVParams(response []byte) (json.RawMessage, error) {
 	return kv, nil
 }
 
-// empty reports whether a value is missing, null, or an empty string, list
-// or object.
-func empty(raw json.RawMessage) bool {
-	switch string(bytes.Join(bytes.Fields(raw), nil)) {
-	case "", "null", `""`, "[]", "{}":
-		return true
-	}
-	return false
-}
-
 func orMissing(raw json.RawMessage) string {
 	if len(raw) == 0 {
 		return "missing"
 	}
-	return truncate(string(raw), 40)
+	if s := string(raw); len(s) > 40 {
+		return s[:40] + "..."
+	}
+	return string(raw)
 }
 
 // FixRemoteHost replaces remote_host when the engine advertised a host no
