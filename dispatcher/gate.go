@@ -16,10 +16,10 @@ const gateRecheck = 50 * time.Millisecond
 
 // gateFresh is how long one look at the decode backlog serves. A look is a
 // JetStream API request that the server answers from the consumer's state
-// under its lock; made before every pull, it cost about 6 % of pdq's CPU
-// under load. Within gateFresh the gate counts the prefills it let through
-// since the look as handoffs already waiting, so a burst of fast prefills
-// cannot overrun it.
+// under its lock; made before every pull, it was one of the larger costs
+// in profiles under load (docs/benchmarks.md). Within gateFresh the gate
+// counts the prefills it let through since the look as handoffs already
+// waiting, so a burst of fast prefills cannot overrun it.
 const gateFresh = 50 * time.Millisecond
 
 // decodeGate is admission by capacity for a prefill stage: a prefill

@@ -17,8 +17,8 @@ import (
 // last block when an ack empties it, and makes a new block file for the
 // next message. At low load, when each job is acked before the next one
 // comes, that is a file made and one removed for every job on each stage
-// stream: about half of the queues' CPU at concurrency 1 in
-// BenchmarkDurablePath, and 8 to 14 % of pdq up's in three profiles. So a
+// stream, a large share of the queues' CPU at low load (BenchmarkDurablePath;
+// the figures are in docs/benchmarks.md). So a
 // loop that takes jobs keeps one message in its stream that no consumer
 // takes, its keeper, at pdq.<stage>.keep: a token short of any job's
 // subject, so no pool's filter matches it. The last block is not empty

@@ -51,8 +51,8 @@ type puller struct {
 	done    chan struct{} // closed by stop
 
 	// The subscription pulls are answered on, inbox.*, kept from one pull
-	// to the next (a subscribe and an unsubscribe a job were 3 % of pdq's
-	// CPU at c=64). Only the loop's goroutine pulls, one request at a
+	// to the next (a subscribe and an unsubscribe a job showed in profiles:
+	// docs/benchmarks.md). Only the loop's goroutine pulls, one request at a
 	// time, each answered at a subject of its own, inbox.<n>. It is kept
 	// only past a request that surely ended: with its job (one asked for)
 	// or with its expiry (408). The server's word comes at the request's

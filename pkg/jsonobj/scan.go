@@ -92,9 +92,9 @@ const longRun = 64
 // and plainLen, 32 bytes a step, for a backslash or a control character
 // before it; until a run shorter than that step says escapes are dense
 // again. A request's body is walked several times on its way to the
-// engines: a long prompt of plain text goes by 1.5 to 1.8 times as fast
-// this way (BenchmarkGet/400KB-words), while strings dense with escapes
-// pay about a tenth more for the count of the run. The next quote, q, is
+// engines: a long prompt of plain text goes by faster this way, while
+// strings dense with escapes pay a little for the count of the run
+// (BenchmarkGet; the figures are in docs/benchmarks.md). The next quote, q, is
 // kept from one run to the next, so that no byte is searched for a quote
 // twice however the runs alternate.
 func skipString(s []byte, i int) (int, error) {

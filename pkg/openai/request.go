@@ -178,8 +178,8 @@ func DecodeRequest(endpoint Endpoint, body []byte) (*Request, *Error) {
 // decodeFast reads body as json.Unmarshal reads it into a Request, but
 // leaves the long members, messages and prompt, to jsonobj's scanner.
 // encoding/json scans a body twice (for validity, then for values), at
-// about a tenth of the scanner's speed, and copies every RawMessage: a
-// 330 KB prompt cost 5.8 ms and a copy. Here one scan cuts the long
+// far slower than the scanner, and copies every RawMessage
+// (BenchmarkDecodeRequest; docs/benchmarks.md). Here one scan cuts the long
 // members out (jsonobj.Cut), one more walks the messages (LookupEach),
 // and textBytes a third their parts; the short members are decoded by
 // encoding/json from what is left, and the messages' contents and the
@@ -362,7 +362,7 @@ func (m Message) textBytes() (int, error) {
 
 // partsTextBytes is textBytes of a list of content parts. The parts are
 // read with jsonobj's scanner, which skips over a long text; decoding it as
-// Parts does scanned it about six times (18 ms for a 330 KB prompt). The
+// Parts does scanned it about six times (docs/benchmarks.md). The
 // scanner matches keys exactly, as vLLM does; whatever it cannot count
 // (a part it would refuse, or one with a key twice or in another letter
 // case, which Go's decoder reads) is left to Text, so that what is
