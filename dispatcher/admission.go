@@ -43,11 +43,17 @@ func (e *QueueFullError) Unwrap() error { return ErrQueueFull }
 // Admission bounds the queue of each pool and stage, so that one model's
 // backlog cannot fill the streams that all models share: a job is refused,
 // never an older one dropped.
+//
+// The gateway's request handlers call Check, any number at once; a depth
+// due for renewal is read again in a goroutine of its own (look), behind
+// the caller.
 type Admission struct {
+	// Set by NewAdmission (now is a test's clock), read without a lock.
 	js  jetstream.StreamConsumerManager
 	max int
 	now func() time.Time
 
+	// mu guards depth. The JetStream call of a look is made with mu free.
 	mu    sync.Mutex
 	depth map[string]depthLook
 }

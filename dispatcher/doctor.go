@@ -97,18 +97,27 @@ type StoreHealth struct {
 
 // StoreDoctor watches pdq's file streams and rebuilds one whose store no
 // longer writes. See the comment at the top of this file.
+//
+// Run has a goroutine of its own; each Check probes the streams from one
+// goroutine per stream (note). Request handlers call NotStoring; Health
+// may be called from any goroutine, any number at once.
 type StoreDoctor struct {
+	// Set by NewStoreDoctor, read without a lock.
 	id      string // in the rebuilds it takes
 	js      jetstream.JetStream
 	records *Records
 	metrics *Metrics
 	log     *slog.Logger
 
+	// mu guards the fields below, and the StoreHealth that health points
+	// to. No JetStream call is made under it.
 	mu     sync.Mutex
 	health map[string]*StoreHealth
 	looks  map[string]int // probes in a row that found it not storing
 	// broken counts the streams not storing, for NotStoring's every
-	// request.
+	// request. It changes under mu, with health, and is read without it:
+	// an atomic, so that a request takes no lock while every stream
+	// stores.
 	broken atomic.Int32
 }
 

@@ -85,16 +85,28 @@ func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call Engine
 }
 
 // EngineCalls serves a worker's engine calls; Stop ends it.
+//
+// The subscription's callback (one goroutine: NATS hands a subscription
+// its messages one at a time) admits each call and runs it in a goroutine
+// of its own (serve). Stop may be called from any goroutine; a call after
+// the first returns at once.
 type EngineCalls struct {
-	sub     *nats.Subscription
+	// sub is set by ServeEngineCalls once it has subscribed; only Stop
+	// reads it.
+	sub *nats.Subscription
+	// waiting counts the calls admitted that wait for a slot. The callback
+	// adds to it under mu, serve takes away without it: an atomic.
 	waiting atomic.Int64
-	// base ends the calls still running when Stop's grace is over.
+	// base ends the calls still running when Stop's grace is over. Set at
+	// construction, read without a lock.
 	base   context.Context
 	cancel context.CancelFunc
-	// mu guards stopped and the WaitGroup's Add against Stop's Wait.
+
+	// mu guards stopped, and orders the WaitGroup's Add (in the callback)
+	// before Stop's Wait: once stopped is set, no call is added.
 	mu       sync.Mutex
 	stopped  bool
-	stopping chan struct{} // closed by Stop
+	stopping chan struct{} // made at construction, closed by Stop under mu
 	wg       sync.WaitGroup
 }
 

@@ -17,7 +17,14 @@ import (
 // worker that watches its engine's load gives the engine no more jobs
 // than it starts, so that the rest wait in the queue, where the decode
 // gate sees them and any idle worker can take them.
+//
+// Every method may be called from any goroutine, any number at once: the
+// stage loops' pull goroutines (waitFree, TryAcquire), their job and
+// release goroutines (acquire, Release), the heartbeats (Seats) and the
+// worker's load follower (Load, SetLimit).
 type EngineSlots struct {
+	// mu guards the fields below; max is set by NewEngineSlots and only
+	// read.
 	mu    sync.Mutex
 	used  int
 	limit int           // slots now, 1..max

@@ -33,15 +33,21 @@ const gateFresh = 50 * time.Millisecond
 // also looks at the handoff at the head of the queue: while it has waited
 // half the TTL, a new one would wait at least as long, and the gate stays
 // closed whatever the reports say.
+//
+// Only the pull goroutine of a prefill stage loop calls wait: mu is
+// never contended, and guards the fields below all the same.
 type decodeGate struct {
+	// Set by newDecodeGate, read without a lock.
 	js       jetstream.JetStream
 	pool     string
 	ttl      time.Duration
-	registry *Registry
+	registry *Registry // has its own lock
 	log      *slog.Logger
 
-	fresh time.Duration // how long a look serves: gateFresh
+	fresh time.Duration // how long a look serves: gateFresh; tests change it between calls
 
+	// mu guards the fields below. isOpen holds it across its JetStream
+	// calls: one look at a time.
 	mu     sync.Mutex
 	open   bool      // the last answer, for the log
 	looked time.Time // when the backlog was last looked at

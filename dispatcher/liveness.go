@@ -27,9 +27,14 @@ const (
 )
 
 // Liveness answers "does this gateway still run?", with a short cache.
+//
+// Alive may be called from any goroutine, any number at once: a stage
+// loop's jobs and its watchGateways, a gateway's submits. A ping Alive
+// does not wait for runs in a goroutine of its own.
 type Liveness struct {
-	nc *nats.Conn
+	nc *nats.Conn // set by NewLiveness, read without a lock
 
+	// mu guards the fields below. No ping is sent under it.
 	mu         sync.Mutex
 	seen       map[string]time.Time // gateway id -> when it last answered
 	asking     map[string]bool      // gateway ids pinged in the background

@@ -42,7 +42,12 @@ const reconnectPoll = 50 * time.Millisecond
 // back that way counts as delivered: that costs a new prefill, and leaves
 // the first one's KV held for its lease. A job that comes as the loop
 // stops is kept for stop, which returns it to be given back.
+//
+// One goroutine calls next and then stop: the stage loop's Run, or its
+// release loop, each with a puller of its own. newPuller starts the other
+// goroutine, which renews ctx when the connection drops, until stop.
 type puller struct {
+	// Set by newPuller, read without a lock.
 	nc      *nats.Conn
 	api     string        // JetStream's API prefix, with its final dot
 	wait    time.Duration // a request's expiry
@@ -62,11 +67,14 @@ type puller struct {
 	// may still deliver), and a request given up (its connection dropped,
 	// or its server silent), takes the subscription along, unsubscribed,
 	// as each pull did with its own before.
+	//
+	// inbox, sub, msgs and n are the pulling goroutine's, without a lock.
 	inbox string // the subscription's subject, but for its last token
 	sub   *nats.Subscription
 	msgs  chan *nats.Msg
 	n     uint64 // the last request's token
 
+	// mu guards the fields below.
 	mu     sync.Mutex
 	late   []*nats.Msg     // jobs that came as the loop stopped
 	ctx    context.Context // the current pulls' scope: until nc drops

@@ -99,15 +99,27 @@ func NewWorkerID(role Stage) string { return string(role) + "-" + randomID() }
 // (WorkerSubject), whose subscriptions survive reconnects and server
 // restarts; the pdq_workers bucket is only read once, at start, to learn
 // which workers to wait for.
+//
+// onBeat runs on the heartbeat subscription's goroutine; run (the sync
+// timer, pruning, the connection's changes) on a goroutine of its own.
+// WaitSynced and the queries (Status, Cards, Decoders, DecodeCapacity,
+// Slots, Workers) may be called from any goroutine, any number at once:
+// request handlers, decode gates and workers call them.
 type Registry struct {
+	// Set by watchWorkers (now is a test's clock), read without a lock.
 	log *slog.Logger
 	now func() time.Time
+	// synced is made by watchWorkers and closed by markSynced, under mu;
+	// WaitSynced waits on it without the lock.
+	synced chan struct{}
 
-	mu       sync.Mutex
-	workers  map[string]registryEntry
-	models   map[string]bool // every model seen, live or not
-	expected map[string]bool // workers listed in the bucket at start, not yet heard
-	synced   chan struct{}
+	// mu guards the fields below.
+	mu      sync.Mutex
+	workers map[string]registryEntry
+	models  map[string]bool // every model seen, live or not
+	// expected are the workers listed in the bucket at start, not yet
+	// heard; filled before the subscription, nil once synced.
+	expected map[string]bool
 	isSynced bool
 	// The last time this process's connection dropped, and came back:
 	// silence while it was cut off from NATS says nothing of the workers.

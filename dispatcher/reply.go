@@ -35,7 +35,16 @@ import (
 //
 // A writer whose gateway runs in the same process hands it the messages
 // instead (see [LocalReplies]).
+//
+// A writer belongs to the goroutine of the job's handler, which calls
+// Chunk, Chunks, Whole, Done, Moved, Error, SetStages and Kept, one at a
+// time. Beats starts the one other goroutine that uses it: beat shares
+// seq, base and kept with the sends, under mu. Sent and Own may be called
+// from any goroutine.
 type ReplyWriter struct {
+	// Set before the writer is shared (by NewReplyWriter, and Frame,
+	// Local, SetEndWait and Watch before Beats starts), read without a
+	// lock.
 	nc      *nats.Conn
 	subject string
 	// local is the gateway of subject when it runs in this process: the
@@ -47,20 +56,27 @@ type ReplyWriter struct {
 	// endWait bounds the wait for the gateway's ack of the end.
 	endWait time.Duration
 
+	// mu guards the fields below. A beat hands a local gateway its
+	// message under mu, so that it comes after the chunks it counts.
 	mu sync.Mutex
 	// seq is the number of chunks sent; kept holds the ones from base on,
 	// which the gateway has not acknowledged (all of them without a
 	// subject; none for a local gateway, which has them all, so base is
-	// seq). The first start were sent by earlier generations.
+	// seq). The first start were sent by earlier generations. Kept reads
+	// kept without mu: a writer without a subject has no beats.
 	seq, base, start int
 	kept             [][]byte
-	// stages go on the done message, for the gateway's request record.
+
+	// The handler's goroutine only, without a lock: stages go on the done
+	// message, for the gateway's request record; failed is the error of a
+	// writer without a subject.
 	stages []StageRecord
 	failed *openai.Error
 
 	// gone is called once when the gateway says it no longer holds the
 	// request; wanted, when a beat gets no answer, says whether the
-	// request still wants this writer's work (see Watch).
+	// request still wants this writer's work (see Watch). Set by Watch
+	// before Beats starts; gone is called from the beats' goroutine.
 	gone     func(cause error)
 	goneOnce sync.Once
 	wanted   func(context.Context) bool
@@ -570,14 +586,23 @@ type Budget interface {
 // with what it holds (a channel of replyBuffer slots would take 32 KiB per
 // request before any reply arrived), up to replyBuffer messages and its
 // limit of bytes.
+//
+// push is called by Replies.deliver: on the reply subscription's
+// goroutine, and in pdq up on the goroutines of the local writers, any
+// number at once. pop and len are called by the stream's relay, one
+// goroutine; close once the relay is done.
 type replyQueue struct {
-	mu     sync.Mutex
-	msgs   []*nats.Msg
-	head   int
-	bytes  int64 // the payloads held
-	limit  int64
-	budget Budget // nil: none
+	// mu guards the fields below.
+	mu    sync.Mutex
+	msgs  []*nats.Msg
+	head  int
+	bytes int64 // the payloads held
+	limit int64
+	// closed is set by close: the queue takes nothing more.
 	closed bool
+
+	// Set by newReplyQueue, read without a lock.
+	budget Budget        // nil: none
 	ready  chan struct{} // a token once a push follows a drain
 }
 
@@ -677,7 +702,12 @@ func (q *replyQueue) len() int {
 // order they are sent, and the gateway checks them as it does any; but
 // none is lost on the way, so a beat or an end waits for no ack (a queue
 // that overflows still shows as a gap). A nil *LocalReplies holds none.
+//
+// The gateways call Add, and its removal, as they start and stop; the
+// workers' stage loops look a gateway up (gateway) for each writer they
+// make, any number at once.
 type LocalReplies struct {
+	// mu guards the fields below.
 	mu       sync.RWMutex
 	gateways map[string]*Replies // by reply subject prefix
 }
@@ -721,18 +751,26 @@ func (l *LocalReplies) gateway(subject string) *Replies {
 // Replies is the gateway's end of the reply streams: one wildcard
 // subscription on pdq.reply.<gateway>.>, fanned out to the requests that
 // wait here.
+//
+// dispatch and deliver run on the subscription's goroutine and, in pdq
+// up, on the goroutines of the local writers (a job's handler, its
+// beats), any number at once. Request handlers call Open, Subject and
+// ReplyStream.Close, any number at once.
 type Replies struct {
+	// Set by NewReplies (sub once it has subscribed), read without a lock.
 	gatewayID string
 	prefix    string // ReplySubject(gatewayID, ""), cut off every message
 	sub       *nats.Subscription
+	// budget counts the bytes the streams hold (SetBudget); nil counts
+	// none. Set before the first Open, read by Open.
+	budget Budget
 
-	// mu is read-locked once per reply message, by the subscription and,
-	// in pdq up, by every worker goroutine that relays a stream.
+	// mu guards the fields below. It is read-locked once per reply
+	// message, by the subscription and, in pdq up, by every worker
+	// goroutine that relays a stream; Open and ReplyStream.Close
+	// write-lock it.
 	mu      sync.RWMutex
 	streams map[string]*ReplyStream
-	// budget counts the bytes the streams hold (SetBudget); nil counts
-	// none.
-	budget Budget
 }
 
 // SetBudget counts the bytes the reply queues hold in budget, before any
@@ -850,13 +888,25 @@ const (
 func ackGone(msg *nats.Msg, why string) { answerAck(msg, HeaderGone, why) }
 
 // ReplyStream is one request's reply, read in order.
+//
+// A stream is used by one goroutine at a time: the request's handler,
+// which in a batch hands each prompt's stream to a reader goroutine of its
+// own and closes it once the readers are done. Start, Whole, OnIdle, Next,
+// Heard, Rearm, Generation and Close are that goroutine's; attempt, next,
+// moved, base, heard, stall, idle and pending are read and written by it
+// only, without a lock. Replies.deliver, on other goroutines, uses only
+// q, overflow and latest.
 type ReplyStream struct {
-	id       string
-	owner    *Replies
-	q        *replyQueue
+	// Set by Open, read without a lock.
+	id    string
+	owner *Replies
+	q     *replyQueue // has its own lock
+	// overflow is set by deliver when q is full, and read by Next: an
+	// atomic, so that deliver takes no lock of the stream's.
 	overflow atomic.Bool
 	attempt  int
-	// latest is attempt, for writers in this process (see Replies.deliver).
+	// latest is attempt, for writers in this process (see Replies.deliver):
+	// the relay stores it, deliver loads it.
 	latest atomic.Int64
 	// next is the next chunk number: the number of chunks relayed.
 	next int

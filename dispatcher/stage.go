@@ -349,7 +349,16 @@ func (p Permit) release() {
 }
 
 // StageLoop pulls jobs of one stage and pool and runs them.
+//
+// Run is called once; its goroutine pulls. Each job runs in a goroutine
+// of its own (process, which calls the handler), and so do its keepAlive
+// and its reply's beats, the keeper, heartbeat, watchGateways and
+// sampleDepth, a decode stage's releaseLoop, and each direct release
+// (releaseNow). onCancel and onRunning run on their subscriptions'
+// goroutines. InFlight and Released may be called from any goroutine.
 type StageLoop struct {
+	// Set by NewStageLoop; cfg.AckWait, records and kvReads are set by Run
+	// before it subscribes or starts a goroutine. Read without a lock.
 	cfg     StageConfig
 	nc      *nats.Conn
 	js      jetstream.JetStream
@@ -359,12 +368,17 @@ type StageLoop struct {
 	liveness *Liveness
 	log      *slog.Logger
 
+	// Counters that the job and release goroutines change and the
+	// heartbeat reads: atomics, so that neither takes mu. Run adds to
+	// inFlight as it starts a job; the job's goroutine takes it away.
 	inFlight   atomic.Int64
 	released   atomic.Int64
 	dlqRefused atomic.Int64
-	durations  jobDurations
-	mu         sync.Mutex
-	running    map[*runningJob]struct{}
+	durations  jobDurations // has its own lock
+
+	// mu guards the fields below.
+	mu      sync.Mutex
+	running map[*runningJob]struct{}
 	// reconnects and reconnectedAt track the connection's outages, for
 	// the running query's wait.
 	reconnects    uint64
@@ -472,7 +486,9 @@ const avgWarmup = 8
 
 // jobDurations averages how long a loop's jobs take: the plain mean of the
 // first avgWarmup, then an exponential average that follows changes.
+// The job goroutines call add as they end, the heartbeat avgMs.
 type jobDurations struct {
+	// mu guards the fields below.
 	mu sync.Mutex
 	n  int
 	ms float64

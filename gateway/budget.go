@@ -12,10 +12,14 @@ import (
 // bytes waiting for slow clients count too (dispatcher.Budget), taken and
 // given back once per reply message: it is an atomic count, not a lock.
 // What it holds is pdq_gateway_inflight_bytes.
+//
+// take and release are called by request handlers and relays; Take and
+// Release by the reply queues, from the reply subscription's goroutine
+// and, in pdq up, the workers' goroutines: any number at once.
 type byteBudget struct {
-	limit   int64
+	limit   int64 // set by newByteBudget
 	used    atomic.Int64
-	metrics *dispatcher.Metrics // nil counts nothing
+	metrics *dispatcher.Metrics // set by newByteBudget; nil counts nothing
 }
 
 func newByteBudget(limit int64, metrics *dispatcher.Metrics) *byteBudget {

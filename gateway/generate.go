@@ -420,7 +420,12 @@ func (h *handlers) relayContext(c echo.Context, deadline time.Time) (context.Con
 
 // relays holds the cancel functions of the relays running, so that the
 // end of the grace period can stop them all with errShutdown.
+//
+// Request handlers call add, the removal it returns, and ended, any number
+// at once; the gateway's Run calls end once the grace period is over.
+// end calls the cancels after it has let mu go.
 type relays struct {
+	// mu guards the fields below.
 	mu      sync.Mutex
 	endedAt time.Time // zero while the grace period runs
 	next    uint64

@@ -24,11 +24,21 @@ import (
 // A write applies only to the request the gateway ran: the record of its
 // claim (the same Created). A retry that has claimed the id since is left
 // alone.
+//
+// Request handlers call write, keep, flushFor, has and len, any number at
+// once. run has a goroutine of its own (the gateway's Run starts it), and
+// each flush makes its writes from flushWorkers goroutines. A write's
+// change may so run on a flush worker after write has returned: whatever
+// it sets for its caller must be safe to read from another goroutine (see
+// handlers.stop).
 type ledger struct {
+	// Set by newLedger, read without a lock.
 	nc      *nats.Conn
 	records *dispatcher.Records
 	log     *slog.Logger
 
+	// mu guards the fields below. No NATS call is made under it: apply
+	// runs with mu free.
 	mu      sync.Mutex
 	pending map[string]pendingWrite
 	seq     uint64

@@ -24,7 +24,14 @@ const DefaultBreakerFailures = 3
 // probes /health with back-off. When the engine answers, the breaker is
 // half-open: one job goes through, and its outcome closes or reopens it.
 // Jobs already running finish or fail on their own.
+//
+// Every method may be called from any goroutine, any number at once: the
+// stage loops' pull goroutines (wait), their job goroutines (admits,
+// succeeded, neutral, failed), either (Open, a permit's Release), the
+// heartbeats (Health). An opening starts probe in a goroutine of its own.
 type breaker struct {
+	// Set by newBreaker (generate and life by Worker.Run, before the
+	// first pull), read without a lock.
 	threshold int
 	engine    *vllm.Client
 	stage     dispatcher.Stage
@@ -36,6 +43,7 @@ type breaker struct {
 	// life bounds the probes: they end with the worker.
 	life context.Context
 
+	// mu guards the fields below. No engine call is made under it.
 	mu    sync.Mutex
 	state dispatcher.BreakerState
 	fails int

@@ -100,7 +100,15 @@ type Config struct {
 }
 
 // Worker runs one stage on one engine.
+//
+// Run is called once. Its goroutine serves the models (serveModels); each
+// model's stage loop runs in a goroutine of its own, with the goroutines
+// it starts (see [dispatcher.StageLoop]), and so do followLoad, the
+// breaker's probes and, on a decode worker, the engine calls. The
+// handler (observed, prefill, decode) runs on the job goroutines, any
+// number at once; alone on those and on the loops' pull goroutines.
 type Worker struct {
+	// Set by New, read without a lock.
 	cfg    Config
 	nc     *nats.Conn
 	js     jetstream.JetStream
@@ -108,19 +116,25 @@ type Worker struct {
 	engine *vllm.Client
 	kvHost string
 	id     string // the registry key, and StageRecord.Worker
-	// breaker stops the pulls while the engine keeps failing.
+	// breaker stops the pulls while the engine keeps failing. It has its
+	// own lock.
 	breaker *breaker
 	// peers are the live workers, to know whether another worker of the
-	// stage has a healthy engine.
+	// stage has a healthy engine. Set by Run before the first stage loop
+	// starts, read without a lock (nil before).
 	peers *dispatcher.Registry
 	// slots bounds the engine calls of all the worker's models together.
+	// It has its own lock.
 	slots *dispatcher.EngineSlots
+
 	// mu guards the served models and the last answers of alone, kept to
 	// log their changes.
 	mu     sync.Mutex
 	served []vllm.Model
 	lonely map[string]bool
-	// refusals counts the prefill engine's 4xx answers, sent decode-only.
+
+	// refusals counts the prefill engine's 4xx answers, sent decode-only:
+	// an atomic, added to by the job goroutines without mu.
 	refusals atomic.Int64
 }
 

@@ -19,12 +19,18 @@ func IsTerminal(w io.Writer) bool {
 
 // progress is a tqdm-like bar: " 45%|████▌     | 450/1000 [00:05<00:06, 90.00it/s]",
 // redrawn in place at most ten times a second.
+//
+// Each request's goroutine calls inc as it ends, any number at once; Run
+// calls close once they are done.
 type progress struct {
+	// Set by newProgress, read without a lock.
+	w     io.Writer
+	total int
+	start time.Time
+
+	// mu guards the fields below, and the writes to w.
 	mu     sync.Mutex
-	w      io.Writer
-	total  int
 	done   int
-	start  time.Time
 	drawn  time.Time
 	closed bool
 }
