@@ -1,0 +1,215 @@
+package dispatcher
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"time"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// Failure classifies a handler's error for the ack policy.
+type Failure struct {
+	Err error
+	// Permanent failures go to the client at once; others are retried on
+	// a later delivery, possibly on another worker, until MaxDeliver.
+	Permanent bool
+	// Reported means the handler already ended the client's reply (an
+	// in-stream error); the loop sends nothing more.
+	Reported bool
+	// Client is what the client gets when this failure is the last word.
+	// A 4xx is the client's own mistake: it is answered and recorded, not
+	// dead-lettered.
+	Client *openai.Error
+	// Rejected means the engine refused the request before running it, so
+	// a handoff's KV blocks were never read and must be released.
+	Rejected bool
+	// HandBack means the job never reached an engine: it goes back to the
+	// queue for another worker, as the same generation, with no delivery
+	// counted against it.
+	HandBack bool
+	// Unread means a decode engine never ran the request: a handoff's KV
+	// was not read, and is released when the request goes back to
+	// prefill.
+	Unread bool
+}
+
+func (f *Failure) Error() string { return f.Err.Error() }
+func (f *Failure) Unwrap() error { return f.Err }
+
+// Permanent marks err as not worth retrying; client is what the client
+// gets.
+func Permanent(err error, client *openai.Error) error {
+	return &Failure{Err: err, Permanent: true, Client: client}
+}
+
+// Rejected marks err as the engine's refusal of the request (its 4xx):
+// permanent, the client's, and the engine never ran it.
+func Rejected(err error, client *openai.Error) error {
+	return &Failure{Err: err, Permanent: true, Client: client, Rejected: true}
+}
+
+// Retryable marks err as transient; client is what the client gets if no
+// attempt succeeds.
+func Retryable(err error, client *openai.Error) error {
+	return &Failure{Err: err, Client: client}
+}
+
+// HandBack returns a job that never reached this worker's engine to the
+// queue for another worker (one whose engine is healthy); client is what
+// the client gets if it can go nowhere.
+func HandBack(err error, client *openai.Error) error {
+	return &Failure{Err: err, Client: client, HandBack: true}
+}
+
+// Unread marks err, a decode's failure, as one whose engine never ran the
+// request (it refused the connection, or answered before running it), so
+// that the handoff's KV, unread, is released when the request goes back
+// to prefill.
+func Unread(err error) error {
+	var f *Failure
+	if !errors.As(err, &f) {
+		return &Failure{Err: err, Unread: true}
+	}
+	unread := *f
+	unread.Unread = true
+	return &unread
+}
+
+// maxHandBacks bounds how often one job is handed back, should every
+// worker keep handing it on.
+const maxHandBacks = 8
+
+// Reported marks err as already told to the client.
+func Reported(err error) error {
+	return &Failure{Err: err, Permanent: true, Reported: true}
+}
+
+// Handler runs one job of a stage. A nil error acks the job; see
+// [Failure] for the rest. The handler must return when ctx ends.
+type Handler func(ctx context.Context, d *Delivery) error
+
+// Delivery is one delivery of a job to a handler.
+type Delivery struct {
+	Job *Job
+	// Attempt counts deliveries of this job in its generation, from 1.
+	Attempt int
+	loop    *StageLoop
+	replies *ReplyWriter
+	handoff *Job
+	moved   *Job
+	// movedFrom is the engine's failure that made the handler migrate.
+	movedFrom error
+	// ctx and stopBeats run a decode's heartbeats from its first use of
+	// Replies to the handler's return.
+	ctx       context.Context
+	stopBeats func()
+	permit    uint64
+	// stop ends the job's context, as a cancel broadcast does.
+	stop context.CancelCauseFunc
+}
+
+// Permit is the token of the permit StageConfig.Ready granted this
+// delivery's pull (0 without Ready).
+func (d *Delivery) Permit() uint64 { return d.permit }
+
+// Migrate is how a decode handler that failed after output hands the rest
+// of the answer on: sent is the text the client has been sent, all
+// generations together, from which the next decode continues the
+// client's body; resume says what else the client has, and cause is the
+// engine's failure. The loop queues it as the next generation, on any
+// decode engine, before it acks this job. The handler must have sent
+// Moved on its reply first.
+func (d *Delivery) Migrate(sent []byte, resume Resume, cause error) {
+	d.movedFrom = cause
+	next := *d.Job
+	resume.Original = true
+	next.Sent, next.KV, next.Prefill, next.Resume = sent, nil, nil, &resume
+	next.Generation = d.Job.Generation + 1
+	// A new job: the hand-backs of the one it continues do not count
+	// against its own (a worker hands on a continuation from the engine
+	// it broke on a bounded number of times).
+	next.HandBacks = 0
+	d.moved = &next
+}
+
+// HandOff is how a prefill handler returns its result: the job for the
+// decode stage, with kv, which the loop stores before it acks the prefill.
+// A failed store is retried as a store; the prefill is never run again
+// for it.
+func (d *Delivery) HandOff(kv json.RawMessage, rec StageRecord) {
+	h := *d.Job
+	h.KV, h.Prefill = kv, &rec
+	d.handoff = &h
+}
+
+// Forward sends the job on to the decode stage without a prefill: the
+// decode engine prefills the prompt itself. It is the fallback of a
+// prefill worker whose engine is down while no other is healthy.
+func (d *Delivery) Forward() {
+	h := *d.Job
+	h.KV, h.Prefill = nil, nil
+	d.handoff = &h
+}
+
+// Forwarded reports whether Forward was called.
+func (d *Delivery) Forwarded() bool {
+	return d.handoff != nil && len(d.handoff.KV) == 0 && d.handoff.Prefill == nil
+}
+
+// Moved reports whether Migrate was called.
+func (d *Delivery) Moved() bool { return d.moved != nil }
+
+// MovedFrom is the failure a migrated delivery moved away from.
+func (d *Delivery) MovedFrom() error { return d.movedFrom }
+
+// Replies writes the client's reply for this delivery. A decode's first
+// call starts its heartbeats: from then on the gateway knows the decode
+// runs, and which chunks it lacks, even while the engine is silent.
+func (d *Delivery) Replies() *ReplyWriter {
+	if d.replies == nil {
+		d.replies = d.loop.replies(d.Job, d.Attempt)
+		if d.loop.cfg.Stage == StageDecode && d.ctx != nil {
+			d.replies.Watch(d.stop, d.loop.wanted(d.Job))
+			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
+		}
+	}
+	return d.replies
+}
+
+// sent is the number of chunks this delivery sent to the client.
+func (d *Delivery) sent() int {
+	if d.replies == nil {
+		return 0
+	}
+	return d.replies.Own()
+}
+
+// replies writes job's reply. Decode deliveries are ordered by generation
+// and delivery, so a later one starts a new reply; prefill errors are
+// delivery 0 of their generation.
+func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
+	if job.Rebuilt {
+		attempt += rebuiltReplies
+	}
+	if l.cfg.Stage != StageDecode {
+		attempt = 0
+	}
+	w := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
+	if job.ReplyFramed {
+		w.Frame()
+		w.Local(l.cfg.LocalReplies)
+	}
+	if job.Resume != nil && l.cfg.Stage == StageDecode {
+		w.ContinueAt(job.Resume.Chunks)
+	}
+	w.SetEndWait(min(l.cfg.StallTimeout, DefaultEndWait))
+	return w
+}
+
+// beatEvery is how often a running decode beats to its gateway: five times
+// within the stall time-out, so a few lost beats do not fail a request.
+func beatEvery(stall time.Duration) time.Duration {
+	return min(max(stall/5, 100*time.Millisecond), 2*time.Second)
+}

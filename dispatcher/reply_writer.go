@@ -1,0 +1,496 @@
+package dispatcher
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// ReplyWriter sends a request's reply to the gateway over core NATS: chunks
+// numbered from 0, then one terminal message, done or error. Core NATS may
+// lose messages (a slow consumer, a server restart), so nothing is taken
+// as delivered until the gateway says so: the writer keeps the chunks, a
+// running decode beats (see [ReplyWriter.Beats]), and the gateway answers
+// each beat and the end with the number of chunks it has; the writer sends
+// again whatever is missing. A writer without a subject (a replay, which
+// has no client) keeps the chunks for the request record instead.
+//
+// A chunk message carries its kind, number and attempt in NATS headers, or,
+// for a gateway that reads them (Job.ReplyFramed), in a frame line before
+// its data and no headers at all: "<attempt> <seq> <count>\n". Chunks are
+// most of a reply's messages, one per token or burst, and a gateway's NATS
+// client parses every message's headers into a map; the frame costs a
+// few bytes to write and nothing to skip. Other kinds keep their headers.
+//
+// A writer whose gateway runs in the same process hands it the messages
+// instead (see [LocalReplies]).
+//
+// A writer belongs to the goroutine of the job's handler, which calls
+// Chunk, Chunks, Whole, Done, Moved, Error, SetStages and Kept, one at a
+// time. Beats starts the one other goroutine that uses it: beat shares
+// seq, base and kept with the sends, under mu. Sent and Own may be called
+// from any goroutine.
+type ReplyWriter struct {
+	// Set before the writer is shared (by NewReplyWriter, and Frame,
+	// Local, SetEndWait and Watch before Beats starts), read without a
+	// lock.
+	nc      *nats.Conn
+	subject string
+	// local is the gateway of subject when it runs in this process: the
+	// messages are put in its queue, not published (see [LocalReplies]).
+	local    *Replies
+	attempt  []string // the attempt header's value, made once: it goes on every message
+	attemptN int
+	framed   bool
+	// endWait bounds the wait for the gateway's ack of the end.
+	endWait time.Duration
+
+	// mu guards the fields below. A beat hands a local gateway its
+	// message under mu, so that it comes after the chunks it counts.
+	mu sync.Mutex
+	// seq is the number of chunks sent; kept holds the ones from base on,
+	// which the gateway has not acknowledged (all of them without a
+	// subject; none for a local gateway, which has them all, so base is
+	// seq). The first start were sent by earlier generations. Kept reads
+	// kept without mu: a writer without a subject has no beats.
+	seq, base, start int
+	kept             [][]byte
+
+	// The handler's goroutine only, without a lock: stages go on the done
+	// message, for the gateway's request record; failed is the error of a
+	// writer without a subject.
+	stages []StageRecord
+	failed *openai.Error
+
+	// gone is called once when the gateway says it no longer holds the
+	// request; wanted, when a beat gets no answer, says whether the
+	// request still wants this writer's work (see Watch). Set by Watch
+	// before Beats starts; gone is called from the beats' goroutine.
+	gone     func(cause error)
+	goneOnce sync.Once
+	wanted   func(context.Context) bool
+}
+
+// Errors of a [ReplyWriter]'s end.
+var (
+	// ErrReplyUnacked means the gateway did not acknowledge the end within
+	// the writer's wait: it is gone, or cut off from NATS. Its own stall
+	// timer answers the client.
+	ErrReplyUnacked = errors.New("the gateway did not acknowledge the reply")
+)
+
+// DefaultEndWait is how long a writer waits for the gateway to acknowledge
+// the end of a reply.
+const DefaultEndWait = 10 * time.Second
+
+// ackTimeout is the wait for one ack; the end is sent again after it.
+const ackTimeout = time.Second
+
+// NewReplyWriter writes to subject as the given attempt (see
+// [ReplyAttempt]); an empty subject keeps the reply instead.
+func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
+	return &ReplyWriter{nc: nc, subject: subject, attempt: []string{strconv.Itoa(attempt)}, attemptN: attempt,
+		endWait: DefaultEndWait}
+}
+
+// Frame makes the writer send chunks framed, for a gateway that reads them
+// (Job.ReplyFramed).
+func (w *ReplyWriter) Frame() { w.framed = true }
+
+// Local makes a framed writer hand its reply straight to its gateway when
+// that gateway is one of local's. Call it after Frame: the gateway reads a
+// chunk's number from its frame, whichever way it came, and a writer of
+// header chunks is one an older gateway asked for, never a local one.
+func (w *ReplyWriter) Local(local *LocalReplies) {
+	if w.framed {
+		w.local = local.gateway(w.subject)
+	}
+}
+
+// keep holds the chunks just sent (w.seq counts them already) until the
+// gateway acknowledges them. A local gateway has them already.
+func (w *ReplyWriter) keep(chunks ...[]byte) {
+	if w.local != nil {
+		w.base = w.seq
+		return
+	}
+	w.kept = append(w.kept, chunks...)
+}
+
+// send sends one chunk message.
+func (w *ReplyWriter) send(msg *nats.Msg) error {
+	if w.local != nil {
+		w.local.dispatch(msg)
+		return nil
+	}
+	return w.nc.PublishMsg(msg)
+}
+
+// ContinueAt makes the writer continue a reply whose first n chunks an
+// earlier generation sent (a migrated decode).
+func (w *ReplyWriter) ContinueAt(n int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.seq, w.base, w.start = n, n, n
+}
+
+// SetEndWait bounds the wait for the gateway's ack of the end.
+func (w *ReplyWriter) SetEndWait(d time.Duration) {
+	if d > 0 {
+		w.endWait = d
+	}
+}
+
+// Sent is the number of chunks sent so far, including those of the
+// generation this writer continues.
+func (w *ReplyWriter) Sent() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.seq
+}
+
+// Own is the number of chunks this writer sent itself, not counting those
+// of the generations it continues.
+func (w *ReplyWriter) Own() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.seq - w.start
+}
+
+// SetStages records the stage runs that the done message reports; the last
+// one's duration is measured when Done is sent.
+func (w *ReplyWriter) SetStages(stages ...StageRecord) { w.stages = stages }
+
+// Chunk sends one chunk: an SSE event's data, or a whole JSON response.
+func (w *ReplyWriter) Chunk(data []byte) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.subject != "" {
+		if err := w.send(w.chunkMsg(w.seq, data)); err != nil {
+			return fmt.Errorf("send chunk to %s: %w", w.subject, err)
+		}
+	}
+	w.seq++
+	w.keep(data)
+	return nil
+}
+
+// Whole sends a whole response, one that is not streamed: one chunk, or,
+// when it is larger than a NATS message may be, consecutive chunks of
+// it, each a part of the bytes, which the gateway joins into the one
+// response. A reply is not streamed when the request is not: the gateway
+// knows to join.
+func (w *ReplyWriter) Whole(data []byte) error {
+	// As large as a message takes: an answer that fits one goes as one,
+	// as a gateway of the build before reads it.
+	part := wholePart
+	if w.nc != nil {
+		if room := int(w.nc.MaxPayload()) - 64<<10; room > 0 { // the frame and headers
+			part = room
+		}
+	}
+	for len(data) > part {
+		if err := w.Chunk(data[:part:part]); err != nil {
+			return err
+		}
+		data = data[part:]
+	}
+	return w.Chunk(data)
+}
+
+// wholePart is a part of a whole response where no connection says how
+// large a message may be.
+const wholePart = 1 << 20
+
+// Chunks sends several chunks in one message (HeaderCount), for a gateway
+// that reads them (Job.ReplyBatch): one publish, not one per token, when
+// the engine has sent several events at once. No chunk may hold a newline.
+func (w *ReplyWriter) Chunks(data [][]byte) error {
+	if len(data) == 1 {
+		return w.Chunk(data[0])
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.subject != "" {
+		if err := w.send(w.chunkMsg(w.seq, data...)); err != nil {
+			return fmt.Errorf("send %d chunks to %s: %w", len(data), w.subject, err)
+		}
+	}
+	w.seq += len(data)
+	w.keep(data...)
+	return nil
+}
+
+var newline = []byte{'\n'}
+
+// Watch makes the writer's beats tell whether anyone still wants the
+// reply: gone is called, once, when the gateway answers a beat that it no
+// longer holds the request (its client left, it answered, or a later
+// attempt took over), and when a beat gets no answer and wanted (if set)
+// says the request no longer wants this work, as its record does once
+// the gateway has ended it. The cancel broadcast is sent once, on core
+// NATS, and may be lost; a running decode beats every few seconds.
+//
+// gone gets errSuperseded when the request goes on under a later attempt
+// (a redelivery of the job, run elsewhere while this writer was cut off):
+// that attempt owns it. Otherwise, errAbandoned: it has ended at its
+// gateway.
+func (w *ReplyWriter) Watch(gone func(cause error), wanted func(context.Context) bool) {
+	w.gone, w.wanted = gone, wanted
+}
+
+// isGone calls the gone hook once, with errSuperseded or errAbandoned.
+func (w *ReplyWriter) isGone(superseded bool) {
+	if w.gone == nil {
+		return
+	}
+	cause := errAbandoned
+	if superseded {
+		cause = errSuperseded
+	}
+	w.goneOnce.Do(func() { w.gone(cause) })
+}
+
+// Beats sends a heartbeat every interval until stopped, so that the
+// gateway knows the decode runs and learns how many chunks it should have.
+// The first goes out after one interval, not at once: a decode that
+// streams is heard by its chunks, most end before a beat is due, and the
+// interval is well within the gateway's stall time-out (see beatEvery).
+// An immediate beat cost every request a round trip.
+func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func()) {
+	if w.subject == "" {
+		return func() {}
+	}
+	bctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-bctx.Done():
+				return
+			case <-t.C:
+			}
+			w.beat(bctx)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// beat sends one heartbeat and resends what the gateway's ack says it
+// lacks. A lost beat or ack is harmless: the next one repeats it.
+func (w *ReplyWriter) beat(ctx context.Context) {
+	w.mu.Lock()
+	upto := w.seq
+	msg := w.msg(KindBeat, upto, nil)
+	if w.local != nil {
+		held := w.local.deliver(msg) // nothing was lost: no ack to wait for
+		w.mu.Unlock()
+		if held != delivered {
+			w.isGone(held == superseded)
+		}
+		return
+	}
+	w.mu.Unlock()
+	actx, cancel := context.WithTimeout(ctx, ackTimeout)
+	defer cancel()
+	resp, err := w.nc.RequestMsgWithContext(actx, msg)
+	switch {
+	case err == nil && resp.Header.Get(HeaderGone) != "":
+		w.isGone(resp.Header.Get(HeaderGone) == GoneSuperseded)
+	case err == nil:
+		w.mu.Lock()
+		w.acked(resp, upto)
+		w.mu.Unlock()
+	case w.wanted != nil && ctx.Err() == nil:
+		// No answer: the gateway may be gone, cut off, or its cancel
+		// lost with the beat. The record knows whether it ended the
+		// request.
+		rctx, cancel := context.WithTimeout(ctx, ackTimeout)
+		defer cancel()
+		if !w.wanted(rctx) {
+			w.isGone(false)
+		}
+	}
+}
+
+// acked takes in the gateway's ack of a message sent after upto chunks: the
+// chunks it has are dropped, and those it lacks of the first upto sent
+// again, in order (later ones may still be on their way). It returns the
+// number the gateway has.
+func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
+	n, err := strconv.Atoi(resp.Header.Get(HeaderSeq))
+	if err != nil || resp.Header.Get(HeaderKind) != KindAck || n < w.base || n > w.seq {
+		return -1 // not an ack of this reply: a stale gateway's, or none
+	}
+	w.kept = w.kept[n-w.base:]
+	w.base = n
+	for i := n; i < upto; i++ {
+		if err := w.send(w.chunkMsg(i, w.kept[i-n])); err != nil {
+			break // the next ack asks again
+		}
+	}
+	return n
+}
+
+// Done ends the reply after the chunks sent, once the gateway has them
+// all. It fails with ErrReplyUnacked if the gateway does not say so in
+// time. A local gateway has them all, in its queue, ahead of the end: the
+// end is queued, and Done returns.
+func (w *ReplyWriter) Done() error {
+	var stages []byte
+	if n := len(w.stages); n > 0 {
+		last := &w.stages[n-1]
+		last.Ms = float64(time.Since(last.Started).Microseconds()) / 1000
+		stages, _ = json.Marshal(w.stages) // plain fields: it always encodes
+	}
+	if w.subject == "" {
+		return nil
+	}
+	return w.end(KindDone, nil, 0, stages)
+}
+
+// Moved ends this writer's part of a reply that a later generation
+// continues: it returns once the gateway has every chunk sent so far (a
+// local gateway, at once: they are in its queue, ahead of this end).
+func (w *ReplyWriter) Moved() error {
+	if w.subject == "" {
+		return nil
+	}
+	return w.end(KindMoved, nil, 0, nil)
+}
+
+// Error ends the reply with an error to pass to the client.
+func (w *ReplyWriter) Error(e *openai.Error) error {
+	if w.subject == "" {
+		w.failed = e
+		return nil
+	}
+	body, err := json.Marshal(openai.ErrorResponse{Error: e})
+	if err != nil {
+		return fmt.Errorf("encode error reply: %w", err)
+	}
+	return w.end(KindError, body, e.Status(), nil)
+}
+
+// end sends a terminal message until the gateway acks it with every chunk
+// (an error needs no chunks), resending what it lacks, for at most the
+// writer's end wait.
+func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) error {
+	deadline := time.Now().Add(w.endWait)
+	for {
+		w.mu.Lock()
+		msg := w.msg(kind, w.seq, data)
+		w.mu.Unlock()
+		if status != 0 {
+			msg.Header[HeaderStatus] = []string{strconv.Itoa(status)}
+		}
+		if stages != nil {
+			msg.Header[HeaderStages] = []string{string(stages)}
+		}
+		if w.local != nil {
+			// Every chunk is in the gateway's queue already, and the end
+			// goes after them: there is nothing to wait for.
+			w.local.dispatch(msg)
+			return nil
+		}
+		upto := w.Sent()
+		resp, err := w.nc.RequestMsg(msg, min(ackTimeout, max(time.Until(deadline), time.Millisecond)))
+		if err == nil {
+			w.mu.Lock()
+			n, seq := w.acked(resp, upto), w.seq
+			w.mu.Unlock()
+			if n == seq || (kind == KindError && n >= 0) {
+				return nil
+			}
+		} else if !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
+			// No answer could come: the gateway's subscription is missing
+			// (it is gone, or reconnecting), or this connection is down.
+			// Ask again shortly.
+			time.Sleep(min(250*time.Millisecond, max(time.Until(deadline), 0)))
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: %s after %v", ErrReplyUnacked, kind, w.endWait)
+		}
+	}
+}
+
+// Kept is what a writer without a subject kept: the chunks, and the stage
+// runs.
+func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages }
+
+// chunkMsg is the message of the chunks from seq on, framed or with
+// headers.
+func (w *ReplyWriter) chunkMsg(seq int, data ...[]byte) *nats.Msg {
+	switch {
+	case w.framed:
+		return &nats.Msg{Subject: w.subject, Data: w.frame(seq, data...)}
+	case len(data) == 1:
+		return w.msg(KindChunk, seq, data[0])
+	}
+	msg := w.msg(KindChunk, seq, bytes.Join(data, newline))
+	msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
+	return msg
+}
+
+// frame is the framed payload of chunks from seq on: the frame line, then
+// the chunks separated by newlines.
+func (w *ReplyWriter) frame(seq int, chunks ...[]byte) []byte {
+	size := 32 + len(chunks)
+	for _, c := range chunks {
+		size += len(c)
+	}
+	b := make([]byte, 0, size)
+	b = strconv.AppendInt(b, int64(w.attemptN), 10)
+	b = append(b, ' ')
+	b = strconv.AppendInt(b, int64(seq), 10)
+	b = append(b, ' ')
+	b = strconv.AppendInt(b, int64(len(chunks)), 10)
+	for _, c := range chunks {
+		b = append(b, '\n')
+		b = append(b, c...)
+	}
+	return b
+}
+
+func (w *ReplyWriter) msg(kind string, seq int, data []byte) *nats.Msg {
+	msg := nats.NewMsg(w.subject)
+	msg.Header[HeaderKind] = kindHeader(kind)
+	msg.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
+	msg.Header[HeaderAttempt] = w.attempt
+	msg.Data = data
+	return msg
+}
+
+// The kind header's values, made once: a header value is only read (a
+// Set replaces it, an Add copies it, its capacity being its length).
+var (
+	kindChunkHeader = []string{KindChunk}
+	kindBeatHeader  = []string{KindBeat}
+)
+
+// kindHeader is the kind header's value for kind: one made once for the
+// kinds every reply sends many of.
+func kindHeader(kind string) []string {
+	switch kind {
+	case KindChunk:
+		return kindChunkHeader
+	case KindBeat:
+		return kindBeatHeader
+	}
+	return []string{kind}
+}

@@ -1,0 +1,165 @@
+package dispatcher
+
+import (
+	"context"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// onCancel stops the running jobs of a cancelled request: those of its
+// origin (see Job.Origin). A cancel or a job without one (from a gateway
+// of an older build) matches by id alone.
+func (l *StageLoop) onCancel(msg *nats.Msg) {
+	id := msg.Subject[len(CancelSubject("")):]
+	origin, _ := strconv.Atoi(msg.Header.Get(HeaderOrigin))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for r := range l.running {
+		if r.id == id && (origin == 0 || r.origin == 0 || r.origin == origin) {
+			r.cancel(errCancelled)
+		}
+	}
+}
+
+// sampleDepth publishes how many jobs wait in this loop's queue, every
+// heartbeat interval, until ctx ends. It runs on its own, with a short
+// time-out, so that a slow JetStream delays no heartbeat.
+func (l *StageLoop) sampleDepth(ctx context.Context) {
+	if l.cfg.Metrics == nil {
+		return
+	}
+	t := time.NewTicker(HeartbeatInterval)
+	defer t.Stop()
+	for {
+		qctx, cancel := context.WithTimeout(ctx, time.Second)
+		cons, err := l.js.Consumer(qctx, stageStream(l.cfg.Stage), ConsumerName(l.cfg.Stage, l.cfg.Pool))
+		cancel()
+		if err == nil { // else no consumer yet, or NATS away: the last value stands
+			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// onRunning answers whether this loop runs another delivery of the job a
+// query names (its id, generation and the asker's delivery): a job
+// redelivered while its first delivery still runs.
+func (l *StageLoop) onRunning(msg *nats.Msg) {
+	id := msg.Subject[len(RunningSubject("")):]
+	gen, _ := strconv.Atoi(msg.Header.Get(HeaderGeneration))
+	asker, _ := strconv.Atoi(msg.Header.Get(HeaderAttempt))
+	delivery := msg.Header.Get(HeaderDelivery) // empty from a build before it
+	stage := Stage(msg.Header.Get(HeaderStage))
+	if stage != l.cfg.Stage {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for r := range l.running {
+		other := r.attempt != asker
+		if delivery != "" {
+			other = r.delivery != delivery
+		}
+		if r.id == id && r.generation == gen && other {
+			_ = msg.Respond(nil) // a lost answer only costs a duplicate run
+			return
+		}
+	}
+}
+
+// runningElsewhere asks the stage loops whether another delivery of this
+// job still runs. NATS redelivers a job whose worker could not signal
+// progress for the ack wait, as when the worker was cut off from NATS
+// while its engine call went on.
+func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int, delivery string) bool {
+	m := nats.NewMsg(RunningSubject(job.ID))
+	m.Header[HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
+	m.Header[HeaderAttempt] = []string{strconv.Itoa(attempt)}
+	m.Header[HeaderDelivery] = []string{delivery}
+	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
+	wait := runningQueryWait
+	if l.reconnectedWithin(10 * time.Second) {
+		wait = runningQueryWaitReconnected
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	_, err := l.nc.RequestMsgWithContext(ctx, m)
+	return err == nil
+}
+
+// The waits for an answer to a running query. A loop that runs the job
+// answers within a round trip; only loops that run it answer, so every
+// query nobody answers costs the whole wait. Just after a NATS restart,
+// processes reconnect up to a few hundred milliseconds apart (they retry
+// every 250 ms), so a loop that reconnected lately waits longer.
+const (
+	runningQueryWait            = 100 * time.Millisecond
+	runningQueryWaitReconnected = time.Second
+)
+
+// reconnectedWithin reports whether this loop's connection came back from
+// an outage within d, as far as its queries have seen.
+func (l *StageLoop) reconnectedWithin(d time.Duration) bool {
+	n := l.nc.Stats().Reconnects
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if n != l.reconnects {
+		l.reconnects, l.reconnectedAt = n, time.Now()
+	}
+	return !l.reconnectedAt.IsZero() && time.Since(l.reconnectedAt) < d
+}
+
+// watchGateways stops the running jobs whose gateway is gone: nobody would
+// read their output.
+func (l *StageLoop) watchGateways(ctx context.Context) {
+	t := time.NewTicker(HeartbeatInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		l.mu.Lock()
+		byGateway := make(map[string][]context.CancelCauseFunc)
+		for r := range l.running {
+			if r.gateway != "" {
+				byGateway[r.gateway] = append(byGateway[r.gateway], r.cancel)
+			}
+		}
+		l.mu.Unlock()
+		for gw, cancels := range byGateway {
+			if l.liveness.Alive(ctx, gw) {
+				continue
+			}
+			l.log.Warn("gateway gone: stopping its running jobs", "gateway_id", gw, "jobs", len(cancels))
+			for _, c := range cancels {
+				c(errGatewayGone)
+			}
+		}
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}
