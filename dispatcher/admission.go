@@ -9,10 +9,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// DefaultMaxQueue is the default bound on the jobs waiting in one pool's
-// stage (PDQ_MAX_QUEUE).
-const DefaultMaxQueue = 1024
-
 // depthTTL is how long the gateway trusts one look at a queue's depth. A
 // look is a JetStream API request: from depthRenew on it is renewed in
 // the background, so that under steady traffic no request waits for one

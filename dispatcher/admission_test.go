@@ -17,7 +17,7 @@ func TestAdmissionBound(t *testing.T) {
 	_, js := startJetStream(t)
 	ctx := context.Background()
 	const pool = "m"
-	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, 0)
+	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}

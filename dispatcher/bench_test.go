@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/nats/embedded"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -216,7 +217,7 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 	proto := benchJob(size)
 	stages := map[Stage]jetstream.Consumer{}
 	for _, stage := range []Stage{StagePrefill, StageDecode} {
-		if stages[stage], err = EnsureConsumer(ctx, js, stage, proto.Pool, 0); err != nil {
+		if stages[stage], err = EnsureConsumer(ctx, js, stage, proto.Pool, config.DefaultAckWait); err != nil {
 			b.Fatal(err)
 		}
 		// Each stream's keeper, as pdq's stage loops keep one (keeper.go).
@@ -228,7 +229,7 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 	var workers sync.WaitGroup
 	work := func(stage Stage) {
 		defer workers.Done()
-		p := newPuller(ctx, nc, js, DefaultPullWait)
+		p := newPuller(ctx, nc, js, config.PullWait)
 		defer p.stop()
 		for {
 			m, err := p.next(ctx, stages[stage])

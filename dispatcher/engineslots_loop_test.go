@@ -42,7 +42,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	cb.Pool = poolB
 	cb.Handler = func(context.Context, *Delivery) error { return nil }
 	cb.Release = func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
-	lb, _ := NewStageLoop(nc, js, cb, logging.Discard())
+	lb, _ := NewStageLoop(nc, js, withSettings(cb), logging.Discard())
 	runLoop(t, lb) // idle: passes waitFree, waits in its pull (for up to 3 s)
 	time.Sleep(300 * time.Millisecond)
 
@@ -50,7 +50,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	ca.Pool = poolA
 	ca.Handler = func(context.Context, *Delivery) error { <-block; return nil }
 	ca.Release = func(context.Context, *Job) error { return nil }
-	la, _ := NewStageLoop(nc, js, ca, logging.Discard())
+	la, _ := NewStageLoop(nc, js, withSettings(ca), logging.Discard())
 	runLoop(t, la)
 	a := &Job{ID: "slot-a", Model: "a", Pool: poolA, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1}
 	if _, err := js.PublishMsg(ctx, a.Msg(StageDecode)); err != nil {
@@ -92,7 +92,7 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
 		},
 		Release: func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }}
-	l, _ := NewStageLoop(nc, js, cfg, logging.Discard())
+	l, _ := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
 	j := &Job{ID: "slot-r", Model: "r", Pool: cfg.Pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
 		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
@@ -129,7 +129,7 @@ func TestEngineSlotsNoOverPull(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	l, _ := NewStageLoop(nc, js, cfg, logging.Discard())
+	l, _ := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
 	waitFor(t, "one runs", func() bool { return started.Load() == 1 })
 	time.Sleep(500 * time.Millisecond)
@@ -198,7 +198,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	e := NewEngineSlots(1)
 	c1 := cfg
 	c1.EngineSlots = e
-	l1, _ := NewStageLoop(nc, js, c1, logging.Discard())
+	l1, _ := NewStageLoop(nc, js, withSettings(c1), logging.Discard())
 	ctx1, cancel1 := context.WithCancel(ctx)
 	done1 := make(chan struct{})
 	go func() { defer close(done1); l1.Run(ctx1) }()
@@ -210,7 +210,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 
 	c2 := cfg
 	c2.EngineSlots = NewEngineSlots(1)
-	l2, _ := NewStageLoop(nc, js, c2, logging.Discard())
+	l2, _ := NewStageLoop(nc, js, withSettings(c2), logging.Discard())
 	runLoop(t, l2)
 	time.Sleep(2 * time.Second)
 	if ran.Load() > 0 {

@@ -55,7 +55,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	}
 	c1 := cfg
 	c1.EngineSlots = full
-	l1, _ := NewStageLoop(nc, js, c1, logging.Discard())
+	l1, _ := NewStageLoop(nc, js, withSettings(c1), logging.Discard())
 	ctx1, cancel1 := context.WithCancel(ctx)
 	done1 := make(chan struct{})
 	go func() { defer close(done1); l1.Run(ctx1) }()
@@ -66,7 +66,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	// Worker 2: an idle engine.
 	c2 := cfg
 	c2.EngineSlots = NewEngineSlots(1)
-	l2, _ := NewStageLoop(nc, js, c2, logging.Discard())
+	l2, _ := NewStageLoop(nc, js, withSettings(c2), logging.Discard())
 	ctx2, cancel2 := context.WithCancel(ctx)
 	done2 := make(chan struct{})
 	go func() { defer close(done2); l2.Run(ctx2) }()

@@ -3,11 +3,13 @@ package dispatcher
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -32,4 +34,28 @@ func startJetStreamAt(t testing.TB, dir string) (*nats.Conn, jetstream.JetStream
 		t.Fatalf("Ensure is not idempotent: %v", err)
 	}
 	return nc, js
+}
+
+// withSettings is cfg with every setting config gives a stage loop, where
+// the test left it unset: NewStageLoop fills in none.
+func withSettings(cfg StageConfig) StageConfig {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{
+		{&cfg.Grace, config.DefaultShutdownGrace}, {&cfg.RetryBase, config.RetryBase}, {&cfg.PullWait, config.PullWait},
+		{&cfg.AckWait, config.DefaultAckWait}, {&cfg.KeepEvery, config.KeepEvery}, {&cfg.KVTTL, config.DefaultKVTTL},
+		{&cfg.StallTimeout, config.DefaultStallTimeout},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	if cfg.MaxGenerations == 0 {
+		cfg.MaxGenerations = config.DefaultMaxGenerations
+	}
+	if cfg.MaxDeliver == 0 {
+		cfg.MaxDeliver = config.DefaultMaxDeliver
+	}
+	return cfg
 }

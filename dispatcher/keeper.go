@@ -29,10 +29,6 @@ import (
 // cache, which for long bodies takes large buffers from the server's pool
 // (docs/benchmarks.md).
 
-// DefaultKeepEvery is how often, at most, a loop that takes jobs renews
-// its stream's keeper.
-const DefaultKeepEvery = 2 * time.Second
-
 // keeperNote is a keeper's body, for whoever reads the stream.
 const keeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
 
@@ -50,9 +46,6 @@ type keeper struct {
 }
 
 func newKeeper(js jetstream.JetStream, stage Stage, every time.Duration, log *slog.Logger) *keeper {
-	if every <= 0 {
-		every = DefaultKeepEvery
-	}
 	return &keeper{js: js, stage: stage, every: every, log: log, took: make(chan struct{}, 1)}
 }
 

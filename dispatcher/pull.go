@@ -12,14 +12,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// DefaultPullWait is how long the server keeps a pull request waiting for
-// a job: how long a stopping loop waits for its pull to end, at most while
-// its server answers (pullSilence more when it does not). An idle loop
-// pulls again this often, and each pull of a replicated consumer is two
-// Raft entries (its start and its end): four a second per idle loop, where
-// the jetstream client's 30 s pulls made four a minute.
-const DefaultPullWait = 500 * time.Millisecond
-
 // minPullWait keeps an idle loop from pulling without a pause.
 const minPullWait = 10 * time.Millisecond
 

@@ -66,10 +66,8 @@ type ReplyWriter struct {
 	kept             [][]byte
 
 	// The handler's goroutine only, without a lock: stages go on the done
-	// message, for the gateway's request record; failed is the error of a
-	// writer without a subject.
+	// message, for the gateway's request record.
 	stages []StageRecord
-	failed *openai.Error
 
 	// gone is called once when the gateway says it no longer holds the
 	// request; wanted, when a beat gets no answer, says whether the
@@ -377,7 +375,8 @@ func (w *ReplyWriter) Moved() error {
 // Error ends the reply with an error to pass to the client.
 func (w *ReplyWriter) Error(e *openai.Error) error {
 	if w.subject == "" {
-		w.failed = e
+		// No client (a replay): the request's record says how it failed,
+		// which settle writes from the handler's error.
 		return nil
 	}
 	body, err := json.Marshal(openai.ErrorResponse{Error: e})

@@ -15,10 +15,6 @@ import (
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
-// DefaultRetryBase is the first retry's delay; each next one is 4 times
-// longer: 250ms, 1s, 4s.
-const DefaultRetryBase = 250 * time.Millisecond
-
 // retryDelay is the NakWithDelay back-off, capped at 10s. A plain Nak would
 // redeliver at once and storm an engine that is down.
 func retryDelay(base time.Duration, attempt int) time.Duration {
@@ -29,18 +25,8 @@ func retryDelay(base time.Duration, attempt int) time.Duration {
 	return min(d, 10*time.Second)
 }
 
-// Defaults of the lifecycle settings in [StageConfig].
+// Limits of the stage loop.
 const (
-	// DefaultKVTTL is how old a handoff may be when a decode worker pulls
-	// it; older ones go back to prefill. It is under vLLM's 30 s KV lease.
-	DefaultKVTTL = 25 * time.Second
-	// DefaultMaxGenerations bounds the prefills one request may start.
-	DefaultMaxGenerations = 3
-	// DefaultStallTimeout bounds a decode's silence: the engine's, between
-	// chunks, and the worker's, between heartbeats to the gateway.
-	DefaultStallTimeout = 30 * time.Second
-	// DefaultPrefillTimeout bounds a prefill engine's answer.
-	DefaultPrefillTimeout = 60 * time.Second
 	// minUsefulTime is the least time before its deadline that a job must
 	// have left when it is pulled: with less, no engine could answer before
 	// the gateway gives up, and a burst of jobs submitted together would
@@ -76,32 +62,32 @@ type StageConfig struct {
 	// Grace is how long in-flight jobs may run on after Run's context ends;
 	// the rest are handed back for redelivery.
 	Grace time.Duration
-	// RetryBase is the delay before the first retry of a failed job;
-	// 0 takes DefaultRetryBase.
+	// The settings below are required (config.Load and config's constants
+	// give them); the loop fills in none.
+	//
+	// RetryBase is the delay before the first retry of a failed job; each
+	// next one is 4 times longer.
 	RetryBase time.Duration
-	// PullWait is how long a pull waits on the server for a job; 0 takes
-	// DefaultPullWait, and under 10 ms is refused. A loop that stops waits
+	// PullWait is how long a pull waits on the server for a job; under
+	// 10 ms is refused. A loop that stops waits
 	// for its pull to end (this long at most, while its server answers), so
 	// that a job the server sends as it stops reaches it, to be given back,
 	// rather than being dropped.
 	PullWait time.Duration
-	// AckWait is the consumer's ack wait; 0 takes DefaultAckWait. All
-	// workers of a pool should agree on it.
+	// AckWait is the consumer's ack wait. All workers of a pool should
+	// agree on it.
 	AckWait time.Duration
 	// KeepEvery is how often a loop that takes jobs renews its stream's
-	// keeper (see keeper.go); 0 takes DefaultKeepEvery.
+	// keeper (see keeper.go).
 	KeepEvery time.Duration
-	// KVTTL is the oldest handoff a decode stage runs; 0 takes
-	// DefaultKVTTL.
+	// KVTTL is the oldest handoff a decode stage runs.
 	KVTTL time.Duration
-	// MaxGenerations bounds the prefills of one request; 0 takes
-	// DefaultMaxGenerations.
+	// MaxGenerations bounds the prefills of one request.
 	MaxGenerations int
-	// MaxDeliver bounds the deliveries of one job; 0 takes
-	// DefaultMaxDeliver.
+	// MaxDeliver bounds the deliveries of one job.
 	MaxDeliver int
 	// StallTimeout is how long the gateway waits for a sign of a running
-	// decode; 0 takes DefaultStallTimeout. A decode delivery beats well
+	// decode. A decode delivery beats well
 	// within it, and waits at most this long (10 s at most) for the
 	// gateway to acknowledge the end of a reply.
 	StallTimeout time.Duration
@@ -223,35 +209,20 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
 		return nil, fmt.Errorf("stage loop: pool, slots >= 1 and a handler are required")
 	}
-	if cfg.Grace < 0 || cfg.RetryBase < 0 || cfg.AckWait < 0 || cfg.PullWait < 0 || cfg.KeepEvery < 0 || cfg.KVTTL < 0 || cfg.MaxGenerations < 0 || cfg.MaxDeliver < 0 || cfg.StallTimeout < 0 {
-		return nil, fmt.Errorf("stage loop: durations and limits must not be negative")
-	}
-	if cfg.Grace == 0 {
-		cfg.Grace = 30 * time.Second
-	}
-	if cfg.RetryBase == 0 {
-		cfg.RetryBase = DefaultRetryBase
-	}
-	if cfg.AckWait == 0 {
-		cfg.AckWait = DefaultAckWait
-	}
-	if cfg.PullWait == 0 {
-		cfg.PullWait = DefaultPullWait
+	for _, d := range []struct {
+		name string
+		ok   bool
+	}{
+		{"grace", cfg.Grace > 0}, {"retry base", cfg.RetryBase > 0}, {"ack wait", cfg.AckWait > 0},
+		{"keep interval", cfg.KeepEvery > 0}, {"KV TTL", cfg.KVTTL > 0}, {"max generations", cfg.MaxGenerations > 0},
+		{"max deliveries", cfg.MaxDeliver > 0}, {"stall time-out", cfg.StallTimeout > 0},
+	} {
+		if !d.ok {
+			return nil, fmt.Errorf("stage loop: the %s must be positive (config gives every setting)", d.name)
+		}
 	}
 	if cfg.PullWait < minPullWait {
 		return nil, fmt.Errorf("stage loop: a pull wait under %s would pull without a pause", minPullWait)
-	}
-	if cfg.KVTTL == 0 {
-		cfg.KVTTL = DefaultKVTTL
-	}
-	if cfg.MaxGenerations == 0 {
-		cfg.MaxGenerations = DefaultMaxGenerations
-	}
-	if cfg.MaxDeliver == 0 {
-		cfg.MaxDeliver = DefaultMaxDeliver
-	}
-	if cfg.StallTimeout == 0 {
-		cfg.StallTimeout = DefaultStallTimeout
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{

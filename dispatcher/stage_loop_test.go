@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -53,7 +54,7 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	if cfg.PullWait == 0 {
 		cfg.PullWait = 100 * time.Millisecond // each stop waits for it
 	}
-	loop, err := NewStageLoop(nc, js, cfg, logging.Discard())
+	loop, err := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -259,7 +260,7 @@ func TestStageLoop(t *testing.T) {
 		}
 	})
 
-	t.Run("out of attempts after DefaultMaxDeliver", func(t *testing.T) {
+	t.Run("out of attempts after config.DefaultMaxDeliver", func(t *testing.T) {
 		var calls atomic.Int32
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
@@ -270,8 +271,8 @@ func TestStageLoop(t *testing.T) {
 		if err != nil || r.Kind != KindError || r.Status != 502 || !strings.Contains(string(r.Data), "after 4 attempts") {
 			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
 		}
-		if calls.Load() != DefaultMaxDeliver {
-			t.Errorf("handler ran %d times, want %d", calls.Load(), DefaultMaxDeliver)
+		if calls.Load() != config.DefaultMaxDeliver {
+			t.Errorf("handler ran %d times, want %d", calls.Load(), config.DefaultMaxDeliver)
 		}
 		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-3") != nil })
 		if dl := lt.deadLetter("job-3"); dl.Header.Get(HeaderStage) != "prefill" || dl.Header.Get(HeaderStatus) != "502" ||
@@ -575,7 +576,7 @@ func TestLifecycle(t *testing.T) {
 		}
 		defer lt.replies.Close()
 		s := lt.submit("crash-1")
-		for i := range DefaultMaxDeliver {
+		for i := range config.DefaultMaxDeliver {
 			// A worker that pulls the job and dies: no ack, no nak.
 			msg, err := cons.Next(jetstream.FetchMaxWait(5 * time.Second))
 			if err != nil {
@@ -910,7 +911,7 @@ func TestHandoffGenerations(t *testing.T) {
 					t.Fatalf("claim: %v %v", ok, err)
 				}
 			}
-			loop, err := NewStageLoop(nc, js, cfg, logging.Discard())
+			loop, err := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -1,14 +1,47 @@
 package dispatcher
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
+	"github.com/pdq-dev/pdq/pkg/config"
+	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
 func TestRetryDelay(t *testing.T) {
 	for attempt, want := range map[int]time.Duration{1: 250 * time.Millisecond, 2: time.Second, 3: 4 * time.Second, 4: 10 * time.Second, 9: 10 * time.Second} {
-		if got := retryDelay(DefaultRetryBase, attempt); got != want {
+		if got := retryDelay(config.RetryBase, attempt); got != want {
 			t.Errorf("retryDelay(%d) = %v, want %v", attempt, got, want)
+		}
+	}
+}
+
+// TestStageLoopTakesEverySetting: NewStageLoop fills in no default (they
+// are config's): a setting left at zero is an error, not a value.
+func TestStageLoopTakesEverySetting(t *testing.T) {
+	nc := embeddedtest.Conn(t, logging.Discard())
+	base := withSettings(StageConfig{Stage: StagePrefill, Pool: "p", Slots: 1,
+		Handler: func(context.Context, *Delivery) error { return nil }})
+	if _, err := NewStageLoop(nc, nil, base, logging.Discard()); err != nil {
+		t.Fatalf("every setting given: %v", err)
+	}
+	for name, unset := range map[string]func(*StageConfig){
+		"grace":           func(c *StageConfig) { c.Grace = 0 },
+		"retry base":      func(c *StageConfig) { c.RetryBase = 0 },
+		"pull wait":       func(c *StageConfig) { c.PullWait = 0 },
+		"ack wait":        func(c *StageConfig) { c.AckWait = 0 },
+		"keep interval":   func(c *StageConfig) { c.KeepEvery = 0 },
+		"KV TTL":          func(c *StageConfig) { c.KVTTL = 0 },
+		"max generations": func(c *StageConfig) { c.MaxGenerations = 0 },
+		"max deliveries":  func(c *StageConfig) { c.MaxDeliver = 0 },
+		"stall time-out":  func(c *StageConfig) { c.StallTimeout = 0 },
+	} {
+		cfg := base
+		unset(&cfg)
+		if _, err := NewStageLoop(nc, nil, cfg, logging.Discard()); err == nil {
+			t.Errorf("no %s: NewStageLoop took it", name)
 		}
 	}
 }

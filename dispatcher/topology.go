@@ -31,18 +31,6 @@ const (
 	requestsTTL     = 24 * time.Hour
 	maxAckPending   = 10000
 	maxWaitingPulls = 512
-
-	// DefaultMaxDeliver is how many deliveries of one job a stage runs
-	// before the job fails for good (PDQ_MAX_DELIVER). The stage loop
-	// counts them at pull, not the consumer: a consumer's own limit would
-	// leave an exhausted message sitting in the work queue with nobody to
-	// answer its client.
-	DefaultMaxDeliver = 4
-	// DefaultAckWait is how long a job may go without an ack or InProgress
-	// before it is redelivered to another worker: a crashed worker's jobs
-	// move on after this long. Running jobs send InProgress every third of
-	// it.
-	DefaultAckWait = 30 * time.Second
 )
 
 // ErrInvalidOption is wrapped by the errors of options that reject their
@@ -366,11 +354,11 @@ func warnSettings(log *slog.Logger, kind, name string, diffs []setting) {
 }
 
 // EnsureConsumer returns the durable pull consumer that all workers of a
-// stage and pool share, creating it when it is missing; ackWait 0 takes
-// DefaultAckWait. One that exists keeps its settings: see [Ensure].
+// stage and pool share, creating it when it is missing, with ackWait
+// (PDQ_ACK_WAIT). One that exists keeps its settings: see [Ensure].
 func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, pool string, ackWait time.Duration, opts ...EnsureOption) (jetstream.Consumer, error) {
 	if ackWait <= 0 {
-		ackWait = DefaultAckWait
+		return nil, fmt.Errorf("%w: an ack wait must be positive, got %s", ErrInvalidOption, ackWait)
 	}
 	return ensureConsumer(ctx, js, stageStream(stage), jetstream.ConsumerConfig{
 		Durable:       ConsumerName(stage, pool),
@@ -378,7 +366,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 		FilterSubject: stageSubject(stage) + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
-		MaxDeliver:    -1, // counted by the stage loop: see DefaultMaxDeliver
+		MaxDeliver:    -1, // counted by the stage loop: see StageConfig.MaxDeliver
 		MaxAckPending: maxAckPending,
 		MaxWaiting:    maxWaitingPulls,
 		DeliverPolicy: jetstream.DeliverAllPolicy,

@@ -32,27 +32,6 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// Defaults of [Config].
-const (
-	// DefaultMinPromptTokens: prompts estimated shorter than this skip the
-	// prefill stage; the decode engine prefills them itself, which costs
-	// less than a KV transfer's fixed overhead.
-	DefaultMinPromptTokens = 16
-	// DefaultMaxBodyBytes keeps a job, body and envelope, under the 8 MiB
-	// message limit.
-	DefaultMaxBodyBytes = 7 << 20
-	// DefaultGrace is how long running requests may finish at shutdown.
-	DefaultGrace = 30 * time.Second
-	// DefaultRequestTimeout is every request's deadline (PDQ_REQUEST_TIMEOUT).
-	DefaultRequestTimeout = 10 * time.Minute
-	// DefaultBodyTimeout bounds the read of a request body
-	// (PDQ_BODY_TIMEOUT): 7 MiB at 250 KB/s.
-	DefaultBodyTimeout = 30 * time.Second
-	// DefaultMaxInflightBytes bounds the request bodies the gateway holds
-	// at once (PDQ_MAX_INFLIGHT_BYTES).
-	DefaultMaxInflightBytes = 512 << 20
-)
-
 // Config configures a gateway.
 type Config struct {
 	// Addr is the listen address of Run.
@@ -63,10 +42,15 @@ type Config struct {
 	// OperatorKeys are bearer tokens accepted on /v1 too, whose holders
 	// read every request's record (PDQ_OPERATOR_KEYS).
 	OperatorKeys []string
+	// The settings below are required, as config gives them (New fills in
+	// none), but for MinPromptTokens, whose 0 has a meaning.
+	//
 	// MinPromptTokens is the P/D threshold (PDQ_DISAGG_MIN_PROMPT_TOKENS);
-	// 0 sends every request through prefill. Negative takes the default.
+	// 0 sends every request through prefill.
 	MinPromptTokens int
-	MaxBodyBytes    int64
+	// MaxBodyBytes bounds a request body (config.MaxBodyBytes), and is
+	// bounded by MaxInflightBytes.
+	MaxBodyBytes int64
 	// StallTimeout fails a request whose running decode is silent this
 	// long: no chunk and no heartbeat (PDQ_STALL_TIMEOUT).
 	StallTimeout time.Duration
@@ -78,7 +62,7 @@ type Config struct {
 	RequestTimeout time.Duration
 	// BodyTimeout bounds the read of a request body (PDQ_BODY_TIMEOUT): a
 	// client that stops sending it gets a 408, and its connection and
-	// reserved bytes go. 0 takes DefaultBodyTimeout.
+	// reserved bytes go.
 	BodyTimeout time.Duration
 	// MaxInflightBytes bounds the request bodies held at once; a request
 	// that does not fit gets a 429.
@@ -95,35 +79,23 @@ type Config struct {
 	LocalReplies *dispatcher.LocalReplies
 }
 
-func (c *Config) setDefaults() {
-	if c.MinPromptTokens < 0 {
-		c.MinPromptTokens = DefaultMinPromptTokens
+// check refuses a config without a setting the gateway needs: every one
+// comes from config, where the defaults are.
+func (c *Config) check() error {
+	for _, d := range []struct {
+		name string
+		ok   bool
+	}{
+		{"P/D threshold", c.MinPromptTokens >= 0}, {"body limit", c.MaxBodyBytes > 0}, {"stall time-out", c.StallTimeout > 0},
+		{"shutdown grace", c.Grace > 0}, {"request time-out", c.RequestTimeout > 0}, {"body time-out", c.BodyTimeout > 0},
+		{"in-flight bytes", c.MaxInflightBytes > 0}, {"queue bound", c.MaxQueue > 0},
+		{"prefill fallback", c.PrefillFallback == config.FallbackDecode || c.PrefillFallback == config.FallbackFail},
+	} {
+		if !d.ok {
+			return fmt.Errorf("gateway: no valid %s (config gives every setting)", d.name)
+		}
 	}
-	if c.MaxBodyBytes <= 0 {
-		c.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if c.StallTimeout <= 0 {
-		c.StallTimeout = dispatcher.DefaultStallTimeout
-	}
-	if c.PrefillFallback == "" {
-		c.PrefillFallback = config.FallbackDecode
-	}
-	if c.Grace <= 0 {
-		c.Grace = DefaultGrace
-	}
-	if c.RequestTimeout <= 0 {
-		c.RequestTimeout = DefaultRequestTimeout
-	}
-	if c.MaxInflightBytes <= 0 {
-		c.MaxInflightBytes = DefaultMaxInflightBytes
-	}
-	if c.BodyTimeout <= 0 {
-		c.BodyTimeout = DefaultBodyTimeout
-	}
-	if c.MaxQueue <= 0 {
-		c.MaxQueue = dispatcher.DefaultMaxQueue
-	}
-	c.MaxBodyBytes = min(c.MaxBodyBytes, c.MaxInflightBytes)
+	return nil
 }
 
 // Server is the OpenAI-facing gateway.
@@ -135,12 +107,15 @@ type Server struct {
 	id  string
 }
 
-// New builds a gateway; Run or Serve starts it.
-func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) *Server {
-	cfg.setDefaults()
+// New checks cfg and builds a gateway; Run or Serve starts it.
+func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*Server, error) {
+	if err := cfg.check(); err != nil {
+		return nil, err
+	}
+	cfg.MaxBodyBytes = min(cfg.MaxBodyBytes, cfg.MaxInflightBytes)
 	id := newUUID()[:8]
 	return &Server{cfg: cfg, nc: nc, js: js, id: id,
-		log: log.With(logging.KeyComponent, "gateway", "gateway_id", id)}
+		log: log.With(logging.KeyComponent, "gateway", "gateway_id", id)}, nil
 }
 
 // Run listens on the configured address and serves until ctx ends.

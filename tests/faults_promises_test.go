@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
-	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
@@ -226,7 +226,7 @@ func longPromptRow(t *testing.T) row {
 	c.worker(dispatcher.StagePrefill, 2)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()
-	b := sizedBody(gateway.DefaultMaxBodyBytes, 4)
+	b := sizedBody(config.MaxBodyBytes, 4)
 	d0 := c.decode.Stats(t)
 	start := time.Now()
 	r := row{scenario: "P/D prompt of the largest body (7 MiB, 1.36M tokens)"}

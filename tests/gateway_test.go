@@ -228,8 +228,8 @@ func TestEngineErrors(t *testing.T) {
 		if e := r.apiError(t); !strings.Contains(e.Message, "kv_transfer_params") || !strings.Contains(e.Message, "4 attempts") {
 			t.Errorf("error = %+v", e)
 		}
-		if s := p.prefill[0].Stats(t); s.Faults != int64(dispatcher.DefaultMaxDeliver) {
-			t.Errorf("prefill ran %d times, want %d", s.Faults, dispatcher.DefaultMaxDeliver)
+		if s := p.prefill[0].Stats(t); s.Faults != int64(config.DefaultMaxDeliver) {
+			t.Errorf("prefill ran %d times, want %d", s.Faults, config.DefaultMaxDeliver)
 		}
 		if after := p.decode[0].Stats(t); after.Requests != before.Requests {
 			t.Errorf("the decode engine got the request anyway: %+v", after)

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
@@ -111,7 +112,7 @@ func TestLifecycleCrashedDeliveriesAnswered(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}()
-	for i := range dispatcher.DefaultMaxDeliver {
+	for i := range config.DefaultMaxDeliver {
 		if i > 0 {
 			w = c.worker(dispatcher.StagePrefill, 1)
 		}

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
@@ -17,7 +17,7 @@ import (
 // instead of computing the prompt again. A byte more is a 413.
 // sizedBody is a completions body of exactly size bytes, its prompt
 // words, asking for maxTokens: the largest prompt pdq takes is
-// sizedBody(gateway.DefaultMaxBodyBytes, n).
+// sizedBody(config.MaxBodyBytes, n).
 func sizedBody(size, maxTokens int) string {
 	head := `{"model":"` + model + `","max_tokens":` + strconv.Itoa(maxTokens) + `,"ignore_eos":true,"prompt":"`
 	const tail = `"}`
@@ -38,7 +38,7 @@ func TestLongestPromptThroughUp(t *testing.T) {
 	waitServing(t, url)
 
 	before := decode.Stats(t)
-	r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, sizedBody(gateway.DefaultMaxBodyBytes, 2))
+	r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, sizedBody(config.MaxBodyBytes, 2))
 	res, _ := parseResponse(t, r)
 	if res.usage.CompletionTokens != 2 || res.usage.PromptTokens < 1_000_000 {
 		t.Errorf("usage %+v: want 2 tokens for a prompt of over a million", res.usage)
@@ -51,7 +51,7 @@ func TestLongestPromptThroughUp(t *testing.T) {
 		t.Errorf("prefill engine %+v: the blocks read are still held: %v", s, err)
 	}
 
-	if r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, sizedBody(gateway.DefaultMaxBodyBytes+1, 2)); r.status != http.StatusRequestEntityTooLarge {
+	if r := do(t, http.MethodPost, url+"/v1/completions", http.Header{"Content-Type": {"application/json"}}, sizedBody(config.MaxBodyBytes+1, 2)); r.status != http.StatusRequestEntityTooLarge {
 		t.Errorf("a body a byte over the limit: %d %s, want 413", r.status, r.body)
 	}
 }

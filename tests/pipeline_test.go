@@ -15,6 +15,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -108,14 +109,17 @@ func startPipeline(t testing.TB, o pipelineOptions) *pipeline {
 		p.startWorker(dispatcher.StageDecode, e.URL, o.slots)
 	}
 	if gcfg.MinPromptTokens == 0 {
-		gcfg.MinPromptTokens = gateway.DefaultMinPromptTokens
+		gcfg.MinPromptTokens = config.DefaultDisaggMinPromptTokens
 	}
 	gcfg.Grace = 2 * time.Second
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	gw := gateway.New(nc, js, gcfg, log)
+	gw, err := gateway.New(nc, js, gatewaySettings(gcfg), log)
+	if err != nil {
+		t.Fatal(err)
+	}
 	p.run("gateway", func() error { return gw.Serve(ctx, ln) })
 	p.url = "http://" + ln.Addr().String()
 	p.waitWorkers(max(o.prefill, 0) + max(o.decode, 0))
@@ -127,7 +131,7 @@ func (p *pipeline) startWorker(role dispatcher.Stage, url string, slots int) {
 	p.t.Helper()
 	cfg := p.worker
 	cfg.Role, cfg.EngineURL, cfg.Slots, cfg.Grace, cfg.RetryBase = role, url, slots, 2*time.Second, 20*time.Millisecond
-	w, err := workers.New(p.nc, p.js, cfg, p.log)
+	w, err := workers.New(p.nc, p.js, workerSettings(cfg), p.log)
 	if err != nil {
 		p.t.Fatal(err)
 	}
@@ -168,3 +172,67 @@ func (p *pipeline) waitWorkers(n int) {
 // chat and completions are the gateway's endpoint URLs.
 func (p *pipeline) chat() string        { return p.url + "/v1/chat/completions" }
 func (p *pipeline) completions() string { return p.url + "/v1/completions" }
+
+// gatewaySettings is cfg with every setting config gives a gateway, where
+// the test left it unset: gateway.New fills in none.
+func gatewaySettings(cfg gateway.Config) gateway.Config {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{
+		{&cfg.StallTimeout, config.DefaultStallTimeout}, {&cfg.Grace, config.DefaultShutdownGrace},
+		{&cfg.RequestTimeout, config.DefaultRequestTimeout}, {&cfg.BodyTimeout, config.DefaultBodyTimeout},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	if cfg.MaxBodyBytes == 0 {
+		cfg.MaxBodyBytes = config.MaxBodyBytes
+	}
+	if cfg.MaxInflightBytes == 0 {
+		cfg.MaxInflightBytes = config.DefaultMaxInflightBytes
+	}
+	if cfg.MaxQueue == 0 {
+		cfg.MaxQueue = config.DefaultMaxQueue
+	}
+	if cfg.PrefillFallback == "" {
+		cfg.PrefillFallback = config.FallbackDecode
+	}
+	return cfg
+}
+
+// workerSettings is cfg with every setting config gives a worker, where
+// the test left it unset: workers.New fills in none.
+func workerSettings(cfg workers.Config) workers.Config {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{
+		{&cfg.Grace, config.DefaultShutdownGrace}, {&cfg.RetryBase, config.RetryBase}, {&cfg.AckWait, config.DefaultAckWait},
+		{&cfg.KVTTL, config.DefaultKVTTL}, {&cfg.PrefillTimeout, config.DefaultPrefillTimeout},
+		{&cfg.StallTimeout, config.DefaultStallTimeout}, {&cfg.ModelsRefresh, config.ModelsRefresh},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	for _, d := range []struct {
+		v   *int
+		def int
+	}{
+		{&cfg.MaxGenerations, config.DefaultMaxGenerations}, {&cfg.MaxDeliver, config.DefaultMaxDeliver},
+		{&cfg.BreakerFailures, config.DefaultBreakerFailures},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	if cfg.Slots == 0 {
+		cfg.Slots = config.DefaultDecodeSlots
+		if cfg.Role == dispatcher.StagePrefill {
+			cfg.Slots = config.DefaultPrefillSlots
+		}
+	}
+	return cfg
+}

@@ -13,10 +13,6 @@ import (
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
 
-// DefaultBreakerFailures is how many consecutive engine failures open a
-// breaker (PDQ_BREAKER_FAILURES).
-const DefaultBreakerFailures = 3
-
 // breaker is a worker's circuit breaker on its engine. Closed, the worker
 // pulls as usual. After threshold consecutive failures (transport errors,
 // 5xx, stage time-outs), or at once when the engine is unreachable and its

@@ -11,6 +11,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
@@ -130,6 +131,9 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 	const pool = "trial"
 	var runs atomic.Int64
 	loop, err := dispatcher.NewStageLoop(nc, js, dispatcher.StageConfig{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
+		Grace: time.Second, RetryBase: config.RetryBase, PullWait: config.PullWait, AckWait: config.DefaultAckWait,
+		KeepEvery: config.KeepEvery, KVTTL: config.DefaultKVTTL, MaxGenerations: config.DefaultMaxGenerations,
+		MaxDeliver: config.DefaultMaxDeliver, StallTimeout: config.DefaultStallTimeout,
 		Ready: func(ctx context.Context) (dispatcher.Permit, error) { return b.wait(ctx, nil) },
 		Handler: func(context.Context, *dispatcher.Delivery) error {
 			runs.Add(1)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
@@ -96,7 +97,7 @@ func TestFollowLoad(t *testing.T) {
 	cfg := simtest.FastConfig()
 	cfg.MaxNumSeqs, cfg.ITL = 2, 20*time.Millisecond
 	engine := simtest.Start(t, cfg)
-	w, err := New(nil, nil, Config{Role: dispatcher.StageDecode, EngineURL: engine.URL, Slots: 64}, logging.Discard())
+	w, err := New(nil, nil, withSettings(Config{Role: dispatcher.StageDecode, EngineURL: engine.URL, Slots: 64}), logging.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +142,7 @@ func TestFollowLoad(t *testing.T) {
 
 	none := httptest.NewServer(http.NotFoundHandler())
 	defer none.Close()
-	w2, err := New(nil, nil, Config{Role: dispatcher.StagePrefill, EngineURL: none.URL, Slots: 16}, logging.Discard())
+	w2, err := New(nil, nil, withSettings(Config{Role: dispatcher.StagePrefill, EngineURL: none.URL, Slots: 16}), logging.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -151,5 +152,62 @@ func TestFollowLoad(t *testing.T) {
 	}
 	if _, slots, _ := w2.slots.Load(); slots != 16 || !f2.told {
 		t.Errorf("an engine without /metrics: %d slots (told %v), want PDQ_ENGINE_SLOTS (16), said once", slots, f2.told)
+	}
+}
+
+// withSettings is cfg with every setting config gives a worker, where the
+// test left it unset: New fills in none.
+func withSettings(cfg Config) Config {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{
+		{&cfg.Grace, config.DefaultShutdownGrace}, {&cfg.RetryBase, config.RetryBase}, {&cfg.AckWait, config.DefaultAckWait},
+		{&cfg.KVTTL, config.DefaultKVTTL}, {&cfg.PrefillTimeout, config.DefaultPrefillTimeout},
+		{&cfg.StallTimeout, config.DefaultStallTimeout}, {&cfg.ModelsRefresh, config.ModelsRefresh},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	for _, d := range []struct {
+		v   *int
+		def int
+	}{
+		{&cfg.MaxGenerations, config.DefaultMaxGenerations}, {&cfg.MaxDeliver, config.DefaultMaxDeliver},
+		{&cfg.BreakerFailures, config.DefaultBreakerFailures}, {&cfg.Slots, config.DefaultDecodeSlots},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	return cfg
+}
+
+// TestNewTakesEverySetting: New fills in no default (they are config's):
+// a setting left at zero is an error, not a value.
+func TestNewTakesEverySetting(t *testing.T) {
+	base := withSettings(Config{Role: dispatcher.StageDecode, EngineURL: "http://127.0.0.1:1"})
+	if _, err := New(nil, nil, base, logging.Discard()); err != nil {
+		t.Fatalf("every setting given: %v", err)
+	}
+	for name, unset := range map[string]func(*Config){
+		"slots":            func(c *Config) { c.Slots = 0 },
+		"grace":            func(c *Config) { c.Grace = 0 },
+		"retry base":       func(c *Config) { c.RetryBase = 0 },
+		"ack wait":         func(c *Config) { c.AckWait = 0 },
+		"KV TTL":           func(c *Config) { c.KVTTL = 0 },
+		"max generations":  func(c *Config) { c.MaxGenerations = 0 },
+		"max deliveries":   func(c *Config) { c.MaxDeliver = 0 },
+		"prefill time-out": func(c *Config) { c.PrefillTimeout = 0 },
+		"stall time-out":   func(c *Config) { c.StallTimeout = 0 },
+		"breaker failures": func(c *Config) { c.BreakerFailures = 0 },
+		"models refresh":   func(c *Config) { c.ModelsRefresh = 0 },
+	} {
+		cfg := base
+		unset(&cfg)
+		if _, err := New(nil, nil, cfg, logging.Discard()); err == nil {
+			t.Errorf("no %s: New took it", name)
+		}
 	}
 }

@@ -13,11 +13,6 @@ import (
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
 
-// DefaultModelsRefresh is how often a worker re-reads its engine's models:
-// an adapter loaded with vLLM's /v1/load_lora_adapter is served by pdq
-// within this long.
-const DefaultModelsRefresh = 10 * time.Second
-
 // modelLoop is the stage loop of one model the engine serves.
 type modelLoop struct {
 	model vllm.Model

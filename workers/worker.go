@@ -26,13 +26,6 @@ import (
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
 
-// Default slots per role, used when PDQ_ENGINE_SLOTS is 0. A prefill is
-// compute-bound and gains little from a deep batch; decode batches well.
-const (
-	DefaultPrefillSlots = 8
-	DefaultDecodeSlots  = 64
-)
-
 // maxResponseBytes bounds a non-streamed engine response held in memory:
 // the largest whole answer a gateway's reply queue is sized for.
 const maxResponseBytes = dispatcher.MaxWholeAnswer
@@ -44,39 +37,37 @@ type Config struct {
 	// EngineAPIKey is the engine's --api-key (PDQ_ENGINE_API_KEY), sent
 	// on every call; empty sends none.
 	EngineAPIKey string
-	// Slots is the engine's concurrency for this worker; 0 picks the role's
-	// default.
+	// Slots is the engine's concurrency for this worker
+	// (config.EngineSlotsFor).
 	Slots int
 	// KVHost is the routable host to advertise as remote_host when a
 	// prefill engine reports a loopback or unspecified one; empty falls
 	// back to the engine URL's host when that is routable.
 	KVHost string
+	// The settings below are required, as config gives them; New fills
+	// in none.
+	//
 	// Grace is how long running jobs may finish at shutdown.
 	Grace time.Duration
-	// RetryBase is the delay before a failed job's first retry; 0 takes
-	// dispatcher.DefaultRetryBase.
+	// RetryBase is the delay before a failed job's first retry
+	// (config.RetryBase).
 	RetryBase time.Duration
-	// KVTTL is the oldest handoff a decode worker runs (PDQ_KV_TTL); 0
-	// takes dispatcher.DefaultKVTTL.
+	// KVTTL is the oldest handoff a decode worker runs (PDQ_KV_TTL).
 	KVTTL time.Duration
 	// MaxGenerations bounds the prefills of one request
-	// (PDQ_MAX_GENERATIONS); 0 takes dispatcher.DefaultMaxGenerations.
+	// (PDQ_MAX_GENERATIONS).
 	MaxGenerations int
-	// AckWait is the consumer's ack wait; 0 takes dispatcher.DefaultAckWait.
+	// AckWait is the consumer's ack wait (PDQ_ACK_WAIT).
 	AckWait time.Duration
-	// MaxDeliver bounds the deliveries of one job (PDQ_MAX_DELIVER); 0
-	// takes dispatcher.DefaultMaxDeliver.
+	// MaxDeliver bounds the deliveries of one job (PDQ_MAX_DELIVER).
 	MaxDeliver int
-	// PrefillTimeout bounds a prefill engine's answer (PDQ_PREFILL_TIMEOUT);
-	// 0 takes dispatcher.DefaultPrefillTimeout.
+	// PrefillTimeout bounds a prefill engine's answer (PDQ_PREFILL_TIMEOUT).
 	PrefillTimeout time.Duration
 	// StallTimeout bounds a decode engine's silence before its first chunk
-	// and between chunks (PDQ_STALL_TIMEOUT); 0 takes
-	// dispatcher.DefaultStallTimeout.
+	// and between chunks (PDQ_STALL_TIMEOUT).
 	StallTimeout time.Duration
 	// BreakerFailures is how many consecutive engine failures open the
-	// worker's breaker (PDQ_BREAKER_FAILURES); 0 takes
-	// DefaultBreakerFailures.
+	// worker's breaker (PDQ_BREAKER_FAILURES).
 	BreakerFailures int
 	// PrefillFallback is "decode" (the default) or "fail": whether a prefill
 	// worker whose engine is down forwards its jobs decode-only while no
@@ -90,7 +81,7 @@ type Config struct {
 	// worker find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
 	Replicas int
 	// ModelsRefresh is how often the worker re-reads the engine's
-	// /v1/models; 0 takes DefaultModelsRefresh.
+	// /v1/models (config.ModelsRefresh).
 	ModelsRefresh time.Duration
 	// Metrics counts dead letters and KV releases; nil counts nothing.
 	Metrics *dispatcher.Metrics
@@ -143,29 +134,19 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	if cfg.Role != dispatcher.StagePrefill && cfg.Role != dispatcher.StageDecode {
 		return nil, fmt.Errorf("worker: unknown role %q", cfg.Role)
 	}
-	if cfg.Slots == 0 {
-		cfg.Slots = DefaultDecodeSlots
-		if cfg.Role == dispatcher.StagePrefill {
-			cfg.Slots = DefaultPrefillSlots
+	for _, d := range []struct {
+		name string
+		ok   bool
+	}{
+		{"slots", cfg.Slots > 0}, {"grace", cfg.Grace > 0}, {"retry base", cfg.RetryBase > 0},
+		{"ack wait", cfg.AckWait > 0}, {"KV TTL", cfg.KVTTL > 0}, {"max generations", cfg.MaxGenerations > 0},
+		{"max deliveries", cfg.MaxDeliver > 0}, {"prefill time-out", cfg.PrefillTimeout > 0},
+		{"stall time-out", cfg.StallTimeout > 0}, {"breaker failures", cfg.BreakerFailures > 0},
+		{"models refresh", cfg.ModelsRefresh > 0},
+	} {
+		if !d.ok {
+			return nil, fmt.Errorf("worker: the %s must be positive (config gives every setting)", d.name)
 		}
-	}
-	if cfg.PrefillTimeout <= 0 {
-		cfg.PrefillTimeout = dispatcher.DefaultPrefillTimeout
-	}
-	if cfg.StallTimeout <= 0 {
-		cfg.StallTimeout = dispatcher.DefaultStallTimeout
-	}
-	if cfg.KVTTL <= 0 {
-		cfg.KVTTL = dispatcher.DefaultKVTTL
-	}
-	if cfg.ModelsRefresh <= 0 {
-		cfg.ModelsRefresh = DefaultModelsRefresh
-	}
-	if cfg.BreakerFailures <= 0 {
-		cfg.BreakerFailures = DefaultBreakerFailures
-	}
-	if cfg.Slots < 0 {
-		return nil, fmt.Errorf("worker: slots must not be negative, got %d", cfg.Slots)
 	}
 	engine, err := vllm.New(cfg.EngineURL, cfg.Slots, cfg.EngineAPIKey)
 	if err != nil {
@@ -259,6 +240,8 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) dispatcher.StageConfig {
 		Release:        release,
 		Grace:          w.cfg.Grace,
 		RetryBase:      w.cfg.RetryBase,
+		PullWait:       config.PullWait,
+		KeepEvery:      config.KeepEvery,
 		AckWait:        w.cfg.AckWait,
 		KVTTL:          w.cfg.KVTTL,
 		MaxGenerations: w.cfg.MaxGenerations,

@@ -204,6 +204,7 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatcher.Metrics) gateway.Config {
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, OperatorKeys: cfg.OperatorKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: cfg.ShutdownGrace,
+		MaxBodyBytes:   config.MaxBodyBytes,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
 		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics,
 	}
@@ -212,7 +213,8 @@ func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatch
 // workerConfig is the configuration of a worker for one engine.
 func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *dispatcher.Metrics) workers.Config {
 	return workers.Config{
-		Role: role, EngineURL: engineURL, EngineAPIKey: cfg.EngineAPIKey, Slots: cfg.EngineSlots, KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace,
+		Role: role, EngineURL: engineURL, EngineAPIKey: cfg.EngineAPIKey, Slots: cfg.EngineSlotsFor(role == dispatcher.StagePrefill),
+		KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace, RetryBase: config.RetryBase, ModelsRefresh: config.ModelsRefresh,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
 		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,
@@ -240,7 +242,11 @@ func runGateway(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	return gateway.New(nc, js, gatewayConfig(cfg, reg, metrics), log).Run(ctx)
+	gw, err := gateway.New(nc, js, gatewayConfig(cfg, reg, metrics), log)
+	if err != nil {
+		return err
+	}
+	return gw.Run(ctx)
 }
 
 func runPrefill(ctx context.Context, args []string, _, stderr io.Writer) error {

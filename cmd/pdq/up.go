@@ -96,6 +96,13 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	// The workers hand the gateway their reply chunks in memory.
 	local := dispatcher.NewLocalReplies()
+	gcfg := gatewayConfig(cfg, reg, metrics)
+	gcfg.LocalReplies = local
+	gw, err := gateway.New(nc, js, gcfg, log)
+	if err != nil {
+		gwLn.Close()
+		return err
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	prefill, decode := cfg.PrefillEngines, cfg.DecodeEngines
 	simulated := len(prefill) == 0
@@ -128,9 +135,6 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			g.Go(func() error { return w.Run(gctx) })
 		}
 	}
-	gcfg := gatewayConfig(cfg, reg, metrics)
-	gcfg.LocalReplies = local
-	gw := gateway.New(nc, js, gcfg, log)
 	g.Go(func() error { return gw.Serve(gctx, gwLn) })
 
 	// Say "up" once the workers can take requests, so the curl line works

@@ -6,6 +6,7 @@ import (
 	"reflect"
 	"slices"
 	"testing"
+	"time"
 )
 
 func TestLoad(t *testing.T) {
@@ -115,5 +116,48 @@ func TestUnknownNames(t *testing.T) {
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("UnknownNames = %+v, want %+v", got, want)
+	}
+}
+
+// TestDefaults: what Load gives unset variables is the Default constants,
+// the values the constructors are handed (they fill in none of their own).
+func TestDefaults(t *testing.T) {
+	names, err := Names()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range names {
+		t.Setenv(k, "") // restored after the test
+		os.Unsetenv(k)
+	}
+	c, err := Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []struct {
+		name      string
+		got, want any
+	}{
+		{"PDQ_DISAGG_MIN_PROMPT_TOKENS", c.DisaggMinPromptTokens, DefaultDisaggMinPromptTokens},
+		{"PDQ_REQUEST_TIMEOUT", c.RequestTimeout, time.Duration(DefaultRequestTimeout)},
+		{"PDQ_KV_TTL", c.KVTTL, time.Duration(DefaultKVTTL)},
+		{"PDQ_ACK_WAIT", c.AckWait, time.Duration(DefaultAckWait)},
+		{"PDQ_MAX_GENERATIONS", c.MaxGenerations, DefaultMaxGenerations},
+		{"PDQ_MAX_QUEUE", c.MaxQueue, DefaultMaxQueue},
+		{"PDQ_BODY_TIMEOUT", c.BodyTimeout, time.Duration(DefaultBodyTimeout)},
+		{"PDQ_MAX_INFLIGHT_BYTES", c.MaxInflightBytes, int64(DefaultMaxInflightBytes)},
+		{"PDQ_MAX_DELIVER", c.MaxDeliver, DefaultMaxDeliver},
+		{"PDQ_PREFILL_TIMEOUT", c.PrefillTimeout, time.Duration(DefaultPrefillTimeout)},
+		{"PDQ_STALL_TIMEOUT", c.StallTimeout, time.Duration(DefaultStallTimeout)},
+		{"PDQ_MIGRATION_LIMIT", c.MigrationLimit, DefaultMigrationLimit},
+		{"PDQ_SHUTDOWN_GRACE", c.ShutdownGrace, time.Duration(DefaultShutdownGrace)},
+		{"PDQ_BREAKER_FAILURES", c.BreakerFailures, DefaultBreakerFailures},
+		{"PDQ_PREFILL_FALLBACK", c.PrefillFallback, FallbackDecode},
+		{"PDQ_ENGINE_SLOTS (prefill)", c.EngineSlotsFor(true), DefaultPrefillSlots},
+		{"PDQ_ENGINE_SLOTS (decode)", c.EngineSlotsFor(false), DefaultDecodeSlots},
+	} {
+		if d.got != d.want {
+			t.Errorf("%s unset gives %v, want %v", d.name, d.got, d.want)
+		}
 	}
 }
