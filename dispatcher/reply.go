@@ -8,12 +8,14 @@ package dispatcher
 // (the reader's bounded queue, the in-process hand-over) reply_queue.go.
 //
 // Worker to gateway (HeaderKind):
-//   - chunk: part of the answer, numbered from 0 (HeaderSeq); one message
-//     may carry several (HeaderCount), and for a gateway that reads them
-//     (Job.ReplyFramed) the numbers go in a frame line instead of headers
-//     (see frame and parseFrame).
+//   - chunk: part of the answer, numbered from 0 (HeaderSeq); to a gateway
+//     that takes them (Job.ReplyBatch) one message may carry several
+//     (HeaderCount), and to one that reads frames (Job.ReplyFramed) the
+//     numbers go in a frame line instead of headers (see frame and
+//     parseFrame).
 //   - beat: a running decode's sign of life, with the number of chunks
-//     sent; five within the stall time-out, at most every 2 s (beatEvery).
+//     sent; every fifth of the stall time-out, between 100 ms and 2 s apart
+//     (beatEvery): at least five within it.
 //   - done: the end, with the number of chunks sent and the stage runs
 //     (HeaderStages).
 //   - error: the end, with the client's error envelope and its HTTP
@@ -25,22 +27,26 @@ package dispatcher
 //   - ack: the number of chunks the gateway has, in order (HeaderSeq). The
 //     worker resends what follows it: core NATS may lose messages, so
 //     nothing is taken as delivered until acked.
-//   - ack with HeaderGone: the gateway no longer holds the request
-//     (GoneClosed: answered or given up; GoneSuperseded: a later attempt
-//     runs it). The worker stops.
+//   - ack with HeaderGone, to a beat: the gateway no longer holds the
+//     request (GoneClosed: answered or given up; GoneSuperseded: a later
+//     attempt runs it). The worker stops. An end the gateway no longer
+//     waits for is acked with its own count, and the writer finishes.
 //
 // Every message carries its attempt (ReplyAttempt: the generation, then
 // the delivery). The writer (ReplyWriter) sends chunks and keeps them until
 // acked; beats run beside the sends while a decode runs; one end (done,
-// error, moved) is sent again until the gateway acks it with every chunk,
-// for at most the writer's end wait. The reader (ReplyStream) follows the
+// moved) is sent again until the gateway acks it with every chunk (an
+// error, until it is acked at all), for at most the writer's end wait. The reader (ReplyStream) follows the
 // latest attempt: an earlier attempt's messages are acked away (its beats
 // told Gone); a later attempt after a moved goes on from the chunk where
 // it moved, after chunks were sent it is ErrReplyRestarted (the client
 // cannot be given a second beginning), and before that it starts over. A
-// chunk out of order is held or asked for again at the next ack; one that
-// cannot be had is ErrReplyGap; silence past the stall time-out is
-// ErrReplyStalled.
+// chunk past a gap is dropped, and the ack of the next beat or end asks
+// for it again; silence past the stall time-out is ErrReplyStalled (an end
+// that reports chunks that never came is waited on until then).
+// ErrReplyGap is a reply that cannot be trusted: one piled up past its
+// bound, a malformed or miscounted message, an end that reports fewer
+// chunks than came.
 
 import (
 	"bytes"

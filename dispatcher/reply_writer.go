@@ -16,7 +16,8 @@ import (
 )
 
 // ReplyWriter sends a request's reply to the gateway over core NATS: chunks
-// numbered from 0, then one terminal message, done or error. Core NATS may
+// numbered from 0, then one terminal message, done, error or moved (see
+// the protocol in reply.go). Core NATS may
 // lose messages (a slow consumer, a server restart), so nothing is taken
 // as delivered until the gateway says so: the writer keeps the chunks, a
 // running decode beats (see [ReplyWriter.Beats]), and the gateway answers

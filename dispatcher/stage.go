@@ -59,20 +59,20 @@ type StageConfig struct {
 	// Worker describes the worker in the registry; its Role, Pool and Slots
 	// are filled in from this config.
 	Worker WorkerInfo
+	// Grace to StallTimeout are required: config gives each (config.Load
+	// and config's constants), and the loop fills in none.
+	//
 	// Grace is how long in-flight jobs may run on after Run's context ends;
 	// the rest are handed back for redelivery.
 	Grace time.Duration
-	// The settings below are required (config.Load and config's constants
-	// give them); the loop fills in none.
-	//
 	// RetryBase is the delay before the first retry of a failed job; each
 	// next one is 4 times longer.
 	RetryBase time.Duration
 	// PullWait is how long a pull waits on the server for a job; under
-	// 10 ms is refused. A loop that stops waits
-	// for its pull to end (this long at most, while its server answers), so
-	// that a job the server sends as it stops reaches it, to be given back,
-	// rather than being dropped.
+	// 10 ms is refused. A loop that stops waits for its pull to end (this
+	// long at most while its server answers, pullSilence more when it does
+	// not), so that a job the server sends as it stops reaches it, to be
+	// given back, rather than being dropped.
 	PullWait time.Duration
 	// AckWait is the consumer's ack wait. All workers of a pool should
 	// agree on it.
@@ -87,9 +87,9 @@ type StageConfig struct {
 	// MaxDeliver bounds the deliveries of one job.
 	MaxDeliver int
 	// StallTimeout is how long the gateway waits for a sign of a running
-	// decode. A decode delivery beats well
-	// within it, and waits at most this long (10 s at most) for the
-	// gateway to acknowledge the end of a reply.
+	// decode. A decode delivery beats well within it, and waits at most
+	// this long (10 s at most) for the gateway to acknowledge the end of a
+	// reply.
 	StallTimeout time.Duration
 	// Ready, when set, is called before each pull and returns when the
 	// worker may take a job (its engine's breaker lets it). The handler

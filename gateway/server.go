@@ -42,8 +42,8 @@ type Config struct {
 	// OperatorKeys are bearer tokens accepted on /v1 too, whose holders
 	// read every request's record (PDQ_OPERATOR_KEYS).
 	OperatorKeys []string
-	// The settings below are required, as config gives them (New fills in
-	// none), but for MinPromptTokens, whose 0 has a meaning.
+	// MinPromptTokens to MaxQueue are required: config gives each, and
+	// New fills in none (MinPromptTokens' 0 has a meaning of its own).
 	//
 	// MinPromptTokens is the P/D threshold (PDQ_DISAGG_MIN_PROMPT_TOKENS);
 	// 0 sends every request through prefill.

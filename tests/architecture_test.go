@@ -46,6 +46,7 @@ func TestPackageMap(t *testing.T) {
 	}
 	const module = "github.com/pdq-dev/pdq/"
 	importers := map[string][]string{}
+	seen := map[string]bool{}
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
 		fields := strings.Fields(line)
 		pkg := strings.TrimPrefix(fields[0], module)
@@ -64,10 +65,12 @@ func TestPackageMap(t *testing.T) {
 				t.Errorf("%s (layer %d) imports %s (layer %d): an import that does not point down", pkg, l, imp, il)
 			}
 		}
-		delete(layer, pkg)
+		seen[pkg] = true
 	}
 	for pkg := range layer {
-		t.Errorf("the map lists %s, which is no package", pkg)
+		if !seen[pkg] {
+			t.Errorf("the map lists %s, which is no package", pkg)
+		}
 	}
 	for pkg, want := range importedBy {
 		got := importers[pkg]

@@ -38,15 +38,13 @@ type Config struct {
 	// on every call; empty sends none.
 	EngineAPIKey string
 	// Slots is the engine's concurrency for this worker
-	// (config.EngineSlotsFor).
+	// (config.EngineSlotsFor); required, as are Grace to BreakerFailures
+	// and ModelsRefresh: config gives each, and New fills in none.
 	Slots int
 	// KVHost is the routable host to advertise as remote_host when a
 	// prefill engine reports a loopback or unspecified one; empty falls
 	// back to the engine URL's host when that is routable.
 	KVHost string
-	// The settings below are required, as config gives them; New fills
-	// in none.
-	//
 	// Grace is how long running jobs may finish at shutdown.
 	Grace time.Duration
 	// RetryBase is the delay before a failed job's first retry

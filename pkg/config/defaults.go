@@ -2,11 +2,11 @@ package config
 
 import "time"
 
-// The defaults of the PDQ_* variables, the one place they are set: Load
-// gives them to an unset variable (the envconfig tags on Config spell the
-// same values, which TestDefaults holds them to), and the constructors of
-// the gateway, the workers and the stage loops take every value they use,
-// refusing a missing one rather than filling it in.
+// The defaults of the PDQ_* variables: Load gives them to an unset
+// variable (the envconfig tags on Config spell the same values, which
+// TestDefaults holds them to), and the constructors of the gateway, the
+// workers and the stage loops take every value they use, refusing a
+// missing one rather than filling it in.
 const (
 	// DefaultDisaggMinPromptTokens: prompts estimated shorter than this
 	// skip the prefill stage; the decode engine prefills them itself,
