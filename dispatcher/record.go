@@ -365,10 +365,28 @@ func isWrongRevision(err error) bool {
 	return errors.Is(err, jetstream.ErrKeyExists)
 }
 
-// ReadRecord reads id's record for a person or a script. A live request's
-// state is refined from where its message sits: in the prefill stage, or in
-// the decode stage.
+// ReadRecord reads the record of the request someone names by id, for a
+// person or a script: id is the client's X-Request-Id or the key it runs
+// under (see LookupKeys); one that is neither is ErrInvalidRequestID. A
+// live request's state is refined from where its message sits: in the
+// prefill stage, or in the decode stage.
 func ReadRecord(ctx context.Context, js jetstream.StreamManager, rs *Records, id string) (*Record, error) {
+	keys := LookupKeys(id)
+	if len(keys) == 0 {
+		return nil, fmt.Errorf("%q: %w", id, ErrInvalidRequestID)
+	}
+	err := ErrNoRecord
+	for _, key := range keys {
+		var r *Record
+		if r, err = readRecord(ctx, js, rs, key); !errors.Is(err, ErrNoRecord) {
+			return r, err
+		}
+	}
+	return nil, err
+}
+
+// readRecord is ReadRecord of the record under key.
+func readRecord(ctx context.Context, js jetstream.StreamManager, rs *Records, id string) (*Record, error) {
 	r, _, err := rs.Get(ctx, id)
 	if err != nil || r.State != StateQueued {
 		return r, err

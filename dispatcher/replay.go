@@ -263,16 +263,7 @@ func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Durat
 
 // Wait waits until id's record ends, or ctx does, and returns it.
 func (rp *Replayer) Wait(ctx context.Context, id string) (*Record, error) {
-	for {
-		r, _, err := rp.records.Get(ctx, id)
-		if err != nil {
-			return nil, err
-		}
-		if r.State.Ended() {
-			return r, nil
-		}
-		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
-			return r, err
-		}
-	}
+	var rec *Record
+	err := rp.WaitAll(ctx, []string{id}, time.Hour, func(r *Record) { rec = r }, func(int) {})
+	return rec, err
 }

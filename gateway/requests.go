@@ -27,21 +27,13 @@ func (h *handlers) request(c echo.Context) error {
 			return writeError(c, openai.NewError(http.StatusBadRequest, "request id: %v", err))
 		}
 	}
-	keys := dispatcher.LookupKeys(param)
-	if len(keys) == 0 {
-		_, err := dispatcher.RequestKey(param)
+	id, err := dispatcher.RequestKey(param)
+	if err != nil {
 		return writeError(c, openai.NewError(http.StatusBadRequest, "%v", err))
 	}
-	id := keys[0]
 	ctx, cancel := context.WithTimeout(c.Request().Context(), 5*time.Second)
 	defer cancel()
-	var rec *dispatcher.Record
-	err := dispatcher.ErrNoRecord
-	for _, key := range keys {
-		if rec, err = dispatcher.ReadRecord(ctx, h.js, h.records, key); !errors.Is(err, dispatcher.ErrNoRecord) {
-			break
-		}
-	}
+	rec, err := dispatcher.ReadRecord(ctx, h.js, h.records, param)
 	if who := callerOf(c); err == nil && !who.operator && rec.Owner != who.owner {
 		// Another key's request: as if there were none, so that its
 		// existence does not show either.

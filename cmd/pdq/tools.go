@@ -223,13 +223,7 @@ func runRequests(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	if !*failed {
 		// The client's X-Request-Id, or the key it runs under (as the
 		// list shows it).
-		var r *dispatcher.Record
-		err := fmt.Errorf("%q is not a request id: %w", fs.Arg(0), dispatcher.ErrInvalidRequestID)
-		for _, key := range dispatcher.LookupKeys(fs.Arg(0)) {
-			if r, err = dispatcher.ReadRecord(ctx, js, records, key); !errors.Is(err, dispatcher.ErrNoRecord) {
-				break
-			}
-		}
+		r, err := dispatcher.ReadRecord(ctx, js, records, fs.Arg(0))
 		if err != nil {
 			return fmt.Errorf("request %s: %w", fs.Arg(0), err)
 		}
