@@ -234,3 +234,23 @@ func TestFailedRecordsAndReplay(t *testing.T) {
 		t.Errorf("pdq replay --id %q --wait: %v\n%s", ids[2], err, out)
 	}
 }
+
+// TestPoolNameTool: pdq pool-name prints the names the deploy files take
+// from it (a KEDA scaler that names no existing consumer scales to its
+// maximum): the pool, and with --consumer the stage's consumer.
+func TestPoolNameTool(t *testing.T) {
+	const served = "Qwen/Qwen3-8B"
+	for args, want := range map[string]string{
+		"pool-name " + served:                        dispatcher.PoolName(served),
+		"pool-name --consumer prefill " + served:     dispatcher.ConsumerName(dispatcher.StagePrefill, dispatcher.PoolName(served)),
+		"pool-name " + served + " --consumer decode": dispatcher.ConsumerName(dispatcher.StageDecode, dispatcher.PoolName(served)),
+	} {
+		out, err := exec.Command(pdqBinary, strings.Fields(args)...).Output()
+		if err != nil || strings.TrimSpace(string(out)) != want {
+			t.Errorf("pdq %s: %v %q, want %q", args, err, out, want)
+		}
+	}
+	if err := exec.Command(pdqBinary, "pool-name", "--consumer", "release", served).Run(); err == nil {
+		t.Error("pdq pool-name --consumer release: want a usage error")
+	}
+}
