@@ -124,7 +124,7 @@ type StoreDoctor struct {
 // NewStoreDoctor returns a doctor for the streams js reaches; records
 // tells it which jobs are still live.
 func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, log *slog.Logger) *StoreDoctor {
-	d := &StoreDoctor{id: randomID(), js: js, records: records, metrics: metrics, log: log,
+	d := &StoreDoctor{id: Token(), js: js, records: records, metrics: metrics, log: log,
 		health: make(map[string]*StoreHealth), looks: make(map[string]int)}
 	for _, t := range storeTargets() {
 		d.health[t.stream] = &StoreHealth{Stream: t.stream, Stores: true}
@@ -355,7 +355,7 @@ func (d *StoreDoctor) lock(ctx context.Context, stream string) (unlock func(), o
 func (d *StoreDoctor) canWrite(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 2*probeWait)
 	defer cancel()
-	name := "PDQ_PROBE_" + randomID()
+	name := "PDQ_PROBE_" + Token()
 	subject := "pdq.probe." + strings.ToLower(name)
 	if _, err := d.js.CreateStream(cctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject},
 		Storage: jetstream.FileStorage, MaxBytes: 1 << 20, MaxAge: time.Minute}); err != nil {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -74,7 +75,7 @@ func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl
 // wait returns once a prefill may start, or when ctx ends.
 func (g *decodeGate) wait(ctx context.Context) error {
 	for !g.isOpen(ctx) {
-		if err := sleepCtx(ctx, gateRecheck); err != nil {
+		if err := sleep.For(ctx, gateRecheck); err != nil {
 			return err
 		}
 	}

@@ -22,17 +22,6 @@ import (
 // a watch on a memory bucket ends with the bucket when a NATS server
 // restarts. The worker also writes its entry to the pdq_workers bucket, for
 // operators and tools, and recreates the bucket when it finds it missing.
-const (
-	subjectWorkers = "pdq.workers"
-	// WorkersAskSubject asks every worker for a heartbeat now.
-	WorkersAskSubject = subjectWorkers + ".ask"
-	// HeaderLeaving marks a worker's last message: it stops pulling.
-	HeaderLeaving = "Pdq-Leaving"
-)
-
-// WorkerSubject is where worker id sends its heartbeats; worker ids never
-// collide with "ask".
-func WorkerSubject(id string) string { return subjectWorkers + "." + id }
 
 // heartbeat keeps the loop's worker heard until ctx ends, then says it is
 // leaving so that registries stop counting it at once.

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -70,7 +71,7 @@ func (k *keeper) run(ctx context.Context) {
 			// Only the file store's work is at stake: the next job tries again.
 			k.log.Debug("stream keeper not renewed", "stream", stageStream(k.stage), logging.Err(err))
 		}
-		if sleepCtx(ctx, k.every) != nil {
+		if sleep.For(ctx, k.every) != nil {
 			return
 		}
 	}

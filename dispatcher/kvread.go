@@ -6,9 +6,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
 // A prefill engine serves a request's KV blocks to one read: a second read
@@ -31,21 +31,6 @@ import (
 // decoded nor released. So entries expire after kvReadsTTL, past any sane
 // KV TTL (vLLM's lease is 30 s; its older abort timeout 480 s), and the
 // bucket holds what 3,000 handoffs a second leave in that time.
-
-const kvReadsTTL = 10 * time.Minute
-
-// kvReadsBucketConfig is pdq_kv_reads.
-func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
-	return jetstream.KeyValueConfig{
-		Bucket:      BucketKVReads,
-		Description: "handoffs whose KV a decode or a release has claimed to read: one reader per prefill",
-		TTL:         kvReadsTTL,
-		Storage:     jetstream.FileStorage,
-		History:     1,
-		MaxBytes:    stageMaxBytes,
-		Replicas:    max(replicas, 1),
-	}
-}
 
 // kvReads claims handoffs' KV for one reader each.
 type kvReads struct{ kv jetstream.KeyValue }
@@ -75,7 +60,7 @@ func (r *kvReads) claim(ctx context.Context, job *Job, reader string) (bool, err
 	key := kvReadKey(job)
 	_, err := r.kv.Create(ctx, key, []byte(reader))
 	for noAnswer(err) && ctx.Err() == nil {
-		if sleepCtx(ctx, publishRetryWait) != nil {
+		if sleep.For(ctx, publishRetryWait) != nil {
 			break
 		}
 		_, err = r.kv.Create(ctx, key, []byte(reader))

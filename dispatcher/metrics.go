@@ -388,3 +388,16 @@ func (m *Metrics) Migrated(pool string) {
 		m.migrations.WithLabelValues(pool).Inc()
 	}
 }
+
+// waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
+// reason.
+type waste string
+
+const (
+	wasteKVTTL        waste = "kv_ttl"
+	wasteRedelivered  waste = "redelivered"
+	wasteDecodeFailed waste = "decode_failed"
+	wasteShutdown     waste = "shutdown"
+)
+
+var wasteReasons = []waste{wasteKVTTL, wasteRedelivered, wasteDecodeFailed, wasteShutdown}

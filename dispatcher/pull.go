@@ -10,6 +10,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/internal/jsapi"
+	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
 // minPullWait keeps an idle loop from pulling without a pause.
@@ -77,7 +79,7 @@ type puller struct {
 // when the loop is done with it.
 func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *puller {
 	o := js.Options()
-	p := &puller{nc: nc, api: apiPrefix(o), wait: wait, timeout: apiTimeout(o), done: make(chan struct{}),
+	p := &puller{nc: nc, api: jsapi.Prefix(o), wait: wait, timeout: jsapi.Timeout(o), done: make(chan struct{}),
 		req: fmt.Appendf(nil, `{"batch":1,"expires":%d}`, wait.Nanoseconds())}
 	// A stopping loop's last pull still ends when the connection drops.
 	root := context.WithoutCancel(ctx)
@@ -100,36 +102,6 @@ func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait 
 	return p
 }
 
-// apiPrefix is the prefix of JetStream's API subjects for js.
-func apiPrefix(o jetstream.JetStreamOptions) string {
-	switch {
-	case o.APIPrefix != "":
-		return strings.TrimSuffix(o.APIPrefix, ".") + "."
-	case o.Domain != "":
-		return "$JS." + o.Domain + ".API."
-	}
-	return jetstream.DefaultAPIPrefix
-}
-
-// apiTimeout is how long the jetstream client waits for an answer to a
-// call whose context has no deadline.
-func apiTimeout(o jetstream.JetStreamOptions) time.Duration {
-	if o.DefaultTimeout > 0 {
-		return o.DefaultTimeout
-	}
-	return 5 * time.Second // the jetstream client's default
-}
-
-// bounded is ctx, bounded by timeout when it has no deadline of its own,
-// as the jetstream client bounds its calls: an answer lost to a reconnect
-// would otherwise hold its caller for good.
-func bounded(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
-	if _, ok := ctx.Deadline(); ok {
-		return ctx, func() {}
-	}
-	return context.WithTimeout(ctx, timeout)
-}
-
 // next waits for one job of cons. Once ctx has ended it still waits for
 // the request to end (its wait at most), and returns ctx's error; a
 // job that came is kept for stop. A pull ended by a dropped connection,
@@ -140,7 +112,7 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 	// A pull sent while the connection is down would only wait in the
 	// client's reconnect buffer, to reach the server stale.
 	for !p.nc.IsConnected() {
-		if err := sleepCtx(ctx, reconnectPoll); err != nil {
+		if err := sleep.For(ctx, reconnectPoll); err != nil {
 			return nil, err
 		}
 	}
@@ -295,7 +267,7 @@ func (j pulled) InProgress() error    { return j.m.InProgress() }
 func (j pulled) Term() error          { return j.m.Term() }
 
 func (j pulled) DoubleAck(ctx context.Context) error {
-	ctx, cancel := bounded(ctx, j.timeout)
+	ctx, cancel := jsapi.Bounded(ctx, j.timeout)
 	defer cancel()
 	return j.m.AckSync(nats.Context(ctx))
 }

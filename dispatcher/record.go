@@ -11,6 +11,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/jsapi"
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -112,8 +114,8 @@ func OpenRecords(ctx context.Context, js jetstream.JetStream) (*Records, error) 
 		return nil, fmt.Errorf("open request records: %w", err)
 	}
 	o := js.Options()
-	return &Records{kv: kv, nc: js.Conn(), timeout: apiTimeout(o),
-		get: apiPrefix(o) + "DIRECT.GET.KV_" + BucketRequests + ".$KV." + BucketRequests + "."}, nil
+	return &Records{kv: kv, nc: js.Conn(), timeout: jsapi.Timeout(o),
+		get: jsapi.Prefix(o) + "DIRECT.GET.KV_" + BucketRequests + ".$KV." + BucketRequests + "."}, nil
 }
 
 // ErrNoRecord means no request with this id is recorded (never accepted, or
@@ -155,7 +157,7 @@ func (rs *Records) read(ctx context.Context, id string) ([]byte, uint64, error) 
 	if !ValidRequestID(id) {
 		return nil, 0, fmt.Errorf("read record %q: %w", id, jetstream.ErrInvalidKey)
 	}
-	ctx, cancel := bounded(ctx, rs.timeout)
+	ctx, cancel := jsapi.Bounded(ctx, rs.timeout)
 	defer cancel()
 	m, err := rs.nc.RequestWithContext(ctx, rs.get+id, nil)
 	if errors.Is(err, nats.ErrNoResponders) {
@@ -243,7 +245,7 @@ func whileNoLeader(ctx context.Context, write func() (uint64, error)) (uint64, e
 		if err == nil || !errors.Is(err, jetstream.ErrNoStreamResponse) || time.Now().After(giveUp) {
 			return rev, err
 		}
-		if sleepCtx(ctx, publishRetryWait) != nil {
+		if sleep.For(ctx, publishRetryWait) != nil {
 			return rev, err
 		}
 	}

@@ -45,7 +45,7 @@ func TestTransitionFrom(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			id := "tf-" + randomID()
+			id := "tf-" + Token()
 			job := &Job{ID: id, Model: "m", Pool: "p", Endpoint: openai.Chat, Body: []byte(`{}`),
 				ReplyTo: ReplySubject("gw-1", id), Deadline: time.Now().Add(time.Minute)}
 			claim, err := sub.Submit(ctx, StagePrefill, job)

@@ -2,8 +2,6 @@ package dispatcher
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 
 	"fmt"
@@ -91,7 +89,7 @@ const (
 func (w WorkerInfo) Healthy() bool { return w.Breaker != BreakerOpen }
 
 // NewWorkerID returns a unique worker id, usable as a bucket key.
-func NewWorkerID(role Stage) string { return string(role) + "-" + randomID() }
+func NewWorkerID(role Stage) string { return string(role) + "-" + Token() }
 
 // Registry is a view of the live workers, kept on this process's own
 // clock: a worker is live while its heartbeats arrive here, whatever the
@@ -451,10 +449,4 @@ func (r *Registry) Workers() []WorkerInfo {
 	}
 	slices.SortFunc(out, func(a, b WorkerInfo) int { return strings.Compare(a.ID, b.ID) })
 	return out
-}
-
-func randomID() string {
-	b := make([]byte, 6)
-	rand.Read(b)
-	return hex.EncodeToString(b)
 }

@@ -10,11 +10,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
-
-// releaseConsumer is the durable consumer of a pool's release queue.
-func releaseConsumer(pool string) string { return "release-" + pool }
 
 // releaseLoop frees the KV of handoffs that the prefill stage could not
 // store (PDQ_DECODE full): every decode worker of the pool takes them, one
@@ -34,7 +32,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 			c, err := ensureReleaseConsumer(ctx, l.js, l.cfg.Pool, l.cfg.AckWait, l.cfg.MaxDeliver, WithLogger(l.log))
 			if err != nil {
 				l.log.Warn("no release queue; retrying in 5s", logging.Err(err))
-				if sleepCtx(ctx, 5*time.Second) != nil {
+				if sleep.For(ctx, 5*time.Second) != nil {
 					return
 				}
 				continue
@@ -53,7 +51,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 		case err != nil:
 			l.log.Warn("release pull failed; retrying in 1s", logging.Err(err))
 			cons = nil
-			if sleepCtx(ctx, time.Second) != nil {
+			if sleep.For(ctx, time.Second) != nil {
 				return
 			}
 			continue
@@ -92,7 +90,7 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 		_ = msg.Term() // nothing to release: a lost term redelivers it, to be dropped again
 		return
 	}
-	s := &settle{l: l, msg: msg, job: job, attempt: 1, delivery: randomID(), engineHeld: l.cfg.EngineSlots != nil,
+	s := &settle{l: l, msg: msg, job: job, attempt: 1, delivery: Token(), engineHeld: l.cfg.EngineSlots != nil,
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	// At most once: a release that ran twice would read freed blocks, which
 	// with NIXL v1 kills the decode engine; one that never ran only leaves
@@ -165,7 +163,7 @@ func (l *StageLoop) releaseNow(ctx context.Context, m *nats.Msg) {
 		_ = m.RespondMsg(reply) // the asker gives up on its own
 		return
 	}
-	s := &settle{l: l, job: job, attempt: 1, delivery: randomID(), direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	s := &settle{l: l, job: job, attempt: 1, delivery: Token(), direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	if !s.release(ctx, "its handoff and its release could not be stored") {
 		reply.Header[HeaderStatus] = []string{"500"}
 	}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
 // Errors of [Replayer.Replay] for a request that is not run again.
@@ -253,7 +254,7 @@ func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Durat
 			last = time.Now()
 		}
 		if len(left) > 0 {
-			if err := sleepCtx(ctx, 100*time.Millisecond); err != nil {
+			if err := sleep.For(ctx, 100*time.Millisecond); err != nil {
 				return err
 			}
 		}

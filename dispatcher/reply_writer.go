@@ -494,3 +494,13 @@ func kindHeader(kind string) []string {
 	}
 	return []string{kind}
 }
+
+var (
+	// errAbandoned stops a job whose gateway no longer holds its request,
+	// or whose record says it ended: its cancel broadcast was lost.
+	errAbandoned = errors.New("the gateway no longer holds the request")
+	// errSuperseded stops a job whose request the gateway follows under a
+	// later attempt: a redelivery of it, run while this worker was cut
+	// off from NATS past the ack wait.
+	errSuperseded = errors.New("a later attempt of the request runs")
+)

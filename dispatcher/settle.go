@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -62,7 +63,7 @@ func (s *settle) stages() []StageRecord {
 // settleOf settles a delivery of job, its attempt-th, logging with the
 // request's id, generation and attempt.
 func (l *StageLoop) settleOf(msg jetstream.Msg, job *Job, attempt int) *settle {
-	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: randomID(),
+	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: Token(),
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 }
 
@@ -278,7 +279,7 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 func (s *settle) confirmAck(ctx context.Context) {
 	var err error
 	for try := range 3 {
-		if try > 0 && sleepCtx(ctx, 100*time.Millisecond) != nil {
+		if try > 0 && sleep.For(ctx, 100*time.Millisecond) != nil {
 			break
 		}
 		actx, cancel := context.WithTimeout(ctx, ackTimeout)

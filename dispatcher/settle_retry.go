@@ -35,19 +35,6 @@ func (s *settle) handBack(ctx context.Context, why error) {
 	}
 }
 
-// waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
-// reason.
-type waste string
-
-const (
-	wasteKVTTL        waste = "kv_ttl"
-	wasteRedelivered  waste = "redelivered"
-	wasteDecodeFailed waste = "decode_failed"
-	wasteShutdown     waste = "shutdown"
-)
-
-var wasteReasons = []waste{wasteKVTTL, wasteRedelivered, wasteDecodeFailed, wasteShutdown}
-
 // regenerate sends the request back to prefill as its next generation:
 // new KV, new message ids; its prefill was wasted, for reason. release
 // says whether this handoff's KV was certainly never read, and so is

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -179,13 +180,6 @@ var (
 	errCancelled   = errors.New("cancelled by the client")
 	errGatewayGone = errors.New("the gateway holding the client is gone")
 	errExpired     = errors.New("the request's deadline passed")
-	// errAbandoned stops a job whose gateway no longer holds its request,
-	// or whose record says it ended: its cancel broadcast was lost.
-	errAbandoned = errors.New("the gateway no longer holds the request")
-	// errSuperseded stops a job whose request the gateway follows under a
-	// later attempt: a redelivery of it, run while this worker was cut
-	// off from NATS past the ack wait.
-	errSuperseded = errors.New("a later attempt of the request runs")
 )
 
 // wanted says whether job's request still wants its work, by its record:
@@ -379,7 +373,7 @@ pull:
 				continue
 			}
 			l.log.Warn("pull failed; retrying in 1s", logging.Err(err))
-			if sleepCtx(ctx, time.Second) != nil {
+			if sleep.For(ctx, time.Second) != nil {
 				break pull
 			}
 			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log)); err == nil {

@@ -243,7 +243,7 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 	l.log.Error("a job this worker cannot read", logging.Err(err), "subject", msg.Subject())
 	id := job.ID
 	if !ValidRequestID(id) {
-		id = "invalid-" + randomID()
+		id = "invalid-" + Token()
 	}
 	derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error())
 	if errors.Is(derr, errDLQFull) {

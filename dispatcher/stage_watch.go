@@ -146,17 +146,6 @@ func (l *StageLoop) watchGateways(ctx context.Context) {
 	}
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 func truncate(s string, n int) string {
 	if len(s) <= n {
 		return s

@@ -1,6 +1,7 @@
 package dispatcher
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -219,3 +220,25 @@ func PoolName(model string) string {
 	}
 	return name
 }
+
+// Token is a random subject-safe token, for the ids of workers, deliveries
+// and probes.
+func Token() string {
+	b := make([]byte, 6)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// The worker registry's subjects: heartbeats, the ask for them, and a
+// worker's last word.
+const (
+	subjectWorkers = "pdq.workers"
+	// WorkersAskSubject asks every worker for a heartbeat now.
+	WorkersAskSubject = subjectWorkers + ".ask"
+	// HeaderLeaving marks a worker's last message: it stops pulling.
+	HeaderLeaving = "Pdq-Leaving"
+)
+
+// WorkerSubject is where worker id sends its heartbeats; worker ids never
+// collide with "ask".
+func WorkerSubject(id string) string { return subjectWorkers + "." + id }

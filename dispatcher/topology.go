@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -139,7 +140,7 @@ func KeepEnsured(ctx context.Context, js jetstream.JetStream, opts ...EnsureOpti
 			}
 			o.log.Warn("could not check the streams and buckets after a reconnect; retrying", logging.Err(err),
 				"retry_in", wait.String())
-			if sleepCtx(ctx, wait) != nil {
+			if sleep.For(ctx, wait) != nil {
 				return nil
 			}
 		}
@@ -409,3 +410,23 @@ func ensureConsumer(ctx context.Context, js jetstream.JetStream, stream string, 
 	}
 	return c, nil
 }
+
+// kvReadsTTL outlives any handoff's KV; the claims it bounds are
+// explained where they are made, with the stage loop.
+const kvReadsTTL = 10 * time.Minute
+
+// kvReadsBucketConfig is pdq_kv_reads.
+func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{
+		Bucket:      BucketKVReads,
+		Description: "handoffs whose KV a decode or a release has claimed to read: one reader per prefill",
+		TTL:         kvReadsTTL,
+		Storage:     jetstream.FileStorage,
+		History:     1,
+		MaxBytes:    stageMaxBytes,
+		Replicas:    max(replicas, 1),
+	}
+}
+
+// releaseConsumer is the durable consumer of a pool's release queue.
+func releaseConsumer(pool string) string { return "release-" + pool }

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -178,7 +179,7 @@ func (h *handlers) prefillDown(model string, pool dispatcher.PoolStatus) bool {
 // request the outage ended finds it ended.
 func (h *handlers) natsUp(ctx context.Context, id string) bool {
 	for wait := time.Second; !h.nc.IsConnected(); wait -= 25 * time.Millisecond {
-		if wait <= 0 || sleepCtx(ctx, 25*time.Millisecond) != nil {
+		if wait <= 0 || sleep.For(ctx, 25*time.Millisecond) != nil {
 			return false
 		}
 	}
@@ -186,18 +187,6 @@ func (h *handlers) natsUp(ctx context.Context, id string) bool {
 		h.ledger.flushFor(ctx, id)
 	}
 	return true
-}
-
-// sleepCtx sleeps for d, or until ctx ends.
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }
 
 // unclaim ends the record of a claim whose submit failed, should it have

@@ -196,21 +196,6 @@ func (f *faultInjector) draw() (FaultKind, time.Duration) {
 	return f.fault.Kind, time.Duration(f.fault.Delay)
 }
 
-// sleep waits d or until ctx ends.
-func sleep(ctx context.Context, d time.Duration) error {
-	if d <= 0 {
-		return ctx.Err()
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 func randomHex(nbytes int) string {
 	b := make([]byte, nbytes)
 	rand.Read(b) // never fails (crypto/rand, Go 1.24+)

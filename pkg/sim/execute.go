@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -85,12 +86,12 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			}
 			j.log.Warn("KV load failed; recomputing the prompt locally (kv_load_failure_policy=recompute)", logging.Err(err))
 			e.stats.recomputes.Add(1)
-			if err := sleep(ctx, e.prefillTime(j)); err != nil {
+			if err := sleep.For(ctx, e.prefillTime(j)); err != nil {
 				return outcome{}, err
 			}
 		}
 	default:
-		if err := sleep(ctx, e.prefillTime(j)); err != nil {
+		if err := sleep.For(ctx, e.prefillTime(j)); err != nil {
 			return outcome{}, err
 		}
 	}
@@ -98,7 +99,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	n, finish := e.outputLength(j, digest)
 	for i := range n {
 		if i > 0 {
-			if err := sleep(ctx, e.cfg.ITL); err != nil {
+			if err := sleep.For(ctx, e.cfg.ITL); err != nil {
 				return outcome{}, err
 			}
 		}
@@ -222,7 +223,7 @@ func (e *Engine) loadKV(ctx context.Context, j *job) (string, error) {
 		return "", err
 	}
 	defer c.close()
-	transferErr := sleep(ctx, time.Duration(len(j.remote.blockIDs))*e.cfg.KVTransferPerBlock)
+	transferErr := sleep.For(ctx, time.Duration(len(j.remote.blockIDs))*e.cfg.KVTransferPerBlock)
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
 	if _, err := c.call(nctx, kvRequest{Op: opNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize}); err != nil {

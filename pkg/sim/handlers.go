@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -136,7 +137,7 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			return
 		case FaultSlow:
 			e.stats.faults.Add(1)
-			if sleep(ctx, delay) != nil {
+			if sleep.For(ctx, delay) != nil {
 				e.abortBeforeScheduling(ctx, jobs)
 				return
 			}
@@ -222,7 +223,7 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job
 		return
 	case FaultLate:
 		e.stats.faults.Add(1)
-		if sleep(ctx, delay) != nil {
+		if sleep.For(ctx, delay) != nil {
 			// The work is done: a prefill's blocks stay held for their
 			// lease, for a read that will not come.
 			first.log.Debug("client went away before the late answer")
