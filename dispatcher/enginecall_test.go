@@ -128,3 +128,32 @@ func TestEngineCallsForNobody(t *testing.T) {
 		t.Errorf("%d engine calls ran, want the 4 whose callers still waited", n)
 	}
 }
+
+// TestEngineCallsAfterStop: calls queued when Stop is called are answered
+// 503 and never reach the engine. (Found by review.)
+func TestEngineCallsAfterStop(t *testing.T) {
+	nc, _ := startJetStream(t)
+	ctx := context.Background()
+	var stoppedAt atomic.Int64
+	var late atomic.Int32
+	calls, err := ServeEngineCalls(nc, "w1", 1, func(ctx context.Context, call EngineCall) EngineAnswer {
+		if s := stoppedAt.Load(); s != 0 {
+			late.Add(1)
+		}
+		time.Sleep(300 * time.Millisecond)
+		return EngineAnswer{Status: 200}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		go CallEngine(ctx, nc, "w1", EngineCall{ID: "s" + string(rune('0'+i)), Method: "GET", Path: "/version"})
+	}
+	waitFor(t, "queued", func() bool { return calls.waiting.Load() == 2 })
+	calls.Stop(100 * time.Millisecond)
+	stoppedAt.Store(time.Now().UnixNano())
+	time.Sleep(time.Second)
+	if late.Load() > 0 {
+		t.Errorf("%d engine calls started after Stop returned", late.Load())
+	}
+}

@@ -9,7 +9,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
-	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -36,26 +35,24 @@ func startJetStreamAt(t testing.TB, dir string) (*nats.Conn, jetstream.JetStream
 	return nc, js
 }
 
-// withSettings is cfg with every setting config gives a stage loop, where
-// the test left it unset: NewStageLoop fills in none.
-func withSettings(cfg StageConfig) StageConfig {
-	for _, d := range []struct {
-		v   *time.Duration
-		def time.Duration
-	}{
-		{&cfg.Grace, config.DefaultShutdownGrace}, {&cfg.RetryBase, config.RetryBase}, {&cfg.PullWait, config.PullWait},
-		{&cfg.AckWait, config.DefaultAckWait}, {&cfg.KeepEvery, config.KeepEvery}, {&cfg.KVTTL, config.DefaultKVTTL},
-		{&cfg.StallTimeout, config.DefaultStallTimeout},
-	} {
-		if *d.v == 0 {
-			*d.v = d.def
+func recv[T any](t *testing.T, what string, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s: not within 10s", what)
+		panic("unreachable")
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10s", what)
 		}
+		time.Sleep(5 * time.Millisecond)
 	}
-	if cfg.MaxGenerations == 0 {
-		cfg.MaxGenerations = config.DefaultMaxGenerations
-	}
-	if cfg.MaxDeliver == 0 {
-		cfg.MaxDeliver = config.DefaultMaxDeliver
-	}
-	return cfg
 }

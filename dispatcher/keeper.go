@@ -9,7 +9,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -29,12 +28,6 @@ import (
 // loop publishes nothing. The cost: the block held open keeps a write
 // cache, which for long bodies takes large buffers from the server's pool
 // (docs/benchmarks.md).
-
-// keeperNote is a keeper's body, for whoever reads the stream.
-const keeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
-
-// KeeperSubject is where stage's stream keeps its keeper.
-func KeeperSubject(stage Stage) string { return stageSubject(stage) + ".keep" }
 
 // keeper renews one stage stream's keeper for a loop.
 type keeper struct {

@@ -44,11 +44,19 @@ func TestRegistryOwnClock(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			// A worker's heartbeat, as the stage loop sends it, then its last word.
 			model := "model-" + PoolName(t.Name())
-			lt := startLoop(t, nc, js, StageConfig{Slots: 2, Worker: WorkerInfo{ID: NewWorkerID(StagePrefill), Model: model},
-				Handler: func(context.Context, *Delivery) error { return nil }})
+			info := WorkerInfo{ID: NewWorkerID(StagePrefill), Role: StagePrefill, Model: model, Pool: PoolName(model), Slots: 2}
+			data, _ := json.Marshal(info)
+			if err := nc.Publish(WorkerSubject(info.ID), data); err != nil {
+				t.Fatal(err)
+			}
 			waitFor(t, "the worker counted live", func() bool { return reg.Status(model).Prefill == 1 })
-			lt.stop()
+			leaving := nats.NewMsg(WorkerSubject(info.ID))
+			leaving.Header.Set(HeaderLeaving, "true")
+			if err := nc.PublishMsg(leaving); err != nil {
+				t.Fatal(err)
+			}
 			waitFor(t, "the worker gone", func() bool { return reg.Status(model).Prefill == 0 })
 		})
 	}

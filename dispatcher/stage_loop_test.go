@@ -182,27 +182,6 @@ func (lt *loopTest) deadLetter(id string) *jetstream.RawStreamMsg {
 
 // recv receives from ch, failing the test after 10 s: a regression
 // fails, rather than hangs until the package's time-out.
-func recv[T any](t *testing.T, what string, ch <-chan T) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s: not within 10s", what)
-		panic("unreachable")
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 10s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
 
 func TestStageLoop(t *testing.T) {
 	nc, js := startJetStream(t)
@@ -803,45 +782,6 @@ func TestLifecycle(t *testing.T) {
 		})
 	}
 
-	t.Run("a reused id is one request whatever its path", func(t *testing.T) {
-		records, _ := OpenRecords(ctx, js)
-		sub := NewSubmitter(js, records, NewLiveness(nc))
-		mk := func() *Job {
-			return &Job{ID: "same-1", Model: "m", Pool: "p", Endpoint: openai.Chat, Body: []byte(`{}`),
-				ReplyTo: ReplySubject("gw-nobody-listens", "same-1"), Deadline: time.Now().Add(time.Minute)}
-		}
-		pings, err := AnswerPings(nc, "gw-alive")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer pings.Unsubscribe()
-		live := mk()
-		live.ReplyTo = ReplySubject("gw-alive", "same-1")
-		if _, err := sub.Submit(ctx, StagePrefill, live); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := sub.Submit(ctx, StageDecode, mk()); !errors.Is(err, ErrDuplicate) {
-			t.Fatalf("a decode-only request with a live P/D request's id: %v, want ErrDuplicate", err)
-		}
-		pings.Unsubscribe()      // the first request's gateway dies
-		other := NewLiveness(nc) // another gateway, connected for a while
-		other.stable = time.Now().Add(-time.Minute)
-		other.silent["gw-alive"] = silence{first: time.Now().Add(-goneAfter), last: time.Now()}
-		sub = NewSubmitter(js, records, other)
-		retry := mk()
-		if _, err := sub.Submit(ctx, StageDecode, retry); err != nil {
-			t.Fatalf("a retry after the gateway died: %v", err)
-		}
-		if retry.Generation != 2 {
-			t.Errorf("the retry runs as generation %d, want 2", retry.Generation)
-		}
-		if err := records.End(ctx, "same-1", 2, StateDone, nil); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := sub.Submit(ctx, StagePrefill, mk()); !errors.Is(err, ErrDuplicate) {
-			t.Fatalf("an id that delivered: %v, want ErrDuplicate", err)
-		}
-	})
 }
 
 // TestHandoffGenerations checks the decode stage's two ways back to
@@ -1000,112 +940,6 @@ func TestPrefillRunAgainReleasesItsKV(t *testing.T) {
 	}
 }
 
-// TestLiveness checks what counts as a gone gateway: only an unbroken
-// silence of goneAfter, heard while this process's own connection was up;
-// not the silence of a gateway whose connection blipped, nor one heard
-// around this process's own reconnect.
-func TestLiveness(t *testing.T) {
-	nc, _ := startJetStream(t)
-	ctx := context.Background()
-	pings, err := AnswerPings(nc, "gw-up")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pings.Unsubscribe()
-	l := NewLiveness(nc)
-	l.stable = time.Now().Add(-time.Minute) // connected for a while
-	if !l.Alive(ctx, "gw-up") || !l.Alive(ctx, "") {
-		t.Error("a gateway that answers, or a replay, counted as gone")
-	}
-	if !l.Alive(ctx, "gw-never") {
-		t.Error("one unanswered ping counted as gone: the gateway's connection may have blipped")
-	}
-	l.silent["gw-never"] = silence{first: time.Now().Add(-goneAfter), last: time.Now().Add(-time.Second)}
-	if l.Alive(ctx, "gw-never") {
-		t.Error("a gateway silent for goneAfter at every ping still counts as alive")
-	}
-	l.silent["gw-old"] = silence{first: time.Now().Add(-time.Hour), last: time.Now().Add(-10 * time.Minute)}
-	if !l.Alive(ctx, "gw-old") {
-		t.Error("an old silence, with no ping for minutes, was taken for an unbroken one")
-	}
-	l.silent["gw-never"] = silence{first: time.Now().Add(-goneAfter), last: time.Now().Add(-time.Second)}
-	l.reconnects-- // as if this connection had just come back
-	if !l.Alive(ctx, "gw-never") {
-		t.Error("right after this process's own reconnect, silence was taken for a gone gateway")
-	}
-}
-
-// TestBatchPromptAckConfirmed checks how a job that succeeded is acked: a
-// prompt of a batch, whose record ends only with the whole batch's, with
-// JetStream's confirmation (a lost ack would run it again while another
-// prompt runs); any other job plainly, its redelivery dropped by admit.
-func TestBatchPromptAckConfirmed(t *testing.T) {
-	nc, js := startJetStream(t)
-	acks, err := nc.SubscribeSync("$JS.ACK.>")
-	if err != nil {
-		t.Fatal(err)
-	}
-	lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
-	for _, batch := range []bool{false, true} {
-		id := fmt.Sprintf("ack-batch-%v", batch)
-		s, err := lt.replies.Open(id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close()
-		lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: []byte(`{}`),
-			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), BatchPrompt: batch})
-		for {
-			m, err := acks.NextMsg(10 * time.Second)
-			if err != nil {
-				t.Fatalf("batch %v: no ack: %v", batch, err)
-			}
-			if string(m.Data) != "+ACK" {
-				continue // progress, not the end
-			}
-			if confirmed := m.Reply != ""; confirmed != batch {
-				t.Errorf("batch %v: ack confirmed %v, want %v", batch, confirmed, batch)
-			}
-			break
-		}
-	}
-}
-
-// TestLivenessRenewsBehind checks that a gateway's answer past aliveFor is
-// renewed by a ping the caller does not wait for: the answer below comes
-// only after Alive has returned, and still counts.
-func TestLivenessRenewsBehind(t *testing.T) {
-	nc, _ := startJetStream(t)
-	ctx := context.Background()
-	got, release := make(chan struct{}, 1), make(chan struct{})
-	slow, err := nc.Subscribe(GatewaySubject("gw-slow"), func(m *nats.Msg) {
-		got <- struct{}{}
-		<-release
-		_ = m.Respond(nil)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer slow.Unsubscribe()
-	l := NewLiveness(nc)
-	old := time.Now().Add(-aliveFor - time.Millisecond)
-	l.seen["gw-slow"] = old
-	if !l.Alive(ctx, "gw-slow") {
-		t.Fatal("a gateway that answered within goneAfter counted as gone")
-	}
-	select {
-	case <-got:
-	case <-time.After(10 * time.Second):
-		t.Fatal("no ping went out for an answer past aliveFor")
-	}
-	close(release)
-	waitFor(t, "the late answer taken", func() bool {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return l.seen["gw-slow"].After(old)
-	})
-}
-
 func TestDecodeRoom(t *testing.T) {
 	const ttl = 25 * time.Second
 	for _, tc := range []struct {
@@ -1193,8 +1027,11 @@ func TestReplay(t *testing.T) {
 		lt.submit(id)
 		waitFor(t, "the dead letter of "+id, func() bool { return lt.deadLetter(id) != nil })
 	}
-	records, _ := OpenRecords(ctx, js)
-	if err := records.kv.Delete(ctx, "replay-2"); err != nil { // as if older than the bucket's TTL
+	bucket, err := js.KeyValue(ctx, BucketRequests)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bucket.Delete(ctx, "replay-2"); err != nil { // as if older than the bucket's TTL
 		t.Fatal(err)
 	}
 	rp, err := NewReplayer(ctx, js, time.Minute)
@@ -1363,4 +1200,40 @@ func limitStream(t *testing.T, js jetstream.JetStream, name string, maxMsgs int6
 		t.Fatal(err)
 	}
 	return st
+}
+
+// TestBatchPromptAckConfirmed checks how a job that succeeded is acked: a
+// prompt of a batch, whose record ends only with the whole batch's, with
+// JetStream's confirmation (a lost ack would run it again while another
+// prompt runs); any other job plainly, its redelivery dropped by admit.
+func TestBatchPromptAckConfirmed(t *testing.T) {
+	nc, js := startJetStream(t)
+	acks, err := nc.SubscribeSync("$JS.ACK.>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
+	for _, batch := range []bool{false, true} {
+		id := fmt.Sprintf("ack-batch-%v", batch)
+		s, err := lt.replies.Open(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: []byte(`{}`),
+			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), BatchPrompt: batch})
+		for {
+			m, err := acks.NextMsg(10 * time.Second)
+			if err != nil {
+				t.Fatalf("batch %v: no ack: %v", batch, err)
+			}
+			if string(m.Data) != "+ACK" {
+				continue // progress, not the end
+			}
+			if confirmed := m.Reply != ""; confirmed != batch {
+				t.Errorf("batch %v: ack confirmed %v, want %v", batch, confirmed, batch)
+			}
+			break
+		}
+	}
 }

@@ -45,3 +45,48 @@ func TestStageLoopTakesEverySetting(t *testing.T) {
 		}
 	}
 }
+
+// withSettings is cfg with every setting config gives a stage loop, where
+// the test left it unset: NewStageLoop fills in none.
+func withSettings(cfg StageConfig) StageConfig {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{
+		{&cfg.Grace, config.DefaultShutdownGrace}, {&cfg.RetryBase, config.RetryBase}, {&cfg.PullWait, config.PullWait},
+		{&cfg.AckWait, config.DefaultAckWait}, {&cfg.KeepEvery, config.KeepEvery}, {&cfg.KVTTL, config.DefaultKVTTL},
+		{&cfg.StallTimeout, config.DefaultStallTimeout},
+	} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	if cfg.MaxGenerations == 0 {
+		cfg.MaxGenerations = config.DefaultMaxGenerations
+	}
+	if cfg.MaxDeliver == 0 {
+		cfg.MaxDeliver = config.DefaultMaxDeliver
+	}
+	return cfg
+}
+
+// TestHeartbeatRecreatesBucket: a worker whose registry bucket is gone
+// (memory storage, lost in a NATS restart) creates it again.
+func TestHeartbeatRecreatesBucket(t *testing.T) {
+	nc, js := startJetStream(t)
+	ctx := context.Background()
+	if err := js.DeleteKeyValue(ctx, BucketWorkers); err != nil {
+		t.Fatal(err)
+	}
+	id := NewWorkerID(StageDecode)
+	startLoop(t, nc, js, StageConfig{Slots: 1, Worker: WorkerInfo{ID: id, Model: "m"},
+		Handler: func(context.Context, *Delivery) error { return nil }})
+	waitFor(t, "the worker's entry in a new bucket", func() bool {
+		kv, err := js.KeyValue(ctx, BucketWorkers)
+		if err != nil {
+			return false
+		}
+		_, err = kv.Get(ctx, id)
+		return err == nil
+	})
+}

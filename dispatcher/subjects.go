@@ -242,3 +242,9 @@ const (
 // WorkerSubject is where worker id sends its heartbeats; worker ids never
 // collide with "ask".
 func WorkerSubject(id string) string { return subjectWorkers + "." + id }
+
+// keeperNote is a keeper's body, for whoever reads the stream.
+const keeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
+
+// KeeperSubject is where stage's stream keeps its keeper.
+func KeeperSubject(stage Stage) string { return stageSubject(stage) + ".keep" }

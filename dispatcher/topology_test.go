@@ -140,24 +140,3 @@ func TestEnsureOneOwner(t *testing.T) {
 		}
 	})
 }
-
-// TestHeartbeatRecreatesBucket: a worker whose registry bucket is gone
-// (memory storage, lost in a NATS restart) creates it again.
-func TestHeartbeatRecreatesBucket(t *testing.T) {
-	nc, js := startJetStream(t)
-	ctx := context.Background()
-	if err := js.DeleteKeyValue(ctx, BucketWorkers); err != nil {
-		t.Fatal(err)
-	}
-	id := NewWorkerID(StageDecode)
-	startLoop(t, nc, js, StageConfig{Slots: 1, Worker: WorkerInfo{ID: id, Model: "m"},
-		Handler: func(context.Context, *Delivery) error { return nil }})
-	waitFor(t, "the worker's entry in a new bucket", func() bool {
-		kv, err := js.KeyValue(ctx, BucketWorkers)
-		if err != nil {
-			return false
-		}
-		_, err = kv.Get(ctx, id)
-		return err == nil
-	})
-}
