@@ -103,7 +103,7 @@ func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
 // is the last one read, or 0 (admit: the stream's own bound still holds).
 func (a *Admission) look(ctx context.Context, key string, stage Stage, pool string) int {
 	at := a.now()
-	cons, err := a.js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool))
+	cons, err := a.js.Consumer(ctx, StageStream(stage), ConsumerName(stage, pool))
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	kept := a.depth[key]

@@ -133,7 +133,7 @@ func BenchmarkRecordRead(b *testing.B) {
 	job := benchJob(1 << 10)
 	rec := &Record{ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool, Endpoint: job.Endpoint,
 		Stream: true, Gateway: job.GatewayID(), Created: job.Submitted, Updated: job.Submitted, Deadline: job.Deadline}
-	rev, err := records.create(ctx, rec)
+	rev, err := records.Create(ctx, rec)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -157,7 +157,7 @@ func BenchmarkRecordRead(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, _, err := records.getChanged(ctx, job.ID, tc.rev); err != nil {
+				if _, _, err := records.GetChanged(ctx, job.ID, tc.rev); err != nil {
 					b.Fatal(err)
 				}
 			}

@@ -78,7 +78,7 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 		gen   int
 		state State
 	}{{"live", 1, StateQueued}, {"ended", 1, StateFailed}, {"moved-on", 2, StateQueued}} {
-		if _, err := records.create(ctx, &Record{ID: r.id, State: StateQueued, Generation: 1, Created: time.Now()}); err != nil {
+		if _, err := records.Create(ctx, &Record{ID: r.id, State: StateQueued, Generation: 1, Created: time.Now()}); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := records.Transition(ctx, r.id, func(rec *Record) error { rec.State, rec.Generation = r.state, r.gen; return nil }); err != nil {
@@ -86,7 +86,7 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 		}
 		job(r.id, 1)
 	}
-	if _, err := js.Publish(ctx, KeeperSubject(StagePrefill), []byte(keeperNote)); err != nil {
+	if _, err := js.Publish(ctx, KeeperSubject(StagePrefill), []byte(KeeperNote)); err != nil {
 		t.Fatal(err)
 	}
 	d := NewStoreDoctor(js, records, nil, logging.Discard())

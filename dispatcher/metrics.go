@@ -11,8 +11,8 @@ import (
 // Metrics are the stage loops' counters. One set serves every loop of a
 // process; a nil *Metrics counts nothing.
 type Metrics struct {
-	deadLetters        *prometheus.CounterVec
-	deadLettersRefused *prometheus.CounterVec
+	DeadLetters        *prometheus.CounterVec
+	DeadLettersRefused *prometheus.CounterVec
 	kvReleased         *prometheus.CounterVec
 	handoffsWithoutKV  *prometheus.CounterVec
 	breakerOpens       *prometheus.CounterVec
@@ -37,7 +37,7 @@ type Metrics struct {
 	// engineSlots is each engine's slots now, wastedPrefills the handoffs
 	// sent back to prefill.
 	engineSlots    *prometheus.GaugeVec
-	wastedPrefills *prometheus.CounterVec
+	WastedPrefills *prometheus.CounterVec
 	// storeWritableVec is whether each of pdq's file streams stores writes.
 	storeWritableVec *prometheus.GaugeVec
 	// The gateway's load: generation requests it holds and the bytes its
@@ -71,11 +71,11 @@ var (
 // NewMetrics registers the counters with reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
-		deadLetters: prometheus.NewCounterVec(prometheus.CounterOpts{
+		DeadLetters: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdq_dead_letters_total",
 			Help: "Failed requests kept in PDQ_DLQ for replay, by the stage they failed in.",
 		}, []string{"stage"}),
-		deadLettersRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+		DeadLettersRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdq_dead_letters_refused_total",
 			Help: "Failed requests a full PDQ_DLQ refused to keep (it drops no older entry to make room).",
 		}, []string{"stage"}),
@@ -156,7 +156,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m.storeWritableVec = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_store_writable", Help: "1 while a stream of pdq's stores writes, 0 while the server answers about it but not its writes (its disk may be full), as the gateway's store doctor last probed it.",
 	}, []string{"stream"})
-	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
+	m.WastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "pdq_prefills_wasted_total",
 		Help: "Handoffs sent back to prefill (or failed, out of generations), their prefill's work lost, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (a redelivered handoff, whose KV an earlier delivery may have read), decode_failed, shutdown.",
 	}, []string{"reason"})
@@ -172,8 +172,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	// Zeros from the start, so that a dashboard sees the series before the
 	// first failure.
 	for _, stage := range []Stage{StagePrefill, StageDecode} {
-		m.deadLetters.WithLabelValues(string(stage))
-		m.deadLettersRefused.WithLabelValues(string(stage))
+		m.DeadLetters.WithLabelValues(string(stage))
+		m.DeadLettersRefused.WithLabelValues(string(stage))
 		m.breakerOpens.WithLabelValues(string(stage))
 		m.inflight.WithLabelValues(string(stage))
 		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere", "ack_unconfirmed"} {
@@ -183,23 +183,23 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, reason := range []string{"short_prompt", "no_healthy_prefill", "prefill_refused"} {
 		m.decodeOnly.WithLabelValues(reason)
 	}
-	for _, reason := range wasteReasons {
-		m.wastedPrefills.WithLabelValues(string(reason))
+	for _, reason := range WasteReasons {
+		m.WastedPrefills.WithLabelValues(string(reason))
 	}
 	return m, nil
 }
 
 // collectors are every metric of the set.
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.deadLetters, m.deadLettersRefused, m.kvReleased,
+	return []prometheus.Collector{m.DeadLetters, m.DeadLettersRefused, m.kvReleased,
 		m.handoffsWithoutKV, m.breakerOpens, m.fallbacks, m.migrations,
 		m.requests, m.ttft, m.itl, m.e2e, m.decodeOnly, m.queueWait, m.engineTime, m.retries,
-		m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.wastedPrefills, m.storeWritableVec,
+		m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.WastedPrefills, m.storeWritableVec,
 		m.gatewayRequests, m.gatewayBytes}
 }
 
 // pool shows the series of a pool's stage from the start.
-func (m *Metrics) pool(stage Stage, pool string) {
+func (m *Metrics) Pool(stage Stage, pool string) {
 	if m == nil {
 		return
 	}
@@ -213,19 +213,19 @@ func (m *Metrics) pool(stage Stage, pool string) {
 	m.migrations.WithLabelValues(pool)
 }
 
-func (m *Metrics) deadLetter(stage Stage) {
+func (m *Metrics) DeadLetter(stage Stage) {
 	if m != nil {
-		m.deadLetters.WithLabelValues(string(stage)).Inc()
+		m.DeadLetters.WithLabelValues(string(stage)).Inc()
 	}
 }
 
-func (m *Metrics) deadLetterRefused(stage Stage) {
+func (m *Metrics) DeadLetterRefused(stage Stage) {
 	if m != nil {
-		m.deadLettersRefused.WithLabelValues(string(stage)).Inc()
+		m.DeadLettersRefused.WithLabelValues(string(stage)).Inc()
 	}
 }
 
-func (m *Metrics) released(pool string) {
+func (m *Metrics) Released(pool string) {
 	if m != nil {
 		m.kvReleased.WithLabelValues(pool).Inc()
 	}
@@ -304,7 +304,7 @@ func (m *Metrics) GatewayBytes(n int64) {
 	}
 }
 
-func (m *Metrics) jobStarted(stage Stage, wait time.Duration) {
+func (m *Metrics) JobStarted(stage Stage, wait time.Duration) {
 	if m == nil {
 		return
 	}
@@ -314,7 +314,7 @@ func (m *Metrics) jobStarted(stage Stage, wait time.Duration) {
 	}
 }
 
-func (m *Metrics) jobEnded(stage Stage, engine time.Duration) {
+func (m *Metrics) JobEnded(stage Stage, engine time.Duration) {
 	if m == nil {
 		return
 	}
@@ -341,19 +341,19 @@ func (m *Metrics) storeWritable(stream string, stores bool) {
 	}
 }
 
-func (m *Metrics) wasted(reason waste) {
+func (m *Metrics) Wasted(reason Waste) {
 	if m != nil {
-		m.wastedPrefills.WithLabelValues(string(reason)).Inc()
+		m.WastedPrefills.WithLabelValues(string(reason)).Inc()
 	}
 }
 
-func (m *Metrics) retry(stage Stage, reason string) {
+func (m *Metrics) Retry(stage Stage, reason string) {
 	if m != nil {
 		m.retries.WithLabelValues(string(stage), reason).Inc()
 	}
 }
 
-func (m *Metrics) depth(stage Stage, pool string, n uint64) {
+func (m *Metrics) Depth(stage Stage, pool string, n uint64) {
 	if m != nil {
 		m.queueDepth.WithLabelValues(string(stage), pool).Set(float64(n))
 	}
@@ -391,13 +391,13 @@ func (m *Metrics) Migrated(pool string) {
 
 // waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
 // reason.
-type waste string
+type Waste string
 
 const (
-	wasteKVTTL        waste = "kv_ttl"
-	wasteRedelivered  waste = "redelivered"
-	wasteDecodeFailed waste = "decode_failed"
-	wasteShutdown     waste = "shutdown"
+	WasteKVTTL        Waste = "kv_ttl"
+	WasteRedelivered  Waste = "redelivered"
+	WasteDecodeFailed Waste = "decode_failed"
+	WasteShutdown     Waste = "shutdown"
 )
 
-var wasteReasons = []waste{wasteKVTTL, wasteRedelivered, wasteDecodeFailed, wasteShutdown}
+var WasteReasons = []Waste{WasteKVTTL, WasteRedelivered, WasteDecodeFailed, WasteShutdown}

@@ -196,8 +196,8 @@ func TestHistogramBucketsAreRound(t *testing.T) {
 	}
 	m.Request("m", "ok", time.Second, time.Second)
 	m.ITL("m").Observe(0.02)
-	m.jobStarted(StagePrefill, time.Second)
-	m.jobEnded(StagePrefill, time.Second)
+	m.JobStarted(StagePrefill, time.Second)
+	m.JobEnded(StagePrefill, time.Second)
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

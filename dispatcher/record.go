@@ -124,7 +124,7 @@ var ErrNoRecord = errors.New("no such request")
 
 // Get reads id's record and its revision.
 func (rs *Records) Get(ctx context.Context, id string) (*Record, uint64, error) {
-	return rs.getChanged(ctx, id, 0)
+	return rs.GetChanged(ctx, id, 0)
 }
 
 // getChanged is Get, unless the record's revision is still rev (when rev
@@ -132,7 +132,7 @@ func (rs *Records) Get(ctx context.Context, id string) (*Record, uint64, error) 
 // path nothing writes a record between its claim and its end, and the
 // decode is about a quarter of the time of a stage's read at admission,
 // and 11 of its 76 allocations (BenchmarkRecordRead).
-func (rs *Records) getChanged(ctx context.Context, id string, rev uint64) (*Record, uint64, error) {
+func (rs *Records) GetChanged(ctx context.Context, id string, rev uint64) (*Record, uint64, error) {
 	data, last, err := rs.read(ctx, id)
 	if err != nil {
 		return nil, 0, err
@@ -213,7 +213,7 @@ func (rs *Records) readEntry(ctx context.Context, id string) ([]byte, uint64, er
 
 // create writes a new record; it fails with jetstream.ErrKeyExists when id
 // has one.
-func (rs *Records) create(ctx context.Context, r *Record) (uint64, error) {
+func (rs *Records) Create(ctx context.Context, r *Record) (uint64, error) {
 	data, err := json.Marshal(r)
 	if err != nil {
 		return 0, fmt.Errorf("encode record %s: %w", r.ID, err)
@@ -224,7 +224,7 @@ func (rs *Records) create(ctx context.Context, r *Record) (uint64, error) {
 // update writes r over the revision read; it fails with
 // jetstream.ErrKeyExists (wrong last sequence) when another write came in
 // between.
-func (rs *Records) update(ctx context.Context, r *Record, rev uint64) (uint64, error) {
+func (rs *Records) Update(ctx context.Context, r *Record, rev uint64) (uint64, error) {
 	r.Updated = time.Now()
 	data, err := json.Marshal(r)
 	if err != nil {
@@ -239,13 +239,13 @@ func (rs *Records) update(ctx context.Context, r *Record, rev uint64) (uint64, e
 // retried: it may have been stored, and a second try would fail its
 // revision check as if another writer had come in between.
 func whileNoLeader(ctx context.Context, write func() (uint64, error)) (uint64, error) {
-	giveUp := time.Now().Add(publishFailover)
+	giveUp := time.Now().Add(PublishFailover)
 	for {
 		rev, err := write()
 		if err == nil || !errors.Is(err, jetstream.ErrNoStreamResponse) || time.Now().After(giveUp) {
 			return rev, err
 		}
-		if sleep.For(ctx, publishRetryWait) != nil {
+		if sleep.For(ctx, PublishRetryWait) != nil {
 			return rev, err
 		}
 	}
@@ -291,7 +291,7 @@ func (rs *Records) transition(ctx context.Context, id string, from *Record, rev 
 			}
 			return r, err
 		}
-		if _, err := rs.update(ctx, r, rev); err != nil {
+		if _, err := rs.Update(ctx, r, rev); err != nil {
 			if isWrongRevision(err) {
 				rev = 0 // written since: read what is there
 				continue
@@ -394,9 +394,9 @@ func readRecord(ctx context.Context, js jetstream.StreamManager, rs *Records, id
 		return r, err
 	}
 	for _, stage := range []Stage{StageDecode, StagePrefill} {
-		st, err := js.Stream(ctx, stageStream(stage))
+		st, err := js.Stream(ctx, StageStream(stage))
 		if err != nil {
-			return nil, fmt.Errorf("read stream %s: %w", stageStream(stage), err)
+			return nil, fmt.Errorf("read stream %s: %w", StageStream(stage), err)
 		}
 		if _, err := st.GetLastMsgForSubject(ctx, JobSubject(stage, r.Pool, id)); err == nil {
 			r.State = StatePrefilling
@@ -405,7 +405,7 @@ func readRecord(ctx context.Context, js jetstream.StreamManager, rs *Records, id
 			}
 			return r, nil
 		} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
-			return nil, fmt.Errorf("read stream %s: %w", stageStream(stage), err)
+			return nil, fmt.Errorf("read stream %s: %w", StageStream(stage), err)
 		}
 	}
 	return r, nil

@@ -148,10 +148,10 @@ func TestRecordRead(t *testing.T) {
 				return
 			}
 			// At its revision a record is left undecoded; at any other, read.
-			if r, _, err := records.getChanged(ctx, id, e.Revision()); r != nil || err != nil {
+			if r, _, err := records.GetChanged(ctx, id, e.Revision()); r != nil || err != nil {
 				t.Errorf("at its revision: %+v, %v; want no record, undecoded", r, err)
 			}
-			if r, _, err := records.getChanged(ctx, id, e.Revision()-1); r == nil || err != nil {
+			if r, _, err := records.GetChanged(ctx, id, e.Revision()-1); r == nil || err != nil {
 				t.Errorf("past its revision: %+v, %v; want the record", r, err)
 			}
 		})

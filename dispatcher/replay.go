@@ -193,7 +193,7 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 	if errors.Is(err, ErrNoRecord) {
 		rec = &Record{ID: job.ID, State: StateQueued, Generation: job.Generation + 1, Model: job.Model, Pool: job.Pool,
 			Endpoint: job.Endpoint, Stream: job.Stream, Owner: job.Owner, Created: now, Updated: now, Deadline: now.Add(rp.Timeout), Replays: 1}
-		_, err = rp.records.create(ctx, rec)
+		_, err = rp.records.Create(ctx, rec)
 		if isWrongRevision(err) {
 			err = ErrLive // created by a replay running beside this one
 		}

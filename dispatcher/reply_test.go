@@ -412,7 +412,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	// was called within wait.
 	watch := func(t *testing.T, w *ReplyWriter, wanted func(context.Context) bool, wait time.Duration) (gone, superseded bool) {
 		told := make(chan bool, 1)
-		w.Watch(func(cause error) { told <- errors.Is(cause, errSuperseded) }, wanted)
+		w.Watch(func(cause error) { told <- errors.Is(cause, ErrSuperseded) }, wanted)
 		defer w.Beats(ctx, 20*time.Millisecond)()
 		select {
 		case sup := <-told:

@@ -92,7 +92,7 @@ var (
 const DefaultEndWait = 10 * time.Second
 
 // ackTimeout is the wait for one ack; the end is sent again after it.
-const ackTimeout = time.Second
+const AckTimeout = time.Second
 
 // NewReplyWriter writes to subject as the given attempt (see
 // [ReplyAttempt]); an empty subject keeps the reply instead.
@@ -252,9 +252,9 @@ func (w *ReplyWriter) isGone(superseded bool) {
 	if w.gone == nil {
 		return
 	}
-	cause := errAbandoned
+	cause := ErrAbandoned
 	if superseded {
-		cause = errSuperseded
+		cause = ErrSuperseded
 	}
 	w.goneOnce.Do(func() { w.gone(cause) })
 }
@@ -305,7 +305,7 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 		return
 	}
 	w.mu.Unlock()
-	actx, cancel := context.WithTimeout(ctx, ackTimeout)
+	actx, cancel := context.WithTimeout(ctx, AckTimeout)
 	defer cancel()
 	resp, err := w.nc.RequestMsgWithContext(actx, msg)
 	switch {
@@ -319,7 +319,7 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 		// No answer: the gateway may be gone, cut off, or its cancel
 		// lost with the beat. The record knows whether it ended the
 		// request.
-		rctx, cancel := context.WithTimeout(ctx, ackTimeout)
+		rctx, cancel := context.WithTimeout(ctx, AckTimeout)
 		defer cancel()
 		if !w.wanted(rctx) {
 			w.isGone(false)
@@ -409,7 +409,7 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 			return nil
 		}
 		upto := w.Sent()
-		resp, err := w.nc.RequestMsg(msg, min(ackTimeout, max(time.Until(deadline), time.Millisecond)))
+		resp, err := w.nc.RequestMsg(msg, min(AckTimeout, max(time.Until(deadline), time.Millisecond)))
 		if err == nil {
 			w.mu.Lock()
 			n, seq := w.acked(resp, upto), w.seq
@@ -498,9 +498,9 @@ func kindHeader(kind string) []string {
 var (
 	// errAbandoned stops a job whose gateway no longer holds its request,
 	// or whose record says it ended: its cancel broadcast was lost.
-	errAbandoned = errors.New("the gateway no longer holds the request")
+	ErrAbandoned = errors.New("the gateway no longer holds the request")
 	// errSuperseded stops a job whose request the gateway follows under a
 	// later attempt: a redelivery of it, run while this worker was cut
 	// off from NATS past the ack wait.
-	errSuperseded = errors.New("a later attempt of the request runs")
+	ErrSuperseded = errors.New("a later attempt of the request runs")
 )

@@ -33,7 +33,7 @@ type QueueStatus struct {
 func Queues(ctx context.Context, js jetstream.JetStream, pool string) ([]QueueStatus, error) {
 	var out []QueueStatus
 	for _, stage := range []Stage{StagePrefill, StageDecode} {
-		cons, err := js.Consumer(ctx, stageStream(stage), ConsumerName(stage, pool))
+		cons, err := js.Consumer(ctx, StageStream(stage), ConsumerName(stage, pool))
 		if errors.Is(err, jetstream.ErrConsumerNotFound) {
 			continue
 		}
@@ -64,11 +64,11 @@ func DeadLetters(ctx context.Context, js jetstream.JetStream) (uint64, error) {
 // queue at or after stream sequence from (the first not yet delivered);
 // 0 when it cannot be read.
 func oldestWaiting(ctx context.Context, js jetstream.JetStream, stage Stage, pool string, from uint64) float64 {
-	st, err := js.Stream(ctx, stageStream(stage))
+	st, err := js.Stream(ctx, StageStream(stage))
 	if err != nil {
 		return 0
 	}
-	m, err := st.GetMsg(ctx, from, jetstream.WithGetMsgSubject(stageSubject(stage)+"."+pool+".>"))
+	m, err := st.GetMsg(ctx, from, jetstream.WithGetMsgSubject(StageSubject(stage)+"."+pool+".>"))
 	if err != nil {
 		return 0
 	}

@@ -45,17 +45,17 @@ const (
 
 // JobSubject is where a job for stage, pool and request id is published.
 func JobSubject(stage Stage, pool, id string) string {
-	return stageSubject(stage) + "." + pool + "." + id
+	return StageSubject(stage) + "." + pool + "." + id
 }
 
-func stageSubject(stage Stage) string {
+func StageSubject(stage Stage) string {
 	if stage == StagePrefill {
 		return subjectPrefill
 	}
 	return subjectDecode
 }
 
-func stageStream(stage Stage) string {
+func StageStream(stage Stage) string {
 	if stage == StagePrefill {
 		return StreamPrefill
 	}
@@ -244,7 +244,7 @@ const (
 func WorkerSubject(id string) string { return subjectWorkers + "." + id }
 
 // keeperNote is a keeper's body, for whoever reads the stream.
-const keeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
+const KeeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
 
 // KeeperSubject is where stage's stream keeps its keeper.
-func KeeperSubject(stage Stage) string { return stageSubject(stage) + ".keep" }
+func KeeperSubject(stage Stage) string { return StageSubject(stage) + ".keep" }

@@ -120,12 +120,12 @@ func (s *Submitter) claim(ctx context.Context, rec *Record) (uint64, error) {
 	create := func() (uint64, error) {
 		cctx, cancel := context.WithTimeout(ctx, publishAttempt)
 		defer cancel()
-		return s.records.create(cctx, rec)
+		return s.records.Create(cctx, rec)
 	}
 	rev, err := create()
 	var lasts []uint64 // the bucket's last sequence after each unanswered create, while it answers
 	for range 3 {
-		if !noAnswer(err) || ctx.Err() != nil {
+		if !NoAnswer(err) || ctx.Err() != nil {
 			return rev, err
 		}
 		old, orev, gerr := s.records.Get(ctx, rec.ID)
@@ -166,7 +166,7 @@ func recoveredRevision(stored *Record, rev uint64, claim *Record) uint64 {
 
 // noAnswer reports whether a NATS call failed for want of an answer, not
 // because it was refused: it may have been carried out.
-func noAnswer(err error) bool {
+func NoAnswer(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) ||
 		errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders)
 }
@@ -186,7 +186,7 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) (uint64, error)
 	}
 	rec.Generation = old.Generation + 1
 	rec.Replays = old.Replays
-	rev, err = s.records.update(ctx, rec, rev)
+	rev, err = s.records.Update(ctx, rec, rev)
 	if err != nil {
 		if isWrongRevision(err) {
 			return 0, fmt.Errorf("request %s: %w", rec.ID, ErrDuplicate) // another retry won
@@ -203,7 +203,7 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) (uint64, error)
 // times. It sets job.Generation to the one stored.
 func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Records, job *Job, stage Stage) error {
 	job.Origin = job.Generation // a new request
-	err := publish(ctx, js, job.Msg(stage))
+	err := Publish(ctx, js, job.Msg(stage))
 	for range 3 {
 		if !errors.Is(err, ErrDuplicate) {
 			return err
@@ -216,14 +216,14 @@ func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Rec
 			return terr
 		}
 		job.Generation, job.Origin, job.RecordRevision = rec.Generation, rec.Generation, 0
-		err = publish(ctx, js, job.Msg(stage))
+		err = Publish(ctx, js, job.Msg(stage))
 	}
 	return err
 }
 
 // publish stores msg on its stream, deduplicated by its Nats-Msg-Id.
-func publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
-	_, err := publishSeq(ctx, js, msg)
+func Publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
+	_, err := PublishSeq(ctx, js, msg)
 	return err
 }
 
@@ -239,19 +239,19 @@ func publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
 // would on any retry: every message published here has a Nats-Msg-Id.
 const (
 	publishAttempt    = 2 * time.Second
-	publishRetryWait  = 250 * time.Millisecond
-	publishFailover   = 15 * time.Second
-	publishNoLeaderTo = int(publishAttempt / publishRetryWait)
+	PublishRetryWait  = 250 * time.Millisecond
+	PublishFailover   = 15 * time.Second
+	publishNoLeaderTo = int(publishAttempt / PublishRetryWait)
 )
 
 // publishSeq is publish that also returns the message's stream sequence
 // (for a duplicate, the earlier message's).
-func publishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
-	giveUp := time.Now().Add(publishFailover)
+func PublishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
+	giveUp := time.Now().Add(PublishFailover)
 	silent, last := 0, uint64(0) // unanswered attempts in a row; the stream's last sequence at the first
 	for {
 		actx, cancel := context.WithTimeout(ctx, publishAttempt)
-		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(publishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
+		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(PublishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
 		cancel()
 		switch {
 		case err == nil && ack.Duplicate:

@@ -99,7 +99,7 @@ func Ensure(ctx context.Context, js jetstream.JetStream, opts ...EnsureOption) e
 			return err
 		}
 	}
-	for _, cfg := range []jetstream.KeyValueConfig{workersBucketConfig(o.replicas), requestsBucketConfig(o.replicas), kvReadsBucketConfig(o.replicas)} {
+	for _, cfg := range []jetstream.KeyValueConfig{WorkersBucketConfig(o.replicas), requestsBucketConfig(o.replicas), kvReadsBucketConfig(o.replicas)} {
 		if err := ensureBucket(ctx, js, cfg, o.log); err != nil {
 			return err
 		}
@@ -208,7 +208,7 @@ func stageStreamConfig(name, subjects, description string, replicas int) jetstre
 // workersBucketConfig is pdq_workers: memory storage, since its entries
 // live for seconds; a restarted server has lost it, and the first process
 // to notice creates it again.
-func workersBucketConfig(replicas int) jetstream.KeyValueConfig {
+func WorkersBucketConfig(replicas int) jetstream.KeyValueConfig {
 	return jetstream.KeyValueConfig{
 		Bucket:      BucketWorkers,
 		Description: "live workers: role, pool, model, engine, slots, in-flight",
@@ -361,10 +361,10 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 	if ackWait <= 0 {
 		return nil, fmt.Errorf("%w: an ack wait must be positive, got %s", ErrInvalidOption, ackWait)
 	}
-	return ensureConsumer(ctx, js, stageStream(stage), jetstream.ConsumerConfig{
+	return ensureConsumer(ctx, js, StageStream(stage), jetstream.ConsumerConfig{
 		Durable:       ConsumerName(stage, pool),
 		Description:   fmt.Sprintf("%s workers of pool %s", stage, pool),
-		FilterSubject: stageSubject(stage) + "." + pool + ".>",
+		FilterSubject: StageSubject(stage) + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
 		MaxDeliver:    -1, // counted by the stage loop: see StageConfig.MaxDeliver
@@ -376,7 +376,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 
 // ensureReleaseConsumer returns the durable consumer of pool's release
 // queue, creating it when it is missing.
-func ensureReleaseConsumer(ctx context.Context, js jetstream.JetStream, pool string, ackWait time.Duration, maxDeliver int, opts ...EnsureOption) (jetstream.Consumer, error) {
+func EnsureReleaseConsumer(ctx context.Context, js jetstream.JetStream, pool string, ackWait time.Duration, maxDeliver int, opts ...EnsureOption) (jetstream.Consumer, error) {
 	return ensureConsumer(ctx, js, StreamRelease, jetstream.ConsumerConfig{
 		Durable:       releaseConsumer(pool),
 		Description:   "decode workers of pool " + pool + " releasing KV of handoffs never stored",

@@ -9,6 +9,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
@@ -256,25 +257,25 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 // lets an open breaker's worker pull anyway (see Worker.alone). The
 // permit's Release gives a trial back when the pull got no job, or the job
 // never reached the handler.
-func (b *breaker) wait(ctx context.Context, bypass func() bool) (dispatcher.Permit, error) {
+func (b *breaker) wait(ctx context.Context, bypass func() bool) (stage.Permit, error) {
 	for {
 		b.mu.Lock()
 		state, changed, epoch := b.state, b.changed, b.epoch
 		switch {
 		case state == dispatcher.BreakerClosed:
 			b.mu.Unlock()
-			return dispatcher.Permit{Token: permitToken(epoch, false)}, nil
+			return stage.Permit{Token: permitToken(epoch, false)}, nil
 		case state == dispatcher.BreakerHalfOpen && !b.trial:
 			b.trial = true
 			b.mu.Unlock()
 			var once sync.Once
-			return dispatcher.Permit{Token: permitToken(epoch, true), Release: func() {
+			return stage.Permit{Token: permitToken(epoch, true), Release: func() {
 				once.Do(func() { b.unclaim(epoch) })
 			}}, nil
 		}
 		b.mu.Unlock()
 		if state == dispatcher.BreakerOpen && bypass != nil && bypass() {
-			return dispatcher.Permit{Token: permitToken(epoch, false)}, nil
+			return stage.Permit{Token: permitToken(epoch, false)}, nil
 		}
 		// Woken by a change of state; the bypass is looked at again now
 		// and then, as peers come and go.
@@ -284,7 +285,7 @@ func (b *breaker) wait(ctx context.Context, bypass func() bool) (dispatcher.Perm
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return dispatcher.Permit{}, ctx.Err()
+			return stage.Permit{}, ctx.Err()
 		}
 		t.Stop()
 	}

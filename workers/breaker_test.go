@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -60,7 +61,7 @@ func TestBreaker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	second := make(chan dispatcher.Permit)
+	second := make(chan stage.Permit)
 	go func() {
 		if p, err := b.wait(ctx, nil); err == nil {
 			second <- p
@@ -73,7 +74,7 @@ func TestBreaker(t *testing.T) {
 	}
 	first.Release() // the pull got no job: the trial is free again
 	first.Release() // twice is once
-	var p dispatcher.Permit
+	var p stage.Permit
 	select {
 	case p = <-second:
 	case <-time.After(2 * time.Second):
@@ -130,12 +131,12 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 
 	const pool = "trial"
 	var runs atomic.Int64
-	loop, err := dispatcher.NewStageLoop(nc, js, dispatcher.StageConfig{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
+	loop, err := stage.NewStageLoop(nc, js, stage.StageConfig{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
 		Grace: time.Second, RetryBase: config.RetryBase, PullWait: config.PullWait, AckWait: config.DefaultAckWait,
 		KeepEvery: config.KeepEvery, KVTTL: config.DefaultKVTTL, MaxGenerations: config.DefaultMaxGenerations,
 		MaxDeliver: config.DefaultMaxDeliver, StallTimeout: config.DefaultStallTimeout,
-		Ready: func(ctx context.Context) (dispatcher.Permit, error) { return b.wait(ctx, nil) },
-		Handler: func(context.Context, *dispatcher.Delivery) error {
+		Ready: func(ctx context.Context) (stage.Permit, error) { return b.wait(ctx, nil) },
+		Handler: func(context.Context, *stage.Delivery) error {
 			runs.Add(1)
 			return nil
 		}}, logging.Discard())

@@ -13,13 +13,14 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
 // decode runs the decode leg and relays its output to the gateway.
-func (w *Worker) decode(ctx context.Context, d *dispatcher.Delivery) error {
+func (w *Worker) decode(ctx context.Context, d *stage.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	// A replay has no client to stream to: its answer is kept whole in the
@@ -140,11 +141,11 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 			return resp, err
 		case !errors.As(err, &refused) || !refused.surely(streamed):
 			if neverRan(err, streamed) {
-				return nil, dispatcher.Unread(err)
+				return nil, stage.Unread(err)
 			}
 			return nil, err
 		case refused.status != http.StatusTooManyRequests && job.HandBacks < blipHandBacks && w.healthyPeer(job.Model, w.engine.URL()):
-			return nil, dispatcher.Unread(dispatcher.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
+			return nil, stage.Unread(stage.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
 		}
 		if b == nil {
 			b = backoff.NewExponentialBackOff()
@@ -154,7 +155,7 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.cfg.KVTTL)) < wait {
 			w.log.Warn("decode engine did not take the handoff within its KV TTL; sending it back to prefill",
 				logging.KeyRequestID, job.ID, logging.Err(err), "tries", waited+1)
-			return nil, dispatcher.Unread(err)
+			return nil, stage.Unread(err)
 		}
 		if waited == 0 {
 			w.log.Debug("decode engine did not take the handoff; waiting for it with the KV", logging.KeyRequestID, job.ID,
@@ -168,7 +169,7 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 			// Its client gone, or its deadline passed, while it waited:
 			// its engine never ran it, so its KV is released.
 			t.Stop()
-			return nil, dispatcher.Unread(ctx.Err())
+			return nil, stage.Unread(ctx.Err())
 		case <-t.C:
 		}
 		alive()
@@ -184,7 +185,7 @@ const blipHandBacks = 2
 // went out. Nothing can start over; the rest of the answer moves to
 // another decode engine (a migration) within PDQ_MIGRATION_LIMIT, and
 // otherwise the client gets an in-stream error.
-func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, out *dispatcher.ReplyWriter, tr *transcript, err error) error {
+func (w *Worker) brokeAfterOutput(ctx context.Context, d *stage.Delivery, out *dispatcher.ReplyWriter, tr *transcript, err error) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	resume := dispatcher.Resume{}
@@ -219,7 +220,7 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *dispatcher.Delivery, o
 		if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
 			log.Warn("could not send the error to the gateway", logging.Err(rerr))
 		}
-		return dispatcher.Reported(err)
+		return stage.Reported(err)
 	}
 	if resume.Created == 0 {
 		resume.Created = tr.created
@@ -290,7 +291,7 @@ func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 	switch {
 	case err == nil:
 	case neverRan(err, true):
-		return dispatcher.Unread(fmt.Errorf("release call: %w", err))
+		return stage.Unread(fmt.Errorf("release call: %w", err))
 	default:
 		// A 4xx, which a retry would meet again, or a call cut off.
 		return fmt.Errorf("release call: %w", err)
@@ -326,7 +327,7 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 			return nil
 		}
 		if err := out.Chunks(held); err != nil {
-			return dispatcher.Retryable(err, nil)
+			return stage.Retryable(err, nil)
 		}
 		for _, ev := range raw {
 			hooks.sent(ev)
@@ -366,7 +367,7 @@ func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWrite
 					return err
 				}
 				if err := out.Chunk(data); err != nil {
-					return dispatcher.Retryable(err, nil)
+					return stage.Retryable(err, nil)
 				}
 				hooks.sent(ev.Data)
 			}
@@ -395,11 +396,11 @@ func relayBody(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter)
 		return unreachable(ctx, dispatcher.StageDecode, fmt.Errorf("read decode response: %w", err))
 	}
 	if len(raw) > maxResponseBytes {
-		return dispatcher.Permanent(fmt.Errorf("the decode engine's answer is larger than %d bytes", maxResponseBytes),
+		return stage.Permanent(fmt.Errorf("the decode engine's answer is larger than %d bytes", maxResponseBytes),
 			openai.NewError(http.StatusBadGateway, "the answer is larger than %d MiB, the most pdq relays whole; stream it instead", maxResponseBytes>>20))
 	}
 	if err := out.Whole(raw); err != nil {
-		return dispatcher.Retryable(err, nil)
+		return stage.Retryable(err, nil)
 	}
 	return nil
 }

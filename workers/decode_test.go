@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 )
 
 // TestRelayBodyLimit: a non-streamed answer over the most pdq relays whole
@@ -18,7 +19,7 @@ import (
 func TestRelayBodyLimit(t *testing.T) {
 	answer := io.MultiReader(io.LimitReader(zeros{}, maxResponseBytes), strings.NewReader("!"))
 	err := relayBody(context.Background(), answer, dispatcher.NewReplyWriter(nil, "", 1))
-	var f *dispatcher.Failure
+	var f *stage.Failure
 	if !errors.As(err, &f) || !f.Permanent || f.Client == nil || !strings.Contains(f.Client.Message, "larger than") {
 		t.Fatalf("relayBody of %d bytes = %v, want a permanent error that names the limit", maxResponseBytes+1, err)
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/vllm"
 )
@@ -60,7 +61,7 @@ func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
 				continue
 			}
 			next++
-			loop, err := dispatcher.NewStageLoop(w.nc, w.js, w.loopConfig(m, w.id+"-"+strconv.Itoa(next)), w.log.With("model", m.ID))
+			loop, err := stage.NewStageLoop(w.nc, w.js, w.loopConfig(m, w.id+"-"+strconv.Itoa(next)), w.log.With("model", m.ID))
 			if err != nil {
 				return err
 			}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -16,7 +17,7 @@ import (
 
 // prefill runs the prefill leg and returns the handoff for the decode
 // stage; the stage loop stores it.
-func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
+func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	body, err := nixl.PrefillParts(job.Body)
@@ -29,7 +30,7 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	cctx, cancel := context.WithTimeoutCause(ctx, w.cfg.PrefillTimeout, errTimedOut)
 	defer cancel()
 	raw, err := w.prefillCall(cctx, job, body)
-	var f *dispatcher.Failure
+	var f *stage.Failure
 	switch {
 	case err == nil:
 	case ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut):
@@ -61,7 +62,7 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 			log.Error("prefill engine answered 200 without usable kv_transfer_params; not falling back to a recomputing decode",
 				logging.Err(err), "attempt", d.Attempt)
 		}
-		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no usable kv_transfer_params"))
+		return stage.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no usable kv_transfer_params"))
 	}
 	if fixed, ok := nixl.FixRemoteHost(params, w.kvHost); ok {
 		params = fixed
@@ -69,7 +70,7 @@ func (w *Worker) prefill(ctx context.Context, d *dispatcher.Delivery) error {
 	}
 	params, err = dispatcher.CompactKV(params)
 	if err != nil {
-		return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned unreadable kv_transfer_params"))
+		return stage.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned unreadable kv_transfer_params"))
 	}
 	elapsed := time.Since(start)
 	d.HandOff(params, dispatcher.StageRecord{

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -124,7 +125,7 @@ func TestEngineFailure(t *testing.T) {
 	} {
 		t.Run(fmt.Sprintf("%s %d", tc.stage, tc.status), func(t *testing.T) {
 			err := engineFailure(tc.stage, tc.status, refusal, 0)
-			var f *dispatcher.Failure
+			var f *stage.Failure
 			if !errors.As(err, &f) {
 				t.Fatalf("%v is not a dispatcher.Failure", err)
 			}

@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/nixl"
@@ -114,7 +115,7 @@ type Worker struct {
 	peers *dispatcher.Registry
 	// slots bounds the engine calls of all the worker's models together.
 	// It has its own lock.
-	slots *dispatcher.EngineSlots
+	slots *stage.EngineSlots
 
 	// mu guards the served models and the last answers of alone, kept to
 	// log their changes.
@@ -150,7 +151,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	if err != nil {
 		return nil, fmt.Errorf("worker: %w", err)
 	}
-	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: dispatcher.NewEngineSlots(cfg.Slots),
+	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: stage.NewEngineSlots(cfg.Slots),
 		lonely: make(map[string]bool),
 		log:    log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
 	w.id = dispatcher.NewWorkerID(cfg.Role)
@@ -221,19 +222,19 @@ func (w *Worker) Run(ctx context.Context) error {
 }
 
 // loopConfig is the stage loop of one model the engine serves.
-func (w *Worker) loopConfig(m vllm.Model, entry string) dispatcher.StageConfig {
+func (w *Worker) loopConfig(m vllm.Model, entry string) stage.StageConfig {
 	handler, release := w.decode, w.release
 	if w.cfg.Role == dispatcher.StagePrefill {
 		handler, release = w.prefill, nil
 	}
 	alone := func() bool { return w.alone(m.ID) }
-	return dispatcher.StageConfig{
+	return stage.StageConfig{
 		Stage:          w.cfg.Role,
 		Pool:           dispatcher.PoolName(m.ID),
 		Slots:          w.cfg.Slots,
 		EngineSlots:    w.slots,
 		Handler:        w.observed(handler),
-		Ready:          func(ctx context.Context) (dispatcher.Permit, error) { return w.breaker.wait(ctx, alone) },
+		Ready:          func(ctx context.Context) (stage.Permit, error) { return w.breaker.wait(ctx, alone) },
 		Health:         w.breaker.Health,
 		Release:        release,
 		Grace:          w.cfg.Grace,
@@ -258,8 +259,8 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) dispatcher.StageConfig {
 // observed runs a handler and tells the breaker how the engine did. A
 // prefill worker whose breaker is open forwards jobs decode-only while no
 // other prefill worker of its pool is healthy, instead of failing them.
-func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
-	return func(ctx context.Context, d *dispatcher.Delivery) error {
+func (w *Worker) observed(h stage.Handler) stage.Handler {
+	return func(ctx context.Context, d *stage.Delivery) error {
 		tok := d.Permit()
 		if !w.breaker.admits(tok) {
 			switch {
@@ -268,7 +269,7 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 				// other than a half-open breaker's trial): another worker's
 				// engine is healthy, so the job goes back without touching
 				// this one.
-				return dispatcher.HandBack(errHandedBack,
+				return stage.HandBack(errHandedBack,
 					openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
 			case w.canForward():
 				w.forward(d)
@@ -277,7 +278,7 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 		}
 		if w.avoids(d.Job) {
 			w.breaker.neutral(tok)
-			return dispatcher.HandBack(errAvoided,
+			return stage.HandBack(errAvoided,
 				openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
 		}
 		err := h(ctx, d)
@@ -296,7 +297,7 @@ func (w *Worker) observed(h dispatcher.Handler) dispatcher.Handler {
 		default:
 			w.breaker.neutral(tok)
 		}
-		var f *dispatcher.Failure
+		var f *stage.Failure
 		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.alone(d.Job.Model) && w.canForward() {
 			w.forward(d)
 			return nil
@@ -384,7 +385,7 @@ func (w *Worker) canForward() bool {
 }
 
 // forward sends a job on to decode-only.
-func (w *Worker) forward(d *dispatcher.Delivery) {
+func (w *Worker) forward(d *stage.Delivery) {
 	d.Forward()
 	w.cfg.Metrics.Fallback(d.Job.Pool, "prefill")
 	w.cfg.Metrics.DecodeOnly("no_healthy_prefill")
@@ -487,53 +488,53 @@ func retryAfter(v string) time.Duration {
 // its engine, and are retried on prefill but end a decode at once; any
 // other 4xx is the client's and goes back to it with the engine's status
 // and message.
-func engineFailure(stage dispatcher.Stage, status int, body []byte, wait time.Duration) error {
+func engineFailure(role dispatcher.Stage, status int, body []byte, wait time.Duration) error {
 	apiErr, ok := openai.ParseError(body)
 	if !ok {
-		apiErr = openai.NewError(status, "%s engine answered %d: %s", stage, status, truncate(string(body), 200))
+		apiErr = openai.NewError(status, "%s engine answered %d: %s", role, status, truncate(string(body), 200))
 	}
-	err := fmt.Errorf("%s engine answered %d: %s", stage, status, apiErr.Message)
+	err := fmt.Errorf("%s engine answered %d: %s", role, status, apiErr.Message)
 	switch {
 	case status == http.StatusTooManyRequests:
-		return dispatcher.Retryable(&notRun{err: err, retryAfter: wait, status: status}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+		return stage.Retryable(&notRun{err: err, retryAfter: wait, status: status}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", role, apiErr.Message))
 	case status == http.StatusServiceUnavailable:
-		return dispatcher.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait, status: status}, status: status},
-			openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", stage, apiErr.Message))
+		return stage.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait, status: status}, status: status},
+			openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", role, apiErr.Message))
 	case status >= 500:
-		return dispatcher.Retryable(&engineFault{err: err, status: status}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", stage, apiErr.Message))
+		return stage.Retryable(&engineFault{err: err, status: status}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", role, apiErr.Message))
 	case status == http.StatusUnauthorized || status == http.StatusForbidden || status == http.StatusNotFound:
 		// Not the client's doing: the worker is set up wrong for its engine
 		// (a key, a route, a model). A prefill is retried, then kept for
 		// replay; a decode ends at once (a retry would prefill again), with
 		// its KV released, since the engine refused before reading it.
-		e := openai.NewError(http.StatusBadGateway, "%s engine refused pdq (%d): %s", stage, status, apiErr.Message)
-		if stage == dispatcher.StageDecode {
-			return dispatcher.Rejected(err, e)
+		e := openai.NewError(http.StatusBadGateway, "%s engine refused pdq (%d): %s", role, status, apiErr.Message)
+		if role == dispatcher.StageDecode {
+			return stage.Rejected(err, e)
 		}
-		return dispatcher.Retryable(err, e)
+		return stage.Retryable(err, e)
 	case status >= 400:
 		apiErr.Code, apiErr.Type = status, openai.ErrorType(status)
-		return dispatcher.Rejected(err, apiErr)
+		return stage.Rejected(err, apiErr)
 	}
-	return dispatcher.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", stage, status))
+	return stage.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", role, status))
 }
 
-// errTimedOut is the cause of an engine call cut off by a stage deadline.
+// errTimedOut is the cause of an engine call cut off by a role deadline.
 var errTimedOut = errors.New("engine deadline passed")
 
 // timedOut is the failure of an engine call that took longer than its
-// stage allows: retryable, on another engine if one is free.
-func timedOut(stage dispatcher.Stage, what string, limit time.Duration) error {
-	return dispatcher.Retryable(&engineFault{err: fmt.Errorf("%s engine: %s: no answer within %v", stage, what, limit)},
-		openai.NewError(http.StatusGatewayTimeout, "%s engine did not answer within %v", stage, limit))
+// role allows: retryable, on another engine if one is free.
+func timedOut(role dispatcher.Stage, what string, limit time.Duration) error {
+	return stage.Retryable(&engineFault{err: fmt.Errorf("%s engine: %s: no answer within %v", role, what, limit)},
+		openai.NewError(http.StatusGatewayTimeout, "%s engine did not answer within %v", role, limit))
 }
 
 // unreachable is the failure of an engine call that got no answer.
-func unreachable(ctx context.Context, stage dispatcher.Stage, err error) error {
+func unreachable(ctx context.Context, role dispatcher.Stage, err error) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	return dispatcher.Retryable(&engineFault{err: err, unreachable: true}, openai.NewError(http.StatusBadGateway, "%s engine unreachable", stage))
+	return stage.Retryable(&engineFault{err: err, unreachable: true}, openai.NewError(http.StatusBadGateway, "%s engine unreachable", role))
 }
 
 // engineFault is an engine failure that counts against its health, for
@@ -553,7 +554,7 @@ var errBadEnvelope = errors.New("job body is not a JSON object")
 // badBody is the failure of a job whose body cannot be built into an
 // engine request: no attempt can fix it.
 func badBody(err error) error {
-	return dispatcher.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+	return stage.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
 }
 
 func truncate(s string, n int) string {

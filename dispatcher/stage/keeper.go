@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -32,14 +33,14 @@ import (
 // keeper renews one stage stream's keeper for a loop.
 type keeper struct {
 	js    jetstream.JetStream
-	stage Stage
+	stage dispatcher.Stage
 	every time.Duration
 	log   *slog.Logger
 	took  chan struct{}    // a job was taken since the last renewal
 	st    jetstream.Stream // the stage's stream, once looked up
 }
 
-func newKeeper(js jetstream.JetStream, stage Stage, every time.Duration, log *slog.Logger) *keeper {
+func newKeeper(js jetstream.JetStream, stage dispatcher.Stage, every time.Duration, log *slog.Logger) *keeper {
 	return &keeper{js: js, stage: stage, every: every, log: log, took: make(chan struct{}, 1)}
 }
 
@@ -62,7 +63,7 @@ func (k *keeper) run(ctx context.Context) {
 		}
 		if err := k.renew(ctx); err != nil && ctx.Err() == nil {
 			// Only the file store's work is at stake: the next job tries again.
-			k.log.Debug("stream keeper not renewed", "stream", stageStream(k.stage), logging.Err(err))
+			k.log.Debug("stream keeper not renewed", "stream", dispatcher.StageStream(k.stage), logging.Err(err))
 		}
 		if sleep.For(ctx, k.every) != nil {
 			return
@@ -77,8 +78,8 @@ func (k *keeper) run(ctx context.Context) {
 func (k *keeper) renew(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	msg := nats.NewMsg(KeeperSubject(k.stage))
-	msg.Data = []byte(keeperNote)
+	msg := nats.NewMsg(dispatcher.KeeperSubject(k.stage))
+	msg.Data = []byte(dispatcher.KeeperNote)
 	msg.Header[nats.MsgIdHdr] = []string{"keep/" + strconv.FormatInt(time.Now().UnixNano()/int64(k.every), 10)}
 	ack, err := k.js.PublishMsg(ctx, msg)
 	if err != nil {
@@ -88,11 +89,11 @@ func (k *keeper) renew(ctx context.Context) error {
 		return nil
 	}
 	if k.st == nil {
-		if k.st, err = k.js.Stream(ctx, stageStream(k.stage)); err != nil {
+		if k.st, err = k.js.Stream(ctx, dispatcher.StageStream(k.stage)); err != nil {
 			return fmt.Errorf("look up the stream: %w", err)
 		}
 	}
-	if err := k.st.Purge(ctx, jetstream.WithPurgeSubject(KeeperSubject(k.stage)), jetstream.WithPurgeKeep(1)); err != nil {
+	if err := k.st.Purge(ctx, jetstream.WithPurgeSubject(dispatcher.KeeperSubject(k.stage)), jetstream.WithPurgeKeep(1)); err != nil {
 		return fmt.Errorf("purge older keepers: %w", err)
 	}
 	return nil

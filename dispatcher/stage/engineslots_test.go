@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -8,6 +8,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -18,32 +20,32 @@ import (
 // prefilled again. (Review: a pulled job used to wait in the busy worker,
 // and was Naked into a new generation when that loop stopped.)
 func TestEngineSlotsBusyEngine(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool := PoolName(t.Name())
+	pool := dispatcher.PoolName(t.Name())
 	id := "slot-wait"
 	var ran, released, handBacks atomic.Int32
-	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 		Grace: time.Second,
 		Handler: func(_ context.Context, d *Delivery) error {
 			ran.Add(1)
 			handBacks.Store(int32(d.Job.HandBacks))
 			return nil
 		},
-		Release: func(context.Context, *Job) error { released.Add(1); return nil }}
-	records, _ := OpenRecords(ctx, js)
-	job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
-	if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+		Release: func(context.Context, *dispatcher.Job) error { released.Add(1); return nil }}
+	records, _ := dispatcher.OpenRecords(ctx, js)
+	job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
+	if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 		t.Fatal(err)
 	}
-	pcons, _ := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)
+	pcons, _ := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Second)
 	pm, err := pcons.Next(jetstream.FetchMaxWait(5 * time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
 	job.KV = []byte(`{"remote_block_ids":[1]}`)
-	job.Prefill = &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}
-	if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
+	job.Prefill = &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}
+	if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
 	pm.Ack()
@@ -71,7 +73,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	done2 := make(chan struct{})
 	go func() { defer close(done2); l2.Run(ctx2) }()
 	defer func() { cancel2(); <-done2 }()
-	waitFor(t, "the handoff settled", func() bool {
+	dispatchertest.WaitFor(t, "the handoff settled", func() bool {
 		r, _, _ := records.Get(ctx, id)
 		return ran.Load() > 0 || r.Generation > 1
 	})

@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -27,21 +29,21 @@ func runLoop(t *testing.T, l *StageLoop) {
 // on the engine) waits for a slot too: the engine never gets more calls
 // than its slots. (Found by review: it ran without one.)
 func TestEngineSlotsReleaseOnCancel(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	e := NewEngineSlots(1)
-	poolA, poolB := PoolName("slots-a"), PoolName("slots-b")
+	poolA, poolB := dispatcher.PoolName("slots-a"), dispatcher.PoolName("slots-b")
 	block := make(chan struct{})
 	unblock := sync.OnceFunc(func() { close(block) })
 	defer unblock()
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
-	base := StageConfig{Stage: StageDecode, Slots: 1, PullWait: 3 * time.Second, EngineSlots: e, KVTTL: 10 * time.Second,
+	base := StageConfig{Stage: dispatcher.StageDecode, Slots: 1, PullWait: 3 * time.Second, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second}
 	cb := base
 	cb.Pool = poolB
 	cb.Handler = func(context.Context, *Delivery) error { return nil }
-	cb.Release = func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
+	cb.Release = func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
 	lb, _ := NewStageLoop(nc, js, withSettings(cb), logging.Discard())
 	runLoop(t, lb) // idle: passes waitFree, waits in its pull (for up to 3 s)
 	time.Sleep(300 * time.Millisecond)
@@ -49,22 +51,22 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	ca := base
 	ca.Pool = poolA
 	ca.Handler = func(context.Context, *Delivery) error { <-block; return nil }
-	ca.Release = func(context.Context, *Job) error { return nil }
+	ca.Release = func(context.Context, *dispatcher.Job) error { return nil }
 	la, _ := NewStageLoop(nc, js, withSettings(ca), logging.Discard())
 	runLoop(t, la)
-	a := &Job{ID: "slot-a", Model: "a", Pool: poolA, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1}
-	if _, err := js.PublishMsg(ctx, a.Msg(StageDecode)); err != nil {
+	a := &dispatcher.Job{ID: "slot-a", Model: "a", Pool: poolA, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1}
+	if _, err := js.PublishMsg(ctx, a.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "a holds the engine", func() bool { return e.inUse() == 1 })
+	dispatchertest.WaitFor(t, "a holds the engine", func() bool { return e.inUse() == 1 })
 
-	b := &Job{ID: "slot-b", Model: "b", Pool: poolB, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
-		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
-	if _, err := js.PublishMsg(ctx, b.Msg(StageDecode)); err != nil {
+	b := &dispatcher.Job{ID: "slot-b", Model: "b", Pool: poolB, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
+		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}}
+	if _, err := js.PublishMsg(ctx, b.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "b waits for the slot", func() bool { lb.mu.Lock(); defer lb.mu.Unlock(); return len(lb.running) == 1 })
-	if err := nc.Publish(CancelSubject("slot-b"), nil); err != nil {
+	dispatchertest.WaitFor(t, "b waits for the slot", func() bool { lb.mu.Lock(); defer lb.mu.Unlock(); return len(lb.running) == 1 })
+	if err := nc.Publish(dispatcher.CancelSubject("slot-b"), nil); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)
@@ -72,7 +74,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 		t.Fatalf("KV release (a decode call) ran while another model's job held the engine's only slot (%d in use)", n)
 	}
 	unblock()
-	waitFor(t, "b's KV released", func() bool { return usedAtRelease.Load() >= 0 })
+	dispatchertest.WaitFor(t, "b's KV released", func() bool { return usedAtRelease.Load() >= 0 })
 	if n := usedAtRelease.Load(); n != 1 {
 		t.Errorf("KV release ran with %d engine slots in use, want its own", n)
 	}
@@ -82,24 +84,24 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 // decode engine rejected runs in an engine slot, though the job gave its
 // slot back when the handler returned.
 func TestEngineSlotsReleaseAfterReject(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	e := NewEngineSlots(1)
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
-	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
+	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error {
 			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
 		},
-		Release: func(context.Context, *Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }}
+		Release: func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }}
 	l, _ := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
-	j := &Job{ID: "slot-r", Model: "r", Pool: cfg.Pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
-		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
-	if _, err := js.PublishMsg(context.Background(), j.Msg(StageDecode)); err != nil {
+	j := &dispatcher.Job{ID: "slot-r", Model: "r", Pool: cfg.Pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
+		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}}
+	if _, err := js.PublishMsg(context.Background(), j.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "released", func() bool { return usedAtRelease.Load() >= 0 })
+	dispatchertest.WaitFor(t, "released", func() bool { return usedAtRelease.Load() >= 0 })
 	if usedAtRelease.Load() == 0 {
 		t.Errorf("the rejected decode's KV release ran with no engine slot held")
 	}
@@ -109,7 +111,7 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 // pulls one job, not more: jobs it cannot run stay in the queue for other
 // workers. (Found by review.)
 func TestEngineSlotsNoOverPull(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	e := NewEngineSlots(4)
 	for range 3 { // another model's jobs hold 3 of the 4 slots
@@ -118,20 +120,20 @@ func TestEngineSlotsNoOverPull(t *testing.T) {
 	block := make(chan struct{})
 	defer close(block)
 	var started atomic.Int32
-	cfg := StageConfig{Stage: StageDecode, Pool: PoolName("slots-o"), Slots: 4, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
+	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-o"), Slots: 4, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 5 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error { started.Add(1); <-block; return nil },
-		Release: func(context.Context, *Job) error { return nil }}
+		Release: func(context.Context, *dispatcher.Job) error { return nil }}
 	big := []byte(`{"x":"` + strings.Repeat("a", 10) + `"}`)
 	for i := range 4 {
-		j := &Job{ID: "slot-o" + string(rune('0'+i)), Model: "o", Pool: cfg.Pool, Endpoint: openai.Chat, Body: big, Deadline: time.Now().Add(time.Minute), Generation: 1}
-		if _, err := js.PublishMsg(ctx, j.Msg(StageDecode)); err != nil {
+		j := &dispatcher.Job{ID: "slot-o" + string(rune('0'+i)), Model: "o", Pool: cfg.Pool, Endpoint: openai.Chat, Body: big, Deadline: time.Now().Add(time.Minute), Generation: 1}
+		if _, err := js.PublishMsg(ctx, j.Msg(dispatcher.StageDecode)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	l, _ := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
-	waitFor(t, "one runs", func() bool { return started.Load() == 1 })
+	dispatchertest.WaitFor(t, "one runs", func() bool { return started.Load() == 1 })
 	time.Sleep(500 * time.Millisecond)
 	l.mu.Lock()
 	n := len(l.running)
@@ -147,20 +149,20 @@ func TestEngineSlotsNoOverPull(t *testing.T) {
 // regenerates it instead of decoding it. (Found by review: it was handed
 // back as a fresh message, and decoded.)
 func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool := PoolName("slots-h")
+	pool := dispatcher.PoolName("slots-h")
 	var ran atomic.Int32
-	cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 3 * time.Second, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
+	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 3 * time.Second, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
-		Release: func(context.Context, *Job) error { return nil }}
-	cons, err := EnsureConsumer(ctx, js, StageDecode, pool, time.Second)
+		Release: func(context.Context, *dispatcher.Job) error { return nil }}
+	cons, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
-	j := &Job{ID: "slot-h", Model: "h", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
-		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now()}}
-	if _, err := js.PublishMsg(ctx, j.Msg(StageDecode)); err != nil {
+	j := &dispatcher.Job{ID: "slot-h", Model: "h", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
+		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}}
+	if _, err := js.PublishMsg(ctx, j.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := cons.Next(); err != nil { // delivery 1: a worker that read the KV, then went silent
@@ -175,7 +177,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	go func() { defer close(done1); l1.Run(ctx1) }()
 	time.Sleep(200 * time.Millisecond) // l1 waits in its pull (for up to 3 s)
 	e.acquire(ctx)                     // another model's job takes the engine
-	waitFor(t, "delivery 2 waits for the slot", func() bool { l1.mu.Lock(); defer l1.mu.Unlock(); return len(l1.running) == 1 })
+	dispatchertest.WaitFor(t, "delivery 2 waits for the slot", func() bool { l1.mu.Lock(); defer l1.mu.Unlock(); return len(l1.running) == 1 })
 	cancel1()
 	<-done1
 

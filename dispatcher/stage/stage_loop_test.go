@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -15,6 +15,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -27,8 +29,8 @@ type loopTest struct {
 	nc      *nats.Conn
 	js      jetstream.JetStream
 	pool    string
-	stage   Stage // the loop's; "" (as prefill) for a loop the test runs by hand
-	replies *Replies
+	stage   dispatcher.Stage // the loop's; "" (as prefill) for a loop the test runs by hand
+	replies *dispatcher.Replies
 	cancel  context.CancelFunc
 	done    chan struct{}
 	loop    *StageLoop
@@ -36,7 +38,7 @@ type loopTest struct {
 
 func startLoop(t *testing.T, nc *nats.Conn, js jetstream.JetStream, cfg StageConfig) *loopTest {
 	t.Helper()
-	return startLoopOn(t, nc, js, PoolName(t.Name()), cfg)
+	return startLoopOn(t, nc, js, dispatcher.PoolName(t.Name()), cfg)
 }
 
 // startLoopOn starts a loop on pool.
@@ -44,7 +46,7 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	t.Helper()
 	cfg.Pool = pool
 	if cfg.Stage == "" {
-		cfg.Stage = StagePrefill
+		cfg.Stage = dispatcher.StagePrefill
 	}
 	if cfg.Slots == 0 {
 		cfg.Slots = 1
@@ -58,11 +60,11 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	if err != nil {
 		t.Fatal(err)
 	}
-	replies, err := NewReplies(nc, "gw-"+cfg.Pool)
+	replies, err := dispatcher.NewReplies(nc, "gw-"+cfg.Pool)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pings, err := AnswerPings(nc, "gw-"+cfg.Pool)
+	pings, err := dispatcher.AnswerPings(nc, "gw-"+cfg.Pool)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,38 +90,38 @@ func (lt *loopTest) stop() {
 }
 
 // submit queues a job and opens its reply stream.
-func (lt *loopTest) submit(id string) *ReplyStream {
+func (lt *loopTest) submit(id string) *dispatcher.ReplyStream {
 	lt.t.Helper()
 	s, err := lt.replies.Open(id)
 	if err != nil {
 		lt.t.Fatal(err)
 	}
 	lt.t.Cleanup(s.Close)
-	lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), ReplyTo: lt.replies.Subject(id),
+	lt.submitJob(&dispatcher.Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), ReplyTo: lt.replies.Subject(id),
 		Deadline: time.Now().Add(time.Minute)})
 	return s
 }
 
 // submitJob queues job, as the gateway does.
-func (lt *loopTest) submitJob(job *Job) {
+func (lt *loopTest) submitJob(job *dispatcher.Job) {
 	lt.t.Helper()
-	records, err := OpenRecords(context.Background(), lt.js)
+	records, err := dispatcher.OpenRecords(context.Background(), lt.js)
 	if err != nil {
 		lt.t.Fatal(err)
 	}
 	stage := lt.stage
 	if stage == "" {
-		stage = StagePrefill
+		stage = dispatcher.StagePrefill
 	}
-	if _, err := NewSubmitter(lt.js, records, NewLiveness(lt.nc)).Submit(context.Background(), stage, job); err != nil {
+	if _, err := dispatcher.NewSubmitter(lt.js, records, dispatcher.NewLiveness(lt.nc)).Submit(context.Background(), stage, job); err != nil {
 		lt.t.Fatal(err)
 	}
 }
 
 // record reads a request's record.
-func (lt *loopTest) record(id string) *Record {
+func (lt *loopTest) record(id string) *dispatcher.Record {
 	lt.t.Helper()
-	records, err := OpenRecords(context.Background(), lt.js)
+	records, err := dispatcher.OpenRecords(context.Background(), lt.js)
 	if err != nil {
 		lt.t.Fatal(err)
 	}
@@ -131,13 +133,13 @@ func (lt *loopTest) record(id string) *Record {
 }
 
 // pending counts the stage stream's messages of this pool.
-func (lt *loopTest) pending(stage Stage) uint64 {
+func (lt *loopTest) pending(stage dispatcher.Stage) uint64 {
 	lt.t.Helper()
-	st, err := lt.js.Stream(context.Background(), stageStream(stage))
+	st, err := lt.js.Stream(context.Background(), dispatcher.StageStream(stage))
 	if err != nil {
 		lt.t.Fatal(err)
 	}
-	info, err := st.Info(context.Background(), jetstream.WithSubjectFilter(stageSubject(stage)+"."+lt.pool+".>"))
+	info, err := st.Info(context.Background(), jetstream.WithSubjectFilter(dispatcher.StageSubject(stage)+"."+lt.pool+".>"))
 	if err != nil {
 		lt.t.Fatal(err)
 	}
@@ -150,17 +152,17 @@ func (lt *loopTest) pending(stage Stage) uint64 {
 
 // handoff reads id's last message on the decode stage, and the job it
 // holds.
-func (lt *loopTest) handoff(id string) (*jetstream.RawStreamMsg, *Job) {
+func (lt *loopTest) handoff(id string) (*jetstream.RawStreamMsg, *dispatcher.Job) {
 	lt.t.Helper()
-	st, err := lt.js.Stream(context.Background(), StreamDecode)
+	st, err := lt.js.Stream(context.Background(), dispatcher.StreamDecode)
 	if err != nil {
 		lt.t.Fatal(err)
 	}
-	m, err := st.GetLastMsgForSubject(context.Background(), JobSubject(StageDecode, lt.pool, id))
+	m, err := st.GetLastMsgForSubject(context.Background(), dispatcher.JobSubject(dispatcher.StageDecode, lt.pool, id))
 	if err != nil {
 		lt.t.Fatal(err)
 	}
-	job, err := ParseJob(m.Header, m.Data)
+	job, err := dispatcher.ParseJob(m.Header, m.Data)
 	if err != nil {
 		lt.t.Fatalf("the decode job of %s: %v", id, err)
 	}
@@ -169,11 +171,11 @@ func (lt *loopTest) handoff(id string) (*jetstream.RawStreamMsg, *Job) {
 
 func (lt *loopTest) deadLetter(id string) *jetstream.RawStreamMsg {
 	lt.t.Helper()
-	st, err := lt.js.Stream(context.Background(), StreamDLQ)
+	st, err := lt.js.Stream(context.Background(), dispatcher.StreamDLQ)
 	if err != nil {
 		lt.t.Fatal(err)
 	}
-	m, err := st.GetLastMsgForSubject(context.Background(), DLQSubject(lt.pool, id))
+	m, err := st.GetLastMsgForSubject(context.Background(), dispatcher.DLQSubject(lt.pool, id))
 	if err != nil {
 		return nil
 	}
@@ -184,7 +186,7 @@ func (lt *loopTest) deadLetter(id string) *jetstream.RawStreamMsg {
 // fails, rather than hangs until the package's time-out.
 
 func TestStageLoop(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 
 	t.Run("retried with back-off until it succeeds, then forwarded and acked", func(t *testing.T) {
@@ -197,12 +199,12 @@ func TestStageLoop(t *testing.T) {
 			if d.Attempt < 3 {
 				return Retryable(errors.New("engine down"), nil)
 			}
-			d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+			d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
 		}})
 		lt.submit("job-1")
-		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
-		waitFor(t, "the ack", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the handoff", func() bool { return lt.pending(dispatcher.StageDecode) == 1 })
+		dispatchertest.WaitFor(t, "the ack", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		mu.Lock()
 		defer mu.Unlock()
 		if len(attempts) != 3 || attempts[2] != 3 {
@@ -210,7 +212,7 @@ func TestStageLoop(t *testing.T) {
 		}
 		m, h := lt.handoff("job-1")
 		if string(h.Body) != `{}` || string(h.KV) != `{"remote_block_ids":[[1]]}` ||
-			m.Header.Get(jetstream.MsgIDHeader) != "job-1/d1" || m.Header.Get(HeaderGeneration) != "1" {
+			m.Header.Get(jetstream.MsgIDHeader) != "job-1/d1" || m.Header.Get(dispatcher.HeaderGeneration) != "1" {
 			t.Errorf("handoff %s %v", m.Data, m.Header)
 		}
 	})
@@ -223,18 +225,18 @@ func TestStageLoop(t *testing.T) {
 		}})
 		s := lt.submit("job-2")
 		r, err := s.Next(ctx, 10*time.Second)
-		if err != nil || r.Kind != KindError || r.Status != 400 || !strings.Contains(string(r.Data), "prompt too long") {
+		if err != nil || r.Kind != dispatcher.KindError || r.Status != 400 || !strings.Contains(string(r.Data), "prompt too long") {
 			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
 		}
-		waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the job gone", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		time.Sleep(200 * time.Millisecond) // many retry delays
-		if calls.Load() != 1 || lt.pending(StagePrefill) != 0 {
-			t.Errorf("handler ran %d times, %d jobs left; want 1 run and none", calls.Load(), lt.pending(StagePrefill))
+		if calls.Load() != 1 || lt.pending(dispatcher.StagePrefill) != 0 {
+			t.Errorf("handler ran %d times, %d jobs left; want 1 run and none", calls.Load(), lt.pending(dispatcher.StagePrefill))
 		}
 		if lt.deadLetter("job-2") != nil {
 			t.Error("a client's own error was dead-lettered")
 		}
-		if r := lt.record("job-2"); r.State != StateFailed || r.Error == nil || r.Error.Status != 400 {
+		if r := lt.record("job-2"); r.State != dispatcher.StateFailed || r.Error == nil || r.Error.Status != 400 {
 			t.Errorf("record %+v, want failed with 400", r)
 		}
 	})
@@ -247,18 +249,18 @@ func TestStageLoop(t *testing.T) {
 		}})
 		s := lt.submit("job-3")
 		r, err := s.Next(ctx, 10*time.Second)
-		if err != nil || r.Kind != KindError || r.Status != 502 || !strings.Contains(string(r.Data), "after 4 attempts") {
+		if err != nil || r.Kind != dispatcher.KindError || r.Status != 502 || !strings.Contains(string(r.Data), "after 4 attempts") {
 			t.Fatalf("reply %+v %s, %v", r, r.Data, err)
 		}
 		if calls.Load() != config.DefaultMaxDeliver {
 			t.Errorf("handler ran %d times, want %d", calls.Load(), config.DefaultMaxDeliver)
 		}
-		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-3") != nil })
-		if dl := lt.deadLetter("job-3"); dl.Header.Get(HeaderStage) != "prefill" || dl.Header.Get(HeaderStatus) != "502" ||
-			!strings.Contains(dl.Header.Get(HeaderReason), "connection refused") || string(dl.Data) != `{}` {
+		dispatchertest.WaitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-3") != nil })
+		if dl := lt.deadLetter("job-3"); dl.Header.Get(dispatcher.HeaderStage) != "prefill" || dl.Header.Get(dispatcher.HeaderStatus) != "502" ||
+			!strings.Contains(dl.Header.Get(dispatcher.HeaderReason), "connection refused") || string(dl.Data) != `{}` {
 			t.Errorf("dead letter %v %s", dl.Header, dl.Data)
 		}
-		if r := lt.record("job-3"); r.State != StateFailed || r.Error.Status != 502 {
+		if r := lt.record("job-3"); r.State != dispatcher.StateFailed || r.Error.Status != 502 {
 			t.Errorf("record %+v, want failed with 502", r)
 		}
 	})
@@ -281,8 +283,8 @@ func TestStageLoop(t *testing.T) {
 		for _, id := range []string{"a", "b", "c", "d", "e"} {
 			lt.submit("job-4" + id)
 		}
-		waitFor(t, "two running", func() bool { return running.Load() == 2 })
-		cons, err := js.Consumer(ctx, StreamPrefill, ConsumerName(StagePrefill, lt.pool))
+		dispatchertest.WaitFor(t, "two running", func() bool { return running.Load() == 2 })
+		cons, err := js.Consumer(ctx, dispatcher.StreamPrefill, dispatcher.ConsumerName(dispatcher.StagePrefill, lt.pool))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,7 +297,7 @@ func TestStageLoop(t *testing.T) {
 			t.Errorf("ack pending %d, pending %d; want 2 delivered and 3 waiting in the stream", info.NumAckPending, info.NumPending)
 		}
 		close(release)
-		waitFor(t, "all done", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "all done", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		if peak.Load() != 2 {
 			t.Errorf("peak concurrency %d, want 2", peak.Load())
 		}
@@ -313,11 +315,11 @@ func TestStageLoop(t *testing.T) {
 			return ctx.Err()
 		}})
 		lt.submit("job-5")
-		recv(t, "the handler started", started)
-		if err := nc.Publish(CancelSubject("job-5"), nil); err != nil {
+		dispatchertest.Recv(t, "the handler started", started)
+		if err := nc.Publish(dispatcher.CancelSubject("job-5"), nil); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "the job dropped", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the job dropped", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		time.Sleep(100 * time.Millisecond)
 		if calls.Load() != 1 || !errors.Is(cause.Load().(error), errCancelled) {
 			t.Errorf("handler ran %d times, cause %v", calls.Load(), cause.Load())
@@ -337,7 +339,7 @@ func TestStageLoop(t *testing.T) {
 		// the running job stopped by it.
 		cancelStops := func(id string, origin int, what string) {
 			t.Helper()
-			if err := Cancel(nc, id, origin); err != nil {
+			if err := dispatcher.Cancel(nc, id, origin); err != nil {
 				t.Fatal(err)
 			}
 			select {
@@ -350,11 +352,11 @@ func TestStageLoop(t *testing.T) {
 			}
 		}
 		lt.submit("job-gen") // claimed at generation 1
-		recv(t, "the handler started", started)
+		dispatchertest.Recv(t, "the handler started", started)
 		// A late cancel of another request under the same id (one claimed
 		// at generation 2, from the worker's point of view a retry that
 		// runs later, or an earlier one): not this request's business.
-		if err := Cancel(nc, "job-gen", 2); err != nil {
+		if err := dispatcher.Cancel(nc, "job-gen", 2); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -366,12 +368,12 @@ func TestStageLoop(t *testing.T) {
 
 		// A later generation of the request (prefilled again, or moved)
 		// is the same request: its cancel stops it.
-		job := &Job{ID: "job-gen2", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+		job := &dispatcher.Job{ID: "job-gen2", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 			ReplyTo: lt.replies.Subject("job-gen2"), Deadline: time.Now().Add(time.Minute), Generation: 2, Origin: 1}
-		if _, err := js.PublishMsg(ctx, job.Msg(StagePrefill)); err != nil {
+		if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StagePrefill)); err != nil {
 			t.Fatal(err)
 		}
-		recv(t, "the handler started", started)
+		dispatchertest.Recv(t, "the handler started", started)
 		cancelStops("job-gen2", 1, "its request (a second generation of it)")
 	})
 
@@ -382,7 +384,7 @@ func TestStageLoop(t *testing.T) {
 		// end nor end the message: both are the later attempt's.
 		stopped := make(chan error, 1)
 		running := make(chan struct{})
-		lt := startLoop(t, nc, js, StageConfig{Stage: StageDecode, StallTimeout: time.Second, Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, StageConfig{Stage: dispatcher.StageDecode, StallTimeout: time.Second, Handler: func(ctx context.Context, d *Delivery) error {
 			d.Replies() // its beats start; no output yet (a restart after output fails the request)
 			close(running)
 			<-ctx.Done()
@@ -400,30 +402,30 @@ func TestStageLoop(t *testing.T) {
 				chunks <- string(r.Data)
 			}
 		}()
-		recv(t, "the handler running", running)
+		dispatchertest.Recv(t, "the handler running", running)
 		// The later attempt's chunk: the stream follows it.
-		later := NewReplyWriter(nc, lt.replies.Subject("job-superseded"), ReplyAttempt(1, 2))
+		later := dispatcher.NewReplyWriter(nc, lt.replies.Subject("job-superseded"), dispatcher.ReplyAttempt(1, 2))
 		later.Chunk([]byte("again"))
-		if c := recv(t, "the later attempt's chunk", chunks); c != "again" {
+		if c := dispatchertest.Recv(t, "the later attempt's chunk", chunks); c != "again" {
 			t.Fatalf("chunk %q, want the later attempt's", c)
 		}
 		select {
 		case err := <-stopped:
-			if !errors.Is(err, errSuperseded) {
+			if !errors.Is(err, dispatcher.ErrSuperseded) {
 				t.Fatalf("stopped by %v, want errSuperseded", err)
 			}
 		case <-time.After(5 * time.Second):
 			t.Fatal("the superseded attempt still runs")
 		}
-		waitFor(t, "its settle", func() bool {
+		dispatchertest.WaitFor(t, "its settle", func() bool {
 			lt.loop.mu.Lock()
 			defer lt.loop.mu.Unlock()
 			return len(lt.loop.running) == 0
 		})
-		if r := lt.record("job-superseded"); r.State != StateQueued {
+		if r := lt.record("job-superseded"); r.State != dispatcher.StateQueued {
 			t.Errorf("record %+v: the superseded attempt ended the live request", r)
 		}
-		if n := lt.pending(StageDecode); n != 1 {
+		if n := lt.pending(dispatcher.StageDecode); n != 1 {
 			t.Errorf("%d jobs left: the superseded attempt ended the message the later attempt holds", n)
 		}
 	})
@@ -439,15 +441,15 @@ func TestStageLoop(t *testing.T) {
 		}})
 		s := lt.submit("job-poison")
 		r, err := s.Next(ctx, 10*time.Second)
-		if err != nil || r.Kind != KindError || r.Status != 500 {
+		if err != nil || r.Kind != dispatcher.KindError || r.Status != 500 {
 			t.Fatalf("reply %+v %s, %v; want a 500", r, r.Data, err)
 		}
-		waitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-poison") != nil })
-		if rec := lt.record("job-poison"); rec.State != StateFailed {
+		dispatchertest.WaitFor(t, "the dead letter", func() bool { return lt.deadLetter("job-poison") != nil })
+		if rec := lt.record("job-poison"); rec.State != dispatcher.StateFailed {
 			t.Errorf("record %+v, want failed", rec)
 		}
 		lt.submit("job-after-poison")
-		waitFor(t, "the next job run", func() bool { return ran.Load() == 2 && lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the next job run", func() bool { return ran.Load() == 2 && lt.pending(dispatcher.StagePrefill) == 0 })
 	})
 
 	t.Run("a running job stops at its deadline, with no client to cancel it", func(t *testing.T) {
@@ -462,13 +464,13 @@ func TestStageLoop(t *testing.T) {
 		// A replay's job: no reply subject, so no gateway gives up on it.
 		// Long enough to be pulled and run on a loaded machine first.
 		deadline := time.UnixMilli(time.Now().Add(2 * time.Second).UnixMilli()) // as the job carries it
-		lt.submitJob(&Job{ID: "job-deadline", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: deadline})
-		waitFor(t, "the job dropped", func() bool { return lt.pending(StagePrefill) == 0 })
+		lt.submitJob(&dispatcher.Job{ID: "job-deadline", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: deadline})
+		dispatchertest.WaitFor(t, "the job dropped", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		at, _ := stopped.Load().(time.Time)
 		if calls.Load() != 1 || at.Before(deadline) || at.After(deadline.Add(5*time.Second)) {
 			t.Errorf("handler ran %d times, stopped at %v for a deadline at %v", calls.Load(), at, deadline)
 		}
-		if r := lt.record("job-deadline"); r.State != StateExpired || r.Error == nil || r.Error.Status != 504 {
+		if r := lt.record("job-deadline"); r.State != dispatcher.StateExpired || r.Error == nil || r.Error.Status != 504 {
 			t.Errorf("record %+v, want expired with 504", r)
 		}
 	})
@@ -485,11 +487,11 @@ func TestStageLoop(t *testing.T) {
 			}
 		}})
 		lt.submit("job-6")
-		recv(t, "the handler started", started)
+		dispatchertest.Recv(t, "the handler started", started)
 		lt.stop()
 		// The ack is a plain one, sent as the loop stops: the server takes
 		// it a moment later. A job not acked stays (its ack wait is 30 s).
-		waitFor(t, "the running job acked after a graceful stop", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the running job acked after a graceful stop", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 	})
 
 	t.Run("a job longer than the ack wait is kept alive, not redelivered", func(t *testing.T) {
@@ -504,7 +506,7 @@ func TestStageLoop(t *testing.T) {
 			}
 		}})
 		lt.submit("job-8")
-		waitFor(t, "the ack", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the ack", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		if calls.Load() != 1 {
 			t.Errorf("handler ran %d times; InProgress should have kept the job with its first worker", calls.Load())
 		}
@@ -513,22 +515,22 @@ func TestStageLoop(t *testing.T) {
 	t.Run("workers register and leave the registry", func(t *testing.T) {
 		rctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		reg, err := WatchWorkers(rctx, js, logging.Discard())
+		reg, err := dispatcher.WatchWorkers(rctx, js, logging.Discard())
 		if err != nil {
 			t.Fatal(err)
 		}
-		lt := startLoop(t, nc, js, StageConfig{Slots: 3, Worker: WorkerInfo{ID: NewWorkerID(StagePrefill), Model: "model-7"},
+		lt := startLoop(t, nc, js, StageConfig{Slots: 3, Worker: dispatcher.WorkerInfo{ID: dispatcher.NewWorkerID(dispatcher.StagePrefill), Model: "model-7"},
 			Handler: func(context.Context, *Delivery) error { return nil }})
-		waitFor(t, "registration", func() bool { return reg.Status("model-7").Prefill == 1 })
+		dispatchertest.WaitFor(t, "registration", func() bool { return reg.Status("model-7").Prefill == 1 })
 		w := reg.Workers()
-		if len(w) != 1 || w[0].Slots != 3 || w[0].Pool != lt.pool || w[0].Role != StagePrefill {
+		if len(w) != 1 || w[0].Slots != 3 || w[0].Pool != lt.pool || w[0].Role != dispatcher.StagePrefill {
 			t.Errorf("registry = %+v", w)
 		}
 		if len(reg.Cards()) != 0 {
 			t.Errorf("models %v listed without a decode worker", reg.Cards())
 		}
 		lt.stop()
-		waitFor(t, "deregistration", func() bool { return reg.Status("model-7").Prefill == 0 })
+		dispatchertest.WaitFor(t, "deregistration", func() bool { return reg.Status("model-7").Prefill == 0 })
 		if !reg.Status("model-7").Known {
 			t.Error("a model seen before is no longer known")
 		}
@@ -538,18 +540,18 @@ func TestStageLoop(t *testing.T) {
 // TestLifecycle covers the ways a job used to end with no answer, or with
 // work done twice.
 func TestLifecycle(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 
 	t.Run("deliveries used up by crashed workers end in an answer and a dead letter", func(t *testing.T) {
 		var calls atomic.Int32
-		pool := PoolName(t.Name())
-		cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, 200*time.Millisecond)
+		pool := dispatcher.PoolName(t.Name())
+		cons, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, 200*time.Millisecond)
 		if err != nil {
 			t.Fatal(err)
 		}
 		lt := &loopTest{t: t, nc: nc, js: js, pool: pool}
-		lt.replies, err = NewReplies(nc, "gw-"+pool)
+		lt.replies, err = dispatcher.NewReplies(nc, "gw-"+pool)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -570,15 +572,15 @@ func TestLifecycle(t *testing.T) {
 			return nil
 		}})
 		r, err := s.Next(ctx, 10*time.Second)
-		if err != nil || r.Kind != KindError || r.Status != 502 || !strings.Contains(string(r.Data), "4 deliveries") {
+		if err != nil || r.Kind != dispatcher.KindError || r.Status != 502 || !strings.Contains(string(r.Data), "4 deliveries") {
 			t.Fatalf("reply %+v %s, %v; want a 502 after 4 deliveries", r, r.Data, err)
 		}
-		waitFor(t, "the dead letter", func() bool { return lt2.deadLetter("crash-1") != nil })
-		waitFor(t, "the job gone", func() bool { return lt2.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the dead letter", func() bool { return lt2.deadLetter("crash-1") != nil })
+		dispatchertest.WaitFor(t, "the job gone", func() bool { return lt2.pending(dispatcher.StagePrefill) == 0 })
 		if calls.Load() != 0 {
 			t.Errorf("the handler ran %d times for a job out of deliveries", calls.Load())
 		}
-		if r := lt2.record("crash-1"); r.State != StateFailed {
+		if r := lt2.record("crash-1"); r.State != dispatcher.StateFailed {
 			t.Errorf("record state %s, want failed", r.State)
 		}
 	})
@@ -591,9 +593,9 @@ func TestLifecycle(t *testing.T) {
 	}{
 		// Both are answered at their reply subject and dead-lettered.
 		{"a job of an unknown envelope version", "v9-1",
-			func(m *nats.Msg) { m.Header.Set(HeaderVersion, "9") }, 500, "envelope version"},
+			func(m *nats.Msg) { m.Header.Set(dispatcher.HeaderVersion, "9") }, 500, "envelope version"},
 		{"a job that fails validation", "bad-1",
-			func(m *nats.Msg) { m.Header.Set(HeaderEndpoint, "embeddings") }, 500, "unknown endpoint"},
+			func(m *nats.Msg) { m.Header.Set(dispatcher.HeaderEndpoint, "embeddings") }, 500, "unknown endpoint"},
 	} {
 		t.Run(tc.name+" is answered and dead-lettered", func(t *testing.T) {
 			lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
@@ -605,19 +607,19 @@ func TestLifecycle(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			job := &Job{ID: tc.id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+			job := &dispatcher.Job{ID: tc.id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 				ReplyTo: lt.replies.Subject(tc.id), Generation: 1}
-			m := job.Msg(StagePrefill)
+			m := job.Msg(dispatcher.StagePrefill)
 			tc.spoil(m)
 			if _, err := js.PublishMsg(ctx, m); err != nil {
 				t.Fatal(err)
 			}
 			r, err := s.Next(ctx, 10*time.Second)
-			if err != nil || r.Kind != KindError || r.Status != tc.status || !strings.Contains(string(r.Data), tc.want) {
+			if err != nil || r.Kind != dispatcher.KindError || r.Status != tc.status || !strings.Contains(string(r.Data), tc.want) {
 				t.Fatalf("reply %+v %s, %v", r, r.Data, err)
 			}
-			waitFor(t, "the dead letter", func() bool { return lt.deadLetter(tc.id) != nil })
-			waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
+			dispatchertest.WaitFor(t, "the dead letter", func() bool { return lt.deadLetter(tc.id) != nil })
+			dispatchertest.WaitFor(t, "the job gone", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		})
 	}
 
@@ -628,10 +630,10 @@ func TestLifecycle(t *testing.T) {
 			got <- d.Job.Body
 			return nil
 		}})
-		records, _ := OpenRecords(ctx, js)
-		job := &Job{ID: "raw-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
+		records, _ := dispatcher.OpenRecords(ctx, js)
+		job := &dispatcher.Job{ID: "raw-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
 			ReplyTo: lt.replies.Subject("raw-1"), Deadline: time.Now().Add(time.Minute)}
-		if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+		if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -657,11 +659,11 @@ func TestLifecycle(t *testing.T) {
 		}
 		kv.WriteString(`],"remote_host":"h","remote_port":1}`)
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
-			d.HandOff([]byte(kv.String()), StageRecord{Stage: StagePrefill, Started: time.Now()})
+			d.HandOff([]byte(kv.String()), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
 		}})
 		lt.submit("big-kv-1")
-		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
+		dispatchertest.WaitFor(t, "the handoff", func() bool { return lt.pending(dispatcher.StageDecode) == 1 })
 		m, job := lt.handoff("big-kv-1")
 		if string(job.KV) != kv.String() || string(job.Body) != `{}` {
 			t.Fatalf("handoff read back with %d bytes of params and body %.40s", len(job.KV), job.Body)
@@ -683,7 +685,7 @@ func TestLifecycle(t *testing.T) {
 		body := []byte(`{"model":"m","prompt":"` + strings.Repeat("x", 7<<20-40) + `"}`)
 		kv := []byte(`{"remote_block_ids":[` + strings.Repeat("1234567,", 300<<10) + `1]}`)
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
-			d.HandOff(kv, StageRecord{Stage: StagePrefill, Started: time.Now()})
+			d.HandOff(kv, dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
 		}})
 		s, err := lt.replies.Open("huge-1")
@@ -691,10 +693,10 @@ func TestLifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		lt.submitJob(&Job{ID: "huge-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
+		lt.submitJob(&dispatcher.Job{ID: "huge-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
 			ReplyTo: lt.replies.Subject("huge-1"), Deadline: time.Now().Add(time.Minute)})
-		waitFor(t, "the decode job", func() bool { return lt.pending(StageDecode) == 1 })
-		waitFor(t, "the prefill acked", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the decode job", func() bool { return lt.pending(dispatcher.StageDecode) == 1 })
+		dispatchertest.WaitFor(t, "the prefill acked", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		_, got := lt.handoff("huge-1")
 		if len(got.KV) != 0 || got.Prefill != nil || len(got.Body) != len(body) {
 			t.Errorf("decode job with %d bytes of params, prefill %v, %d bytes of body; want the body alone, decode-only",
@@ -706,16 +708,16 @@ func TestLifecycle(t *testing.T) {
 	})
 
 	t.Run("a handoff the decode stream refuses is retried as a publish, not a prefill", func(t *testing.T) {
-		nc, js := startJetStream(t) // its own server: the decode stream is made full
-		st := limitStream(t, js, StreamDecode, 1)
-		filler, err := js.Publish(ctx, JobSubject(StageDecode, "other", "filler"), []byte(`{}`))
+		nc, js := dispatchertest.JetStream(t) // its own server: the decode stream is made full
+		st := limitStream(t, js, dispatcher.StreamDecode, 1)
+		filler, err := js.Publish(ctx, dispatcher.JobSubject(dispatcher.StageDecode, "other", "filler"), []byte(`{}`))
 		if err != nil {
 			t.Fatal(err)
 		}
 		var calls atomic.Int32
 		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
 			calls.Add(1)
-			d.HandOff([]byte(`{"remote_block_ids":[1]}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+			d.HandOff([]byte(`{"remote_block_ids":[1]}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
 		}})
 		lt.submit("full-1")
@@ -723,8 +725,8 @@ func TestLifecycle(t *testing.T) {
 		if err := st.DeleteMsg(ctx, filler.Sequence); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "the handoff", func() bool { return lt.pending(StageDecode) == 1 })
-		waitFor(t, "the prefill acked", func() bool { return lt.pending(StagePrefill) == 0 })
+		dispatchertest.WaitFor(t, "the handoff", func() bool { return lt.pending(dispatcher.StageDecode) == 1 })
+		dispatchertest.WaitFor(t, "the prefill acked", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		if calls.Load() != 1 {
 			t.Errorf("the prefill ran %d times, want once", calls.Load())
 		}
@@ -734,36 +736,36 @@ func TestLifecycle(t *testing.T) {
 	// queued under: a record written since must still stop the job.
 	for _, tc := range []struct {
 		name   string
-		change func(*Record)
+		change func(*dispatcher.Record)
 		runs   bool
 	}{
 		{"unchanged", nil, true},
-		{"ended", func(r *Record) { r.State = StateCancelled }, false},
-		{"superseded", func(r *Record) { r.Generation++ }, false},
-		{"taken over", func(r *Record) { r.Gateway = "gw-other" }, false},
-		{"rewritten as it was", func(*Record) {}, true},
+		{"ended", func(r *dispatcher.Record) { r.State = dispatcher.StateCancelled }, false},
+		{"superseded", func(r *dispatcher.Record) { r.Generation++ }, false},
+		{"taken over", func(r *dispatcher.Record) { r.Gateway = "gw-other" }, false},
+		{"rewritten as it was", func(*dispatcher.Record) {}, true},
 	} {
 		t.Run("a job whose record was "+tc.name+" after it was queued", func(t *testing.T) {
-			pool := PoolName(t.Name())
-			if _, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Minute); err != nil {
+			pool := dispatcher.PoolName(t.Name())
+			if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Minute); err != nil {
 				t.Fatal(err)
 			}
 			lt := &loopTest{t: t, nc: nc, js: js, pool: pool}
 			var err error
-			if lt.replies, err = NewReplies(nc, "gw-"+pool); err != nil {
+			if lt.replies, err = dispatcher.NewReplies(nc, "gw-"+pool); err != nil {
 				t.Fatal(err)
 			}
 			defer lt.replies.Close()
 			id := "rev-" + pool
-			job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+			job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 				ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute)}
 			lt.submitJob(job)
 			if job.RecordRevision == 0 {
 				t.Fatal("Submit queued the job without its record's revision")
 			}
 			if tc.change != nil {
-				records, _ := OpenRecords(ctx, js)
-				if _, err := records.Transition(ctx, id, func(r *Record) error {
+				records, _ := dispatcher.OpenRecords(ctx, js)
+				if _, err := records.Transition(ctx, id, func(r *dispatcher.Record) error {
 					tc.change(r)
 					return nil
 				}); err != nil {
@@ -775,7 +777,7 @@ func TestLifecycle(t *testing.T) {
 				calls.Add(1)
 				return nil
 			}})
-			waitFor(t, "the job settled", func() bool { return lt2.pending(StagePrefill) == 0 })
+			dispatchertest.WaitFor(t, "the job settled", func() bool { return lt2.pending(dispatcher.StagePrefill) == 0 })
 			if ran := calls.Load() > 0; ran != tc.runs {
 				t.Errorf("the job ran: %v, want %v", ran, tc.runs)
 			}
@@ -789,7 +791,7 @@ func TestLifecycle(t *testing.T) {
 // it, unless it is so old that the lease has surely freed it), and a
 // redelivered one (not released: an engine may have read it).
 func TestHandoffGenerations(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	for _, tc := range []struct {
 		name        string
@@ -797,46 +799,46 @@ func TestHandoffGenerations(t *testing.T) {
 		crashes     int
 		claimed     bool // its KV claimed by a delivery NATS has forgotten
 		wantRelease int32
-		wantWaste   waste // the wasted prefill's reason
+		wantWaste   dispatcher.Waste // the wasted prefill's reason
 	}{
-		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, wasteKVTTL},
-		{"older than the lease", 30 * time.Second, 0, false, 0, wasteKVTTL},
-		{"redelivered after a crash", 0, 1, false, 0, wasteRedelivered},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, dispatcher.WasteKVTTL},
+		{"older than the lease", 30 * time.Second, 0, false, 0, dispatcher.WasteKVTTL},
+		{"redelivered after a crash", 0, 1, false, 0, dispatcher.WasteRedelivered},
 		// A restarted nats-server delivers it again as a first delivery.
-		{"delivered again as a first", 0, 0, true, 0, wasteRedelivered},
-		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, wasteRedelivered},
+		{"delivered again as a first", 0, 0, true, 0, dispatcher.WasteRedelivered},
+		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, dispatcher.WasteRedelivered},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			pool := PoolName(t.Name())
+			pool := dispatcher.PoolName(t.Name())
 			id := "gen-" + strings.ReplaceAll(tc.name, " ", "-")
 			var ran, released atomic.Int32
-			metrics, err := NewMetrics(prometheus.NewRegistry())
+			metrics, err := dispatcher.NewMetrics(prometheus.NewRegistry())
 			if err != nil {
 				t.Fatal(err)
 			}
-			cfg := StageConfig{Stage: StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+			cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 				Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
-				Release: func(context.Context, *Job) error { released.Add(1); return nil }, Metrics: metrics}
-			records, _ := OpenRecords(ctx, js)
-			job := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+				Release: func(context.Context, *dispatcher.Job) error { released.Add(1); return nil }, Metrics: metrics}
+			records, _ := dispatcher.OpenRecords(ctx, js)
+			job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 				Deadline: time.Now().Add(time.Minute)}
-			if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+			if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 				t.Fatal(err)
 			}
 			// The prefill stage's work, done by hand: the handoff, and the
 			// prefill job acked.
-			pcons, _ := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)
+			pcons, _ := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Second)
 			pm, err := pcons.Next(jetstream.FetchMaxWait(5 * time.Second))
 			if err != nil {
 				t.Fatal(err)
 			}
 			job.KV = []byte(`{"remote_block_ids":[1],"remote_request_id":"` + id + `"}`)
-			job.Prefill = &StageRecord{Stage: StagePrefill, Generation: 1, Started: time.Now().Add(-tc.age)}
-			if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
+			job.Prefill = &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now().Add(-tc.age)}
+			if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
 				t.Fatal(err)
 			}
 			pm.Ack()
-			dcons, _ := EnsureConsumer(ctx, js, StageDecode, pool, 300*time.Millisecond)
+			dcons, _ := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, 300*time.Millisecond)
 			for range tc.crashes {
 				if _, err := dcons.Next(jetstream.FetchMaxWait(5 * time.Second)); err != nil {
 					t.Fatal(err)
@@ -859,31 +861,31 @@ func TestHandoffGenerations(t *testing.T) {
 			done := make(chan struct{})
 			go func() { defer close(done); loop.Run(lctx) }()
 			defer func() { cancel(); <-done }()
-			st, _ := js.Stream(ctx, StreamPrefill)
+			st, _ := js.Stream(ctx, dispatcher.StreamPrefill)
 			var m *jetstream.RawStreamMsg
 			// The first generation's job goes when its ack, sent above
 			// without waiting, is processed: until then it is the last.
-			waitFor(t, "the next generation's prefill job", func() bool {
-				m, err = st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, id))
-				return err == nil && m.Header.Get(HeaderGeneration) != "1"
+			dispatchertest.WaitFor(t, "the next generation's prefill job", func() bool {
+				m, err = st.GetLastMsgForSubject(ctx, dispatcher.JobSubject(dispatcher.StagePrefill, pool, id))
+				return err == nil && m.Header.Get(dispatcher.HeaderGeneration) != "1"
 			})
-			next, err := ParseJob(m.Header, m.Data)
+			next, err := dispatcher.ParseJob(m.Header, m.Data)
 			if err != nil || next.Generation != 2 || m.Header.Get(jetstream.MsgIDHeader) != id+"/p2" || len(next.KV) != 0 {
 				t.Errorf("prefill job headers %v, KV %s (%v): want generation 2 without KV params", m.Header, next.KV, err)
 			}
-			waitFor(t, "the record in generation 2", func() bool {
+			dispatchertest.WaitFor(t, "the record in generation 2", func() bool {
 				r, _, _ := records.Get(ctx, id)
-				return r.Generation == 2 && r.State == StateQueued
+				return r.Generation == 2 && r.State == dispatcher.StateQueued
 			})
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
 			}
-			for _, reason := range wasteReasons {
+			for _, reason := range dispatcher.WasteReasons {
 				want := 0.0
 				if reason == tc.wantWaste {
 					want = 1
 				}
-				if got := testutil.ToFloat64(metrics.wastedPrefills.WithLabelValues(string(reason))); got != want {
+				if got := testutil.ToFloat64(metrics.WastedPrefills.WithLabelValues(string(reason))); got != want {
 					t.Errorf("pdq_prefills_wasted_total{reason=%q} = %v, want %v", reason, got, want)
 				}
 			}
@@ -898,7 +900,7 @@ func TestHandoffGenerations(t *testing.T) {
 // the release queue. A duplicate of its own handoff (a try whose answer
 // was lost) releases nothing.
 func TestPrefillRunAgainReleasesItsKV(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	for _, tc := range []struct {
 		name       string
@@ -910,28 +912,28 @@ func TestPrefillRunAgainReleasesItsKV(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
-				d.HandOff([]byte(`{"remote_request_id":"second"}`), StageRecord{Stage: StagePrefill, Started: time.Now()})
+				d.HandOff([]byte(`{"remote_request_id":"second"}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 				return nil
 			}})
 			id := "again-" + strings.Fields(tc.name)[1]
-			first := &Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Generation: 1, Origin: 1,
+			first := &dispatcher.Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`), Generation: 1, Origin: 1,
 				KV: []byte(tc.firstKV), Deadline: time.Now().Add(time.Minute)}
-			if _, err := js.PublishMsg(ctx, first.Msg(StageDecode)); err != nil {
+			if _, err := js.PublishMsg(ctx, first.Msg(dispatcher.StageDecode)); err != nil {
 				t.Fatal(err)
 			}
 			lt.submit(id)
-			waitFor(t, "the prefill job acked", func() bool { return lt.pending(StagePrefill) == 0 })
-			st, err := js.Stream(ctx, StreamRelease)
+			dispatchertest.WaitFor(t, "the prefill job acked", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
+			st, err := js.Stream(ctx, dispatcher.StreamRelease)
 			if err != nil {
 				t.Fatal(err)
 			}
-			m, err := st.GetLastMsgForSubject(ctx, ReleaseSubject(lt.pool, id))
+			m, err := st.GetLastMsgForSubject(ctx, dispatcher.ReleaseSubject(lt.pool, id))
 			queued := err == nil
 			if queued != tc.wantQueued {
 				t.Fatalf("release queued %v (%v), want %v", queued, err, tc.wantQueued)
 			}
 			if queued {
-				rel, err := ParseJob(m.Header, m.Data)
+				rel, err := dispatcher.ParseJob(m.Header, m.Data)
 				if err != nil || string(rel.KV) != `{"remote_request_id":"second"}` {
 					t.Errorf("release of %s (%v), want the second run's KV", rel.KV, err)
 				}
@@ -968,14 +970,14 @@ func TestDecodeRoom(t *testing.T) {
 // dropping an older one, the refusal is counted, and the client is
 // answered at once.
 func TestFullDLQ(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	st := limitStream(t, js, StreamDLQ, 1)
-	if _, err := js.Publish(ctx, DLQSubject("other", "older-failure"), []byte(`{}`)); err != nil {
+	st := limitStream(t, js, dispatcher.StreamDLQ, 1)
+	if _, err := js.Publish(ctx, dispatcher.DLQSubject("other", "older-failure"), []byte(`{}`)); err != nil {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	m, err := dispatcher.NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -984,14 +986,14 @@ func TestFullDLQ(t *testing.T) {
 	}})
 	s := lt.submit("dlq-full-1")
 	r, err := s.Next(ctx, 10*time.Second)
-	if err != nil || r.Kind != KindError || r.Status != 502 {
+	if err != nil || r.Kind != dispatcher.KindError || r.Status != 502 {
 		t.Fatalf("reply %+v %s, %v; want the 502 at once", r, r.Data, err)
 	}
-	waitFor(t, "the job gone", func() bool { return lt.pending(StagePrefill) == 0 })
-	if got := testutil.ToFloat64(m.deadLettersRefused.WithLabelValues("prefill")); got != 1 {
+	dispatchertest.WaitFor(t, "the job gone", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
+	if got := testutil.ToFloat64(m.DeadLettersRefused.WithLabelValues("prefill")); got != 1 {
 		t.Errorf("pdq_dead_letters_refused_total = %v, want 1", got)
 	}
-	if got := testutil.ToFloat64(m.deadLetters.WithLabelValues("prefill")); got != 0 {
+	if got := testutil.ToFloat64(m.DeadLetters.WithLabelValues("prefill")); got != 0 {
 		t.Errorf("pdq_dead_letters_total = %v, want 0", got)
 	}
 	info, err := st.Info(ctx)
@@ -1001,10 +1003,10 @@ func TestFullDLQ(t *testing.T) {
 	if info.State.Msgs != 1 {
 		t.Errorf("the DLQ holds %d entries, want the older one only", info.State.Msgs)
 	}
-	if _, err := st.GetLastMsgForSubject(ctx, DLQSubject("other", "older-failure")); err != nil {
+	if _, err := st.GetLastMsgForSubject(ctx, dispatcher.DLQSubject("other", "older-failure")); err != nil {
 		t.Errorf("the older entry was dropped: %v", err)
 	}
-	if rec := lt.record("dlq-full-1"); rec.State != StateFailed {
+	if rec := lt.record("dlq-full-1"); rec.State != dispatcher.StateFailed {
 		t.Errorf("record %+v, want failed", rec)
 	}
 }
@@ -1013,7 +1015,7 @@ func TestFullDLQ(t *testing.T) {
 // one), replayed once as the next generation, and refused while in flight.
 // (The fault suite replays through the whole pipeline, to a done record.)
 func TestReplay(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	var fail atomic.Bool
 	fail.Store(true)
@@ -1025,16 +1027,16 @@ func TestReplay(t *testing.T) {
 	}})
 	for _, id := range []string{"replay-1", "replay-2"} {
 		lt.submit(id)
-		waitFor(t, "the dead letter of "+id, func() bool { return lt.deadLetter(id) != nil })
+		dispatchertest.WaitFor(t, "the dead letter of "+id, func() bool { return lt.deadLetter(id) != nil })
 	}
-	bucket, err := js.KeyValue(ctx, BucketRequests)
+	bucket, err := js.KeyValue(ctx, dispatcher.BucketRequests)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := bucket.Delete(ctx, "replay-2"); err != nil { // as if older than the bucket's TTL
 		t.Fatal(err)
 	}
-	rp, err := NewReplayer(ctx, js, time.Minute)
+	rp, err := dispatcher.NewReplayer(ctx, js, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1048,17 +1050,17 @@ func TestReplay(t *testing.T) {
 		if err != nil || gen != 2 {
 			t.Fatalf("replay %s: generation %d, %v; want 2", id, gen, err)
 		}
-		if _, err := rp.Replay(ctx, dl); !errors.Is(err, ErrLive) {
+		if _, err := rp.Replay(ctx, dl); !errors.Is(err, dispatcher.ErrLive) {
 			t.Errorf("a second replay of %s: %v, want ErrLive", id, err)
 		}
 		// This loop is a prefill stage with no decode after it: the record
 		// stays queued in generation 2, and the job ran and was acked.
 		rec := lt.record(id)
-		if rec.State != StateQueued || rec.Generation != 2 || rec.Replays != 1 || rec.Gateway != "" {
+		if rec.State != dispatcher.StateQueued || rec.Generation != 2 || rec.Replays != 1 || rec.Gateway != "" {
 			t.Errorf("replayed record %+v; want queued in generation 2 after 1 replay, with no gateway", rec)
 		}
-		waitFor(t, "the replayed job run", func() bool { return lt.pending(StagePrefill) == 0 })
-		if _, err := rp.Find(ctx, id); !errors.Is(err, ErrNoDeadLetter) {
+		dispatchertest.WaitFor(t, "the replayed job run", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
+		if _, err := rp.Find(ctx, id); !errors.Is(err, dispatcher.ErrNoDeadLetter) {
 			t.Errorf("the dead letter of %s is still there after its replay: %v", id, err)
 		}
 	}
@@ -1068,7 +1070,7 @@ func TestReplay(t *testing.T) {
 // as a first delivery of the same generation, under a new message id, and
 // after too many hand-backs is retried as any failure is.
 func TestHandBack(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	type run struct{ attempt, generation, handBacks int }
 	runs := make(chan run, 20)
 	var handBack atomic.Int64
@@ -1092,7 +1094,7 @@ func TestHandBack(t *testing.T) {
 			t.Fatalf("run %d did not come", i)
 		}
 	}
-	waitFor(t, "the job done", func() bool { return lt.pending(StagePrefill) == 0 })
+	dispatchertest.WaitFor(t, "the job done", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 
 	handBack.Store(maxHandBacks + 1)
 	lt.submit("hb-2")
@@ -1115,17 +1117,17 @@ func TestHandBack(t *testing.T) {
 // (same id and generation, another delivery), so that a redelivery made
 // while the first still runs is left to it.
 func TestRunningElsewhere(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	release := make(chan struct{})
-	started := make(chan *Job, 1)
+	started := make(chan *dispatcher.Job, 1)
 	lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
 		started <- d.Job
 		<-release
 		return nil
 	}})
 	lt.submit("re-1")
-	var job *Job
+	var job *dispatcher.Job
 	select {
 	case job = <-started:
 	case <-time.After(10 * time.Second):
@@ -1153,35 +1155,35 @@ func TestRunningElsewhere(t *testing.T) {
 		t.Error("another generation was taken for the one running")
 	}
 	close(release)
-	waitFor(t, "the job done", func() bool { return lt.pending(StagePrefill) == 0 })
+	dispatchertest.WaitFor(t, "the job done", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 	// The ack comes a moment before the loop forgets the job.
-	waitFor(t, "the finished delivery no longer said to run", func() bool { return !other.loop.runningElsewhere(ctx, job, 2, "another") })
+	dispatchertest.WaitFor(t, "the finished delivery no longer said to run", func() bool { return !other.loop.runningElsewhere(ctx, job, 2, "another") })
 }
 
 // TestQueues: the status of a pool's queues, with the age of its oldest
 // waiting job.
 func TestQueues(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	const pool = "queues"
-	if _, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second); err != nil {
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Second); err != nil {
 		t.Fatal(err)
 	}
-	records, err := OpenRecords(ctx, js)
+	records, err := dispatcher.OpenRecords(ctx, js)
 	if err != nil {
 		t.Fatal(err)
 	}
-	job := &Job{ID: "q-1", Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
+	job := &dispatcher.Job{ID: "q-1", Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
 		Submitted: time.Now(), Deadline: time.Now().Add(time.Minute)}
-	if _, err := NewSubmitter(js, records, NewLiveness(nc)).Submit(ctx, StagePrefill, job); err != nil {
+	if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)
-	qs, err := Queues(ctx, js, pool)
+	qs, err := dispatcher.Queues(ctx, js, pool)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(qs) != 1 || qs[0].Stage != StagePrefill || qs[0].Waiting != 1 || qs[0].OldestSeconds < 0.3 || qs[0].OldestSeconds > 60 {
+	if len(qs) != 1 || qs[0].Stage != dispatcher.StagePrefill || qs[0].Waiting != 1 || qs[0].OldestSeconds < 0.3 || qs[0].OldestSeconds > 60 {
 		t.Errorf("queues %+v, want the prefill queue with 1 job waiting for about 0.3 s", qs)
 	}
 }
@@ -1207,7 +1209,7 @@ func limitStream(t *testing.T, js jetstream.JetStream, name string, maxMsgs int6
 // JetStream's confirmation (a lost ack would run it again while another
 // prompt runs); any other job plainly, its redelivery dropped by admit.
 func TestBatchPromptAckConfirmed(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	acks, err := nc.SubscribeSync("$JS.ACK.>")
 	if err != nil {
 		t.Fatal(err)
@@ -1220,7 +1222,7 @@ func TestBatchPromptAckConfirmed(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		lt.submitJob(&Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: []byte(`{}`),
+		lt.submitJob(&dispatcher.Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: []byte(`{}`),
 			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), BatchPrompt: batch})
 		for {
 			m, err := acks.NextMsg(10 * time.Second)

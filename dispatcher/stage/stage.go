@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -43,7 +44,7 @@ const (
 
 // StageConfig configures a [StageLoop].
 type StageConfig struct {
-	Stage Stage
+	Stage dispatcher.Stage
 	Pool  string
 	// Slots is how many jobs run at once: the engine's concurrency. A job
 	// is pulled only when a slot is free.
@@ -56,10 +57,10 @@ type StageConfig struct {
 	// not be decoded (cancelled, expired, superseded, too old, rejected by
 	// the engine). Decode stages set it; it is never called for a handoff
 	// a decode engine may already have read.
-	Release func(ctx context.Context, job *Job) error
+	Release func(ctx context.Context, job *dispatcher.Job) error
 	// Worker describes the worker in the registry; its Role, Pool and Slots
 	// are filled in from this config.
-	Worker WorkerInfo
+	Worker dispatcher.WorkerInfo
 	// Grace to StallTimeout are required: config gives each (config.Load
 	// and config's constants), and the loop fills in none.
 	//
@@ -100,15 +101,15 @@ type StageConfig struct {
 	Ready func(ctx context.Context) (Permit, error)
 	// Health, when set, is the worker's breaker state for the registry, and
 	// a channel closed at its next change, when the worker beats at once.
-	Health func() (BreakerState, <-chan struct{})
+	Health func() (dispatcher.BreakerState, <-chan struct{})
 	// Replicas is the replica count of the pdq_workers bucket, should
 	// this loop find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
 	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
-	Metrics *Metrics
+	Metrics *dispatcher.Metrics
 	// LocalReplies are the gateways in this process, which take replies
 	// without NATS; nil sends every reply over NATS.
-	LocalReplies *LocalReplies
+	LocalReplies *dispatcher.LocalReplies
 }
 
 // Permit is what StageConfig.Ready grants a pull.
@@ -139,10 +140,10 @@ type StageLoop struct {
 	cfg     StageConfig
 	nc      *nats.Conn
 	js      jetstream.JetStream
-	records *Records
+	records *dispatcher.Records
 	// kvReads claims handoffs' KV for one reader (decode stage only).
 	kvReads  *kvReads
-	liveness *Liveness
+	liveness *dispatcher.Liveness
 	log      *slog.Logger
 
 	// Counters that the job and release goroutines change and the
@@ -185,7 +186,7 @@ var (
 // wanted says whether job's request still wants its work, by its record:
 // not once the request has ended, moved on to a later generation, or been
 // taken over. A record that cannot be read is no reason to stop.
-func (l *StageLoop) wanted(job *Job) func(context.Context) bool {
+func (l *StageLoop) wanted(job *dispatcher.Job) func(context.Context) bool {
 	return func(ctx context.Context) bool {
 		rec, _, err := l.records.Get(ctx, job.ID)
 		if err != nil {
@@ -197,7 +198,7 @@ func (l *StageLoop) wanted(job *Job) func(context.Context) bool {
 
 // NewStageLoop builds a loop; Run starts it.
 func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *slog.Logger) (*StageLoop, error) {
-	if cfg.Stage != StagePrefill && cfg.Stage != StageDecode {
+	if cfg.Stage != dispatcher.StagePrefill && cfg.Stage != dispatcher.StageDecode {
 		return nil, fmt.Errorf("stage loop: unknown stage %q", cfg.Stage)
 	}
 	if cfg.Pool == "" || cfg.Slots < 1 || cfg.Handler == nil {
@@ -220,7 +221,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &StageLoop{
-		cfg: cfg, nc: nc, js: js, liveness: NewLiveness(nc),
+		cfg: cfg, nc: nc, js: js, liveness: dispatcher.NewLiveness(nc),
 		log:     log.With("stage", string(cfg.Stage), "pool", cfg.Pool),
 		running: make(map[*runningJob]struct{}),
 	}, nil
@@ -277,7 +278,7 @@ func (l *StageLoop) Released() int64 { return l.released.Load() }
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
 func (l *StageLoop) Run(ctx context.Context) error {
-	cons, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log))
+	cons, err := dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log))
 	if err != nil {
 		return err
 	}
@@ -286,34 +287,34 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
 		l.cfg.AckWait = aw
 	}
-	if l.records, err = OpenRecords(ctx, l.js); err != nil {
+	if l.records, err = dispatcher.OpenRecords(ctx, l.js); err != nil {
 		return err
 	}
-	if l.cfg.Stage == StageDecode {
+	if l.cfg.Stage == dispatcher.StageDecode {
 		if l.kvReads, err = openKVReads(ctx, l.js); err != nil {
 			return err
 		}
 	}
 	var gate *decodeGate
-	if l.cfg.Stage == StagePrefill {
+	if l.cfg.Stage == dispatcher.StagePrefill {
 		if gate, err = newDecodeGate(ctx, l.js, l.cfg.Pool, l.cfg.KVTTL, l.log); err != nil {
 			return err
 		}
 	}
-	cancelSub, err := l.nc.Subscribe(CancelSubject("*"), l.onCancel)
+	cancelSub, err := l.nc.Subscribe(dispatcher.CancelSubject("*"), l.onCancel)
 	if err != nil {
 		return fmt.Errorf("subscribe to cancels: %w", err)
 	}
 	defer cancelSub.Unsubscribe()
-	runningSub, err := l.nc.Subscribe(RunningSubject("*"), l.onRunning)
+	runningSub, err := l.nc.Subscribe(dispatcher.RunningSubject("*"), l.onRunning)
 	if err != nil {
 		return fmt.Errorf("subscribe to running queries: %w", err)
 	}
 	defer runningSub.Unsubscribe()
-	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
+	if l.cfg.Stage == dispatcher.StageDecode && l.cfg.Release != nil {
 		var releasing sync.WaitGroup
 		defer releasing.Wait()
-		sub, err := l.nc.QueueSubscribe(ReleaseNowSubject(l.cfg.Pool), "release", func(m *nats.Msg) {
+		sub, err := l.nc.QueueSubscribe(dispatcher.ReleaseNowSubject(l.cfg.Pool), "release", func(m *nats.Msg) {
 			releasing.Go(func() { l.releaseNow(ctx, m) })
 		})
 		if err != nil {
@@ -329,8 +330,8 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	bg.Go(func() { l.watchGateways(ctx) })
 	bg.Go(func() { l.sampleDepth(ctx) })
 	slots := make(chan struct{}, l.cfg.Slots)
-	l.cfg.Metrics.pool(l.cfg.Stage, l.cfg.Pool)
-	if l.cfg.Stage == StageDecode && l.cfg.Release != nil {
+	l.cfg.Metrics.Pool(l.cfg.Stage, l.cfg.Pool)
+	if l.cfg.Stage == dispatcher.StageDecode && l.cfg.Release != nil {
 		bg.Go(func() { l.releaseLoop(ctx, slots) })
 	}
 
@@ -340,7 +341,7 @@ func (l *StageLoop) Run(ctx context.Context) error {
 	defer stopJobs()
 	var wg sync.WaitGroup
 	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait) // stopped below, after the loop
-	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", ConsumerName(l.cfg.Stage, l.cfg.Pool))
+	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool))
 pull:
 	for {
 		select {
@@ -376,7 +377,7 @@ pull:
 			if sleep.For(ctx, time.Second) != nil {
 				break pull
 			}
-			if c, err := EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, WithLogger(l.log)); err == nil {
+			if c, err := dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log)); err == nil {
 				cons = c
 			}
 			continue

@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -22,7 +24,7 @@ import (
 // which a decode stage must take for one whose KV may have been read: a
 // new prefill, and the first one's KV held for its lease.
 func TestShutdownDropsNoPulledJob(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	for i := range 40 {
 		var ran atomic.Int32
@@ -31,10 +33,10 @@ func TestShutdownDropsNoPulledJob(t *testing.T) {
 			ran.Add(1)
 			return nil
 		}})
-		cons, err := js.Consumer(ctx, stageStream(StagePrefill), ConsumerName(StagePrefill, pool))
-		waitFor(t, "the loop's pull", func() bool {
+		cons, err := js.Consumer(ctx, dispatcher.StageStream(dispatcher.StagePrefill), dispatcher.ConsumerName(dispatcher.StagePrefill, pool))
+		dispatchertest.WaitFor(t, "the loop's pull", func() bool {
 			if err != nil {
-				cons, err = js.Consumer(ctx, stageStream(StagePrefill), ConsumerName(StagePrefill, pool))
+				cons, err = js.Consumer(ctx, dispatcher.StageStream(dispatcher.StagePrefill), dispatcher.ConsumerName(dispatcher.StagePrefill, pool))
 				return false
 			}
 			info, err := cons.Info(ctx)
@@ -124,10 +126,10 @@ func TestDoubleAckGivesUp(t *testing.T) {
 // subscription along, unsubscribed, so that a late answer to it is never
 // taken for the next one's.
 func TestPullerKeepsItsInbox(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool := PoolName(t.Name())
-	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Minute)
+	pool := dispatcher.PoolName(t.Name())
+	cons, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +146,7 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 			t.Fatalf("pull %d answered on %q after %q", i, p.inbox, inbox)
 		}
 	}
-	if _, err := js.Publish(ctx, JobSubject(StagePrefill, pool, "keep-1"), []byte(`{}`)); err != nil {
+	if _, err := js.Publish(ctx, dispatcher.JobSubject(dispatcher.StagePrefill, pool, "keep-1"), []byte(`{}`)); err != nil {
 		t.Fatal(err)
 	}
 	job, err := p.next(ctx, cons)

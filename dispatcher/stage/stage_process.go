@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -36,7 +37,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	// Settling must finish even when the grace period is over; each NATS
 	// call in it has the client's own default timeout.
 	sctx := context.WithoutCancel(jobCtx)
-	job, err := ParseJob(msg.Headers(), msg.Data())
+	job, err := dispatcher.ParseJob(msg.Headers(), msg.Data())
 	if err != nil {
 		l.unreadable(sctx, msg, job, err)
 		return
@@ -115,7 +116,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		return
 	}
 	start := time.Now()
-	s.run = &StageRecord{Stage: l.cfg.Stage, Generation: job.Generation, Worker: l.cfg.Worker.Worker,
+	s.run = &dispatcher.StageRecord{Stage: l.cfg.Stage, Generation: job.Generation, Worker: l.cfg.Worker.Worker,
 		Engine: l.cfg.Worker.Engine, Started: start}
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token, stop: cancel}
 	d.ctx = jctx
@@ -126,7 +127,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	if attempt == 1 && job.HandBacks == 0 && !stored.IsZero() {
 		waited = time.Since(stored)
 	}
-	l.cfg.Metrics.jobStarted(l.cfg.Stage, waited)
+	l.cfg.Metrics.JobStarted(l.cfg.Stage, waited)
 	err = l.handle(jctx, d)
 	s.run.Ms = float64(time.Since(start).Microseconds()) / 1000
 	releaseEngine()
@@ -134,7 +135,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 	if f := (*Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {
 		took = time.Since(start) // it reached the engine
 	}
-	l.cfg.Metrics.jobEnded(l.cfg.Stage, took)
+	l.cfg.Metrics.JobEnded(l.cfg.Stage, took)
 	d.stopBeats()
 	// A job whose engine never ran it (a decode that waited for its
 	// engine, say) counts as not run: a handoff's KV is unread, and is
@@ -168,9 +169,9 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		s.stopped(sctx, cause)
 	case expired:
 		s.expired(sctx)
-	case cutOff && errors.Is(cause, errAbandoned):
+	case cutOff && errors.Is(cause, dispatcher.ErrAbandoned):
 		s.stopped(sctx, cause)
-	case cutOff && errors.Is(cause, errSuperseded):
+	case cutOff && errors.Is(cause, dispatcher.ErrSuperseded):
 		// A later delivery of the job runs, and owns the request and the
 		// message: nothing to record, ack or end here.
 		s.log.Debug("job stopped: a later attempt of the request runs")
@@ -199,7 +200,7 @@ func (l *StageLoop) handle(ctx context.Context, d *Delivery) (err error) {
 
 // giveBack returns a job that came as the loop stopped, not run.
 func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
-	job, err := ParseJob(msg.Headers(), msg.Data())
+	job, err := dispatcher.ParseJob(msg.Headers(), msg.Data())
 	if err != nil {
 		// Whoever runs it next settles it as unreadable.
 		if nerr := msg.Nak(); nerr != nil {
@@ -225,7 +226,7 @@ func deliveryOf(msg jetstream.Msg) (attempt int, stored time.Time) {
 	if meta, err := msg.Metadata(); err == nil {
 		attempt, stored = int(meta.NumDelivered), meta.Timestamp
 	}
-	if msg.Headers().Get(HeaderRebuilt) != "" {
+	if msg.Headers().Get(dispatcher.HeaderRebuilt) != "" {
 		attempt++
 	}
 	return attempt, stored
@@ -239,14 +240,14 @@ const rebuiltReplies = 128
 // unreadable settles a message that is not a job this build can run. It
 // is kept in the dead-letter stream, recorded as failed, and its client
 // answered when the reply subject could be read.
-func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job, err error) {
+func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *dispatcher.Job, err error) {
 	l.log.Error("a job this worker cannot read", logging.Err(err), "subject", msg.Subject())
 	id := job.ID
-	if !ValidRequestID(id) {
-		id = "invalid-" + Token()
+	if !dispatcher.ValidRequestID(id) {
+		id = "invalid-" + dispatcher.Token()
 	}
 	derr := l.deadLetter(ctx, msg, id, http.StatusInternalServerError, err.Error())
-	if errors.Is(derr, errDLQFull) {
+	if errors.Is(derr, dispatcher.ErrDLQFull) {
 		l.log.Error("the dead-letter stream is full: this unreadable job is not kept", logging.Err(derr))
 	} else if derr != nil {
 		l.log.Error("could not keep an unreadable job in the dead-letter stream; it stays queued", logging.Err(derr))
@@ -255,15 +256,15 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *Job,
 		}
 		return
 	}
-	if ValidRequestID(job.ID) && job.Generation > 0 {
-		if rerr := l.records.End(ctx, job.ID, job.Generation, StateFailed,
-			&RecordError{Status: http.StatusInternalServerError, Message: err.Error(), Stage: l.cfg.Stage}); rerr != nil {
+	if dispatcher.ValidRequestID(job.ID) && job.Generation > 0 {
+		if rerr := l.records.End(ctx, job.ID, job.Generation, dispatcher.StateFailed,
+			&dispatcher.RecordError{Status: http.StatusInternalServerError, Message: err.Error(), Stage: l.cfg.Stage}); rerr != nil {
 			l.log.Warn("could not record the failure", logging.Err(rerr))
 		}
 	}
 	if job.ReplyTo != "" {
 		e := openai.NewError(http.StatusInternalServerError, "pdq could not read the job: %v", err)
-		if rerr := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, 255)).Error(e); rerr != nil {
+		if rerr := dispatcher.NewReplyWriter(l.nc, job.ReplyTo, dispatcher.ReplyAttempt(job.Generation, 255)).Error(e); rerr != nil {
 			l.log.Warn("could not answer the client of an unreadable job", logging.Err(rerr))
 		}
 	}

@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -6,14 +6,15 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // onCancel stops the running jobs of a cancelled request: those of its
 // origin (see Job.Origin). A cancel or a job without one (from a gateway
 // of an older build) matches by id alone.
 func (l *StageLoop) onCancel(msg *nats.Msg) {
-	id := msg.Subject[len(CancelSubject("")):]
-	origin, _ := strconv.Atoi(msg.Header.Get(HeaderOrigin))
+	id := msg.Subject[len(dispatcher.CancelSubject("")):]
+	origin, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderOrigin))
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for r := range l.running {
@@ -30,14 +31,14 @@ func (l *StageLoop) sampleDepth(ctx context.Context) {
 	if l.cfg.Metrics == nil {
 		return
 	}
-	t := time.NewTicker(HeartbeatInterval)
+	t := time.NewTicker(dispatcher.HeartbeatInterval)
 	defer t.Stop()
 	for {
 		qctx, cancel := context.WithTimeout(ctx, time.Second)
-		cons, err := l.js.Consumer(qctx, stageStream(l.cfg.Stage), ConsumerName(l.cfg.Stage, l.cfg.Pool))
+		cons, err := l.js.Consumer(qctx, dispatcher.StageStream(l.cfg.Stage), dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool))
 		cancel()
 		if err == nil { // else no consumer yet, or NATS away: the last value stands
-			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
+			l.cfg.Metrics.Depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
 		}
 		select {
 		case <-ctx.Done():
@@ -51,11 +52,11 @@ func (l *StageLoop) sampleDepth(ctx context.Context) {
 // query names (its id, generation and the asker's delivery): a job
 // redelivered while its first delivery still runs.
 func (l *StageLoop) onRunning(msg *nats.Msg) {
-	id := msg.Subject[len(RunningSubject("")):]
-	gen, _ := strconv.Atoi(msg.Header.Get(HeaderGeneration))
-	asker, _ := strconv.Atoi(msg.Header.Get(HeaderAttempt))
-	delivery := msg.Header.Get(HeaderDelivery) // empty from a build before it
-	stage := Stage(msg.Header.Get(HeaderStage))
+	id := msg.Subject[len(dispatcher.RunningSubject("")):]
+	gen, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderGeneration))
+	asker, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderAttempt))
+	delivery := msg.Header.Get(dispatcher.HeaderDelivery) // empty from a build before it
+	stage := dispatcher.Stage(msg.Header.Get(dispatcher.HeaderStage))
 	if stage != l.cfg.Stage {
 		return
 	}
@@ -77,12 +78,12 @@ func (l *StageLoop) onRunning(msg *nats.Msg) {
 // job still runs. NATS redelivers a job whose worker could not signal
 // progress for the ack wait, as when the worker was cut off from NATS
 // while its engine call went on.
-func (l *StageLoop) runningElsewhere(ctx context.Context, job *Job, attempt int, delivery string) bool {
-	m := nats.NewMsg(RunningSubject(job.ID))
-	m.Header[HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
-	m.Header[HeaderAttempt] = []string{strconv.Itoa(attempt)}
-	m.Header[HeaderDelivery] = []string{delivery}
-	m.Header[HeaderStage] = []string{string(l.cfg.Stage)}
+func (l *StageLoop) runningElsewhere(ctx context.Context, job *dispatcher.Job, attempt int, delivery string) bool {
+	m := nats.NewMsg(dispatcher.RunningSubject(job.ID))
+	m.Header[dispatcher.HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
+	m.Header[dispatcher.HeaderAttempt] = []string{strconv.Itoa(attempt)}
+	m.Header[dispatcher.HeaderDelivery] = []string{delivery}
+	m.Header[dispatcher.HeaderStage] = []string{string(l.cfg.Stage)}
 	wait := runningQueryWait
 	if l.reconnectedWithin(10 * time.Second) {
 		wait = runningQueryWaitReconnected
@@ -118,7 +119,7 @@ func (l *StageLoop) reconnectedWithin(d time.Duration) bool {
 // watchGateways stops the running jobs whose gateway is gone: nobody would
 // read their output.
 func (l *StageLoop) watchGateways(ctx context.Context) {
-	t := time.NewTicker(HeartbeatInterval)
+	t := time.NewTicker(dispatcher.HeartbeatInterval)
 	defer t.Stop()
 	for {
 		select {

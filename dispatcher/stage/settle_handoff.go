@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"bytes"
@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -22,7 +23,7 @@ import (
 // handoff, a try whose answer was lost, or that of an earlier run of this
 // prefill (a restarted nats-server forgot its delivery, or its ack came
 // late): then this run's KV has no reader, and is released.
-func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg, h *Job) error {
+func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg, h *dispatcher.Job) error {
 	seq, dup, err := s.publishRetry(ctx, m, "handoff")
 	if err != nil || !dup || len(h.KV) == 0 || s.storedIsThis(ctx, seq, h) {
 		return err
@@ -38,8 +39,8 @@ func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg, h *Job) error {
 // is taken, see kvread.go). Not knowing (NATS did not answer), it is taken
 // as this one: the KV is left to its lease rather than released under a
 // decode.
-func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *Job) bool {
-	st, err := s.l.js.Stream(ctx, StreamDecode)
+func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *dispatcher.Job) bool {
+	st, err := s.l.js.Stream(ctx, dispatcher.StreamDecode)
 	if err != nil {
 		return true
 	}
@@ -47,7 +48,7 @@ func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *Job) bool {
 	if err != nil {
 		return !errors.Is(err, jetstream.ErrMsgNotFound)
 	}
-	stored, err := ParseJob(raw.Header, raw.Data)
+	stored, err := dispatcher.ParseJob(raw.Header, raw.Data)
 	return err == nil && bytes.Equal(stored.KV, h.KV)
 }
 
@@ -60,7 +61,7 @@ func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *Job) bool {
 // the prefill engine's lease: no message can carry it to a decode worker
 // to release.
 func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
-	m := d.handoff.Msg(StageDecode)
+	m := d.handoff.Msg(dispatcher.StageDecode)
 	// With room to spare for the headers a dead letter adds: a handoff
 	// that fits, but whose dead letter would not, could never fail.
 	maxPayload := s.l.nc.MaxPayload()
@@ -71,7 +72,7 @@ func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
 		"body_bytes", len(d.handoff.Body), "kv_bytes", len(d.handoff.KV), "max_payload", maxPayload)
 	s.l.cfg.Metrics.DecodeOnly("handoff_too_large")
 	d.Forward()
-	return d.handoff.Msg(StageDecode)
+	return d.handoff.Msg(dispatcher.StageDecode)
 }
 
 // msgSize is a message's size as the server counts it against its
@@ -88,9 +89,9 @@ func msgSize(m *nats.Msg) int {
 
 // queueRelease hands a handoff that could not be stored to the decode
 // pool's release queue, so that a decode worker frees its KV.
-func (s *settle) queueRelease(ctx context.Context, h *Job) {
-	m := h.Msg(StageDecode)
-	m.Subject = ReleaseSubject(h.Pool, h.ID)
+func (s *settle) queueRelease(ctx context.Context, h *dispatcher.Job) {
+	m := h.Msg(dispatcher.StageDecode)
+	m.Subject = dispatcher.ReleaseSubject(h.Pool, h.ID)
 	// One release per generation; a release tried again (its call did
 	// not run) is a copy of its own, counted in its hand-backs.
 	// Keyed by the KV too: two runs of one prefill each have their own.
@@ -98,17 +99,17 @@ func (s *settle) queueRelease(ctx context.Context, h *Job) {
 	if h.HandBacks > 0 {
 		m.Header[headerNotBefore] = []string{strconv.FormatInt(time.Now().Add(releaseRetry).UnixMilli(), 10)}
 	}
-	if err := publish(ctx, s.l.js, m); err != nil && !errors.Is(err, ErrDuplicate) {
+	if err := dispatcher.Publish(ctx, s.l.js, m); err != nil && !errors.Is(err, dispatcher.ErrDuplicate) {
 		// The store refuses it too (a full disk): ask a decode worker of
 		// the pool to release it now, at most once.
 		s.log.Warn("could not queue the release of the prefill's KV; asking a decode worker directly", logging.Err(err))
-		m.Subject = ReleaseNowSubject(h.Pool)
+		m.Subject = dispatcher.ReleaseNowSubject(h.Pool)
 		delete(m.Header, nats.MsgIdHdr)
 		delete(m.Header, headerNotBefore)
 		go func() {
 			resp, err := s.l.nc.RequestMsg(m, releaseNowWait)
-			if err == nil && resp.Header.Get(HeaderStatus) != "" {
-				err = fmt.Errorf("the decode worker answered %s", resp.Header.Get(HeaderStatus))
+			if err == nil && resp.Header.Get(dispatcher.HeaderStatus) != "" {
+				err = fmt.Errorf("the decode worker answered %s", resp.Header.Get(dispatcher.HeaderStatus))
 			}
 			if err != nil {
 				s.log.Warn("could not release the prefill's KV; it stays held until its lease ends", logging.Err(err))
@@ -129,12 +130,12 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (
 	b.InitialInterval, b.MaxInterval, b.MaxElapsedTime = 50*time.Millisecond, 2*time.Second, 10*time.Second
 	err = backoff.RetryNotify(func() error {
 		var err error
-		seq, err = publishSeq(ctx, s.l.js, msg)
+		seq, err = dispatcher.PublishSeq(ctx, s.l.js, msg)
 		switch {
-		case errors.Is(err, ErrDuplicate):
+		case errors.Is(err, dispatcher.ErrDuplicate):
 			dup = true
 			return nil
-		case errors.Is(err, ErrNotStoring):
+		case errors.Is(err, dispatcher.ErrNotStoring):
 			return backoff.Permanent(err) // until the stream is rebuilt
 		}
 		return err
@@ -146,27 +147,27 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (
 
 // keepResult writes a replay's answer into its record: the JSON response
 // its decode asked for, kept in parts if it was larger than a message.
-func (s *settle) keepResult(ctx context.Context, w *ReplyWriter) error {
+func (s *settle) keepResult(ctx context.Context, w *dispatcher.ReplyWriter) error {
 	chunks, stages := w.Kept()
 	result := json.RawMessage(bytes.Join(chunks, nil))
 	if !json.Valid(result) {
 		result, _ = json.Marshal(string(result))
 	}
-	var tooBig *RecordError
+	var tooBig *dispatcher.RecordError
 	if len(result) > maxRecordResult {
 		// Bigger than a record may hold: running the job again would not
 		// change that.
-		tooBig = &RecordError{Status: http.StatusInsufficientStorage, Stage: StageDecode,
+		tooBig = &dispatcher.RecordError{Status: http.StatusInsufficientStorage, Stage: dispatcher.StageDecode,
 			Message: fmt.Sprintf("the answer (%d bytes) is too large to keep in the request record", len(result))}
 		result = nil
 	}
-	if _, err := s.l.records.Transition(ctx, s.job.ID, func(r *Record) error {
+	if _, err := s.l.records.Transition(ctx, s.job.ID, func(r *dispatcher.Record) error {
 		if r.Generation > s.job.Generation {
-			return ErrNoChange
+			return dispatcher.ErrNoChange
 		}
-		r.State, r.Generation, r.Error, r.Result, r.Stages = StateDone, s.job.Generation, tooBig, result, stages
+		r.State, r.Generation, r.Error, r.Result, r.Stages = dispatcher.StateDone, s.job.Generation, tooBig, result, stages
 		return nil
-	}); err != nil && !errors.Is(err, ErrNoRecord) {
+	}); err != nil && !errors.Is(err, dispatcher.ErrNoRecord) {
 		return err
 	}
 	return nil
@@ -181,11 +182,11 @@ func (s *settle) claimKV(ctx context.Context) bool {
 		return true // held, or nothing to claim
 	}
 	// As long as a publish waits for a stream's new leader.
-	cctx, cancel := context.WithTimeout(ctx, publishFailover)
+	cctx, cancel := context.WithTimeout(ctx, dispatcher.PublishFailover)
 	defer cancel()
 	ok, err := s.l.kvReads.claim(cctx, s.job, s.delivery)
 	if err != nil {
-		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "kv_claim_failed")
+		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "kv_claim_failed")
 		s.log.Warn("could not claim the handoff's KV; taking it as read", logging.Err(err))
 		return false
 	}
@@ -253,7 +254,7 @@ func (s *settle) release(ctx context.Context, why string) bool {
 		return false
 	}
 	s.l.released.Add(1)
-	s.l.cfg.Metrics.released(s.l.cfg.Pool)
+	s.l.cfg.Metrics.Released(s.l.cfg.Pool)
 	s.log.Debug("released the prefill's KV blocks", "reason", why)
 	return true
 }

@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -15,10 +17,10 @@ import (
 // so a burst cannot pass a gate that a fresh look would close; the next
 // look starts from what is there.
 func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
-	_, js := startJetStream(t)
+	_, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool := PoolName(t.Name())
-	if _, err := EnsureConsumer(ctx, js, StageDecode, pool, time.Second); err != nil {
+	pool := dispatcher.PoolName(t.Name())
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
 		t.Fatal(err)
 	}
 	g, err := newDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
@@ -48,11 +50,11 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 // half the TTL; another pool's older handoff in the same stream does not
 // count.
 func TestDecodeGateHeadAge(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool, other := PoolName(t.Name()), PoolName(t.Name()+"-other")
+	pool, other := dispatcher.PoolName(t.Name()), dispatcher.PoolName(t.Name()+"-other")
 	for _, p := range []string{pool, other} {
-		if _, err := EnsureConsumer(ctx, js, StageDecode, p, time.Second); err != nil {
+		if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, p, time.Second); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -62,15 +64,15 @@ func TestDecodeGateHeadAge(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A decode worker that reports room for a hundred handoffs.
-	info, _ := json.Marshal(WorkerInfo{ID: "w1", Role: StageDecode, Pool: pool, Slots: 100, AvgJobMs: 1})
-	if err := nc.Publish(WorkerSubject("w1"), info); err != nil {
+	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Slots: 100, AvgJobMs: 1})
+	if err := nc.Publish(dispatcher.WorkerSubject("w1"), info); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the worker registered", func() bool { s, _ := g.registry.DecodeCapacity(pool); return s == 100 })
+	dispatchertest.WaitFor(t, "the worker registered", func() bool { s, _ := g.registry.DecodeCapacity(pool); return s == 100 })
 
 	handoff := func(p, id string) {
-		job := &Job{ID: id, Model: "m", Pool: p, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`)}
-		if _, err := js.PublishMsg(ctx, job.Msg(StageDecode)); err != nil {
+		job := &dispatcher.Job{ID: id, Model: "m", Pool: p, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`)}
+		if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -1,10 +1,12 @@
-package dispatcher
+package stage
 
 import (
 	"context"
 	"testing"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -22,7 +24,7 @@ func TestRetryDelay(t *testing.T) {
 // are config's): a setting left at zero is an error, not a value.
 func TestStageLoopTakesEverySetting(t *testing.T) {
 	nc := embeddedtest.Conn(t, logging.Discard())
-	base := withSettings(StageConfig{Stage: StagePrefill, Pool: "p", Slots: 1,
+	base := withSettings(StageConfig{Stage: dispatcher.StagePrefill, Pool: "p", Slots: 1,
 		Handler: func(context.Context, *Delivery) error { return nil }})
 	if _, err := NewStageLoop(nc, nil, base, logging.Discard()); err != nil {
 		t.Fatalf("every setting given: %v", err)
@@ -73,16 +75,16 @@ func withSettings(cfg StageConfig) StageConfig {
 // TestHeartbeatRecreatesBucket: a worker whose registry bucket is gone
 // (memory storage, lost in a NATS restart) creates it again.
 func TestHeartbeatRecreatesBucket(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	if err := js.DeleteKeyValue(ctx, BucketWorkers); err != nil {
+	if err := js.DeleteKeyValue(ctx, dispatcher.BucketWorkers); err != nil {
 		t.Fatal(err)
 	}
-	id := NewWorkerID(StageDecode)
-	startLoop(t, nc, js, StageConfig{Slots: 1, Worker: WorkerInfo{ID: id, Model: "m"},
+	id := dispatcher.NewWorkerID(dispatcher.StageDecode)
+	startLoop(t, nc, js, StageConfig{Slots: 1, Worker: dispatcher.WorkerInfo{ID: id, Model: "m"},
 		Handler: func(context.Context, *Delivery) error { return nil }})
-	waitFor(t, "the worker's entry in a new bucket", func() bool {
-		kv, err := js.KeyValue(ctx, BucketWorkers)
+	dispatchertest.WaitFor(t, "the worker's entry in a new bucket", func() bool {
+		kv, err := js.KeyValue(ctx, dispatcher.BucketWorkers)
 		if err != nil {
 			return false
 		}

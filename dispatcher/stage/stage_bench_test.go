@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -14,6 +14,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/config"
 )
 
@@ -50,27 +52,27 @@ func BenchmarkDurablePath(b *testing.B) {
 // benchDurablePath runs BenchmarkDurablePath's requests, conc at a time,
 // with records or not, each job's body size bytes.
 func benchDurablePath(b *testing.B, conc int, records bool, size int) {
-	nc, js := startJetStream(b)
+	nc, js := dispatchertest.JetStream(b)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	recs, err := OpenRecords(ctx, js)
+	recs, err := dispatcher.OpenRecords(ctx, js)
 	if err != nil {
 		b.Fatal(err)
 	}
-	proto := benchJob(size)
-	stages := map[Stage]jetstream.Consumer{}
-	for _, stage := range []Stage{StagePrefill, StageDecode} {
-		if stages[stage], err = EnsureConsumer(ctx, js, stage, proto.Pool, config.DefaultAckWait); err != nil {
+	proto := dispatchertest.BenchJob(size)
+	stages := map[dispatcher.Stage]jetstream.Consumer{}
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		if stages[stage], err = dispatcher.EnsureConsumer(ctx, js, stage, proto.Pool, config.DefaultAckWait); err != nil {
 			b.Fatal(err)
 		}
 		// Each stream's keeper, as pdq's stage loops keep one (keeper.go).
-		if _, err := js.Publish(ctx, KeeperSubject(stage), []byte(keeperNote)); err != nil {
+		if _, err := js.Publish(ctx, dispatcher.KeeperSubject(stage), []byte(dispatcher.KeeperNote)); err != nil {
 			b.Fatal(err)
 		}
 	}
 	var done sync.Map // id → chan struct{}, closed by the decode worker
 	var workers sync.WaitGroup
-	work := func(stage Stage) {
+	work := func(stage dispatcher.Stage) {
 		defer workers.Done()
 		p := newPuller(ctx, nc, js, config.PullWait)
 		defer p.stop()
@@ -86,28 +88,28 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 				b.Error(err)
 				return
 			}
-			job, err := ParseJob(m.Headers(), m.Data())
+			job, err := dispatcher.ParseJob(m.Headers(), m.Data())
 			if err != nil {
 				b.Error(err)
 				return
 			}
 			if records {
-				if _, _, err := recs.getChanged(ctx, job.ID, job.RecordRevision); err != nil {
+				if _, _, err := recs.GetChanged(ctx, job.ID, job.RecordRevision); err != nil {
 					b.Error(err)
 				}
 			}
 			// The decode worker can take a handoff before its publish is
 			// acknowledged here: the last request may end, and ctx with
 			// it, while the publish of a stored handoff waits.
-			if stage == StagePrefill {
-				if err := publish(ctx, js, job.Msg(StageDecode)); err != nil && ctx.Err() == nil {
+			if stage == dispatcher.StagePrefill {
+				if err := dispatcher.Publish(ctx, js, job.Msg(dispatcher.StageDecode)); err != nil && ctx.Err() == nil {
 					b.Error(err)
 				}
 			}
 			if err := m.Ack(); err != nil {
 				b.Error(err)
 			}
-			if stage == StageDecode {
+			if stage == dispatcher.StageDecode {
 				if ch, ok := done.LoadAndDelete(job.ID); ok {
 					close(ch.(chan struct{}))
 				}
@@ -116,17 +118,17 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 	}
 	for range conc {
 		workers.Add(2)
-		go work(StagePrefill)
-		go work(StageDecode)
+		go work(dispatcher.StagePrefill)
+		go work(dispatcher.StageDecode)
 	}
 	var n atomic.Int64
 	request := func() error {
 		job := *proto
 		job.ID = "bench-" + strconv.FormatInt(n.Add(1), 10)
-		rec := &Record{ID: job.ID, State: StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool, Endpoint: job.Endpoint,
+		rec := &dispatcher.Record{ID: job.ID, State: dispatcher.StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool, Endpoint: job.Endpoint,
 			Stream: true, Gateway: job.GatewayID(), Created: job.Submitted, Updated: job.Submitted, Deadline: job.Deadline}
 		if records {
-			rev, err := recs.create(ctx, rec)
+			rev, err := recs.Create(ctx, rec)
 			if err != nil {
 				return err
 			}
@@ -134,7 +136,7 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 		}
 		ch := make(chan struct{})
 		done.Store(job.ID, ch)
-		if err := publish(ctx, js, job.Msg(StagePrefill)); err != nil {
+		if err := dispatcher.Publish(ctx, js, job.Msg(dispatcher.StagePrefill)); err != nil {
 			return err
 		}
 		select {
@@ -143,8 +145,8 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 			return fmt.Errorf("request %s: not decoded within 10 s", job.ID)
 		}
 		if records {
-			rec.State = StateDone
-			if _, err := recs.update(ctx, rec, job.RecordRevision); err != nil {
+			rec.State = dispatcher.StateDone
+			if _, err := recs.Update(ctx, rec, job.RecordRevision); err != nil {
 				return err
 			}
 		}

@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -92,13 +93,13 @@ type Handler func(ctx context.Context, d *Delivery) error
 
 // Delivery is one delivery of a job to a handler.
 type Delivery struct {
-	Job *Job
+	Job *dispatcher.Job
 	// Attempt counts deliveries of this job in its generation, from 1.
 	Attempt int
 	loop    *StageLoop
-	replies *ReplyWriter
-	handoff *Job
-	moved   *Job
+	replies *dispatcher.ReplyWriter
+	handoff *dispatcher.Job
+	moved   *dispatcher.Job
 	// movedFrom is the engine's failure that made the handler migrate.
 	movedFrom error
 	// ctx and stopBeats run a decode's heartbeats from its first use of
@@ -121,7 +122,7 @@ func (d *Delivery) Permit() uint64 { return d.permit }
 // engine's failure. The loop queues it as the next generation, on any
 // decode engine, before it acks this job. The handler must have sent
 // Moved on its reply first.
-func (d *Delivery) Migrate(sent []byte, resume Resume, cause error) {
+func (d *Delivery) Migrate(sent []byte, resume dispatcher.Resume, cause error) {
 	d.movedFrom = cause
 	next := *d.Job
 	resume.Original = true
@@ -138,7 +139,7 @@ func (d *Delivery) Migrate(sent []byte, resume Resume, cause error) {
 // decode stage, with kv, which the loop stores before it acks the prefill.
 // A failed store is retried as a store; the prefill is never run again
 // for it.
-func (d *Delivery) HandOff(kv json.RawMessage, rec StageRecord) {
+func (d *Delivery) HandOff(kv json.RawMessage, rec dispatcher.StageRecord) {
 	h := *d.Job
 	h.KV, h.Prefill = kv, &rec
 	d.handoff = &h
@@ -167,10 +168,10 @@ func (d *Delivery) MovedFrom() error { return d.movedFrom }
 // Replies writes the client's reply for this delivery. A decode's first
 // call starts its heartbeats: from then on the gateway knows the decode
 // runs, and which chunks it lacks, even while the engine is silent.
-func (d *Delivery) Replies() *ReplyWriter {
+func (d *Delivery) Replies() *dispatcher.ReplyWriter {
 	if d.replies == nil {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
-		if d.loop.cfg.Stage == StageDecode && d.ctx != nil {
+		if d.loop.cfg.Stage == dispatcher.StageDecode && d.ctx != nil {
 			d.replies.Watch(d.stop, d.loop.wanted(d.Job))
 			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
 		}
@@ -189,22 +190,22 @@ func (d *Delivery) sent() int {
 // replies writes job's reply. Decode deliveries are ordered by generation
 // and delivery, so a later one starts a new reply; prefill errors are
 // delivery 0 of their generation.
-func (l *StageLoop) replies(job *Job, attempt int) *ReplyWriter {
+func (l *StageLoop) replies(job *dispatcher.Job, attempt int) *dispatcher.ReplyWriter {
 	if job.Rebuilt {
 		attempt += rebuiltReplies
 	}
-	if l.cfg.Stage != StageDecode {
+	if l.cfg.Stage != dispatcher.StageDecode {
 		attempt = 0
 	}
-	w := NewReplyWriter(l.nc, job.ReplyTo, ReplyAttempt(job.Generation, attempt))
+	w := dispatcher.NewReplyWriter(l.nc, job.ReplyTo, dispatcher.ReplyAttempt(job.Generation, attempt))
 	if job.ReplyFramed {
 		w.Frame()
 		w.Local(l.cfg.LocalReplies)
 	}
-	if job.Resume != nil && l.cfg.Stage == StageDecode {
+	if job.Resume != nil && l.cfg.Stage == dispatcher.StageDecode {
 		w.ContinueAt(job.Resume.Chunks)
 	}
-	w.SetEndWait(min(l.cfg.StallTimeout, DefaultEndWait))
+	w.SetEndWait(min(l.cfg.StallTimeout, dispatcher.DefaultEndWait))
 	return w
 }
 

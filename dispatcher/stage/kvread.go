@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"fmt"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
@@ -36,15 +37,15 @@ import (
 type kvReads struct{ kv jetstream.KeyValue }
 
 func openKVReads(ctx context.Context, js jetstream.JetStream) (*kvReads, error) {
-	kv, err := js.KeyValue(ctx, BucketKVReads)
+	kv, err := js.KeyValue(ctx, dispatcher.BucketKVReads)
 	if err != nil {
-		return nil, fmt.Errorf("open bucket %s: %w", BucketKVReads, err)
+		return nil, fmt.Errorf("open bucket %s: %w", dispatcher.BucketKVReads, err)
 	}
 	return &kvReads{kv: kv}, nil
 }
 
 // kvReadKey is the key of the KV that a handoff of job names.
-func kvReadKey(job *Job) string {
+func kvReadKey(job *dispatcher.Job) string {
 	h := sha256.New()
 	fmt.Fprintf(h, "%s\x00%d\x00", job.ID, job.Generation)
 	h.Write(job.KV)
@@ -56,11 +57,11 @@ func kvReadKey(job *Job) string {
 // no answer (the bucket's leader being elected again in a cluster) is tried
 // again, up to ctx's end: one that was stored after all finds the key
 // holding this reader's name, and stands.
-func (r *kvReads) claim(ctx context.Context, job *Job, reader string) (bool, error) {
+func (r *kvReads) claim(ctx context.Context, job *dispatcher.Job, reader string) (bool, error) {
 	key := kvReadKey(job)
 	_, err := r.kv.Create(ctx, key, []byte(reader))
-	for noAnswer(err) && ctx.Err() == nil {
-		if sleep.For(ctx, publishRetryWait) != nil {
+	for dispatcher.NoAnswer(err) && ctx.Err() == nil {
+		if sleep.For(ctx, dispatcher.PublishRetryWait) != nil {
 			break
 		}
 		_, err = r.kv.Create(ctx, key, []byte(reader))
@@ -80,7 +81,7 @@ func (r *kvReads) claim(ctx context.Context, job *Job, reader string) (bool, err
 
 // unclaim gives back reader's claim of a read that did not happen: the
 // handoff goes back to the queue, unread, for another reader.
-func (r *kvReads) unclaim(ctx context.Context, job *Job, reader string) error {
+func (r *kvReads) unclaim(ctx context.Context, job *dispatcher.Job, reader string) error {
 	key := kvReadKey(job)
 	e, err := r.kv.Get(ctx, key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {

@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -42,7 +43,7 @@ type decodeGate struct {
 	js       jetstream.JetStream
 	pool     string
 	ttl      time.Duration
-	registry *Registry // has its own lock
+	registry *dispatcher.Registry // has its own lock
 	log      *slog.Logger
 
 	fresh time.Duration // how long a look serves: gateFresh; tests change it between calls
@@ -65,7 +66,7 @@ type decodeGate struct {
 }
 
 func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*decodeGate, error) {
-	registry, err := WatchWorkers(ctx, js, log)
+	registry, err := dispatcher.WatchWorkers(ctx, js, log)
 	if err != nil {
 		return nil, err
 	}
@@ -90,7 +91,7 @@ func (g *decodeGate) isOpen(ctx context.Context) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if time.Since(g.looked) >= g.fresh {
-		cons, err := g.js.Consumer(ctx, StreamDecode, ConsumerName(StageDecode, g.pool))
+		cons, err := g.js.Consumer(ctx, dispatcher.StreamDecode, dispatcher.ConsumerName(dispatcher.StageDecode, g.pool))
 		if err != nil {
 			g.open = true
 			return true // no decode consumer yet: nothing is waiting for one
@@ -141,7 +142,7 @@ func (g *decodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) t
 // cannot be read.
 func (g *decodeGate) stored(ctx context.Context, info *jetstream.ConsumerInfo) time.Time {
 	if g.stream == nil {
-		s, err := g.js.Stream(ctx, StreamDecode)
+		s, err := g.js.Stream(ctx, dispatcher.StreamDecode)
 		if err != nil {
 			return time.Time{}
 		}

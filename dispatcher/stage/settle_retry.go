@@ -1,15 +1,14 @@
-package dispatcher
+package stage
 
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/http"
-	"strconv"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -28,7 +27,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 		}
 		return
 	}
-	s.l.cfg.Metrics.retry(s.l.cfg.Stage, "hand_back")
+	s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "hand_back")
 	s.log.Debug("job handed back", "reason", why.Error(), "hand_backs", next.HandBacks)
 	if err := s.msg.DoubleAck(ctx); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
@@ -39,9 +38,9 @@ func (s *settle) handBack(ctx context.Context, why error) {
 // new KV, new message ids; its prefill was wasted, for reason. release
 // says whether this handoff's KV was certainly never read, and so is
 // freed.
-func (s *settle) regenerate(ctx context.Context, reason waste, why string, release bool) {
+func (s *settle) regenerate(ctx context.Context, reason dispatcher.Waste, why string, release bool) {
 	l, job := s.l, s.job
-	l.cfg.Metrics.wasted(reason)
+	l.cfg.Metrics.Wasted(reason)
 	if release {
 		s.release(ctx, why)
 	}
@@ -53,7 +52,7 @@ func (s *settle) regenerate(ctx context.Context, reason waste, why string, relea
 	}
 	next := *job
 	next.Generation, next.KV, next.Prefill = job.Generation+1, nil, nil
-	moved, err := s.storeGeneration(ctx, &next, StagePrefill, "new generation")
+	moved, err := s.storeGeneration(ctx, &next, dispatcher.StagePrefill, "new generation")
 	if err != nil {
 		e := openai.NewError(http.StatusServiceUnavailable, "could not queue the request for a new prefill: %v", err)
 		s.failForGood(ctx, e, err, true)
@@ -63,7 +62,7 @@ func (s *settle) regenerate(ctx context.Context, reason waste, why string, relea
 		s.term("the request moved on while it was sent back to prefill")
 		return
 	}
-	l.cfg.Metrics.retry(l.cfg.Stage, "regenerate")
+	l.cfg.Metrics.Retry(l.cfg.Stage, "regenerate")
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)
 }
@@ -75,7 +74,7 @@ func (s *settle) regenerate(ctx context.Context, reason waste, why string, relea
 // When the request ended, or was taken over, meanwhile, the job just stored
 // is deleted again, so that it cannot linger to meet a later retry under
 // its message ids.
-func (s *settle) storeGeneration(ctx context.Context, next *Job, stage Stage, what string) (bool, error) {
+func (s *settle) storeGeneration(ctx context.Context, next *dispatcher.Job, stage dispatcher.Stage, what string) (bool, error) {
 	l, job := s.l, s.job
 	next.RecordRevision = 0 // the record is written after the job
 	seq, _, err := s.publishRetry(ctx, next.Msg(stage), what)
@@ -83,18 +82,18 @@ func (s *settle) storeGeneration(ctx context.Context, next *Job, stage Stage, wh
 		return false, err
 	}
 	moved := false
-	if _, err := l.records.Transition(ctx, job.ID, func(r *Record) error {
+	if _, err := l.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
 		if r.Generation > job.Generation || r.State.Ended() || r.Gateway != job.GatewayID() {
-			return ErrNoChange
+			return dispatcher.ErrNoChange
 		}
 		r.Generation, moved = next.Generation, true
 		return nil
-	}); err != nil && !errors.Is(err, ErrNoRecord) {
+	}); err != nil && !errors.Is(err, dispatcher.ErrNoRecord) {
 		moved = true // not knowing, keep the job: its pull checks the record again
 		s.log.Warn("could not record the "+what+"; its job runs all the same", logging.Err(err))
 	}
 	if !moved && seq > 0 {
-		if st, err := l.js.Stream(ctx, stageStream(stage)); err == nil {
+		if st, err := l.js.Stream(ctx, dispatcher.StageStream(stage)); err == nil {
 			if err := st.DeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
 				s.log.Warn("could not delete the "+what+"'s job; its pull will drop it", logging.Err(err))
 			}
@@ -107,9 +106,9 @@ func (s *settle) storeGeneration(ctx context.Context, next *Job, stage Stage, wh
 // the request's next generation, and acks this one. The gateway has every
 // chunk sent so far (the handler's Moved), and takes the continuation's
 // chunks as the same stream.
-func (s *settle) migrate(ctx context.Context, next *Job) {
+func (s *settle) migrate(ctx context.Context, next *dispatcher.Job) {
 	l := s.l
-	moved, err := s.storeGeneration(ctx, next, StageDecode, "migration")
+	moved, err := s.storeGeneration(ctx, next, dispatcher.StageDecode, "migration")
 	if err != nil {
 		e := openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off, and could not be moved: %v", err)
 		s.failForGood(ctx, e, err, true)
@@ -127,62 +126,24 @@ func (s *settle) migrate(ctx context.Context, next *Job) {
 	}
 }
 
-// errDLQFull means the dead-letter stream refused an entry: it is full.
-var errDLQFull = errors.New("the dead-letter stream is full")
-
 // deadLetter keeps a failed job for replay: its message as it was, with
 // the stage, status and reason. WorkQueue streams delete a terminated
 // message, so it is stored before the term. One entry per request id; a
 // full DLQ refuses new entries rather than dropping old ones, and each
 // refusal is counted here.
 func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string, status int, reason string) error {
-	pool := msg.Headers().Get(HeaderPool)
-	if !ValidPool(pool) {
+	pool := msg.Headers().Get(dispatcher.HeaderPool)
+	if !dispatcher.ValidPool(pool) {
 		pool = l.cfg.Pool
 	}
-	m := nats.NewMsg(DLQSubject(pool, id))
+	m := nats.NewMsg(dispatcher.DLQSubject(pool, id))
 	for k, v := range msg.Headers() {
 		m.Header[k] = v
 	}
 	m.Data = msg.Data()
-	err := storeDeadLetter(ctx, l.js, m, id, l.cfg.Stage, status, reason, l.cfg.Metrics)
-	if errors.Is(err, errDLQFull) {
+	err := dispatcher.StoreDeadLetter(ctx, l.js, m, id, l.cfg.Stage, status, reason, l.cfg.Metrics)
+	if errors.Is(err, dispatcher.ErrDLQFull) {
 		l.dlqRefused.Add(1)
 	}
 	return err
-}
-
-// DeadLetterJob keeps a request that the gateway failed on the way back
-// (its decode restarted after output, its reply lost or silent) for
-// replay, as a worker keeps the jobs it fails: its job as the gateway
-// queued it, the client's body and all.
-func DeadLetterJob(ctx context.Context, js jetstream.Publisher, job *Job, stage Stage, status int, reason string, metrics *Metrics) error {
-	m := job.Msg(stage)
-	m.Subject = DLQSubject(job.Pool, job.ID)
-	return storeDeadLetter(ctx, js, m, job.ID, stage, status, reason, metrics)
-}
-
-// storeDeadLetter labels m, a job's message as it was, with the stage,
-// status and reason of its failure, and stores it in the dead-letter
-// stream at its subject, once per generation.
-func storeDeadLetter(ctx context.Context, js jetstream.Publisher, m *nats.Msg, id string, stage Stage, status int, reason string, metrics *Metrics) error {
-	m.Header[HeaderStage] = []string{string(stage)}
-	m.Header[HeaderStatus] = []string{strconv.Itoa(status)}
-	m.Header[HeaderReason] = []string{truncate(reason, 1024)}
-	m.Header[nats.MsgIdHdr] = []string{id + "/dlq/" + m.Header.Get(HeaderGeneration)}
-	// As any job's publish: across a failover, and refused by a full
-	// stream or one whose store does not write (a full disk, and PDQ_DLQ
-	// is not rebuilt: until NATS restarts).
-	_, err := publishSeq(ctx, js, m)
-	switch {
-	case errors.Is(err, ErrDuplicate):
-		return nil // counted when it was stored
-	case errors.Is(err, ErrQueueFull), errors.Is(err, ErrNotStoring):
-		metrics.deadLetterRefused(stage)
-		return fmt.Errorf("%w (%d entries or %d bytes, or its store does not write): %w", errDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
-	case err != nil:
-		return err
-	}
-	metrics.deadLetter(stage)
-	return nil
 }

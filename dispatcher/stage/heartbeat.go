@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -37,7 +38,7 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		default:
 		}
 	}
-	ask, err := l.nc.Subscribe(WorkersAskSubject, func(*nats.Msg) { poke() })
+	ask, err := l.nc.Subscribe(dispatcher.WorkersAskSubject, func(*nats.Msg) { poke() })
 	if err != nil {
 		l.log.Warn("cannot hear registries ask for heartbeats; they hear this worker within 2s anyway", logging.Err(err))
 	} else {
@@ -71,13 +72,13 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 			l.log.Error("encode heartbeat", logging.Err(err))
 			return
 		}
-		if err := l.nc.Publish(WorkerSubject(info.ID), data); err != nil {
+		if err := l.nc.Publish(dispatcher.WorkerSubject(info.ID), data); err != nil {
 			l.log.Warn("heartbeat not sent", logging.Err(err))
 		}
 		if early {
 			return
 		}
-		pctx, cancel := context.WithTimeout(ctx, HeartbeatInterval)
+		pctx, cancel := context.WithTimeout(ctx, dispatcher.HeartbeatInterval)
 		defer cancel()
 		if err := bucket.put(pctx, info.ID, data); err != nil && ctx.Err() == nil {
 			// Registries do not read the bucket: this only leaves the
@@ -90,12 +91,12 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 		}
 	}
 	beat(false)
-	t := time.NewTicker(HeartbeatInterval)
+	t := time.NewTicker(dispatcher.HeartbeatInterval)
 	defer t.Stop()
 	// The decode gates count on a decode worker's seats and average job
 	// time: a change is news before the next heartbeat.
 	var check <-chan time.Time
-	if l.cfg.Stage == StageDecode {
+	if l.cfg.Stage == dispatcher.StageDecode {
 		tc := time.NewTicker(avgCheck)
 		defer tc.Stop()
 		check = tc.C
@@ -122,8 +123,8 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 // leave tells the registries that this worker stops, and removes its
 // bucket entry.
 func (l *StageLoop) leave(ctx context.Context, id string, bucket *workersBucket) {
-	m := nats.NewMsg(WorkerSubject(id))
-	m.Header.Set(HeaderLeaving, "true")
+	m := nats.NewMsg(dispatcher.WorkerSubject(id))
+	m.Header.Set(dispatcher.HeaderLeaving, "true")
 	err := l.nc.PublishMsg(m)
 	if err == nil {
 		err = l.nc.FlushTimeout(time.Second)
@@ -148,11 +149,11 @@ type workersBucket struct {
 
 func (b *workersBucket) put(ctx context.Context, id string, data []byte) error {
 	if b.kv == nil {
-		kv, err := b.js.KeyValue(ctx, BucketWorkers)
+		kv, err := b.js.KeyValue(ctx, dispatcher.BucketWorkers)
 		if errors.Is(err, jetstream.ErrBucketNotFound) {
-			kv, err = b.js.CreateKeyValue(ctx, workersBucketConfig(b.replicas))
+			kv, err = b.js.CreateKeyValue(ctx, dispatcher.WorkersBucketConfig(b.replicas))
 			if errors.Is(err, jetstream.ErrBucketExists) { // another process was first
-				kv, err = b.js.KeyValue(ctx, BucketWorkers)
+				kv, err = b.js.KeyValue(ctx, dispatcher.BucketWorkers)
 			}
 		}
 		if err != nil {

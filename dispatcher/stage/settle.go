@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -23,7 +24,7 @@ import (
 type settle struct {
 	l       *StageLoop
 	msg     jetstream.Msg
-	job     *Job
+	job     *dispatcher.Job
 	attempt int
 	log     *slog.Logger
 	// sent is the number of chunks the handler sent to the client.
@@ -44,14 +45,14 @@ type settle struct {
 	kvClaimed bool
 	// run is this delivery's engine call, once the handler started: a
 	// request that ends here keeps it in its record, beside its prefill's.
-	run *StageRecord
+	run *dispatcher.StageRecord
 }
 
 // stages are the stage runs that led to where the request is: its
 // prefill's (on a handoff) and this delivery's.
-func (s *settle) stages() []StageRecord {
-	var out []StageRecord
-	if s.job.Prefill != nil && s.l.cfg.Stage == StageDecode {
+func (s *settle) stages() []dispatcher.StageRecord {
+	var out []dispatcher.StageRecord
+	if s.job.Prefill != nil && s.l.cfg.Stage == dispatcher.StageDecode {
 		out = append(out, *s.job.Prefill)
 	}
 	if s.run != nil {
@@ -62,14 +63,14 @@ func (s *settle) stages() []StageRecord {
 
 // settleOf settles a delivery of job, its attempt-th, logging with the
 // request's id, generation and attempt.
-func (l *StageLoop) settleOf(msg jetstream.Msg, job *Job, attempt int) *settle {
-	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: Token(),
+func (l *StageLoop) settleOf(msg jetstream.Msg, job *dispatcher.Job, attempt int) *settle {
+	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: dispatcher.Token(),
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 }
 
 // rebuilt reports whether the job was stored again by a rebuild of its
 // stream (doctor.go).
-func (s *settle) rebuilt() bool { return s.msg.Headers().Get(HeaderRebuilt) != "" }
+func (s *settle) rebuilt() bool { return s.msg.Headers().Get(dispatcher.HeaderRebuilt) != "" }
 
 // admit checks a delivery before any engine call. It settles, and returns
 // false for, a job that must not run: its request ended or moved on to a
@@ -77,8 +78,8 @@ func (s *settle) rebuilt() bool { return s.msg.Headers().Get(HeaderRebuilt) != "
 // deliveries are used up, or its handoff's KV may be gone.
 func (s *settle) admit(ctx context.Context) bool {
 	l, job := s.l, s.job
-	handoff := l.cfg.Stage == StageDecode && len(job.KV) > 0
-	rec, _, err := l.records.getChanged(ctx, job.ID, job.RecordRevision)
+	handoff := l.cfg.Stage == dispatcher.StageDecode && len(job.KV) > 0
+	rec, _, err := l.records.GetChanged(ctx, job.ID, job.RecordRevision)
 	switch {
 	case err == nil && rec == nil:
 		// Unchanged since this generation was queued.
@@ -93,7 +94,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// by a replay: this job is the earlier request's.
 		s.drop(ctx, "the request id was taken over by a retry or a replay")
 		return false
-	case err != nil && !errors.Is(err, ErrNoRecord):
+	case err != nil && !errors.Is(err, dispatcher.ErrNoRecord):
 		// Not knowing the record is no reason to stop: run the job.
 		s.log.Warn("could not read the request record; running the job", logging.Err(err))
 	}
@@ -102,12 +103,12 @@ func (s *settle) admit(ctx context.Context) bool {
 		return false
 	}
 	if !l.liveness.Alive(ctx, job.GatewayID()) {
-		s.end(ctx, StateCancelled, &RecordError{Status: 499, Message: errGatewayGone.Error(), Stage: l.cfg.Stage})
+		s.end(ctx, dispatcher.StateCancelled, &dispatcher.RecordError{Status: 499, Message: errGatewayGone.Error(), Stage: l.cfg.Stage})
 		s.answer(gatewayGoneError()) // heard by nobody, unless the gateway was only unreachable
 		s.drop(ctx, errGatewayGone.Error())
 		return false
 	}
-	if l.cfg.Stage == StagePrefill && s.attempt > 1 && s.handedOff(ctx) {
+	if l.cfg.Stage == dispatcher.StagePrefill && s.attempt > 1 && s.handedOff(ctx) {
 		// An earlier delivery stored its handoff but was not acked: the
 		// prefill is done, and running it again would hold KV nobody reads.
 		s.log.Info("prefill job redelivered after its handoff was stored; acking it")
@@ -124,7 +125,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// NATS delivered it as a first delivery, but an earlier one has
 		// claimed its KV: a restarted server forgot that delivery, or its
 		// ack came late. It may have read the KV.
-		l.cfg.Metrics.retry(l.cfg.Stage, "kv_claimed")
+		l.cfg.Metrics.Retry(l.cfg.Stage, "kv_claimed")
 		s.log.Info("handoff delivered again after an earlier delivery claimed its KV")
 		redelivered = true
 	}
@@ -134,7 +135,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// call went on. Running it twice would read a handoff's KV twice
 		// or start a second answer; the first settles it, and this copy
 		// comes back only if the first never does.
-		l.cfg.Metrics.retry(l.cfg.Stage, "running_elsewhere")
+		l.cfg.Metrics.Retry(l.cfg.Stage, "running_elsewhere")
 		s.log.Info("job redelivered while an earlier delivery still runs; leaving it to that one")
 		if err := s.msg.NakWithDelay(l.cfg.AckWait); err != nil {
 			s.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(err))
@@ -149,11 +150,11 @@ func (s *settle) admit(ctx context.Context) bool {
 	if handoff && redelivered {
 		// An earlier delivery may have read the KV blocks, which a prefill
 		// engine serves once.
-		s.regenerate(ctx, wasteRedelivered, "a redelivered handoff's KV may have been read", false)
+		s.regenerate(ctx, dispatcher.WasteRedelivered, "a redelivered handoff's KV may have been read", false)
 		return false
 	}
 	if handoff && job.Prefill != nil && time.Since(job.Prefill.Ended()) > l.cfg.KVTTL {
-		s.regenerate(ctx, wasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
+		s.regenerate(ctx, dispatcher.WasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
 		return false
 	}
 	return true
@@ -165,12 +166,12 @@ func (s *settle) admit(ctx context.Context) bool {
 // and admit drops the job before this; in the moment between the two, the
 // prefill runs again and its KV is left to its lease.
 func (s *settle) handedOff(ctx context.Context) bool {
-	st, err := s.l.js.Stream(ctx, StreamDecode)
+	st, err := s.l.js.Stream(ctx, dispatcher.StreamDecode)
 	if err != nil {
 		return false
 	}
-	m, err := st.GetLastMsgForSubject(ctx, JobSubject(StageDecode, s.job.Pool, s.job.ID))
-	return err == nil && m.Header.Get(HeaderGeneration) == strconv.Itoa(s.job.Generation)
+	m, err := st.GetLastMsgForSubject(ctx, dispatcher.JobSubject(dispatcher.StageDecode, s.job.Pool, s.job.ID))
+	return err == nil && m.Header.Get(dispatcher.HeaderGeneration) == strconv.Itoa(s.job.Generation)
 }
 
 // gatewayGoneError is what a job stopped for its gateway's silence
@@ -183,7 +184,7 @@ func gatewayGoneError() *openai.Error {
 // stopped settles a job stopped by its client or its gateway's end.
 func (s *settle) stopped(ctx context.Context, cause error) {
 	s.log.Debug("job stopped: " + cause.Error())
-	s.end(ctx, StateCancelled, &RecordError{Status: 499, Message: cause.Error(), Stage: s.l.cfg.Stage})
+	s.end(ctx, dispatcher.StateCancelled, &dispatcher.RecordError{Status: 499, Message: cause.Error(), Stage: s.l.cfg.Stage})
 	if errors.Is(cause, errGatewayGone) {
 		s.answer(gatewayGoneError()) // heard by nobody, unless the gateway was only unreachable
 	}
@@ -204,7 +205,7 @@ func (s *settle) expired(ctx context.Context) {
 		what = "while its " + string(s.l.cfg.Stage) + " ran"
 	}
 	e := openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", what)
-	s.end(ctx, StateExpired, &RecordError{Status: e.Status(), Message: e.Message, Stage: s.l.cfg.Stage})
+	s.end(ctx, dispatcher.StateExpired, &dispatcher.RecordError{Status: e.Status(), Message: e.Message, Stage: s.l.cfg.Stage})
 	s.answer(e)
 	if !s.ran {
 		s.drop(ctx, "deadline passed")
@@ -225,10 +226,10 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 		if err := s.storeHandoff(ctx, m, d.handoff); err != nil {
 			s.log.Warn("could not queue the handoff; the request fails without a new prefill", logging.Err(err))
 			status := http.StatusServiceUnavailable
-			if errors.Is(err, ErrQueueFull) {
+			if errors.Is(err, dispatcher.ErrQueueFull) {
 				status = http.StatusTooManyRequests
 			}
-			if errors.Is(err, ErrQueueFull) || errors.Is(err, ErrNotStoring) {
+			if errors.Is(err, dispatcher.ErrQueueFull) || errors.Is(err, dispatcher.ErrNotStoring) {
 				// A full stream refused it outright (it checks for a
 				// duplicate first), or one that does not store failed to:
 				// nothing was stored, so nothing else will read or release
@@ -237,13 +238,13 @@ func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration)
 				s.queueRelease(ctx, d.handoff)
 			}
 			e := openai.NewError(status, "could not queue the decode stage: %v", err)
-			s.end(ctx, StateFailed, &RecordError{Status: status, Message: e.Message, Stage: StagePrefill})
+			s.end(ctx, dispatcher.StateFailed, &dispatcher.RecordError{Status: status, Message: e.Message, Stage: dispatcher.StagePrefill})
 			s.answer(e)
 			s.term("handoff not stored")
 			return
 		}
 	}
-	if s.job.ReplyTo == "" && d.replies != nil && s.l.cfg.Stage == StageDecode {
+	if s.job.ReplyTo == "" && d.replies != nil && s.l.cfg.Stage == dispatcher.StageDecode {
 		if err := s.keepResult(ctx, d.replies); err != nil {
 			// The answer exists only in the record: without it the job
 			// must run again.
@@ -282,15 +283,15 @@ func (s *settle) confirmAck(ctx context.Context) {
 		if try > 0 && sleep.For(ctx, 100*time.Millisecond) != nil {
 			break
 		}
-		actx, cancel := context.WithTimeout(ctx, ackTimeout)
+		actx, cancel := context.WithTimeout(ctx, dispatcher.AckTimeout)
 		err = s.msg.DoubleAck(actx)
 		cancel()
-		if err == nil || !noAnswer(err) {
+		if err == nil || !dispatcher.NoAnswer(err) {
 			break
 		}
 	}
 	if err != nil {
-		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "ack_unconfirmed")
+		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "ack_unconfirmed")
 		s.log.Warn("ack unconfirmed; this prompt of a batch may run again if the ack was lost", logging.Err(err))
 	}
 }
@@ -301,11 +302,11 @@ func (s *settle) interrupted(ctx context.Context, err error) {
 	case s.sent > 0:
 		e := openai.NewError(http.StatusBadGateway, "the %s worker shut down mid-answer", s.l.cfg.Stage)
 		s.failForGood(ctx, e, fmt.Errorf("interrupted by shutdown after output: %w", err), true)
-	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && !s.ran:
+	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0 && !s.ran:
 		// Its engine never ran it (it waited for a busy engine, say).
 		s.unrun(ctx, fmt.Errorf("interrupted by shutdown before its engine ran it: %w", err))
-	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
-		s.regenerate(ctx, wasteShutdown, "interrupted by shutdown; its KV may have been read", false)
+	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0:
+		s.regenerate(ctx, dispatcher.WasteShutdown, "interrupted by shutdown; its KV may have been read", false)
 	default:
 		s.log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
 		if err := s.msg.Nak(); err != nil {
@@ -326,7 +327,7 @@ func (s *settle) failed(ctx context.Context, err error) {
 		client = openai.NewError(http.StatusBadGateway, "%s failed: %v", s.l.cfg.Stage, err)
 	}
 	if f.Permanent {
-		if f.Rejected && s.l.cfg.Stage == StageDecode {
+		if f.Rejected && s.l.cfg.Stage == dispatcher.StageDecode {
 			// The engine refused the request before running it: no read.
 			s.ran = false
 			s.release(ctx, "the decode engine refused the request")
@@ -341,17 +342,17 @@ func (s *settle) failed(ctx context.Context, err error) {
 		// The client has part of the answer: no attempt can start over.
 		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
 		s.failForGood(ctx, e, err, true)
-	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0 && f.Unread:
+	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0 && f.Unread:
 		// Before output, and the engine never ran it: the KV is unread
 		// (and s.ran false, see process).
 		s.log.Warn("decode failed before its engine ran it", logging.Err(err))
-		s.regenerate(ctx, wasteDecodeFailed, "decode failed before its engine ran it: "+err.Error(), true)
-	case s.l.cfg.Stage == StageDecode && len(s.job.KV) > 0:
+		s.regenerate(ctx, dispatcher.WasteDecodeFailed, "decode failed before its engine ran it: "+err.Error(), true)
+	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0:
 		// Before output, but the engine may have read the KV blocks.
 		s.log.Warn("decode failed before output", logging.Err(err))
-		s.regenerate(ctx, wasteDecodeFailed, "decode failed before output: "+err.Error(), false)
+		s.regenerate(ctx, dispatcher.WasteDecodeFailed, "decode failed before output: "+err.Error(), false)
 	case s.attempt < s.l.cfg.MaxDeliver:
-		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "retry")
+		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "retry")
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
 		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := s.msg.NakWithDelay(delay); err != nil {
@@ -392,7 +393,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 	} else {
 		s.log.Error("request failed for good", "status", status, logging.Err(cause))
 		switch err := s.l.deadLetter(ctx, s.msg, s.job.ID, status, cause.Error()); {
-		case errors.Is(err, errDLQFull):
+		case errors.Is(err, dispatcher.ErrDLQFull):
 			// A full DLQ refuses the entry rather than dropping older
 			// ones; the client is answered all the same.
 			s.log.Error("the dead-letter stream is full: this failure is not kept for replay", logging.Err(err))
@@ -404,7 +405,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 			return
 		}
 	}
-	s.end(ctx, StateFailed, &RecordError{Status: status, Message: client.Message, Stage: s.l.cfg.Stage})
+	s.end(ctx, dispatcher.StateFailed, &dispatcher.RecordError{Status: status, Message: client.Message, Stage: s.l.cfg.Stage})
 	if answer {
 		s.answer(client)
 	}
@@ -415,7 +416,7 @@ func (s *settle) failForGood(ctx context.Context, client *openai.Error, cause er
 // decode engine can have read it.
 func (s *settle) drop(ctx context.Context, why string) {
 	s.log.Debug("job dropped: " + why)
-	if s.l.cfg.Stage == StageDecode && (s.attempt == 1 || s.rebuilt()) {
+	if s.l.cfg.Stage == dispatcher.StageDecode && (s.attempt == 1 || s.rebuilt()) {
 		s.release(ctx, why) // a rebuilt one's only if unclaimed: see release
 	}
 	s.term(why)
@@ -438,7 +439,7 @@ func (s *settle) answer(e *openai.Error) {
 }
 
 // end records the request's end.
-func (s *settle) end(ctx context.Context, state State, e *RecordError) {
+func (s *settle) end(ctx context.Context, state dispatcher.State, e *dispatcher.RecordError) {
 	if err := s.l.records.End(ctx, s.job.ID, s.job.Generation, state, e, s.stages()...); err != nil {
 		s.log.Warn("could not record the request's end", "state", string(state), logging.Err(err))
 	}

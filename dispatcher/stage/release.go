@@ -1,4 +1,4 @@
-package dispatcher
+package stage
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -29,7 +30,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 	var cons jetstream.Consumer
 	for ctx.Err() == nil {
 		if cons == nil {
-			c, err := ensureReleaseConsumer(ctx, l.js, l.cfg.Pool, l.cfg.AckWait, l.cfg.MaxDeliver, WithLogger(l.log))
+			c, err := dispatcher.EnsureReleaseConsumer(ctx, l.js, l.cfg.Pool, l.cfg.AckWait, l.cfg.MaxDeliver, dispatcher.WithLogger(l.log))
 			if err != nil {
 				l.log.Warn("no release queue; retrying in 5s", logging.Err(err))
 				if sleep.For(ctx, 5*time.Second) != nil {
@@ -81,7 +82,7 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 	if notYet(msg) {
 		return
 	}
-	job, err := ParseJob(msg.Headers(), msg.Data())
+	job, err := dispatcher.ParseJob(msg.Headers(), msg.Data())
 	if err == nil && len(job.KV) == 0 {
 		err = fmt.Errorf("release of %s carries no kv_transfer_params", job.ID)
 	}
@@ -90,7 +91,7 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 		_ = msg.Term() // nothing to release: a lost term redelivers it, to be dropped again
 		return
 	}
-	s := &settle{l: l, msg: msg, job: job, attempt: 1, delivery: Token(), engineHeld: l.cfg.EngineSlots != nil,
+	s := &settle{l: l, msg: msg, job: job, attempt: 1, delivery: dispatcher.Token(), engineHeld: l.cfg.EngineSlots != nil,
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	// At most once: a release that ran twice would read freed blocks, which
 	// with NIXL v1 kills the decode engine; one that never ran only leaves
@@ -101,7 +102,7 @@ func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 	meta, err := msg.Metadata()
 	if err == nil {
 		var st jetstream.Stream
-		if st, err = l.js.Stream(cctx, StreamRelease); err == nil {
+		if st, err = l.js.Stream(cctx, dispatcher.StreamRelease); err == nil {
 			err = st.DeleteMsg(cctx, meta.Sequence.Stream)
 		}
 	}
@@ -152,20 +153,20 @@ func notYet(msg jetstream.Msg) bool {
 // decode worker to release directly, the release queue having refused
 // it, and answers once done (a Pdq-Status of 500 if the release failed).
 func (l *StageLoop) releaseNow(ctx context.Context, m *nats.Msg) {
-	job, err := ParseJob(m.Header, m.Data)
+	job, err := dispatcher.ParseJob(m.Header, m.Data)
 	if err == nil && len(job.KV) == 0 {
 		err = fmt.Errorf("release of %s carries no kv_transfer_params", job.ID)
 	}
 	reply := nats.NewMsg(m.Reply)
 	if err != nil {
 		l.log.Warn("dropping an unreadable release", logging.Err(err))
-		reply.Header[HeaderStatus] = []string{"400"}
+		reply.Header[dispatcher.HeaderStatus] = []string{"400"}
 		_ = m.RespondMsg(reply) // the asker gives up on its own
 		return
 	}
-	s := &settle{l: l, job: job, attempt: 1, delivery: Token(), direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
+	s := &settle{l: l, job: job, attempt: 1, delivery: dispatcher.Token(), direct: true, log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation)}
 	if !s.release(ctx, "its handoff and its release could not be stored") {
-		reply.Header[HeaderStatus] = []string{"500"}
+		reply.Header[dispatcher.HeaderStatus] = []string{"500"}
 	}
 	_ = m.RespondMsg(reply) // a lost answer only costs the asker a log line
 }
