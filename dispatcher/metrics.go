@@ -331,7 +331,7 @@ func (m *Metrics) EngineSlots(stage Stage, engine string, n int) {
 	}
 }
 
-func (m *Metrics) storeWritable(stream string, stores bool) {
+func (m *Metrics) StoreWritable(stream string, stores bool) {
 	if m != nil {
 		v := 0.0
 		if stores {

@@ -186,7 +186,7 @@ func (rs *Records) read(ctx context.Context, id string) ([]byte, uint64, error) 
 // purged, as the KeyValue's Get reads it: by its operation, or else by
 // the reason the server gave for a marker.
 func deleteMarker(h nats.Header) bool {
-	if op := h.Get(kvOperation); op != "" {
+	if op := h.Get(KvOperation); op != "" {
 		return op == "DEL" || op == "PURGE"
 	}
 	switch h.Get(jetstream.MarkerReasonHeader) {
@@ -197,7 +197,7 @@ func deleteMarker(h nats.Header) bool {
 }
 
 // kvOperation is the header of a KeyValue's delete and purge markers.
-const kvOperation = "KV-Operation"
+const KvOperation = "KV-Operation"
 
 // readEntry is read through the KeyValue's Get.
 func (rs *Records) readEntry(ctx context.Context, id string) ([]byte, uint64, error) {
@@ -292,7 +292,7 @@ func (rs *Records) transition(ctx context.Context, id string, from *Record, rev 
 			return r, err
 		}
 		if _, err := rs.Update(ctx, r, rev); err != nil {
-			if isWrongRevision(err) {
+			if IsWrongRevision(err) {
 				rev = 0 // written since: read what is there
 				continue
 			}
@@ -358,7 +358,7 @@ func (rs *Records) List(ctx context.Context, f func(*Record) bool) error {
 	return nil
 }
 
-func isWrongRevision(err error) bool {
+func IsWrongRevision(err error) bool {
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) && (apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence ||
 		apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant) {

@@ -30,10 +30,10 @@ const (
 
 // Subject prefixes. A job's subject is <prefix>.<pool>.<request id>.
 const (
-	subjectPrefill = "pdq.prefill"
-	subjectDecode  = "pdq.decode"
-	subjectDLQ     = "pdq.dlq"
-	subjectRelease = "pdq.release"
+	SubjectPrefill = "pdq.prefill"
+	SubjectDecode  = "pdq.decode"
+	SubjectDLQ     = "pdq.dlq"
+	SubjectRelease = "pdq.release"
 	// subjectReleaseNow is core NATS, outside the release stream's
 	// pdq.release.>: a release asked of a decode worker directly.
 	subjectReleaseNow = "pdq.releasenow"
@@ -50,9 +50,9 @@ func JobSubject(stage Stage, pool, id string) string {
 
 func StageSubject(stage Stage) string {
 	if stage == StagePrefill {
-		return subjectPrefill
+		return SubjectPrefill
 	}
-	return subjectDecode
+	return SubjectDecode
 }
 
 func StageStream(stage Stage) string {
@@ -85,7 +85,7 @@ func GatewaySubject(gatewayID string) string { return subjectGateway + "." + gat
 
 // ReleaseSubject is where a handoff that could not be stored waits for a
 // decode worker of its pool to release its KV.
-func ReleaseSubject(pool, id string) string { return subjectRelease + "." + pool + "." + id }
+func ReleaseSubject(pool, id string) string { return SubjectRelease + "." + pool + "." + id }
 
 // ReleaseNowSubject is where the decode workers of a pool, one of them
 // for each message (a queue group), release a handoff's KV when the
@@ -93,7 +93,7 @@ func ReleaseSubject(pool, id string) string { return subjectRelease + "." + pool
 func ReleaseNowSubject(pool string) string { return subjectReleaseNow + "." + pool }
 
 // DLQSubject is where a request that failed for good is kept for replay.
-func DLQSubject(pool, id string) string { return subjectDLQ + "." + pool + "." + id }
+func DLQSubject(pool, id string) string { return SubjectDLQ + "." + pool + "." + id }
 
 // validID is the request id rule, [A-Za-z0-9_-]{1,128}: the id becomes a
 // subject token, so '.', '*', '>' and whitespace must never get through.

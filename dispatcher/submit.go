@@ -77,7 +77,7 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 		return nil, err
 	}
 	job.Generation, job.RecordRevision = rec.Generation, claim.rev
-	if err = publishGeneration(ctx, s.js, s.records, job, stage); err != nil {
+	if err = PublishGeneration(ctx, s.js, s.records, job, stage); err != nil {
 		status := 503
 		if errors.Is(err, ErrQueueFull) {
 			status = 429
@@ -103,7 +103,7 @@ func (s *Submitter) Submit(ctx context.Context, stage Stage, job *Job) (*Claim, 
 // request's own id, whose prompts run under ids of their own.
 func (s *Submitter) Claim(ctx context.Context, rec *Record) (*Claim, error) {
 	rev, err := s.claim(ctx, rec)
-	if isWrongRevision(err) {
+	if IsWrongRevision(err) {
 		rev, err = s.claimRetry(ctx, rec)
 	}
 	if err != nil {
@@ -188,7 +188,7 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) (uint64, error)
 	rec.Replays = old.Replays
 	rev, err = s.records.Update(ctx, rec, rev)
 	if err != nil {
-		if isWrongRevision(err) {
+		if IsWrongRevision(err) {
 			return 0, fmt.Errorf("request %s: %w", rec.ID, ErrDuplicate) // another retry won
 		}
 		return 0, fmt.Errorf("record %s: %w", rec.ID, err)
@@ -201,7 +201,7 @@ func (s *Submitter) claimRetry(ctx context.Context, rec *Record) (uint64, error)
 // regeneration of an earlier request under this id, within the dedup
 // window): then the record and the job take the next generation, up to 3
 // times. It sets job.Generation to the one stored.
-func publishGeneration(ctx context.Context, js jetstream.Publisher, records *Records, job *Job, stage Stage) error {
+func PublishGeneration(ctx context.Context, js jetstream.Publisher, records *Records, job *Job, stage Stage) error {
 	job.Origin = job.Generation // a new request
 	err := Publish(ctx, js, job.Msg(stage))
 	for range 3 {

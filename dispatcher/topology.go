@@ -150,14 +150,14 @@ func KeepEnsured(ctx context.Context, js jetstream.JetStream, opts ...EnsureOpti
 // streamConfigs are pdq's streams, each with replicas copies.
 func streamConfigs(replicas int) []jetstream.StreamConfig {
 	return []jetstream.StreamConfig{
-		stageStreamConfig(StreamPrefill, subjectPrefill+".>", "jobs waiting for a prefill worker", replicas),
-		stageStreamConfig(StreamDecode, subjectDecode+".>", "handoffs and decode-only jobs waiting for a decode worker", replicas),
+		stageStreamConfig(StreamPrefill, SubjectPrefill+".>", "jobs waiting for a prefill worker", replicas),
+		stageStreamConfig(StreamDecode, SubjectDecode+".>", "handoffs and decode-only jobs waiting for a decode worker", replicas),
 		{
 			// Its own stream, so that a full PDQ_DECODE cannot also refuse
 			// the release of the handoffs it refused.
 			Name:        StreamRelease,
 			Description: "handoffs that could not be stored, waiting for a decode worker to release their KV",
-			Subjects:    []string{subjectRelease + ".>"},
+			Subjects:    []string{SubjectRelease + ".>"},
 			Retention:   jetstream.WorkQueuePolicy,
 			Storage:     jetstream.FileStorage,
 			MaxBytes:    releaseMaxBytes,
@@ -173,7 +173,7 @@ func streamConfigs(replicas int) []jetstream.StreamConfig {
 			// request: its latest failure.
 			Name:              StreamDLQ,
 			Description:       "requests that failed for good, with stage and reason, for replay",
-			Subjects:          []string{subjectDLQ + ".>"},
+			Subjects:          []string{SubjectDLQ + ".>"},
 			Retention:         jetstream.LimitsPolicy,
 			Storage:           jetstream.FileStorage,
 			MaxAge:            dlqMaxAge,
@@ -380,7 +380,7 @@ func EnsureReleaseConsumer(ctx context.Context, js jetstream.JetStream, pool str
 	return ensureConsumer(ctx, js, StreamRelease, jetstream.ConsumerConfig{
 		Durable:       releaseConsumer(pool),
 		Description:   "decode workers of pool " + pool + " releasing KV of handoffs never stored",
-		FilterSubject: subjectRelease + "." + pool + ".>",
+		FilterSubject: SubjectRelease + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
 		MaxDeliver:    maxDeliver,

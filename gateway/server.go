@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/admin"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -169,7 +170,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	defer func() { stopLedger(); <-ledgerDone }()
 	// The store doctor rebuilds a stream whose store stopped writing (a
 	// full disk), once it can write again.
-	doctor := dispatcher.NewStoreDoctor(s.js, records, s.cfg.Counters, s.log)
+	doctor := admin.NewStoreDoctor(s.js, records, s.cfg.Counters, s.log)
 	doctorCtx, stopDoctor := context.WithCancel(ctx)
 	doctorDone := make(chan struct{})
 	go func() { doctor.Run(doctorCtx); close(doctorDone) }()
@@ -225,7 +226,7 @@ type handlers struct {
 	// ledger keeps the record writes NATS did not take, until it does.
 	ledger *ledger
 	// doctor knows which streams do not store.
-	doctor    *dispatcher.StoreDoctor
+	doctor    *admin.StoreDoctor
 	submitter *dispatcher.Submitter
 	budget    *byteBudget
 	admission *dispatcher.Admission

@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/admin"
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
@@ -34,7 +35,7 @@ func TestReplayDeadline(t *testing.T) {
 
 	setFault(t, decode, `{"rate":1,"kind":"hang"}`)
 	ctx := context.Background()
-	rp, err := dispatcher.NewReplayer(ctx, p.js, time.Second)
+	rp, err := admin.NewReplayer(ctx, p.js, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/admin"
 )
 
 // fullDiskRow puts a standalone nats-server's store on a small filesystem
@@ -96,7 +97,7 @@ func fullDiskRow(t *testing.T) row {
 		}
 		shown := false
 		if out, err := exec.Command(pdqBinary, "status", "--json", "--nats", c.natsURL).Output(); err == nil {
-			var st struct{ Stores []dispatcher.StoreHealth }
+			var st struct{ Stores []admin.StoreHealth }
 			if json.Unmarshal(out, &st) == nil {
 				for _, h := range st.Stores {
 					shown = shown || !h.Stores

@@ -8,18 +8,19 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/admin"
 )
 
 // pdqStatus runs `pdq status --json` against the cluster's NATS.
-func (c *cluster) pdqStatus() (workers map[dispatcher.Stage]dispatcher.WorkerInfo, queues []dispatcher.QueueStatus) {
+func (c *cluster) pdqStatus() (workers map[dispatcher.Stage]dispatcher.WorkerInfo, queues []admin.QueueStatus) {
 	c.t.Helper()
 	out, err := exec.Command(pdqBinary, "status", "--json", "--nats", c.natsURL).Output()
 	if err != nil {
 		c.t.Fatalf("pdq status: %v", err)
 	}
 	var s struct {
-		Workers []dispatcher.WorkerInfo  `json:"workers"`
-		Queues  []dispatcher.QueueStatus `json:"queues"`
+		Workers []dispatcher.WorkerInfo `json:"workers"`
+		Queues  []admin.QueueStatus     `json:"queues"`
 	}
 	if err := json.Unmarshal(out, &s); err != nil {
 		c.t.Fatalf("pdq status --json: %v\n%s", err, out)

@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/admin"
 	"github.com/pdq-dev/pdq/pkg/config"
 )
 
@@ -127,11 +128,11 @@ func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer nc.Close()
-	rp, err := dispatcher.NewReplayer(ctx, js, *timeout)
+	rp, err := admin.NewReplayer(ctx, js, *timeout)
 	if err != nil {
 		return err
 	}
-	var letters []dispatcher.DeadLetter
+	var letters []admin.DeadLetter
 	if *id != "" {
 		dl, err := rp.Find(ctx, *id)
 		if err != nil {
@@ -152,7 +153,7 @@ func runReplay(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	for i, dl := range letters {
 		gen, err := rp.Replay(ctx, dl)
 		switch {
-		case errors.Is(err, dispatcher.ErrSucceeded), errors.Is(err, dispatcher.ErrLive):
+		case errors.Is(err, admin.ErrSucceeded), errors.Is(err, admin.ErrLive):
 			refused++
 			fmt.Fprintf(stdout, "[%d/%d] %s: not replayed: %v\n", i+1, len(letters), dl.ID, err)
 		case err != nil:
@@ -285,11 +286,11 @@ func truncateLine(s string, n int) string {
 // status is what `pdq status` prints: the live workers with their engines'
 // health, each pool's queues, and the dead letters.
 type status struct {
-	Workers     []dispatcher.WorkerInfo  `json:"workers"`
-	Queues      []dispatcher.QueueStatus `json:"queues"`
-	DeadLetters uint64                   `json:"dead_letters"`
+	Workers     []dispatcher.WorkerInfo `json:"workers"`
+	Queues      []admin.QueueStatus     `json:"queues"`
+	DeadLetters uint64                  `json:"dead_letters"`
 	// Stores is whether each of pdq's file streams stores writes.
-	Stores []dispatcher.StoreHealth `json:"stores"`
+	Stores []admin.StoreHealth `json:"stores"`
 }
 
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -356,17 +357,17 @@ func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatch
 	for _, w := range s.Workers {
 		if !pools[w.Pool] {
 			pools[w.Pool] = true
-			q, err := dispatcher.Queues(ctx, js, w.Pool)
+			q, err := admin.Queues(ctx, js, w.Pool)
 			if err != nil {
 				return err
 			}
 			s.Queues = append(s.Queues, q...)
 		}
 	}
-	if s.DeadLetters, err = dispatcher.DeadLetters(ctx, js); err != nil {
+	if s.DeadLetters, err = admin.DeadLetters(ctx, js); err != nil {
 		return err
 	}
-	s.Stores = dispatcher.CheckStores(ctx, js)
+	s.Stores = admin.CheckStores(ctx, js)
 	if asJSON {
 		return json.NewEncoder(stdout).Encode(s)
 	}

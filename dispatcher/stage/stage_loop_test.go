@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/admin"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -1036,7 +1037,7 @@ func TestReplay(t *testing.T) {
 	if err := bucket.Delete(ctx, "replay-2"); err != nil { // as if older than the bucket's TTL
 		t.Fatal(err)
 	}
-	rp, err := dispatcher.NewReplayer(ctx, js, time.Minute)
+	rp, err := admin.NewReplayer(ctx, js, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1050,7 +1051,7 @@ func TestReplay(t *testing.T) {
 		if err != nil || gen != 2 {
 			t.Fatalf("replay %s: generation %d, %v; want 2", id, gen, err)
 		}
-		if _, err := rp.Replay(ctx, dl); !errors.Is(err, dispatcher.ErrLive) {
+		if _, err := rp.Replay(ctx, dl); !errors.Is(err, admin.ErrLive) {
 			t.Errorf("a second replay of %s: %v, want ErrLive", id, err)
 		}
 		// This loop is a prefill stage with no decode after it: the record
@@ -1060,7 +1061,7 @@ func TestReplay(t *testing.T) {
 			t.Errorf("replayed record %+v; want queued in generation 2 after 1 replay, with no gateway", rec)
 		}
 		dispatchertest.WaitFor(t, "the replayed job run", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
-		if _, err := rp.Find(ctx, id); !errors.Is(err, dispatcher.ErrNoDeadLetter) {
+		if _, err := rp.Find(ctx, id); !errors.Is(err, admin.ErrNoDeadLetter) {
 			t.Errorf("the dead letter of %s is still there after its replay: %v", id, err)
 		}
 	}
@@ -1179,7 +1180,7 @@ func TestQueues(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)
-	qs, err := dispatcher.Queues(ctx, js, pool)
+	qs, err := admin.Queues(ctx, js, pool)
 	if err != nil {
 		t.Fatal(err)
 	}

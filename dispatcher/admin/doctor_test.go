@@ -1,4 +1,4 @@
-package dispatcher
+package admin
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -20,7 +22,7 @@ import (
 // TestProbeStore: a stream that stores answers the probe, which leaves
 // nothing behind.
 func TestProbeStore(t *testing.T) {
-	_, js := startJetStream(t)
+	_, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	for _, target := range storeTargets() {
 		stores, err := ProbeStore(ctx, js, target.stream, target.probe)
@@ -42,11 +44,11 @@ func TestProbeStore(t *testing.T) {
 			t.Errorf("%s holds %d messages after a probe: want %d", target.stream, n, want)
 		}
 	}
-	records, err := OpenRecords(ctx, js)
+	records, err := dispatcher.OpenRecords(ctx, js)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := records.List(ctx, func(r *Record) bool { t.Errorf("a record listed after the probes: %+v", r); return true }); err != nil {
+	if err := records.List(ctx, func(r *dispatcher.Record) bool { t.Errorf("a record listed after the probes: %+v", r); return true }); err != nil {
 		t.Errorf("records listed after the probes: %v", err)
 	}
 	if h := CheckStores(ctx, js); len(h) != len(storeTargets()) || !h[0].Stores {
@@ -60,38 +62,38 @@ func TestProbeStore(t *testing.T) {
 // and every write of it was refused); of the jobs, only those whose
 // request is live at their generation come back, their message ids kept.
 func TestRebuildKeepsWhatMatters(t *testing.T) {
-	_, js := startJetStream(t)
+	_, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	records, err := OpenRecords(ctx, js)
+	records, err := dispatcher.OpenRecords(ctx, js)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool := PoolName(t.Name())
+	pool := dispatcher.PoolName(t.Name())
 	job := func(id string, generation int) {
-		j := &Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Generation: generation}
-		if _, err := js.PublishMsg(ctx, j.Msg(StagePrefill)); err != nil {
+		j := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Generation: generation}
+		if _, err := js.PublishMsg(ctx, j.Msg(dispatcher.StagePrefill)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for _, r := range []struct {
 		id    string
 		gen   int
-		state State
-	}{{"live", 1, StateQueued}, {"ended", 1, StateFailed}, {"moved-on", 2, StateQueued}} {
-		if _, err := records.Create(ctx, &Record{ID: r.id, State: StateQueued, Generation: 1, Created: time.Now()}); err != nil {
+		state dispatcher.State
+	}{{"live", 1, dispatcher.StateQueued}, {"ended", 1, dispatcher.StateFailed}, {"moved-on", 2, dispatcher.StateQueued}} {
+		if _, err := records.Create(ctx, &dispatcher.Record{ID: r.id, State: dispatcher.StateQueued, Generation: 1, Created: time.Now()}); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := records.Transition(ctx, r.id, func(rec *Record) error { rec.State, rec.Generation = r.state, r.gen; return nil }); err != nil {
+		if _, err := records.Transition(ctx, r.id, func(rec *dispatcher.Record) error { rec.State, rec.Generation = r.state, r.gen; return nil }); err != nil {
 			t.Fatal(err)
 		}
 		job(r.id, 1)
 	}
-	if _, err := js.Publish(ctx, KeeperSubject(StagePrefill), []byte(KeeperNote)); err != nil {
+	if _, err := js.Publish(ctx, dispatcher.KeeperSubject(dispatcher.StagePrefill), []byte(dispatcher.KeeperNote)); err != nil {
 		t.Fatal(err)
 	}
 	d := NewStoreDoctor(js, records, nil, logging.Discard())
 	for _, target := range storeTargets() {
-		if target.stream != "KV_"+BucketRequests && target.stream != StreamPrefill {
+		if target.stream != "KV_"+dispatcher.BucketRequests && target.stream != dispatcher.StreamPrefill {
 			continue
 		}
 		// A stream that stores is not rebuilt...
@@ -118,11 +120,11 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 		if err != nil {
 			t.Fatalf("record %s after the rebuild: %v", id, err)
 		}
-		if _, err := records.Transition(ctx, id, func(rec *Record) error { rec.Replays++; return nil }); err != nil {
+		if _, err := records.Transition(ctx, id, func(rec *dispatcher.Record) error { rec.Replays++; return nil }); err != nil {
 			t.Errorf("record %s (%s) takes no write after the rebuild: %v", id, r.State, err)
 		}
 	}
-	st, err := js.Stream(ctx, StreamPrefill)
+	st, err := js.Stream(ctx, dispatcher.StreamPrefill)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,31 +132,31 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(info.State.Subjects) != 1 || info.State.Subjects[JobSubject(StagePrefill, pool, "live")] != 1 {
+	if len(info.State.Subjects) != 1 || info.State.Subjects[dispatcher.JobSubject(dispatcher.StagePrefill, pool, "live")] != 1 {
 		t.Fatalf("after the rebuild the prefill stream holds %v: want the live request's job alone", info.State.Subjects)
 	}
-	m, err := st.GetLastMsgForSubject(ctx, JobSubject(StagePrefill, pool, "live"))
+	m, err := st.GetLastMsgForSubject(ctx, dispatcher.JobSubject(dispatcher.StagePrefill, pool, "live"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got, want := m.Header.Get(jetstream.MsgIDHeader), "live/p1"; got != want {
 		t.Errorf("the job kept message id %q, want %q", got, want)
 	}
-	if m.Header.Get(HeaderRebuilt) == "" {
+	if m.Header.Get(dispatcher.HeaderRebuilt) == "" {
 		t.Errorf("the job stored again is not marked so: %v", m.Header)
 	}
 	if m.Sequence <= 3 {
 		t.Errorf("the job stored again has sequence %d: want the old stream's sequences gone on (over 3)", m.Sequence)
 	}
 	// A consumer works on the stream made anew.
-	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Second)
+	cons, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got, err := cons.Next(jetstream.FetchMaxWait(5 * time.Second)); err != nil || got.Headers().Get(jetstream.MsgIDHeader) != "live/p1" {
 		t.Errorf("pull after the rebuild: %v %v", got, err)
 	}
-	if _, _, err := records.Get(ctx, "gone"); !errors.Is(err, ErrNoRecord) {
+	if _, _, err := records.Get(ctx, "gone"); !errors.Is(err, dispatcher.ErrNoRecord) {
 		t.Errorf("a record never written: %v", err)
 	}
 }

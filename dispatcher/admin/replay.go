@@ -1,4 +1,4 @@
-package dispatcher
+package admin
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
@@ -24,14 +25,14 @@ var (
 // Replayer runs failed requests again from the dead-letter stream.
 type Replayer struct {
 	js      jetstream.JetStream
-	records *Records
+	records *dispatcher.Records
 	// Timeout is the fresh deadline of a replayed request.
 	Timeout time.Duration
 }
 
 // NewReplayer opens the dead-letter stream and the request records.
 func NewReplayer(ctx context.Context, js jetstream.JetStream, timeout time.Duration) (*Replayer, error) {
-	records, err := OpenRecords(ctx, js)
+	records, err := dispatcher.OpenRecords(ctx, js)
 	if err != nil {
 		return nil, err
 	}
@@ -42,7 +43,7 @@ func NewReplayer(ctx context.Context, js jetstream.JetStream, timeout time.Durat
 type DeadLetter struct {
 	ID     string
 	Pool   string
-	Stage  Stage
+	Stage  dispatcher.Stage
 	Reason string
 	Time   time.Time
 	seq    uint64
@@ -52,30 +53,30 @@ type DeadLetter struct {
 // DeadLetters lists the entries stored since the given time (all for the
 // zero time), oldest first.
 func (rp *Replayer) DeadLetters(ctx context.Context, since time.Time) ([]DeadLetter, error) {
-	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{subjectDLQ + ".>"}}
+	cfg := jetstream.OrderedConsumerConfig{FilterSubjects: []string{dispatcher.SubjectDLQ + ".>"}}
 	if !since.IsZero() {
 		cfg.DeliverPolicy, cfg.OptStartTime = jetstream.DeliverByStartTimePolicy, &since
 	}
-	st, err := rp.js.Stream(ctx, StreamDLQ)
+	st, err := rp.js.Stream(ctx, dispatcher.StreamDLQ)
 	if err != nil {
-		return nil, fmt.Errorf("open %s: %w", StreamDLQ, err)
+		return nil, fmt.Errorf("open %s: %w", dispatcher.StreamDLQ, err)
 	}
 	info, err := st.Info(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+		return nil, fmt.Errorf("read %s: %w", dispatcher.StreamDLQ, err)
 	}
 	if info.State.Msgs == 0 {
 		return nil, nil
 	}
 	cons, err := st.OrderedConsumer(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+		return nil, fmt.Errorf("read %s: %w", dispatcher.StreamDLQ, err)
 	}
 	var out []DeadLetter
 	for {
 		batch, err := cons.FetchNoWait(256)
 		if err != nil {
-			return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+			return nil, fmt.Errorf("read %s: %w", dispatcher.StreamDLQ, err)
 		}
 		n := 0
 		for m := range batch.Messages() {
@@ -93,7 +94,7 @@ func (rp *Replayer) DeadLetters(ctx context.Context, since time.Time) ([]DeadLet
 			}
 		}
 		if err := batch.Error(); err != nil {
-			return nil, fmt.Errorf("read %s: %w", StreamDLQ, err)
+			return nil, fmt.Errorf("read %s: %w", dispatcher.StreamDLQ, err)
 		}
 		if n == 0 {
 			return out, nil
@@ -107,20 +108,20 @@ func (rp *Replayer) load(ctx context.Context, st jetstream.Stream, seq uint64) (
 		return DeadLetter{}, err
 	}
 	return DeadLetter{
-		ID: m.Header.Get(HeaderID), Pool: m.Header.Get(HeaderPool), Stage: Stage(m.Header.Get(HeaderStage)),
-		Reason: m.Header.Get(HeaderReason), Time: m.Time, seq: m.Sequence, msg: m,
+		ID: m.Header.Get(dispatcher.HeaderID), Pool: m.Header.Get(dispatcher.HeaderPool), Stage: dispatcher.Stage(m.Header.Get(dispatcher.HeaderStage)),
+		Reason: m.Header.Get(dispatcher.HeaderReason), Time: m.Time, seq: m.Sequence, msg: m,
 	}, nil
 }
 
 // Find returns the dead letter of request id.
 func (rp *Replayer) Find(ctx context.Context, id string) (DeadLetter, error) {
-	keys := LookupKeys(id)
+	keys := dispatcher.LookupKeys(id)
 	if len(keys) == 0 {
 		return DeadLetter{}, fmt.Errorf("%q is not a valid request id", id)
 	}
-	st, err := rp.js.Stream(ctx, StreamDLQ)
+	st, err := rp.js.Stream(ctx, dispatcher.StreamDLQ)
 	if err != nil {
-		return DeadLetter{}, fmt.Errorf("open %s: %w", StreamDLQ, err)
+		return DeadLetter{}, fmt.Errorf("open %s: %w", dispatcher.StreamDLQ, err)
 	}
 	var first error
 	for i, key := range keys {
@@ -138,13 +139,13 @@ func (rp *Replayer) Find(ctx context.Context, id string) (DeadLetter, error) {
 // find is Find of the request recorded under key.
 func (rp *Replayer) find(ctx context.Context, st jetstream.Stream, id string) (DeadLetter, error) {
 	if r, _, err := rp.records.Get(ctx, id); err == nil {
-		if m, err := st.GetLastMsgForSubject(ctx, DLQSubject(r.Pool, id)); err == nil {
+		if m, err := st.GetLastMsgForSubject(ctx, dispatcher.DLQSubject(r.Pool, id)); err == nil {
 			return rp.load(ctx, st, m.Sequence)
 		}
 	}
 	// No record (older than its TTL): look for the id in any pool.
 	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{subjectDLQ + ".*." + id}, DeliverPolicy: jetstream.DeliverLastPerSubjectPolicy,
+		FilterSubjects: []string{dispatcher.SubjectDLQ + ".*." + id}, DeliverPolicy: jetstream.DeliverLastPerSubjectPolicy,
 	})
 	if err != nil {
 		return DeadLetter{}, err
@@ -169,32 +170,32 @@ func (rp *Replayer) find(ctx context.Context, st jetstream.Stream, id string) (D
 // dead letter is removed once the new job is queued. Replay is
 // idempotent: a request that is in flight or has succeeded is refused.
 func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, err error) {
-	job, err := ParseJob(dl.msg.Header, dl.msg.Data)
+	job, err := dispatcher.ParseJob(dl.msg.Header, dl.msg.Data)
 	if err != nil {
 		return 0, fmt.Errorf("dead letter of %s: %w", dl.ID, err)
 	}
 	now := time.Now()
-	stage := StagePrefill
-	rec, err := rp.records.Transition(ctx, job.ID, func(r *Record) error {
+	stage := dispatcher.StagePrefill
+	rec, err := rp.records.Transition(ctx, job.ID, func(r *dispatcher.Record) error {
 		switch {
-		case r.State == StateDone:
+		case r.State == dispatcher.StateDone:
 			return ErrSucceeded
 		case r.Live():
 			return ErrLive
 		}
 		if r.DecodeOnly {
-			stage = StageDecode
+			stage = dispatcher.StageDecode
 		}
-		r.State, r.Generation, r.Error, r.Result, r.Stages = StateQueued, r.Generation+1, nil, nil, nil
+		r.State, r.Generation, r.Error, r.Result, r.Stages = dispatcher.StateQueued, r.Generation+1, nil, nil, nil
 		r.Gateway, r.Deadline = "", now.Add(rp.Timeout)
 		r.Replays++
 		return nil
 	})
-	if errors.Is(err, ErrNoRecord) {
-		rec = &Record{ID: job.ID, State: StateQueued, Generation: job.Generation + 1, Model: job.Model, Pool: job.Pool,
+	if errors.Is(err, dispatcher.ErrNoRecord) {
+		rec = &dispatcher.Record{ID: job.ID, State: dispatcher.StateQueued, Generation: job.Generation + 1, Model: job.Model, Pool: job.Pool,
 			Endpoint: job.Endpoint, Stream: job.Stream, Owner: job.Owner, Created: now, Updated: now, Deadline: now.Add(rp.Timeout), Replays: 1}
 		_, err = rp.records.Create(ctx, rec)
-		if isWrongRevision(err) {
+		if dispatcher.IsWrongRevision(err) {
 			err = ErrLive // created by a replay running beside this one
 		}
 	}
@@ -206,14 +207,14 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 	// A replay starts from the client's body, not from where a migrated
 	// decode had got to.
 	job.Resume, job.Sent, job.HandBacks = nil, nil, 0
-	if err := publishGeneration(ctx, rp.js, rp.records, job, stage); err != nil {
-		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, job.Generation, StateFailed,
-			&RecordError{Status: 503, Message: "replay could not queue the request: " + err.Error()}); rerr != nil {
+	if err := dispatcher.PublishGeneration(ctx, rp.js, rp.records, job, stage); err != nil {
+		if rerr := rp.records.End(context.WithoutCancel(ctx), job.ID, job.Generation, dispatcher.StateFailed,
+			&dispatcher.RecordError{Status: 503, Message: "replay could not queue the request: " + err.Error()}); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
 		return 0, err
 	}
-	st, err := rp.js.Stream(ctx, StreamDLQ)
+	st, err := rp.js.Stream(ctx, dispatcher.StreamDLQ)
 	if err == nil {
 		err = st.DeleteMsg(ctx, dl.seq)
 	}
@@ -226,7 +227,7 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 // WaitAll waits until the records of ids end, or ctx does, calling ended
 // with each as it ends, in the order they end, and idle each time a period
 // has passed without one ending (for a progress line).
-func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Duration, ended func(*Record), idle func(left int)) error {
+func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Duration, ended func(*dispatcher.Record), idle func(left int)) error {
 	left := slices.Clone(ids)
 	last := time.Now()
 	for len(left) > 0 {
@@ -236,7 +237,7 @@ func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Durat
 			if err != nil {
 				return false
 			}
-			var r *Record
+			var r *dispatcher.Record
 			if r, _, err = rp.records.Get(ctx, id); err != nil || !r.State.Ended() {
 				return false
 			}
@@ -263,8 +264,8 @@ func (rp *Replayer) WaitAll(ctx context.Context, ids []string, period time.Durat
 }
 
 // Wait waits until id's record ends, or ctx does, and returns it.
-func (rp *Replayer) Wait(ctx context.Context, id string) (*Record, error) {
-	var rec *Record
-	err := rp.WaitAll(ctx, []string{id}, time.Hour, func(r *Record) { rec = r }, func(int) {})
+func (rp *Replayer) Wait(ctx context.Context, id string) (*dispatcher.Record, error) {
+	var rec *dispatcher.Record
+	err := rp.WaitAll(ctx, []string{id}, time.Hour, func(r *dispatcher.Record) { rec = r }, func(int) {})
 	return rec, err
 }

@@ -1,4 +1,4 @@
-package dispatcher
+package admin
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -66,11 +67,11 @@ type storeTarget struct {
 // first: a rebuild of a stage stream asks the records which jobs are live.
 func storeTargets() []storeTarget {
 	return []storeTarget{
-		{stream: "KV_" + BucketRequests, probe: "$KV." + BucketRequests + "." + probeKey, keep: keepLatest},
-		{stream: "KV_" + BucketKVReads, probe: "$KV." + BucketKVReads + "." + probeKey, keep: keepLatest},
-		{stream: StreamPrefill, probe: subjectPrefill + "." + probeToken, keep: keepLiveJobs},
-		{stream: StreamDecode, probe: subjectDecode + "." + probeToken, keep: keepLiveJobs},
-		{stream: StreamRelease, probe: subjectRelease + "." + probeToken, keep: keepAll},
+		{stream: "KV_" + dispatcher.BucketRequests, probe: "$KV." + dispatcher.BucketRequests + "." + probeKey, keep: keepLatest},
+		{stream: "KV_" + dispatcher.BucketKVReads, probe: "$KV." + dispatcher.BucketKVReads + "." + probeKey, keep: keepLatest},
+		{stream: dispatcher.StreamPrefill, probe: dispatcher.SubjectPrefill + "." + probeToken, keep: keepLiveJobs},
+		{stream: dispatcher.StreamDecode, probe: dispatcher.SubjectDecode + "." + probeToken, keep: keepLiveJobs},
+		{stream: dispatcher.StreamRelease, probe: dispatcher.SubjectRelease + "." + probeToken, keep: keepAll},
 	}
 }
 
@@ -105,8 +106,8 @@ type StoreDoctor struct {
 	// Set by NewStoreDoctor, read without a lock.
 	id      string // in the rebuilds it takes
 	js      jetstream.JetStream
-	records *Records
-	metrics *Metrics
+	records *dispatcher.Records
+	metrics *dispatcher.Metrics
 	log     *slog.Logger
 
 	// mu guards the fields below, and the StoreHealth that health points
@@ -123,12 +124,12 @@ type StoreDoctor struct {
 
 // NewStoreDoctor returns a doctor for the streams js reaches; records
 // tells it which jobs are still live.
-func NewStoreDoctor(js jetstream.JetStream, records *Records, metrics *Metrics, log *slog.Logger) *StoreDoctor {
-	d := &StoreDoctor{id: Token(), js: js, records: records, metrics: metrics, log: log,
+func NewStoreDoctor(js jetstream.JetStream, records *dispatcher.Records, metrics *dispatcher.Metrics, log *slog.Logger) *StoreDoctor {
+	d := &StoreDoctor{id: dispatcher.Token(), js: js, records: records, metrics: metrics, log: log,
 		health: make(map[string]*StoreHealth), looks: make(map[string]int)}
 	for _, t := range storeTargets() {
 		d.health[t.stream] = &StoreHealth{Stream: t.stream, Stores: true}
-		metrics.storeWritable(t.stream, true)
+		metrics.StoreWritable(t.stream, true)
 	}
 	return d
 }
@@ -225,7 +226,7 @@ func (d *StoreDoctor) note(stream string, stores bool, err error) {
 		}
 		h.Stores, h.Since, h.Error = true, time.Time{}, ""
 		d.looks[stream] = 0
-	case err != nil && errors.Is(err, ErrNotStoring):
+	case err != nil && errors.Is(err, dispatcher.ErrNotStoring):
 		d.looks[stream]++
 		if h.Stores {
 			d.broken.Add(1)
@@ -238,7 +239,7 @@ func (d *StoreDoctor) note(stream string, stores bool, err error) {
 		d.looks[stream] = 0
 		return
 	}
-	d.metrics.storeWritable(stream, h.Stores)
+	d.metrics.StoreWritable(stream, h.Stores)
 }
 
 // CheckStores probes each of pdq's file streams once, for pdq status: a
@@ -251,7 +252,7 @@ func CheckStores(ctx context.Context, js jetstream.JetStream) []StoreHealth {
 	for i, t := range targets {
 		wg.Go(func() {
 			stores, err := ProbeStore(ctx, js, t.stream, t.probe)
-			out[i] = StoreHealth{Stream: t.stream, Stores: stores || !errors.Is(err, ErrNotStoring)}
+			out[i] = StoreHealth{Stream: t.stream, Stores: stores || !errors.Is(err, dispatcher.ErrNotStoring)}
 			if err != nil {
 				out[i].Error = err.Error()
 			}
@@ -274,7 +275,7 @@ func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject str
 		// A bucket denies deletes: its probe is a delete marker, which
 		// every reader of the bucket takes for no key, and which the next
 		// probe replaces (one value a key).
-		msg.Header.Set(kvOperation, "DEL")
+		msg.Header.Set(dispatcher.KvOperation, "DEL")
 	}
 	ack, err := js.PublishMsg(pctx, msg, jetstream.WithExpectStream(stream), jetstream.WithRetryAttempts(0))
 	if err == nil {
@@ -301,7 +302,7 @@ func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject str
 	if _, ierr := js.Stream(ictx, stream); ierr != nil {
 		return false, fmt.Errorf("no answer to a write, nor about the stream: %w", ierr)
 	}
-	return false, fmt.Errorf("%w (%v)", ErrNotStoring, err)
+	return false, fmt.Errorf("%w (%v)", dispatcher.ErrNotStoring, err)
 }
 
 // bucketDoctor holds the rebuilds under way, one key a stream: one
@@ -355,7 +356,7 @@ func (d *StoreDoctor) lock(ctx context.Context, stream string) (unlock func(), o
 func (d *StoreDoctor) canWrite(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 2*probeWait)
 	defer cancel()
-	name := "PDQ_PROBE_" + Token()
+	name := "PDQ_PROBE_" + dispatcher.Token()
 	subject := "pdq.probe." + strings.ToLower(name)
 	if _, err := d.js.CreateStream(cctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject},
 		Storage: jetstream.FileStorage, MaxBytes: 1 << 20, MaxAge: time.Minute}); err != nil {
@@ -398,7 +399,7 @@ func (d *StoreDoctor) rebuild(ctx context.Context, t storeTarget) error {
 	if err != nil {
 		return err
 	}
-	if stores, err := ProbeStore(ctx, d.js, t.stream, t.probe); stores || !errors.Is(err, ErrNotStoring) {
+	if stores, err := ProbeStore(ctx, d.js, t.stream, t.probe); stores || !errors.Is(err, dispatcher.ErrNotStoring) {
 		return fmt.Errorf("stream %s stores, or cannot be asked, after all: not rebuilt (%v)", t.stream, err)
 	}
 	now, err := d.js.Stream(ctx, t.stream)
@@ -445,7 +446,7 @@ func (d *StoreDoctor) remake(ctx context.Context, t storeTarget, info *jetstream
 			msg.Header.Del(h)
 		}
 		if t.keep == keepLiveJobs {
-			msg.Header.Set(HeaderRebuilt, "true")
+			msg.Header.Set(dispatcher.HeaderRebuilt, "true")
 		}
 		if _, err := d.js.PublishMsg(wctx, msg); err != nil {
 			lost++
@@ -529,7 +530,7 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 				kept[i] = nil
 				delete(latest, m.Subject)
 			}
-			if op := m.Header.Get(kvOperation); op == "" {
+			if op := m.Header.Get(dispatcher.KvOperation); op == "" {
 				latest[m.Subject] = len(kept)
 				kept = append(kept, m)
 			}
@@ -577,12 +578,12 @@ func jobFilter(subject string) string {
 // live reports whether a stored job's request is still live at the job's
 // generation; a message that is not a job (a probe) is not.
 func (d *StoreDoctor) live(ctx context.Context, m *jetstream.RawStreamMsg) bool {
-	job, err := ParseJob(m.Header, m.Data)
+	job, err := dispatcher.ParseJob(m.Header, m.Data)
 	if err != nil || job.ID == "" {
 		return false
 	}
 	r, _, err := d.records.Get(ctx, job.ID)
-	if errors.Is(err, ErrNoRecord) {
+	if errors.Is(err, dispatcher.ErrNoRecord) {
 		return false
 	}
 	if err != nil {

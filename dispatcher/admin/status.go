@@ -1,4 +1,4 @@
-package dispatcher
+package admin
 
 import (
 	"context"
@@ -7,12 +7,13 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // QueueStatus is one stage queue of a pool, as its consumer sees it.
 type QueueStatus struct {
-	Pool  string `json:"pool"`
-	Stage Stage  `json:"stage"`
+	Pool  string           `json:"pool"`
+	Stage dispatcher.Stage `json:"stage"`
 	// Waiting jobs have not been delivered yet; Running ones are delivered
 	// and not yet acked (a crashed worker's count until the ack wait ends).
 	Waiting uint64 `json:"waiting"`
@@ -32,8 +33,8 @@ type QueueStatus struct {
 // does not exist yet (no worker has pulled) is left out.
 func Queues(ctx context.Context, js jetstream.JetStream, pool string) ([]QueueStatus, error) {
 	var out []QueueStatus
-	for _, stage := range []Stage{StagePrefill, StageDecode} {
-		cons, err := js.Consumer(ctx, StageStream(stage), ConsumerName(stage, pool))
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		cons, err := js.Consumer(ctx, dispatcher.StageStream(stage), dispatcher.ConsumerName(stage, pool))
 		if errors.Is(err, jetstream.ErrConsumerNotFound) {
 			continue
 		}
@@ -53,7 +54,7 @@ func Queues(ctx context.Context, js jetstream.JetStream, pool string) ([]QueueSt
 
 // DeadLetters counts the requests kept in PDQ_DLQ for replay.
 func DeadLetters(ctx context.Context, js jetstream.JetStream) (uint64, error) {
-	st, err := js.Stream(ctx, StreamDLQ)
+	st, err := js.Stream(ctx, dispatcher.StreamDLQ)
 	if err != nil {
 		return 0, fmt.Errorf("dead-letter stream: %w", err)
 	}
@@ -63,12 +64,12 @@ func DeadLetters(ctx context.Context, js jetstream.JetStream) (uint64, error) {
 // oldestWaiting is the age in seconds of the first job of pool's stage
 // queue at or after stream sequence from (the first not yet delivered);
 // 0 when it cannot be read.
-func oldestWaiting(ctx context.Context, js jetstream.JetStream, stage Stage, pool string, from uint64) float64 {
-	st, err := js.Stream(ctx, StageStream(stage))
+func oldestWaiting(ctx context.Context, js jetstream.JetStream, stage dispatcher.Stage, pool string, from uint64) float64 {
+	st, err := js.Stream(ctx, dispatcher.StageStream(stage))
 	if err != nil {
 		return 0
 	}
-	m, err := st.GetMsg(ctx, from, jetstream.WithGetMsgSubject(StageSubject(stage)+"."+pool+".>"))
+	m, err := st.GetMsg(ctx, from, jetstream.WithGetMsgSubject(dispatcher.StageSubject(stage)+"."+pool+".>"))
 	if err != nil {
 		return 0
 	}
