@@ -102,7 +102,7 @@ type Job struct {
 	// JetStream's confirmation (see settle.succeeded).
 	BatchPrompt bool
 	// ReplyFramed says the gateway reads chunk messages framed in their
-	// payload, without NATS headers (see [ReplyWriter]); a worker sends
+	// payload, without NATS headers (see reply.Writer); a worker sends
 	// them with headers otherwise.
 	ReplyFramed bool
 	// HandBacks counts the times a worker gave the job back unrun (its

@@ -367,7 +367,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 		FilterSubject: StageSubject(stage) + "." + pool + ".>",
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
-		MaxDeliver:    -1, // counted by the stage loop: see StageConfig.MaxDeliver
+		MaxDeliver:    -1, // counted by the stage loop: see stage.Config.MaxDeliver
 		MaxAckPending: maxAckPending,
 		MaxWaiting:    maxWaitingPulls,
 		DeliverPolicy: jetstream.DeliverAllPolicy,

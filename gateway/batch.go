@@ -16,6 +16,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -37,14 +38,14 @@ const maxBatch = 256
 type batchJob struct {
 	job     *dispatcher.Job
 	claim   *dispatcher.Claim
-	replies *dispatcher.ReplyStream
+	replies *reply.Stream
 	log     *slog.Logger
 	// settled is set once the job's record holds its end: a worker's
 	// error, or the gateway's stop. A job whose done arrived is not
 	// settled until its answer went out.
 	settled bool
 	chunks  int // chunks received
-	done    dispatcher.Reply
+	done    reply.Reply
 }
 
 // generateBatch serves a completions request with several prompts.
@@ -188,7 +189,7 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 // batchReply is a reply of one prompt's job.
 type batchReply struct {
 	i   int
-	r   dispatcher.Reply
+	r   reply.Reply
 	err error
 }
 

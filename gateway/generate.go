@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -103,7 +104,7 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 // client's X-Request-Id, for the record; batch marks a prompt of a
 // batched request.
 func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID string, batch bool, req *openai.Request, body []byte,
-	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*dispatcher.ReplyStream, *dispatcher.Job, *dispatcher.Claim, *openai.Error) {
+	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*reply.Stream, *dispatcher.Job, *dispatcher.Claim, *openai.Error) {
 	model := req.Model
 	stage := dispatcher.StagePrefill
 	fallback := false
@@ -250,7 +251,7 @@ func natsGone(err error) bool {
 // its HTTP status; after that it can only be an in-stream error. Whatever
 // ends the relay early, the workers are told to stop.
 // ids, when not nil, puts the client's id back into the response ids.
-func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job, claim *dispatcher.Claim, ids *responseIDs, log *slog.Logger) error {
+func (h *handlers) relay(c echo.Context, replies *reply.Stream, job *dispatcher.Job, claim *dispatcher.Claim, ids *responseIDs, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := h.relayContext(c, job.Deadline)
 	defer cancel()
@@ -270,7 +271,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 		// The response, in parts if it was larger than a message: what
 		// the gateway joins counts in its budget, as the parts did.
 		answer := first.Data
-		var end dispatcher.Reply
+		var end reply.Reply
 		var held int64
 		defer func() { h.budget.release(held) }()
 		for {
@@ -330,7 +331,7 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 			return nil
 		}
 		if msg, err = h.next(ctx, replies, job); err != nil {
-			if errors.Is(err, dispatcher.ErrIdle) {
+			if errors.Is(err, reply.ErrIdle) {
 				h.cancel(job, log, dispatcher.StateCancelled, 499, "client went away")
 				return nil
 			}
@@ -344,10 +345,10 @@ func (h *handlers) relay(c echo.Context, replies *dispatcher.ReplyStream, job *d
 // new generation (silent until its decode starts). Each silence, heard
 // decode or not, looks at the request's record, so that an end whose
 // message was lost (failed, cancelled, expired) still reaches the client.
-func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, job *dispatcher.Job) (dispatcher.Reply, error) {
+func (h *handlers) next(ctx context.Context, replies *reply.Stream, job *dispatcher.Job) (reply.Reply, error) {
 	for {
 		r, err := replies.Next(ctx, h.cfg.StallTimeout)
-		if !errors.Is(err, dispatcher.ErrReplyStalled) {
+		if !errors.Is(err, reply.ErrReplyStalled) {
 			return r, err
 		}
 		if !h.nc.IsConnected() {
@@ -372,7 +373,7 @@ func (h *handlers) next(ctx context.Context, replies *dispatcher.ReplyStream, jo
 				e = openai.NewError(rec.Error.Status, "%s", rec.Error.Message)
 			}
 			data, _ := json.Marshal(openai.ErrorResponse{Error: e})
-			return dispatcher.Reply{Kind: dispatcher.KindError, Data: data, Status: e.Status()}, nil
+			return reply.Reply{Kind: dispatcher.KindError, Data: data, Status: e.Status()}, nil
 		case !replies.Heard():
 			continue // queued or prefilling: only the deadline bounds that
 		case gerr != nil || rec.Gateway != h.id || rec.State.Ended() || rec.Generation <= replies.Generation():
@@ -463,7 +464,7 @@ func (r *relays) ended() (time.Time, bool) {
 
 // delivered records a request whose answer went out whole, starting from
 // the record its claim wrote.
-func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done dispatcher.Reply, log *slog.Logger) {
+func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done reply.Reply, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	change := func(r *dispatcher.Record) error {
@@ -495,12 +496,12 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 	case errors.Is(err, errNATSDown):
 		status = http.StatusServiceUnavailable
 		c.Response().Header().Set("Retry-After", "5")
-	case errors.Is(err, dispatcher.ErrReplyStalled):
+	case errors.Is(err, reply.ErrReplyStalled):
 		status, err = http.StatusGatewayTimeout, fmt.Errorf("%w for %v", err, h.cfg.StallTimeout)
 	}
 	log.Warn("reply failed", logging.Err(err), "status", status)
 	h.cancel(job, log, state, status, err.Error())
-	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable && !errors.Is(err, dispatcher.ErrReplyOverflow) {
+	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable && !errors.Is(err, reply.ErrReplyOverflow) {
 		// Failed on pdq's side of the reply (a decode restarted after
 		// output, as when its worker died; chunks lost; a decode gone
 		// silent): no worker keeps it for replay, so the gateway does.
@@ -529,7 +530,7 @@ func (h *handlers) deadLetter(job *dispatcher.Job, status int, cause error, log 
 
 // writeWorkerError passes on an error a worker sent, with its status. The
 // worker has recorded it.
-func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
+func (h *handlers) writeWorkerError(c echo.Context, r reply.Reply) error {
 	status := r.Status
 	if status < 400 || status > 599 {
 		status = http.StatusBadGateway
@@ -548,7 +549,7 @@ func (h *handlers) writeWorkerError(c echo.Context, r dispatcher.Reply) error {
 // taken (a stream that does not store, see dispatcher/doctor.go), and a
 // record left queued keeps the id a 409 until its deadline. Most often the
 // record has ended already, and this is one read.
-func (h *handlers) failed(job *dispatcher.Job, r dispatcher.Reply, log *slog.Logger) {
+func (h *handlers) failed(job *dispatcher.Job, r reply.Reply, log *slog.Logger) {
 	status, why := r.Status, "the request failed"
 	if e, ok := openai.ParseError(r.Data); ok {
 		why = e.Message

@@ -27,6 +27,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/admin"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -77,7 +78,7 @@ type Config struct {
 	Counters *dispatcher.Metrics
 	// LocalReplies, when set, lets the workers of this process (pdq up)
 	// hand this gateway their replies without NATS.
-	LocalReplies *dispatcher.LocalReplies
+	LocalReplies *reply.LocalReplies
 }
 
 // check refuses a config without a setting the gateway needs: every one
@@ -144,7 +145,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	if err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}
-	replies, err := dispatcher.NewReplies(s.nc, s.id)
+	replies, err := reply.NewReplies(s.nc, s.id)
 	if err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}
@@ -221,7 +222,7 @@ type handlers struct {
 	// period runs out.
 	relays   *relays
 	registry *dispatcher.Registry
-	replies  *dispatcher.Replies
+	replies  *reply.Replies
 	records  *dispatcher.Records
 	// ledger keeps the record writes NATS did not take, until it does.
 	ledger *ledger

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/config"
@@ -85,7 +86,7 @@ func startPipeline(t testing.TB, o pipelineOptions) *pipeline {
 	p := &pipeline{nc: nc, js: js, log: log, ctx: ctx, wg: &sync.WaitGroup{}, t: t, worker: o.worker}
 	gcfg := o.gateway
 	if o.local {
-		p.worker.LocalReplies = dispatcher.NewLocalReplies()
+		p.worker.LocalReplies = reply.NewLocalReplies()
 		gcfg.LocalReplies = p.worker.LocalReplies
 	}
 	t.Cleanup(func() {

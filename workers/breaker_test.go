@@ -131,7 +131,7 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 
 	const pool = "trial"
 	var runs atomic.Int64
-	loop, err := stage.NewStageLoop(nc, js, stage.StageConfig{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
+	loop, err := stage.NewLoop(nc, js, stage.Config{Stage: dispatcher.StagePrefill, Pool: pool, Slots: 1,
 		Grace: time.Second, RetryBase: config.RetryBase, PullWait: config.PullWait, AckWait: config.DefaultAckWait,
 		KeepEvery: config.KeepEvery, KVTTL: config.DefaultKVTTL, MaxGenerations: config.DefaultMaxGenerations,
 		MaxDeliver: config.DefaultMaxDeliver, StallTimeout: config.DefaultStallTimeout,

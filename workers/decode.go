@@ -13,6 +13,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/nixl"
@@ -104,7 +105,7 @@ func (w *Worker) decode(ctx context.Context, d *stage.Delivery) error {
 
 // relay posts the decode leg and sends its output to the gateway, calling
 // alive at each sign of progress from the engine.
-func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, out *dispatcher.ReplyWriter, streamed bool,
+func (w *Worker) relay(ctx context.Context, job *dispatcher.Job, body [][]byte, out *reply.Writer, streamed bool,
 	alive func(), events eventHooks) error {
 	resp, err := w.callDecode(ctx, job, body, streamed, alive)
 	if err != nil {
@@ -185,7 +186,7 @@ const blipHandBacks = 2
 // went out. Nothing can start over; the rest of the answer moves to
 // another decode engine (a migration) within PDQ_MIGRATION_LIMIT, and
 // otherwise the client gets an in-stream error.
-func (w *Worker) brokeAfterOutput(ctx context.Context, d *stage.Delivery, out *dispatcher.ReplyWriter, tr *transcript, err error) error {
+func (w *Worker) brokeAfterOutput(ctx context.Context, d *stage.Delivery, out *reply.Writer, tr *transcript, err error) error {
 	job := d.Job
 	log := w.log.With(logging.KeyRequestID, job.ID)
 	resume := dispatcher.Resume{}
@@ -318,7 +319,7 @@ type eventHooks struct {
 // forwarded together, in one message: one publish per burst, not one per
 // token; an event is never held back waiting for the next. An event whose
 // data spans lines (joined by newlines) goes out on its own.
-func relayStream(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter, hooks eventHooks, batch bool) error {
+func relayStream(ctx context.Context, body io.Reader, out *reply.Writer, hooks eventHooks, batch bool) error {
 	events := openai.NewSSEReader(body)
 	var held, raw [][]byte // the chunks not sent yet, and their events
 	size := 0
@@ -390,7 +391,7 @@ const (
 // relayBody forwards a non-streamed response whole (in parts if it is
 // larger than a message). One over maxResponseBytes is an error that says
 // so: a retry would meet it again.
-func relayBody(ctx context.Context, body io.Reader, out *dispatcher.ReplyWriter) error {
+func relayBody(ctx context.Context, body io.Reader, out *reply.Writer) error {
 	raw, err := io.ReadAll(io.LimitReader(body, maxResponseBytes+1))
 	if err != nil {
 		return unreachable(ctx, dispatcher.StageDecode, fmt.Errorf("read decode response: %w", err))

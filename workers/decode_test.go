@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 )
 
@@ -18,7 +18,7 @@ import (
 // not cut short silently.
 func TestRelayBodyLimit(t *testing.T) {
 	answer := io.MultiReader(io.LimitReader(zeros{}, maxResponseBytes), strings.NewReader("!"))
-	err := relayBody(context.Background(), answer, dispatcher.NewReplyWriter(nil, "", 1))
+	err := relayBody(context.Background(), answer, reply.NewWriter(nil, "", 1))
 	var f *stage.Failure
 	if !errors.As(err, &f) || !f.Permanent || f.Client == nil || !strings.Contains(f.Client.Message, "larger than") {
 		t.Fatalf("relayBody of %d bytes = %v, want a permanent error that names the limit", maxResponseBytes+1, err)

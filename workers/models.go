@@ -61,7 +61,7 @@ func (w *Worker) serveModels(ctx context.Context, models []vllm.Model) error {
 				continue
 			}
 			next++
-			loop, err := stage.NewStageLoop(w.nc, w.js, w.loopConfig(m, w.id+"-"+strconv.Itoa(next)), w.log.With("model", m.ID))
+			loop, err := stage.NewLoop(w.nc, w.js, w.loopConfig(m, w.id+"-"+strconv.Itoa(next)), w.log.With("model", m.ID))
 			if err != nil {
 				return err
 			}

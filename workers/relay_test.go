@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -63,7 +64,7 @@ func TestRelayStreamBatch(t *testing.T) {
 				t.Fatal(err)
 			}
 			pr, pw := io.Pipe()
-			out := dispatcher.NewReplyWriter(nc, subject, 1)
+			out := reply.NewWriter(nc, subject, 1)
 			done := make(chan error, 1)
 			hooks := eventHooks{each: func(d []byte) []byte { return d }, sent: func([]byte) {}}
 			go func() { done <- relayStream(context.Background(), pr, out, hooks, true) }()

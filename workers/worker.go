@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -29,7 +30,7 @@ import (
 
 // maxResponseBytes bounds a non-streamed engine response held in memory:
 // the largest whole answer a gateway's reply queue is sized for.
-const maxResponseBytes = dispatcher.MaxWholeAnswer
+const maxResponseBytes = reply.MaxWholeAnswer
 
 // Config configures one worker: one engine, one role.
 type Config struct {
@@ -86,14 +87,14 @@ type Config struct {
 	Metrics *dispatcher.Metrics
 	// LocalReplies are the gateways in this process (pdq up), which take
 	// replies without NATS; nil sends them all over NATS.
-	LocalReplies *dispatcher.LocalReplies
+	LocalReplies *reply.LocalReplies
 }
 
 // Worker runs one stage on one engine.
 //
 // Run is called once. Its goroutine serves the models (serveModels); each
 // model's stage loop runs in a goroutine of its own, with the goroutines
-// it starts (see [dispatcher.StageLoop]), and so do followLoad, the
+// it starts (see [stage.Loop]), and so do followLoad, the
 // breaker's probes and, on a decode worker, the engine calls. The
 // handler (observed, prefill, decode) runs on the job goroutines, any
 // number at once; alone on those and on the loops' pull goroutines.
@@ -222,13 +223,13 @@ func (w *Worker) Run(ctx context.Context) error {
 }
 
 // loopConfig is the stage loop of one model the engine serves.
-func (w *Worker) loopConfig(m vllm.Model, entry string) stage.StageConfig {
+func (w *Worker) loopConfig(m vllm.Model, entry string) stage.Config {
 	handler, release := w.decode, w.release
 	if w.cfg.Role == dispatcher.StagePrefill {
 		handler, release = w.prefill, nil
 	}
 	alone := func() bool { return w.alone(m.ID) }
-	return stage.StageConfig{
+	return stage.Config{
 		Stage:          w.cfg.Role,
 		Pool:           dispatcher.PoolName(m.ID),
 		Slots:          w.cfg.Slots,

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/nats/embedded"
 	"github.com/pdq-dev/pdq/pkg/config"
@@ -95,7 +96,7 @@ func runUp(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	// The workers hand the gateway their reply chunks in memory.
-	local := dispatcher.NewLocalReplies()
+	local := reply.NewLocalReplies()
 	gcfg := gatewayConfig(cfg, reg, metrics)
 	gcfg.LocalReplies = local
 	gw, err := gateway.New(nc, js, gcfg, log)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -96,8 +97,8 @@ type Delivery struct {
 	Job *dispatcher.Job
 	// Attempt counts deliveries of this job in its generation, from 1.
 	Attempt int
-	loop    *StageLoop
-	replies *dispatcher.ReplyWriter
+	loop    *Loop
+	replies *reply.Writer
 	handoff *dispatcher.Job
 	moved   *dispatcher.Job
 	// movedFrom is the engine's failure that made the handler migrate.
@@ -111,7 +112,7 @@ type Delivery struct {
 	stop context.CancelCauseFunc
 }
 
-// Permit is the token of the permit StageConfig.Ready granted this
+// Permit is the token of the permit Config.Ready granted this
 // delivery's pull (0 without Ready).
 func (d *Delivery) Permit() uint64 { return d.permit }
 
@@ -168,7 +169,7 @@ func (d *Delivery) MovedFrom() error { return d.movedFrom }
 // Replies writes the client's reply for this delivery. A decode's first
 // call starts its heartbeats: from then on the gateway knows the decode
 // runs, and which chunks it lacks, even while the engine is silent.
-func (d *Delivery) Replies() *dispatcher.ReplyWriter {
+func (d *Delivery) Replies() *reply.Writer {
 	if d.replies == nil {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
 		if d.loop.cfg.Stage == dispatcher.StageDecode && d.ctx != nil {
@@ -190,14 +191,14 @@ func (d *Delivery) sent() int {
 // replies writes job's reply. Decode deliveries are ordered by generation
 // and delivery, so a later one starts a new reply; prefill errors are
 // delivery 0 of their generation.
-func (l *StageLoop) replies(job *dispatcher.Job, attempt int) *dispatcher.ReplyWriter {
+func (l *Loop) replies(job *dispatcher.Job, attempt int) *reply.Writer {
 	if job.Rebuilt {
 		attempt += rebuiltReplies
 	}
 	if l.cfg.Stage != dispatcher.StageDecode {
 		attempt = 0
 	}
-	w := dispatcher.NewReplyWriter(l.nc, job.ReplyTo, dispatcher.ReplyAttempt(job.Generation, attempt))
+	w := reply.NewWriter(l.nc, job.ReplyTo, dispatcher.ReplyAttempt(job.Generation, attempt))
 	if job.ReplyFramed {
 		w.Frame()
 		w.Local(l.cfg.LocalReplies)
@@ -205,7 +206,7 @@ func (l *StageLoop) replies(job *dispatcher.Job, attempt int) *dispatcher.ReplyW
 	if job.Resume != nil && l.cfg.Stage == dispatcher.StageDecode {
 		w.ContinueAt(job.Resume.Chunks)
 	}
-	w.SetEndWait(min(l.cfg.StallTimeout, dispatcher.DefaultEndWait))
+	w.SetEndWait(min(l.cfg.StallTimeout, reply.DefaultEndWait))
 	return w
 }
 

@@ -17,7 +17,7 @@ import (
 
 func (e *EngineSlots) inUse() int { e.mu.Lock(); defer e.mu.Unlock(); return e.used }
 
-func runLoop(t *testing.T, l *StageLoop) {
+func runLoop(t *testing.T, l *Loop) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); l.Run(ctx) }()
@@ -38,13 +38,13 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	defer unblock()
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
-	base := StageConfig{Stage: dispatcher.StageDecode, Slots: 1, PullWait: 3 * time.Second, EngineSlots: e, KVTTL: 10 * time.Second,
+	base := Config{Stage: dispatcher.StageDecode, Slots: 1, PullWait: 3 * time.Second, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second}
 	cb := base
 	cb.Pool = poolB
 	cb.Handler = func(context.Context, *Delivery) error { return nil }
 	cb.Release = func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
-	lb, _ := NewStageLoop(nc, js, withSettings(cb), logging.Discard())
+	lb, _ := NewLoop(nc, js, withSettings(cb), logging.Discard())
 	runLoop(t, lb) // idle: passes waitFree, waits in its pull (for up to 3 s)
 	time.Sleep(300 * time.Millisecond)
 
@@ -52,7 +52,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	ca.Pool = poolA
 	ca.Handler = func(context.Context, *Delivery) error { <-block; return nil }
 	ca.Release = func(context.Context, *dispatcher.Job) error { return nil }
-	la, _ := NewStageLoop(nc, js, withSettings(ca), logging.Discard())
+	la, _ := NewLoop(nc, js, withSettings(ca), logging.Discard())
 	runLoop(t, la)
 	a := &dispatcher.Job{ID: "slot-a", Model: "a", Pool: poolA, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1}
 	if _, err := js.PublishMsg(ctx, a.Msg(dispatcher.StageDecode)); err != nil {
@@ -88,13 +88,13 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 	e := NewEngineSlots(1)
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
-	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
+	cfg := Config{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error {
 			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
 		},
 		Release: func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }}
-	l, _ := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
+	l, _ := NewLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
 	j := &dispatcher.Job{ID: "slot-r", Model: "r", Pool: cfg.Pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
 		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}}
@@ -120,7 +120,7 @@ func TestEngineSlotsNoOverPull(t *testing.T) {
 	block := make(chan struct{})
 	defer close(block)
 	var started atomic.Int32
-	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-o"), Slots: 4, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
+	cfg := Config{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-o"), Slots: 4, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 5 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error { started.Add(1); <-block; return nil },
 		Release: func(context.Context, *dispatcher.Job) error { return nil }}
@@ -131,7 +131,7 @@ func TestEngineSlotsNoOverPull(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	l, _ := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
+	l, _ := NewLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
 	dispatchertest.WaitFor(t, "one runs", func() bool { return started.Load() == 1 })
 	time.Sleep(500 * time.Millisecond)
@@ -153,7 +153,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	ctx := context.Background()
 	pool := dispatcher.PoolName("slots-h")
 	var ran atomic.Int32
-	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 3 * time.Second, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
+	cfg := Config{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 3 * time.Second, KVTTL: 20 * time.Second, AckWait: time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
 		Release: func(context.Context, *dispatcher.Job) error { return nil }}
 	cons, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second)
@@ -171,7 +171,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	e := NewEngineSlots(1)
 	c1 := cfg
 	c1.EngineSlots = e
-	l1, _ := NewStageLoop(nc, js, withSettings(c1), logging.Discard())
+	l1, _ := NewLoop(nc, js, withSettings(c1), logging.Discard())
 	ctx1, cancel1 := context.WithCancel(ctx)
 	done1 := make(chan struct{})
 	go func() { defer close(done1); l1.Run(ctx1) }()
@@ -183,7 +183,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 
 	c2 := cfg
 	c2.EngineSlots = NewEngineSlots(1)
-	l2, _ := NewStageLoop(nc, js, withSettings(c2), logging.Discard())
+	l2, _ := NewLoop(nc, js, withSettings(c2), logging.Discard())
 	runLoop(t, l2)
 	time.Sleep(2 * time.Second)
 	if ran.Load() > 0 {

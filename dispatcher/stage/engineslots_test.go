@@ -25,7 +25,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	pool := dispatcher.PoolName(t.Name())
 	id := "slot-wait"
 	var ran, released, handBacks atomic.Int32
-	cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+	cfg := Config{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 		Grace: time.Second,
 		Handler: func(_ context.Context, d *Delivery) error {
 			ran.Add(1)
@@ -57,7 +57,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	}
 	c1 := cfg
 	c1.EngineSlots = full
-	l1, _ := NewStageLoop(nc, js, withSettings(c1), logging.Discard())
+	l1, _ := NewLoop(nc, js, withSettings(c1), logging.Discard())
 	ctx1, cancel1 := context.WithCancel(ctx)
 	done1 := make(chan struct{})
 	go func() { defer close(done1); l1.Run(ctx1) }()
@@ -68,7 +68,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 	// Worker 2: an idle engine.
 	c2 := cfg
 	c2.EngineSlots = NewEngineSlots(1)
-	l2, _ := NewStageLoop(nc, js, withSettings(c2), logging.Discard())
+	l2, _ := NewLoop(nc, js, withSettings(c2), logging.Discard())
 	ctx2, cancel2 := context.WithCancel(ctx)
 	done2 := make(chan struct{})
 	go func() { defer close(done2); l2.Run(ctx2) }()

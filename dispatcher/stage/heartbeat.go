@@ -26,7 +26,7 @@ import (
 
 // heartbeat keeps the loop's worker heard until ctx ends, then says it is
 // leaving so that registries stop counting it at once.
-func (l *StageLoop) heartbeat(ctx context.Context) {
+func (l *Loop) heartbeat(ctx context.Context) {
 	info := l.cfg.Worker
 	if info.ID == "" {
 		return
@@ -122,7 +122,7 @@ func (l *StageLoop) heartbeat(ctx context.Context) {
 
 // leave tells the registries that this worker stops, and removes its
 // bucket entry.
-func (l *StageLoop) leave(ctx context.Context, id string, bucket *workersBucket) {
+func (l *Loop) leave(ctx context.Context, id string, bucket *workersBucket) {
 	m := nats.NewMsg(dispatcher.WorkerSubject(id))
 	m.Header.Set(dispatcher.HeaderLeaving, "true")
 	err := l.nc.PublishMsg(m)

@@ -22,7 +22,7 @@ func TestStageLoopKeepsItsStreamsLastBlock(t *testing.T) {
 	dir := t.TempDir()
 	nc, js := dispatchertest.JetStreamAt(t, dir)
 	ctx := context.Background()
-	lt := startLoop(t, nc, js, StageConfig{KeepEvery: 20 * time.Millisecond, Handler: func(ctx context.Context, d *Delivery) error {
+	lt := startLoop(t, nc, js, Config{KeepEvery: 20 * time.Millisecond, Handler: func(ctx context.Context, d *Delivery) error {
 		d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 		return nil
 	}})

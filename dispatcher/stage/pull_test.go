@@ -29,7 +29,7 @@ func TestShutdownDropsNoPulledJob(t *testing.T) {
 	for i := range 40 {
 		var ran atomic.Int32
 		pool := fmt.Sprintf("sd-%d", i)
-		lt := startLoopOn(t, nc, js, pool, StageConfig{AckWait: time.Minute, Handler: func(context.Context, *Delivery) error {
+		lt := startLoopOn(t, nc, js, pool, Config{AckWait: time.Minute, Handler: func(context.Context, *Delivery) error {
 			ran.Add(1)
 			return nil
 		}})

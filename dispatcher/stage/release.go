@@ -19,7 +19,7 @@ import (
 // store (PDQ_DECODE full): every decode worker of the pool takes them, one
 // at a time, each in one of the worker's slots, so the engine never gets
 // more calls than the slots.
-func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
+func (l *Loop) releaseLoop(ctx context.Context, slots chan struct{}) {
 	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait)
 	defer func() {
 		// A release that came as the loop stopped goes back at once.
@@ -78,7 +78,7 @@ func (l *StageLoop) releaseLoop(ctx context.Context, slots chan struct{}) {
 	}
 }
 
-func (l *StageLoop) releaseOne(ctx context.Context, msg jetstream.Msg) {
+func (l *Loop) releaseOne(ctx context.Context, msg jetstream.Msg) {
 	if notYet(msg) {
 		return
 	}
@@ -152,7 +152,7 @@ func notYet(msg jetstream.Msg) bool {
 // releaseNow releases a handoff's KV that a prefill worker asks this
 // decode worker to release directly, the release queue having refused
 // it, and answers once done (a Pdq-Status of 500 if the release failed).
-func (l *StageLoop) releaseNow(ctx context.Context, m *nats.Msg) {
+func (l *Loop) releaseNow(ctx context.Context, m *nats.Msg) {
 	job, err := dispatcher.ParseJob(m.Header, m.Data)
 	if err == nil && len(job.KV) == 0 {
 		err = fmt.Errorf("release of %s carries no kv_transfer_params", job.ID)

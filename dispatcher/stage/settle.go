@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -22,7 +23,7 @@ import (
 // answers the client exactly once, or leaves the job queued for a later
 // delivery that will.
 type settle struct {
-	l       *StageLoop
+	l       *Loop
 	msg     jetstream.Msg
 	job     *dispatcher.Job
 	attempt int
@@ -33,7 +34,7 @@ type settle struct {
 	// handoff's KV. kvSpent is set once the KV was read, or released.
 	ran, kvSpent bool
 	// engineHeld is set while the job holds one of the engine's shared
-	// slots (StageConfig.EngineSlots): a KV release takes one otherwise.
+	// slots (Config.EngineSlots): a KV release takes one otherwise.
 	engineHeld bool
 	// direct is set on a release asked of this worker directly (the
 	// release queue refused it): one that does not run is not queued.
@@ -63,7 +64,7 @@ func (s *settle) stages() []dispatcher.StageRecord {
 
 // settleOf settles a delivery of job, its attempt-th, logging with the
 // request's id, generation and attempt.
-func (l *StageLoop) settleOf(msg jetstream.Msg, job *dispatcher.Job, attempt int) *settle {
+func (l *Loop) settleOf(msg jetstream.Msg, job *dispatcher.Job, attempt int) *settle {
 	return &settle{l: l, msg: msg, job: job, attempt: attempt, delivery: dispatcher.Token(),
 		log: l.log.With(logging.KeyRequestID, job.ID, "generation", job.Generation, "attempt", attempt)}
 }
@@ -283,7 +284,7 @@ func (s *settle) confirmAck(ctx context.Context) {
 		if try > 0 && sleep.For(ctx, 100*time.Millisecond) != nil {
 			break
 		}
-		actx, cancel := context.WithTimeout(ctx, dispatcher.AckTimeout)
+		actx, cancel := context.WithTimeout(ctx, reply.AckTimeout)
 		err = s.msg.DoubleAck(actx)
 		cancel()
 		if err == nil || !dispatcher.NoAnswer(err) {

@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -147,7 +148,7 @@ func (s *settle) publishRetry(ctx context.Context, msg *nats.Msg, what string) (
 
 // keepResult writes a replay's answer into its record: the JSON response
 // its decode asked for, kept in parts if it was larger than a message.
-func (s *settle) keepResult(ctx context.Context, w *dispatcher.ReplyWriter) error {
+func (s *settle) keepResult(ctx context.Context, w *reply.Writer) error {
 	chunks, stages := w.Kept()
 	result := json.RawMessage(bytes.Join(chunks, nil))
 	if !json.Valid(result) {

@@ -131,7 +131,7 @@ func (s *settle) migrate(ctx context.Context, next *dispatcher.Job) {
 // message, so it is stored before the term. One entry per request id; a
 // full DLQ refuses new entries rather than dropping old ones, and each
 // refusal is counted here.
-func (l *StageLoop) deadLetter(ctx context.Context, msg jetstream.Msg, id string, status int, reason string) error {
+func (l *Loop) deadLetter(ctx context.Context, msg jetstream.Msg, id string, status int, reason string) error {
 	pool := msg.Headers().Get(dispatcher.HeaderPool)
 	if !dispatcher.ValidPool(pool) {
 		pool = l.cfg.Pool

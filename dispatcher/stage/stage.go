@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -42,8 +43,8 @@ const (
 	dlqRetry = 30 * time.Second
 )
 
-// StageConfig configures a [StageLoop].
-type StageConfig struct {
+// Config configures a [Loop].
+type Config struct {
 	Stage dispatcher.Stage
 	Pool  string
 	// Slots is how many jobs run at once: the engine's concurrency. A job
@@ -109,10 +110,10 @@ type StageConfig struct {
 	Metrics *dispatcher.Metrics
 	// LocalReplies are the gateways in this process, which take replies
 	// without NATS; nil sends every reply over NATS.
-	LocalReplies *dispatcher.LocalReplies
+	LocalReplies *reply.LocalReplies
 }
 
-// Permit is what StageConfig.Ready grants a pull.
+// Permit is what Config.Ready grants a pull.
 type Permit struct {
 	// Token is the handler's to read back, through Delivery.Permit.
 	Token uint64
@@ -126,7 +127,7 @@ func (p Permit) release() {
 	}
 }
 
-// StageLoop pulls jobs of one stage and pool and runs them.
+// Loop pulls jobs of one stage and pool and runs them.
 //
 // Run is called once; its goroutine pulls. Each job runs in a goroutine
 // of its own (process, which calls the handler), and so do its keepAlive
@@ -134,10 +135,10 @@ func (p Permit) release() {
 // sampleDepth, a decode stage's releaseLoop, and each direct release
 // (releaseNow). onCancel and onRunning run on their subscriptions'
 // goroutines. InFlight and Released may be called from any goroutine.
-type StageLoop struct {
-	// Set by NewStageLoop; cfg.AckWait, records and kvReads are set by Run
+type Loop struct {
+	// Set by NewLoop; cfg.AckWait, records and kvReads are set by Run
 	// before it subscribes or starts a goroutine. Read without a lock.
-	cfg     StageConfig
+	cfg     Config
 	nc      *nats.Conn
 	js      jetstream.JetStream
 	records *dispatcher.Records
@@ -186,7 +187,7 @@ var (
 // wanted says whether job's request still wants its work, by its record:
 // not once the request has ended, moved on to a later generation, or been
 // taken over. A record that cannot be read is no reason to stop.
-func (l *StageLoop) wanted(job *dispatcher.Job) func(context.Context) bool {
+func (l *Loop) wanted(job *dispatcher.Job) func(context.Context) bool {
 	return func(ctx context.Context) bool {
 		rec, _, err := l.records.Get(ctx, job.ID)
 		if err != nil {
@@ -196,8 +197,8 @@ func (l *StageLoop) wanted(job *dispatcher.Job) func(context.Context) bool {
 	}
 }
 
-// NewStageLoop builds a loop; Run starts it.
-func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *slog.Logger) (*StageLoop, error) {
+// NewLoop builds a loop; Run starts it.
+func NewLoop(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*Loop, error) {
 	if cfg.Stage != dispatcher.StagePrefill && cfg.Stage != dispatcher.StageDecode {
 		return nil, fmt.Errorf("stage loop: unknown stage %q", cfg.Stage)
 	}
@@ -220,7 +221,7 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 		return nil, fmt.Errorf("stage loop: a pull wait under %s would pull without a pause", minPullWait)
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
-	return &StageLoop{
+	return &Loop{
 		cfg: cfg, nc: nc, js: js, liveness: dispatcher.NewLiveness(nc),
 		log:     log.With("stage", string(cfg.Stage), "pool", cfg.Pool),
 		running: make(map[*runningJob]struct{}),
@@ -228,12 +229,12 @@ func NewStageLoop(nc *nats.Conn, js jetstream.JetStream, cfg StageConfig, log *s
 }
 
 // InFlight is the number of jobs running now.
-func (l *StageLoop) InFlight() int { return int(l.inFlight.Load()) }
+func (l *Loop) InFlight() int { return int(l.inFlight.Load()) }
 
 // recordDuration folds a finished job's duration into the average.
-func (l *StageLoop) recordDuration(d time.Duration) { l.durations.add(d) }
+func (l *Loop) recordDuration(d time.Duration) { l.durations.add(d) }
 
-func (l *StageLoop) avgJobMs() float64 { return l.durations.avgMs() }
+func (l *Loop) avgJobMs() float64 { return l.durations.avgMs() }
 
 // avgWarmup is how many jobs a loop finishes before it reports how long
 // its jobs take: the first may be unlike the rest (a readiness probe of
@@ -273,11 +274,11 @@ func (j *jobDurations) avgMs() float64 {
 }
 
 // Released counts the handoffs whose KV blocks this loop released.
-func (l *StageLoop) Released() int64 { return l.released.Load() }
+func (l *Loop) Released() int64 { return l.released.Load() }
 
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
-func (l *StageLoop) Run(ctx context.Context) error {
+func (l *Loop) Run(ctx context.Context) error {
 	cons, err := dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log))
 	if err != nil {
 		return err

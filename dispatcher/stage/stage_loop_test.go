@@ -18,6 +18,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/admin"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -31,19 +32,19 @@ type loopTest struct {
 	js      jetstream.JetStream
 	pool    string
 	stage   dispatcher.Stage // the loop's; "" (as prefill) for a loop the test runs by hand
-	replies *dispatcher.Replies
+	replies *reply.Replies
 	cancel  context.CancelFunc
 	done    chan struct{}
-	loop    *StageLoop
+	loop    *Loop
 }
 
-func startLoop(t *testing.T, nc *nats.Conn, js jetstream.JetStream, cfg StageConfig) *loopTest {
+func startLoop(t *testing.T, nc *nats.Conn, js jetstream.JetStream, cfg Config) *loopTest {
 	t.Helper()
 	return startLoopOn(t, nc, js, dispatcher.PoolName(t.Name()), cfg)
 }
 
 // startLoopOn starts a loop on pool.
-func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool string, cfg StageConfig) *loopTest {
+func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool string, cfg Config) *loopTest {
 	t.Helper()
 	cfg.Pool = pool
 	if cfg.Stage == "" {
@@ -57,11 +58,11 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	if cfg.PullWait == 0 {
 		cfg.PullWait = 100 * time.Millisecond // each stop waits for it
 	}
-	loop, err := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
+	loop, err := NewLoop(nc, js, withSettings(cfg), logging.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
-	replies, err := dispatcher.NewReplies(nc, "gw-"+cfg.Pool)
+	replies, err := reply.NewReplies(nc, "gw-"+cfg.Pool)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,7 +92,7 @@ func (lt *loopTest) stop() {
 }
 
 // submit queues a job and opens its reply stream.
-func (lt *loopTest) submit(id string) *dispatcher.ReplyStream {
+func (lt *loopTest) submit(id string) *reply.Stream {
 	lt.t.Helper()
 	s, err := lt.replies.Open(id)
 	if err != nil {
@@ -193,7 +194,7 @@ func TestStageLoop(t *testing.T) {
 	t.Run("retried with back-off until it succeeds, then forwarded and acked", func(t *testing.T) {
 		var attempts []int
 		var mu sync.Mutex
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(ctx context.Context, d *Delivery) error {
 			mu.Lock()
 			attempts = append(attempts, d.Attempt)
 			mu.Unlock()
@@ -220,7 +221,7 @@ func TestStageLoop(t *testing.T) {
 
 	t.Run("a client's error reaches the client once and is recorded, not dead-lettered", func(t *testing.T) {
 		var calls atomic.Int32
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
 			return Permanent(errors.New("engine said 400"), openai.NewError(400, "prompt too long"))
 		}})
@@ -244,7 +245,7 @@ func TestStageLoop(t *testing.T) {
 
 	t.Run("out of attempts after config.DefaultMaxDeliver", func(t *testing.T) {
 		var calls atomic.Int32
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
 			return errors.New("connection refused")
 		}})
@@ -269,7 +270,7 @@ func TestStageLoop(t *testing.T) {
 	t.Run("pulls only as many jobs as it has slots", func(t *testing.T) {
 		release := make(chan struct{})
 		var running, peak atomic.Int32
-		lt := startLoop(t, nc, js, StageConfig{Slots: 2, Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Slots: 2, Handler: func(ctx context.Context, d *Delivery) error {
 			n := running.Add(1)
 			for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
 			}
@@ -308,7 +309,7 @@ func TestStageLoop(t *testing.T) {
 		var calls atomic.Int32
 		started := make(chan struct{}, 1)
 		var cause atomic.Value
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(ctx context.Context, d *Delivery) error {
 			calls.Add(1)
 			started <- struct{}{}
 			<-ctx.Done()
@@ -330,7 +331,7 @@ func TestStageLoop(t *testing.T) {
 	t.Run("a cancel stops its request, not a retry of the id", func(t *testing.T) {
 		started := make(chan struct{}, 1)
 		stopped := make(chan error, 1)
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(ctx context.Context, d *Delivery) error {
 			started <- struct{}{}
 			<-ctx.Done()
 			stopped <- context.Cause(ctx)
@@ -385,7 +386,7 @@ func TestStageLoop(t *testing.T) {
 		// end nor end the message: both are the later attempt's.
 		stopped := make(chan error, 1)
 		running := make(chan struct{})
-		lt := startLoop(t, nc, js, StageConfig{Stage: dispatcher.StageDecode, StallTimeout: time.Second, Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Stage: dispatcher.StageDecode, StallTimeout: time.Second, Handler: func(ctx context.Context, d *Delivery) error {
 			d.Replies() // its beats start; no output yet (a restart after output fails the request)
 			close(running)
 			<-ctx.Done()
@@ -405,14 +406,14 @@ func TestStageLoop(t *testing.T) {
 		}()
 		dispatchertest.Recv(t, "the handler running", running)
 		// The later attempt's chunk: the stream follows it.
-		later := dispatcher.NewReplyWriter(nc, lt.replies.Subject("job-superseded"), dispatcher.ReplyAttempt(1, 2))
+		later := reply.NewWriter(nc, lt.replies.Subject("job-superseded"), dispatcher.ReplyAttempt(1, 2))
 		later.Chunk([]byte("again"))
 		if c := dispatchertest.Recv(t, "the later attempt's chunk", chunks); c != "again" {
 			t.Fatalf("chunk %q, want the later attempt's", c)
 		}
 		select {
 		case err := <-stopped:
-			if !errors.Is(err, dispatcher.ErrSuperseded) {
+			if !errors.Is(err, reply.ErrSuperseded) {
 				t.Fatalf("stopped by %v, want errSuperseded", err)
 			}
 		case <-time.After(5 * time.Second):
@@ -433,7 +434,7 @@ func TestStageLoop(t *testing.T) {
 
 	t.Run("a handler's panic ends its job, not the worker", func(t *testing.T) {
 		var ran atomic.Int32
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 			ran.Add(1)
 			if d.Job.ID == "job-poison" {
 				panic("a bug that only this job's body reaches")
@@ -456,7 +457,7 @@ func TestStageLoop(t *testing.T) {
 	t.Run("a running job stops at its deadline, with no client to cancel it", func(t *testing.T) {
 		var calls atomic.Int32
 		var stopped atomic.Value
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(ctx context.Context, d *Delivery) error {
 			calls.Add(1)
 			<-ctx.Done() // an engine call that would go on for ever
 			stopped.Store(time.Now())
@@ -478,7 +479,7 @@ func TestStageLoop(t *testing.T) {
 
 	t.Run("shutdown lets a running job finish and ack", func(t *testing.T) {
 		started := make(chan struct{})
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(ctx context.Context, d *Delivery) error {
 			close(started)
 			select {
 			case <-time.After(200 * time.Millisecond):
@@ -497,7 +498,7 @@ func TestStageLoop(t *testing.T) {
 
 	t.Run("a job longer than the ack wait is kept alive, not redelivered", func(t *testing.T) {
 		var calls atomic.Int32
-		lt := startLoop(t, nc, js, StageConfig{Slots: 2, AckWait: 300 * time.Millisecond, Handler: func(ctx context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Slots: 2, AckWait: 300 * time.Millisecond, Handler: func(ctx context.Context, d *Delivery) error {
 			calls.Add(1)
 			select {
 			case <-time.After(1500 * time.Millisecond): // five ack waits
@@ -520,7 +521,7 @@ func TestStageLoop(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		lt := startLoop(t, nc, js, StageConfig{Slots: 3, Worker: dispatcher.WorkerInfo{ID: dispatcher.NewWorkerID(dispatcher.StagePrefill), Model: "model-7"},
+		lt := startLoop(t, nc, js, Config{Slots: 3, Worker: dispatcher.WorkerInfo{ID: dispatcher.NewWorkerID(dispatcher.StagePrefill), Model: "model-7"},
 			Handler: func(context.Context, *Delivery) error { return nil }})
 		dispatchertest.WaitFor(t, "registration", func() bool { return reg.Status("model-7").Prefill == 1 })
 		w := reg.Workers()
@@ -552,7 +553,7 @@ func TestLifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 		lt := &loopTest{t: t, nc: nc, js: js, pool: pool}
-		lt.replies, err = dispatcher.NewReplies(nc, "gw-"+pool)
+		lt.replies, err = reply.NewReplies(nc, "gw-"+pool)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -568,7 +569,7 @@ func TestLifecycle(t *testing.T) {
 				t.Fatalf("delivery %d has NumDelivered %d", i+1, meta.NumDelivered)
 			}
 		}
-		lt2 := startLoopOn(t, nc, js, lt.pool, StageConfig{AckWait: 200 * time.Millisecond, Handler: func(context.Context, *Delivery) error {
+		lt2 := startLoopOn(t, nc, js, lt.pool, Config{AckWait: 200 * time.Millisecond, Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
 			return nil
 		}})
@@ -599,7 +600,7 @@ func TestLifecycle(t *testing.T) {
 			func(m *nats.Msg) { m.Header.Set(dispatcher.HeaderEndpoint, "embeddings") }, 500, "unknown endpoint"},
 	} {
 		t.Run(tc.name+" is answered and dead-lettered", func(t *testing.T) {
-			lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+			lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
 				t.Error("the handler ran an unreadable job")
 				return nil
 			}})
@@ -627,7 +628,7 @@ func TestLifecycle(t *testing.T) {
 	t.Run("the body travels as the client's bytes", func(t *testing.T) {
 		body := []byte(`{"model":"m","prompt":"<a href=\"x\">&amp;</a>\u2028 é","z":1,  "a":[ 1 ]}`)
 		got := make(chan []byte, 1)
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 			got <- d.Job.Body
 			return nil
 		}})
@@ -659,7 +660,7 @@ func TestLifecycle(t *testing.T) {
 			fmt.Fprint(&kv, 100000+i)
 		}
 		kv.WriteString(`],"remote_host":"h","remote_port":1}`)
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 			d.HandOff([]byte(kv.String()), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
 		}})
@@ -685,7 +686,7 @@ func TestLifecycle(t *testing.T) {
 		// prompt of millions of tokens, past any message.
 		body := []byte(`{"model":"m","prompt":"` + strings.Repeat("x", 7<<20-40) + `"}`)
 		kv := []byte(`{"remote_block_ids":[` + strings.Repeat("1234567,", 300<<10) + `1]}`)
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 			d.HandOff(kv, dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
 		}})
@@ -716,7 +717,7 @@ func TestLifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 		var calls atomic.Int32
-		lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+		lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 			calls.Add(1)
 			d.HandOff([]byte(`{"remote_block_ids":[1]}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
@@ -753,7 +754,7 @@ func TestLifecycle(t *testing.T) {
 			}
 			lt := &loopTest{t: t, nc: nc, js: js, pool: pool}
 			var err error
-			if lt.replies, err = dispatcher.NewReplies(nc, "gw-"+pool); err != nil {
+			if lt.replies, err = reply.NewReplies(nc, "gw-"+pool); err != nil {
 				t.Fatal(err)
 			}
 			defer lt.replies.Close()
@@ -774,7 +775,7 @@ func TestLifecycle(t *testing.T) {
 				}
 			}
 			var calls atomic.Int32
-			lt2 := startLoopOn(t, nc, js, pool, StageConfig{Handler: func(context.Context, *Delivery) error {
+			lt2 := startLoopOn(t, nc, js, pool, Config{Handler: func(context.Context, *Delivery) error {
 				calls.Add(1)
 				return nil
 			}})
@@ -817,7 +818,7 @@ func TestHandoffGenerations(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			cfg := StageConfig{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+			cfg := Config{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
 				Handler: func(context.Context, *Delivery) error { ran.Add(1); return nil },
 				Release: func(context.Context, *dispatcher.Job) error { released.Add(1); return nil }, Metrics: metrics}
 			records, _ := dispatcher.OpenRecords(ctx, js)
@@ -854,7 +855,7 @@ func TestHandoffGenerations(t *testing.T) {
 					t.Fatalf("claim: %v %v", ok, err)
 				}
 			}
-			loop, err := NewStageLoop(nc, js, withSettings(cfg), logging.Discard())
+			loop, err := NewLoop(nc, js, withSettings(cfg), logging.Discard())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -912,7 +913,7 @@ func TestPrefillRunAgainReleasesItsKV(t *testing.T) {
 		{"its own handoff stored", `{"remote_request_id":"second"}`, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+			lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 				d.HandOff([]byte(`{"remote_request_id":"second"}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 				return nil
 			}})
@@ -982,7 +983,7 @@ func TestFullDLQ(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lt := startLoop(t, nc, js, StageConfig{Metrics: m, Handler: func(context.Context, *Delivery) error {
+	lt := startLoop(t, nc, js, Config{Metrics: m, Handler: func(context.Context, *Delivery) error {
 		return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
 	}})
 	s := lt.submit("dlq-full-1")
@@ -1020,7 +1021,7 @@ func TestReplay(t *testing.T) {
 	ctx := context.Background()
 	var fail atomic.Bool
 	fail.Store(true)
-	lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error {
+	lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
 		if fail.Load() {
 			return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
 		}
@@ -1076,7 +1077,7 @@ func TestHandBack(t *testing.T) {
 	runs := make(chan run, 20)
 	var handBack atomic.Int64
 	handBack.Store(2)
-	lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+	lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 		runs <- run{d.Attempt, d.Job.Generation, d.Job.HandBacks}
 		if handBack.Add(-1) >= 0 {
 			return HandBack(errors.New("breaker open"), openai.NewError(503, "engine unavailable"))
@@ -1122,7 +1123,7 @@ func TestRunningElsewhere(t *testing.T) {
 	ctx := context.Background()
 	release := make(chan struct{})
 	started := make(chan *dispatcher.Job, 1)
-	lt := startLoop(t, nc, js, StageConfig{Handler: func(_ context.Context, d *Delivery) error {
+	lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 		started <- d.Job
 		<-release
 		return nil
@@ -1134,7 +1135,7 @@ func TestRunningElsewhere(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the job did not start")
 	}
-	other := startLoopOn(t, nc, js, "other-pool", StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
+	other := startLoopOn(t, nc, js, "other-pool", Config{Handler: func(context.Context, *Delivery) error { return nil }})
 	var self string // the running delivery's name
 	lt.loop.mu.Lock()
 	for r := range lt.loop.running {
@@ -1215,7 +1216,7 @@ func TestBatchPromptAckConfirmed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lt := startLoop(t, nc, js, StageConfig{Handler: func(context.Context, *Delivery) error { return nil }})
+	lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error { return nil }})
 	for _, batch := range []bool{false, true} {
 		id := fmt.Sprintf("ack-batch-%v", batch)
 		s, err := lt.replies.Open(id)

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -19,7 +20,7 @@ import (
 // it. pullCtx ends at shutdown, jobCtx at the end of the grace period.
 // The permit Ready granted the pull is given back when the handler never
 // gets the job (it was dropped, or stopped, before it ran).
-func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permit Permit, engineHeld bool) {
+func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permit Permit, engineHeld bool) {
 	handled := false
 	defer func() {
 		if !handled {
@@ -169,9 +170,9 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 		s.stopped(sctx, cause)
 	case expired:
 		s.expired(sctx)
-	case cutOff && errors.Is(cause, dispatcher.ErrAbandoned):
+	case cutOff && errors.Is(cause, reply.ErrAbandoned):
 		s.stopped(sctx, cause)
-	case cutOff && errors.Is(cause, dispatcher.ErrSuperseded):
+	case cutOff && errors.Is(cause, reply.ErrSuperseded):
 		// A later delivery of the job runs, and owns the request and the
 		// message: nothing to record, ack or end here.
 		s.log.Debug("job stopped: a later attempt of the request runs")
@@ -186,7 +187,7 @@ func (l *StageLoop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, 
 // meets a bug) fails that job for good, kept for replay and answered, and
 // the worker goes on: a panic would end the process, every stream it runs
 // with it, and the job would come back to do the same to the next worker.
-func (l *StageLoop) handle(ctx context.Context, d *Delivery) (err error) {
+func (l *Loop) handle(ctx context.Context, d *Delivery) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			l.log.Error("the handler panicked: failing the job", logging.KeyRequestID, d.Job.ID,
@@ -199,7 +200,7 @@ func (l *StageLoop) handle(ctx context.Context, d *Delivery) (err error) {
 }
 
 // giveBack returns a job that came as the loop stopped, not run.
-func (l *StageLoop) giveBack(ctx context.Context, msg jetstream.Msg) {
+func (l *Loop) giveBack(ctx context.Context, msg jetstream.Msg) {
 	job, err := dispatcher.ParseJob(msg.Headers(), msg.Data())
 	if err != nil {
 		// Whoever runs it next settles it as unreadable.
@@ -240,7 +241,7 @@ const rebuiltReplies = 128
 // unreadable settles a message that is not a job this build can run. It
 // is kept in the dead-letter stream, recorded as failed, and its client
 // answered when the reply subject could be read.
-func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *dispatcher.Job, err error) {
+func (l *Loop) unreadable(ctx context.Context, msg jetstream.Msg, job *dispatcher.Job, err error) {
 	l.log.Error("a job this worker cannot read", logging.Err(err), "subject", msg.Subject())
 	id := job.ID
 	if !dispatcher.ValidRequestID(id) {
@@ -264,7 +265,7 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *disp
 	}
 	if job.ReplyTo != "" {
 		e := openai.NewError(http.StatusInternalServerError, "pdq could not read the job: %v", err)
-		if rerr := dispatcher.NewReplyWriter(l.nc, job.ReplyTo, dispatcher.ReplyAttempt(job.Generation, 255)).Error(e); rerr != nil {
+		if rerr := reply.NewWriter(l.nc, job.ReplyTo, dispatcher.ReplyAttempt(job.Generation, 255)).Error(e); rerr != nil {
 			l.log.Warn("could not answer the client of an unreadable job", logging.Err(rerr))
 		}
 	}
@@ -275,7 +276,7 @@ func (l *StageLoop) unreadable(ctx context.Context, msg jetstream.Msg, job *disp
 
 // keepAlive tells JetStream the job is still running, every third of the
 // ack wait, until stopped.
-func (l *StageLoop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func()) {
+func (l *Loop) keepAlive(ctx context.Context, msg jetstream.Msg) (stop func()) {
 	kctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() {

@@ -20,37 +20,37 @@ func TestRetryDelay(t *testing.T) {
 	}
 }
 
-// TestStageLoopTakesEverySetting: NewStageLoop fills in no default (they
+// TestStageLoopTakesEverySetting: NewLoop fills in no default (they
 // are config's): a setting left at zero is an error, not a value.
 func TestStageLoopTakesEverySetting(t *testing.T) {
 	nc := embeddedtest.Conn(t, logging.Discard())
-	base := withSettings(StageConfig{Stage: dispatcher.StagePrefill, Pool: "p", Slots: 1,
+	base := withSettings(Config{Stage: dispatcher.StagePrefill, Pool: "p", Slots: 1,
 		Handler: func(context.Context, *Delivery) error { return nil }})
-	if _, err := NewStageLoop(nc, nil, base, logging.Discard()); err != nil {
+	if _, err := NewLoop(nc, nil, base, logging.Discard()); err != nil {
 		t.Fatalf("every setting given: %v", err)
 	}
-	for name, unset := range map[string]func(*StageConfig){
-		"grace":           func(c *StageConfig) { c.Grace = 0 },
-		"retry base":      func(c *StageConfig) { c.RetryBase = 0 },
-		"pull wait":       func(c *StageConfig) { c.PullWait = 0 },
-		"ack wait":        func(c *StageConfig) { c.AckWait = 0 },
-		"keep interval":   func(c *StageConfig) { c.KeepEvery = 0 },
-		"KV TTL":          func(c *StageConfig) { c.KVTTL = 0 },
-		"max generations": func(c *StageConfig) { c.MaxGenerations = 0 },
-		"max deliveries":  func(c *StageConfig) { c.MaxDeliver = 0 },
-		"stall time-out":  func(c *StageConfig) { c.StallTimeout = 0 },
+	for name, unset := range map[string]func(*Config){
+		"grace":           func(c *Config) { c.Grace = 0 },
+		"retry base":      func(c *Config) { c.RetryBase = 0 },
+		"pull wait":       func(c *Config) { c.PullWait = 0 },
+		"ack wait":        func(c *Config) { c.AckWait = 0 },
+		"keep interval":   func(c *Config) { c.KeepEvery = 0 },
+		"KV TTL":          func(c *Config) { c.KVTTL = 0 },
+		"max generations": func(c *Config) { c.MaxGenerations = 0 },
+		"max deliveries":  func(c *Config) { c.MaxDeliver = 0 },
+		"stall time-out":  func(c *Config) { c.StallTimeout = 0 },
 	} {
 		cfg := base
 		unset(&cfg)
-		if _, err := NewStageLoop(nc, nil, cfg, logging.Discard()); err == nil {
-			t.Errorf("no %s: NewStageLoop took it", name)
+		if _, err := NewLoop(nc, nil, cfg, logging.Discard()); err == nil {
+			t.Errorf("no %s: NewLoop took it", name)
 		}
 	}
 }
 
 // withSettings is cfg with every setting config gives a stage loop, where
-// the test left it unset: NewStageLoop fills in none.
-func withSettings(cfg StageConfig) StageConfig {
+// the test left it unset: NewLoop fills in none.
+func withSettings(cfg Config) Config {
 	for _, d := range []struct {
 		v   *time.Duration
 		def time.Duration
@@ -81,7 +81,7 @@ func TestHeartbeatRecreatesBucket(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := dispatcher.NewWorkerID(dispatcher.StageDecode)
-	startLoop(t, nc, js, StageConfig{Slots: 1, Worker: dispatcher.WorkerInfo{ID: id, Model: "m"},
+	startLoop(t, nc, js, Config{Slots: 1, Worker: dispatcher.WorkerInfo{ID: id, Model: "m"},
 		Handler: func(context.Context, *Delivery) error { return nil }})
 	dispatchertest.WaitFor(t, "the worker's entry in a new bucket", func() bool {
 		kv, err := js.KeyValue(ctx, dispatcher.BucketWorkers)

@@ -12,7 +12,7 @@ import (
 // onCancel stops the running jobs of a cancelled request: those of its
 // origin (see Job.Origin). A cancel or a job without one (from a gateway
 // of an older build) matches by id alone.
-func (l *StageLoop) onCancel(msg *nats.Msg) {
+func (l *Loop) onCancel(msg *nats.Msg) {
 	id := msg.Subject[len(dispatcher.CancelSubject("")):]
 	origin, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderOrigin))
 	l.mu.Lock()
@@ -27,7 +27,7 @@ func (l *StageLoop) onCancel(msg *nats.Msg) {
 // sampleDepth publishes how many jobs wait in this loop's queue, every
 // heartbeat interval, until ctx ends. It runs on its own, with a short
 // time-out, so that a slow JetStream delays no heartbeat.
-func (l *StageLoop) sampleDepth(ctx context.Context) {
+func (l *Loop) sampleDepth(ctx context.Context) {
 	if l.cfg.Metrics == nil {
 		return
 	}
@@ -51,7 +51,7 @@ func (l *StageLoop) sampleDepth(ctx context.Context) {
 // onRunning answers whether this loop runs another delivery of the job a
 // query names (its id, generation and the asker's delivery): a job
 // redelivered while its first delivery still runs.
-func (l *StageLoop) onRunning(msg *nats.Msg) {
+func (l *Loop) onRunning(msg *nats.Msg) {
 	id := msg.Subject[len(dispatcher.RunningSubject("")):]
 	gen, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderGeneration))
 	asker, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderAttempt))
@@ -78,7 +78,7 @@ func (l *StageLoop) onRunning(msg *nats.Msg) {
 // job still runs. NATS redelivers a job whose worker could not signal
 // progress for the ack wait, as when the worker was cut off from NATS
 // while its engine call went on.
-func (l *StageLoop) runningElsewhere(ctx context.Context, job *dispatcher.Job, attempt int, delivery string) bool {
+func (l *Loop) runningElsewhere(ctx context.Context, job *dispatcher.Job, attempt int, delivery string) bool {
 	m := nats.NewMsg(dispatcher.RunningSubject(job.ID))
 	m.Header[dispatcher.HeaderGeneration] = []string{strconv.Itoa(job.Generation)}
 	m.Header[dispatcher.HeaderAttempt] = []string{strconv.Itoa(attempt)}
@@ -106,7 +106,7 @@ const (
 
 // reconnectedWithin reports whether this loop's connection came back from
 // an outage within d, as far as its queries have seen.
-func (l *StageLoop) reconnectedWithin(d time.Duration) bool {
+func (l *Loop) reconnectedWithin(d time.Duration) bool {
 	n := l.nc.Stats().Reconnects
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -118,7 +118,7 @@ func (l *StageLoop) reconnectedWithin(d time.Duration) bool {
 
 // watchGateways stops the running jobs whose gateway is gone: nobody would
 // read their output.
-func (l *StageLoop) watchGateways(ctx context.Context) {
+func (l *Loop) watchGateways(ctx context.Context) {
 	t := time.NewTicker(dispatcher.HeartbeatInterval)
 	defer t.Stop()
 	for {

@@ -1,4 +1,4 @@
-package dispatcher
+package reply
 
 // The reply protocol carries a worker's answer to the gateway that holds
 // its client: over core NATS, on the request's reply subject
@@ -33,10 +33,10 @@ package dispatcher
 //     waits for is acked with its own count, and the writer finishes.
 //
 // Every message carries its attempt (ReplyAttempt: the generation, then
-// the delivery). The writer (ReplyWriter) sends chunks and keeps them until
+// the delivery). The writer (Writer) sends chunks and keeps them until
 // acked; beats run beside the sends while a decode runs; one end (done,
 // moved) is sent again until the gateway acks it with every chunk (an
-// error, until it is acked at all), for at most the writer's end wait. The reader (ReplyStream) follows the
+// error, until it is acked at all), for at most the writer's end wait. The reader (Stream) follows the
 // latest attempt: an earlier attempt's messages are acked away (its beats
 // told Gone); a later attempt after a moved goes on from the chunk where
 // it moved, after chunks were sent it is ErrReplyRestarted (the client
@@ -55,6 +55,7 @@ import (
 	"strconv"
 
 	"github.com/nats-io/nats.go"
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // Reply is one message of a reply stream, as the gateway reads it.
@@ -65,10 +66,10 @@ type Reply struct {
 	// Status is an error's HTTP status.
 	Status int
 	// Stages are the stage runs a done message reports.
-	Stages []StageRecord
+	Stages []dispatcher.StageRecord
 }
 
-// Errors of [ReplyStream.Next].
+// Errors of [Stream.Next].
 var (
 	// ErrReplyGap means chunks went missing and could not be had again:
 	// the reply cannot be trusted.
@@ -78,7 +79,7 @@ var (
 	// beginning.
 	ErrReplyRestarted = errors.New("decode restarted after output was sent")
 	// ErrReplyStalled means nothing came for the stall time-out: from a
-	// running decode (see [ReplyStream.Heard]), no chunk and no heartbeat,
+	// running decode (see [Stream.Heard]), no chunk and no heartbeat,
 	// which fails the request; before one, the silence of a queue.
 	ErrReplyStalled = errors.New("the decode went silent")
 	// ErrInFlight means a request with this id is already in flight here.
@@ -117,7 +118,7 @@ func parseFrame(payload []byte) (attempt, seq, count int, data []byte, ok bool) 
 
 // ack answers a worker's beat or end with the number of chunks the
 // gateway has.
-func ack(msg *nats.Msg, seq string) { answerAck(msg, HeaderSeq, seq) }
+func ack(msg *nats.Msg, seq string) { answerAck(msg, dispatcher.HeaderSeq, seq) }
 
 // answerAck answers a worker's beat or end with an ack that says one
 // thing, in header key.
@@ -126,7 +127,7 @@ func answerAck(msg *nats.Msg, key, value string) {
 		return
 	}
 	a := nats.NewMsg(msg.Reply)
-	a.Header[HeaderKind] = []string{KindAck}
+	a.Header[dispatcher.HeaderKind] = []string{dispatcher.KindAck}
 	a.Header[key] = []string{value}
 	_ = msg.RespondMsg(a) // a lost ack, or gone, is asked for again at the next beat or end
 }
@@ -142,26 +143,26 @@ const (
 
 // ackGone answers a beat the gateway no longer waits for, saying why: the
 // worker stops.
-func ackGone(msg *nats.Msg, why string) { answerAck(msg, HeaderGone, why) }
+func ackGone(msg *nats.Msg, why string) { answerAck(msg, dispatcher.HeaderGone, why) }
 
 // replyOf reads what a reply message says of itself, from its headers or,
 // for a framed chunk (one without a kind header: any header NATS adds on
 // the way is no kind), from its frame; data is its payload after the
 // frame.
 func replyOf(msg *nats.Msg) (kind string, attempt, seq, count int, data []byte, err error) {
-	if kind = msg.Header.Get(HeaderKind); kind == "" {
+	if kind = msg.Header.Get(dispatcher.HeaderKind); kind == "" {
 		attempt, seq, count, data, ok := parseFrame(msg.Data)
 		if !ok {
 			return "", 0, 0, 0, nil, fmt.Errorf("%w: a reply with neither headers nor a frame", ErrReplyGap)
 		}
-		return KindChunk, attempt, seq, count, data, nil
+		return dispatcher.KindChunk, attempt, seq, count, data, nil
 	}
-	attempt, _ = strconv.Atoi(msg.Header.Get(HeaderAttempt))
-	if seq, err = strconv.Atoi(msg.Header.Get(HeaderSeq)); err != nil {
+	attempt, _ = strconv.Atoi(msg.Header.Get(dispatcher.HeaderAttempt))
+	if seq, err = strconv.Atoi(msg.Header.Get(dispatcher.HeaderSeq)); err != nil {
 		return "", 0, 0, 0, nil, fmt.Errorf("%w: reply without a sequence number", ErrReplyGap)
 	}
 	count = 1
-	if c := msg.Header.Get(HeaderCount); c != "" && kind == KindChunk {
+	if c := msg.Header.Get(dispatcher.HeaderCount); c != "" && kind == dispatcher.KindChunk {
 		if count, err = strconv.Atoi(c); err != nil || count < 1 {
 			return "", 0, 0, 0, nil, fmt.Errorf("%w: chunk count %q", ErrReplyGap, c)
 		}

@@ -1,4 +1,4 @@
-package dispatcher
+package reply
 
 import (
 	"bytes"
@@ -12,15 +12,16 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// ReplyWriter sends a request's reply to the gateway over core NATS: chunks
+// Writer sends a request's reply to the gateway over core NATS: chunks
 // numbered from 0, then one terminal message, done, error or moved (see
 // the protocol in reply.go). Core NATS may
 // lose messages (a slow consumer, a server restart), so nothing is taken
 // as delivered until the gateway says so: the writer keeps the chunks, a
-// running decode beats (see [ReplyWriter.Beats]), and the gateway answers
+// running decode beats (see [Writer.Beats]), and the gateway answers
 // each beat and the end with the number of chunks it has; the writer sends
 // again whatever is missing. A writer without a subject (a replay, which
 // has no client) keeps the chunks for the request record instead.
@@ -40,8 +41,8 @@ import (
 // time. Beats starts the one other goroutine that uses it: beat shares
 // seq, base and kept with the sends, under mu. Sent and Own may be called
 // from any goroutine.
-type ReplyWriter struct {
-	// Set before the writer is shared (by NewReplyWriter, and Frame,
+type Writer struct {
+	// Set before the writer is shared (by NewWriter, and Frame,
 	// Local, SetEndWait and Watch before Beats starts), read without a
 	// lock.
 	nc      *nats.Conn
@@ -68,7 +69,7 @@ type ReplyWriter struct {
 
 	// The handler's goroutine only, without a lock: stages go on the done
 	// message, for the gateway's request record.
-	stages []StageRecord
+	stages []dispatcher.StageRecord
 
 	// gone is called once when the gateway says it no longer holds the
 	// request; wanted, when a beat gets no answer, says whether the
@@ -79,7 +80,7 @@ type ReplyWriter struct {
 	wanted   func(context.Context) bool
 }
 
-// Errors of a [ReplyWriter]'s end.
+// Errors of a [Writer]'s end.
 var (
 	// ErrReplyUnacked means the gateway did not acknowledge the end within
 	// the writer's wait: it is gone, or cut off from NATS. Its own stall
@@ -94,22 +95,22 @@ const DefaultEndWait = 10 * time.Second
 // ackTimeout is the wait for one ack; the end is sent again after it.
 const AckTimeout = time.Second
 
-// NewReplyWriter writes to subject as the given attempt (see
+// NewWriter writes to subject as the given attempt (see
 // [ReplyAttempt]); an empty subject keeps the reply instead.
-func NewReplyWriter(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-	return &ReplyWriter{nc: nc, subject: subject, attempt: []string{strconv.Itoa(attempt)}, attemptN: attempt,
+func NewWriter(nc *nats.Conn, subject string, attempt int) *Writer {
+	return &Writer{nc: nc, subject: subject, attempt: []string{strconv.Itoa(attempt)}, attemptN: attempt,
 		endWait: DefaultEndWait}
 }
 
 // Frame makes the writer send chunks framed, for a gateway that reads them
 // (Job.ReplyFramed).
-func (w *ReplyWriter) Frame() { w.framed = true }
+func (w *Writer) Frame() { w.framed = true }
 
 // Local makes a framed writer hand its reply straight to its gateway when
 // that gateway is one of local's. Call it after Frame: the gateway reads a
 // chunk's number from its frame, whichever way it came, and a writer of
 // header chunks is one an older gateway asked for, never a local one.
-func (w *ReplyWriter) Local(local *LocalReplies) {
+func (w *Writer) Local(local *LocalReplies) {
 	if w.framed {
 		w.local = local.gateway(w.subject)
 	}
@@ -117,7 +118,7 @@ func (w *ReplyWriter) Local(local *LocalReplies) {
 
 // keep holds the chunks just sent (w.seq counts them already) until the
 // gateway acknowledges them. A local gateway has them already.
-func (w *ReplyWriter) keep(chunks ...[]byte) {
+func (w *Writer) keep(chunks ...[]byte) {
 	if w.local != nil {
 		w.base = w.seq
 		return
@@ -126,7 +127,7 @@ func (w *ReplyWriter) keep(chunks ...[]byte) {
 }
 
 // send sends one chunk message.
-func (w *ReplyWriter) send(msg *nats.Msg) error {
+func (w *Writer) send(msg *nats.Msg) error {
 	if w.local != nil {
 		w.local.dispatch(msg)
 		return nil
@@ -136,14 +137,14 @@ func (w *ReplyWriter) send(msg *nats.Msg) error {
 
 // ContinueAt makes the writer continue a reply whose first n chunks an
 // earlier generation sent (a migrated decode).
-func (w *ReplyWriter) ContinueAt(n int) {
+func (w *Writer) ContinueAt(n int) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.seq, w.base, w.start = n, n, n
 }
 
 // SetEndWait bounds the wait for the gateway's ack of the end.
-func (w *ReplyWriter) SetEndWait(d time.Duration) {
+func (w *Writer) SetEndWait(d time.Duration) {
 	if d > 0 {
 		w.endWait = d
 	}
@@ -151,7 +152,7 @@ func (w *ReplyWriter) SetEndWait(d time.Duration) {
 
 // Sent is the number of chunks sent so far, including those of the
 // generation this writer continues.
-func (w *ReplyWriter) Sent() int {
+func (w *Writer) Sent() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.seq
@@ -159,7 +160,7 @@ func (w *ReplyWriter) Sent() int {
 
 // Own is the number of chunks this writer sent itself, not counting those
 // of the generations it continues.
-func (w *ReplyWriter) Own() int {
+func (w *Writer) Own() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.seq - w.start
@@ -167,10 +168,10 @@ func (w *ReplyWriter) Own() int {
 
 // SetStages records the stage runs that the done message reports; the last
 // one's duration is measured when Done is sent.
-func (w *ReplyWriter) SetStages(stages ...StageRecord) { w.stages = stages }
+func (w *Writer) SetStages(stages ...dispatcher.StageRecord) { w.stages = stages }
 
 // Chunk sends one chunk: an SSE event's data, or a whole JSON response.
-func (w *ReplyWriter) Chunk(data []byte) error {
+func (w *Writer) Chunk(data []byte) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.subject != "" {
@@ -188,7 +189,7 @@ func (w *ReplyWriter) Chunk(data []byte) error {
 // it, each a part of the bytes, which the gateway joins into the one
 // response. A reply is not streamed when the request is not: the gateway
 // knows to join.
-func (w *ReplyWriter) Whole(data []byte) error {
+func (w *Writer) Whole(data []byte) error {
 	// As large as a message takes: an answer that fits one goes as one,
 	// as a gateway of the build before reads it.
 	part := wholePart
@@ -213,7 +214,7 @@ const wholePart = 1 << 20
 // Chunks sends several chunks in one message (HeaderCount), for a gateway
 // that reads them (Job.ReplyBatch): one publish, not one per token, when
 // the engine has sent several events at once. No chunk may hold a newline.
-func (w *ReplyWriter) Chunks(data [][]byte) error {
+func (w *Writer) Chunks(data [][]byte) error {
 	if len(data) == 1 {
 		return w.Chunk(data[0])
 	}
@@ -243,12 +244,12 @@ var newline = []byte{'\n'}
 // (a redelivery of the job, run elsewhere while this writer was cut off):
 // that attempt owns it. Otherwise, errAbandoned: it has ended at its
 // gateway.
-func (w *ReplyWriter) Watch(gone func(cause error), wanted func(context.Context) bool) {
+func (w *Writer) Watch(gone func(cause error), wanted func(context.Context) bool) {
 	w.gone, w.wanted = gone, wanted
 }
 
 // isGone calls the gone hook once, with errSuperseded or errAbandoned.
-func (w *ReplyWriter) isGone(superseded bool) {
+func (w *Writer) isGone(superseded bool) {
 	if w.gone == nil {
 		return
 	}
@@ -265,7 +266,7 @@ func (w *ReplyWriter) isGone(superseded bool) {
 // streams is heard by its chunks, most end before a beat is due, and the
 // interval is well within the gateway's stall time-out (see beatEvery).
 // An immediate beat cost every request a round trip.
-func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func()) {
+func (w *Writer) Beats(ctx context.Context, every time.Duration) (stop func()) {
 	if w.subject == "" {
 		return func() {}
 	}
@@ -292,10 +293,10 @@ func (w *ReplyWriter) Beats(ctx context.Context, every time.Duration) (stop func
 
 // beat sends one heartbeat and resends what the gateway's ack says it
 // lacks. A lost beat or ack is harmless: the next one repeats it.
-func (w *ReplyWriter) beat(ctx context.Context) {
+func (w *Writer) beat(ctx context.Context) {
 	w.mu.Lock()
 	upto := w.seq
-	msg := w.msg(KindBeat, upto, nil)
+	msg := w.msg(dispatcher.KindBeat, upto, nil)
 	if w.local != nil {
 		held := w.local.deliver(msg) // nothing was lost: no ack to wait for
 		w.mu.Unlock()
@@ -309,8 +310,8 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 	defer cancel()
 	resp, err := w.nc.RequestMsgWithContext(actx, msg)
 	switch {
-	case err == nil && resp.Header.Get(HeaderGone) != "":
-		w.isGone(resp.Header.Get(HeaderGone) == GoneSuperseded)
+	case err == nil && resp.Header.Get(dispatcher.HeaderGone) != "":
+		w.isGone(resp.Header.Get(dispatcher.HeaderGone) == GoneSuperseded)
 	case err == nil:
 		w.mu.Lock()
 		w.acked(resp, upto)
@@ -331,9 +332,9 @@ func (w *ReplyWriter) beat(ctx context.Context) {
 // chunks it has are dropped, and those it lacks of the first upto sent
 // again, in order (later ones may still be on their way). It returns the
 // number the gateway has.
-func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
-	n, err := strconv.Atoi(resp.Header.Get(HeaderSeq))
-	if err != nil || resp.Header.Get(HeaderKind) != KindAck || n < w.base || n > w.seq {
+func (w *Writer) acked(resp *nats.Msg, upto int) int {
+	n, err := strconv.Atoi(resp.Header.Get(dispatcher.HeaderSeq))
+	if err != nil || resp.Header.Get(dispatcher.HeaderKind) != dispatcher.KindAck || n < w.base || n > w.seq {
 		return -1 // not an ack of this reply: a stale gateway's, or none
 	}
 	w.kept = w.kept[n-w.base:]
@@ -350,7 +351,7 @@ func (w *ReplyWriter) acked(resp *nats.Msg, upto int) int {
 // all. It fails with ErrReplyUnacked if the gateway does not say so in
 // time. A local gateway has them all, in its queue, ahead of the end: the
 // end is queued, and Done returns.
-func (w *ReplyWriter) Done() error {
+func (w *Writer) Done() error {
 	var stages []byte
 	if n := len(w.stages); n > 0 {
 		last := &w.stages[n-1]
@@ -360,21 +361,21 @@ func (w *ReplyWriter) Done() error {
 	if w.subject == "" {
 		return nil
 	}
-	return w.end(KindDone, nil, 0, stages)
+	return w.end(dispatcher.KindDone, nil, 0, stages)
 }
 
 // Moved ends this writer's part of a reply that a later generation
 // continues: it returns once the gateway has every chunk sent so far (a
 // local gateway, at once: they are in its queue, ahead of this end).
-func (w *ReplyWriter) Moved() error {
+func (w *Writer) Moved() error {
 	if w.subject == "" {
 		return nil
 	}
-	return w.end(KindMoved, nil, 0, nil)
+	return w.end(dispatcher.KindMoved, nil, 0, nil)
 }
 
 // Error ends the reply with an error to pass to the client.
-func (w *ReplyWriter) Error(e *openai.Error) error {
+func (w *Writer) Error(e *openai.Error) error {
 	if w.subject == "" {
 		// No client (a replay): the request's record says how it failed,
 		// which settle writes from the handler's error.
@@ -384,23 +385,23 @@ func (w *ReplyWriter) Error(e *openai.Error) error {
 	if err != nil {
 		return fmt.Errorf("encode error reply: %w", err)
 	}
-	return w.end(KindError, body, e.Status(), nil)
+	return w.end(dispatcher.KindError, body, e.Status(), nil)
 }
 
 // end sends a terminal message until the gateway acks it with every chunk
 // (an error needs no chunks), resending what it lacks, for at most the
 // writer's end wait.
-func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) error {
+func (w *Writer) end(kind string, data []byte, status int, stages []byte) error {
 	deadline := time.Now().Add(w.endWait)
 	for {
 		w.mu.Lock()
 		msg := w.msg(kind, w.seq, data)
 		w.mu.Unlock()
 		if status != 0 {
-			msg.Header[HeaderStatus] = []string{strconv.Itoa(status)}
+			msg.Header[dispatcher.HeaderStatus] = []string{strconv.Itoa(status)}
 		}
 		if stages != nil {
-			msg.Header[HeaderStages] = []string{string(stages)}
+			msg.Header[dispatcher.HeaderStages] = []string{string(stages)}
 		}
 		if w.local != nil {
 			// Every chunk is in the gateway's queue already, and the end
@@ -414,7 +415,7 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 			w.mu.Lock()
 			n, seq := w.acked(resp, upto), w.seq
 			w.mu.Unlock()
-			if n == seq || (kind == KindError && n >= 0) {
+			if n == seq || (kind == dispatcher.KindError && n >= 0) {
 				return nil
 			}
 		} else if !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
@@ -431,25 +432,25 @@ func (w *ReplyWriter) end(kind string, data []byte, status int, stages []byte) e
 
 // Kept is what a writer without a subject kept: the chunks, and the stage
 // runs.
-func (w *ReplyWriter) Kept() ([][]byte, []StageRecord) { return w.kept, w.stages }
+func (w *Writer) Kept() ([][]byte, []dispatcher.StageRecord) { return w.kept, w.stages }
 
 // chunkMsg is the message of the chunks from seq on, framed or with
 // headers.
-func (w *ReplyWriter) chunkMsg(seq int, data ...[]byte) *nats.Msg {
+func (w *Writer) chunkMsg(seq int, data ...[]byte) *nats.Msg {
 	switch {
 	case w.framed:
 		return &nats.Msg{Subject: w.subject, Data: w.frame(seq, data...)}
 	case len(data) == 1:
-		return w.msg(KindChunk, seq, data[0])
+		return w.msg(dispatcher.KindChunk, seq, data[0])
 	}
-	msg := w.msg(KindChunk, seq, bytes.Join(data, newline))
-	msg.Header[HeaderCount] = []string{strconv.Itoa(len(data))}
+	msg := w.msg(dispatcher.KindChunk, seq, bytes.Join(data, newline))
+	msg.Header[dispatcher.HeaderCount] = []string{strconv.Itoa(len(data))}
 	return msg
 }
 
 // frame is the framed payload of chunks from seq on: the frame line, then
 // the chunks separated by newlines.
-func (w *ReplyWriter) frame(seq int, chunks ...[]byte) []byte {
+func (w *Writer) frame(seq int, chunks ...[]byte) []byte {
 	size := 32 + len(chunks)
 	for _, c := range chunks {
 		size += len(c)
@@ -467,11 +468,11 @@ func (w *ReplyWriter) frame(seq int, chunks ...[]byte) []byte {
 	return b
 }
 
-func (w *ReplyWriter) msg(kind string, seq int, data []byte) *nats.Msg {
+func (w *Writer) msg(kind string, seq int, data []byte) *nats.Msg {
 	msg := nats.NewMsg(w.subject)
-	msg.Header[HeaderKind] = kindHeader(kind)
-	msg.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
-	msg.Header[HeaderAttempt] = w.attempt
+	msg.Header[dispatcher.HeaderKind] = kindHeader(kind)
+	msg.Header[dispatcher.HeaderSeq] = []string{strconv.Itoa(seq)}
+	msg.Header[dispatcher.HeaderAttempt] = w.attempt
 	msg.Data = data
 	return msg
 }
@@ -479,17 +480,17 @@ func (w *ReplyWriter) msg(kind string, seq int, data []byte) *nats.Msg {
 // The kind header's values, made once: a header value is only read (a
 // Set replaces it, an Add copies it, its capacity being its length).
 var (
-	kindChunkHeader = []string{KindChunk}
-	kindBeatHeader  = []string{KindBeat}
+	kindChunkHeader = []string{dispatcher.KindChunk}
+	kindBeatHeader  = []string{dispatcher.KindBeat}
 )
 
 // kindHeader is the kind header's value for kind: one made once for the
 // kinds every reply sends many of.
 func kindHeader(kind string) []string {
 	switch kind {
-	case KindChunk:
+	case dispatcher.KindChunk:
 		return kindChunkHeader
-	case KindBeat:
+	case dispatcher.KindBeat:
 		return kindBeatHeader
 	}
 	return []string{kind}

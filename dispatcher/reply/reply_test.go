@@ -1,4 +1,4 @@
-package dispatcher
+package reply
 
 import (
 	"bytes"
@@ -13,6 +13,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -20,7 +22,7 @@ import (
 // headers, framed (Job.ReplyFramed), and framed to a gateway in the same
 // process (LocalReplies), where the whole reply goes in memory.
 func TestReplies(t *testing.T) {
-	nc, _ := startJetStream(t)
+	nc, _ := dispatchertest.JetStream(t)
 	replies, err := NewReplies(nc, "gw1")
 	if err != nil {
 		t.Fatal(err)
@@ -32,8 +34,8 @@ func TestReplies(t *testing.T) {
 		name          string
 		framed, local bool
 	}{{"headers", false, false}, {"framed", true, false}, {"local", true, true}} {
-		newWriter := func(nc *nats.Conn, subject string, attempt int) *ReplyWriter {
-			w := NewReplyWriter(nc, subject, attempt)
+		newWriter := func(nc *nats.Conn, subject string, attempt int) *Writer {
+			w := NewWriter(nc, subject, attempt)
 			if tc.framed {
 				w.Frame()
 			}
@@ -50,7 +52,7 @@ func TestReplies(t *testing.T) {
 // reply without publishing any of it, and publishes it again once the
 // gateway has left the set, or when it is not framed.
 func TestLocalReplies(t *testing.T) {
-	nc, _ := startJetStream(t)
+	nc, _ := dispatchertest.JetStream(t)
 	replies, err := NewReplies(nc, "gw-local")
 	if err != nil {
 		t.Fatal(err)
@@ -76,7 +78,7 @@ func TestLocalReplies(t *testing.T) {
 		if err := nc.Flush(); err != nil {
 			t.Fatal(err)
 		}
-		w := NewReplyWriter(nc, replies.Subject(id), 1)
+		w := NewWriter(nc, replies.Subject(id), 1)
 		if framed {
 			w.Frame()
 		}
@@ -86,11 +88,11 @@ func TestLocalReplies(t *testing.T) {
 		done := make(chan error, 1)
 		go func() { done <- w.Done() }()
 		for _, c := range []string{"a", "b", "c"} {
-			if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != KindChunk || string(r.Data) != c {
+			if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != dispatcher.KindChunk || string(r.Data) != c {
 				t.Fatalf("got %+v, %v; want chunk %q", r, err, c)
 			}
 		}
-		if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != KindDone {
+		if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != dispatcher.KindDone {
 			t.Fatalf("got %+v, %v; want done", r, err)
 		}
 		if err := <-done; err != nil {
@@ -125,7 +127,7 @@ func TestLocalReplies(t *testing.T) {
 // and a reader that falls behind: the gateway gets every chunk once, in
 // order, then the end.
 func TestLocalRepliesMigrate(t *testing.T) {
-	nc, _ := startJetStream(t)
+	nc, _ := dispatchertest.JetStream(t)
 	replies, err := NewReplies(nc, "gw-migrate")
 	if err != nil {
 		t.Fatal(err)
@@ -144,8 +146,8 @@ func TestLocalRepliesMigrate(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			writer := func(generation int, inProcess bool) *ReplyWriter {
-				w := NewReplyWriter(nc, replies.Subject(id), ReplyAttempt(generation, 1))
+			writer := func(generation int, inProcess bool) *Writer {
+				w := NewWriter(nc, replies.Subject(id), dispatcher.ReplyAttempt(generation, 1))
 				w.Frame()
 				if inProcess {
 					w.Local(local)
@@ -176,14 +178,14 @@ func TestLocalRepliesMigrate(t *testing.T) {
 			}()
 			for i := range 2 * n {
 				r, err := s.Next(ctx, 5*time.Second)
-				if err != nil || r.Kind != KindChunk || string(r.Data) != strconv.Itoa(i) {
+				if err != nil || r.Kind != dispatcher.KindChunk || string(r.Data) != strconv.Itoa(i) {
 					t.Fatalf("reply %d: got %+v, %v; want chunk %d", i, r, err, i)
 				}
 				if i%20 == 0 {
 					time.Sleep(5 * time.Millisecond) // fall behind the writers
 				}
 			}
-			if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != KindDone {
+			if r, err := s.Next(ctx, 5*time.Second); err != nil || r.Kind != dispatcher.KindDone {
 				t.Fatalf("got %+v, %v; want done", r, err)
 			}
 			if err := <-ended; err != nil {
@@ -195,9 +197,9 @@ func TestLocalRepliesMigrate(t *testing.T) {
 
 // testReplies runs the protocol's cases; lossy says the chunks travel over
 // NATS, which may lose them.
-func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *ReplyWriter, lossy bool) {
+func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWriter func(*nats.Conn, string, int) *Writer, lossy bool) {
 	ctx := context.Background()
-	next := func(s *ReplyStream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
+	next := func(s *Stream) (Reply, error) { return s.Next(ctx, 5*time.Second) }
 
 	// end runs a writer's end concurrently, as a worker does: it waits for
 	// the gateway's ack, which the reader sends.
@@ -213,7 +215,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	// lose makes the writer count a chunk as sent without sending it, as if
 	// NATS lost it in transit. In memory nothing is lost: it is sent (for
 	// the cases that are not about the loss).
-	lose := func(w *ReplyWriter, data string) {
+	lose := func(w *Writer, data string) {
 		if !lossy {
 			w.Chunk([]byte(data))
 			return
@@ -221,16 +223,16 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		w.kept = append(w.kept, []byte(data))
 		w.seq++
 	}
-	want := func(t *testing.T, s *ReplyStream, chunks ...string) {
+	want := func(t *testing.T, s *Stream, chunks ...string) {
 		t.Helper()
 		for _, c := range chunks {
 			r, err := next(s)
-			if err != nil || r.Kind != KindChunk || string(r.Data) != c {
+			if err != nil || r.Kind != dispatcher.KindChunk || string(r.Data) != c {
 				t.Fatalf("got %+v, %v; want chunk %q", r, err, c)
 			}
 		}
 	}
-	wantKind := func(t *testing.T, s *ReplyStream, kind string) Reply {
+	wantKind := func(t *testing.T, s *Stream, kind string) Reply {
 		t.Helper()
 		r, err := next(s)
 		if err != nil || r.Kind != kind {
@@ -248,7 +250,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 		end(t, w.Done)
 		want(t, s, "a", "b", "c")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("batched chunks", func(t *testing.T) {
@@ -260,7 +262,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		w.Chunks([][]byte{[]byte("e"), []byte("f")})
 		end(t, w.Done)
 		want(t, s, "a", "b", "c", "d", "e", "f")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("a batch partly received before is not repeated", func(t *testing.T) {
@@ -275,7 +277,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		w.Chunks([][]byte{[]byte("a"), []byte("b"), []byte("c")})
 		end(t, w.Done)
 		want(t, s, "a", "b", "c")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("a lost batch is sent again", func(t *testing.T) {
@@ -291,7 +293,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		w.Chunks([][]byte{[]byte("d"), []byte("e")})
 		end(t, w.Done)
 		want(t, s, "a", "b", "c", "d", "e")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("a lost chunk is sent again", func(t *testing.T) {
@@ -306,7 +308,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		w.Chunk([]byte("c"))
 		end(t, w.Done)
 		want(t, s, "a", "b", "c")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("a lost tail is sent again", func(t *testing.T) {
@@ -321,7 +323,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		lose(w, "c")
 		end(t, w.Done)
 		want(t, s, "a", "b", "c")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("beats fill a gap while the decode runs", func(t *testing.T) {
@@ -350,7 +352,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		newWriter(nc, replies.Subject(p+"r4"), 1).Chunk([]byte("first"))
 		end(t, w.Done)
 		want(t, s, "second")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("a restart after output is an error", func(t *testing.T) {
@@ -367,13 +369,13 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	t.Run("a moved reply continues in the next attempt", func(t *testing.T) {
 		s, _ := replies.Open(p + "r5b")
 		defer s.Close()
-		first := newWriter(nc, replies.Subject(p+"r5b"), ReplyAttempt(1, 1))
+		first := newWriter(nc, replies.Subject(p+"r5b"), dispatcher.ReplyAttempt(1, 1))
 		first.Chunk([]byte("a"))
 		lose(first, "b")
 		moved := make(chan error, 1)
 		go func() { moved <- first.Moved() }()
 		want(t, s, "a", "b")
-		second := newWriter(nc, replies.Subject(p+"r5b"), ReplyAttempt(2, 1))
+		second := newWriter(nc, replies.Subject(p+"r5b"), dispatcher.ReplyAttempt(2, 1))
 		second.ContinueAt(2)
 		end(t, func() error {
 			if err := <-moved; err != nil {
@@ -383,7 +385,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 			return second.Done()
 		})
 		want(t, s, "c")
-		wantKind(t, s, KindDone)
+		wantKind(t, s, dispatcher.KindDone)
 	})
 
 	t.Run("errors carry their status", func(t *testing.T) {
@@ -392,7 +394,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		end(t, func() error {
 			return newWriter(nc, replies.Subject(p+"r6"), 0).Error(openai.NewError(400, "too long"))
 		})
-		r := wantKind(t, s, KindError)
+		r := wantKind(t, s, dispatcher.KindError)
 		e, ok := openai.ParseError(r.Data)
 		if r.Status != 400 || !ok || e.Message != "too long" {
 			t.Fatalf("got %+v", r)
@@ -410,7 +412,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 
 	// watch runs a writer's beats with a gone hook and reports whether it
 	// was called within wait.
-	watch := func(t *testing.T, w *ReplyWriter, wanted func(context.Context) bool, wait time.Duration) (gone, superseded bool) {
+	watch := func(t *testing.T, w *Writer, wanted func(context.Context) bool, wait time.Duration) (gone, superseded bool) {
 		told := make(chan bool, 1)
 		w.Watch(func(cause error) { told <- errors.Is(cause, ErrSuperseded) }, wanted)
 		defer w.Beats(ctx, 20*time.Millisecond)()
@@ -445,9 +447,9 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 		defer s.Close()
 		s.Start(2)
-		stale := newWriter(nc, replies.Subject(p+"gen2"), ReplyAttempt(1, 1))
+		stale := newWriter(nc, replies.Subject(p+"gen2"), dispatcher.ReplyAttempt(1, 1))
 		stale.Chunk([]byte("stale"))
-		own := newWriter(nc, replies.Subject(p+"gen2"), ReplyAttempt(2, 1))
+		own := newWriter(nc, replies.Subject(p+"gen2"), dispatcher.ReplyAttempt(2, 1))
 		own.Chunk([]byte("own"))
 		want(t, s, "own")
 		if gone, sup := watch(t, stale, nil, 2*time.Second); !gone || !sup {
@@ -477,7 +479,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	if lossy {
 		t.Run("a writer whose beats get no answer asks the record", func(t *testing.T) {
 			for _, wanted := range []bool{true, false} {
-				w := newWriter(nc, ReplySubject("no-gateway", p+"doubt"), 1)
+				w := newWriter(nc, dispatcher.ReplySubject("no-gateway", p+"doubt"), 1)
 				var asked atomic.Int32
 				gone, _ := watch(t, w, func(context.Context) bool { asked.Add(1); return wanted }, 300*time.Millisecond)
 				if gone == wanted || asked.Load() == 0 {
@@ -488,7 +490,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	}
 
 	t.Run("an end nobody acknowledges gives up", func(t *testing.T) {
-		w := newWriter(nc, ReplySubject("no-gateway", p+"x"), 1)
+		w := newWriter(nc, dispatcher.ReplySubject("no-gateway", p+"x"), 1)
 		w.SetEndWait(300 * time.Millisecond)
 		if err := w.Done(); !errors.Is(err, ErrReplyUnacked) {
 			t.Fatalf("done = %v, want ErrReplyUnacked", err)
@@ -668,14 +670,14 @@ func TestReplyQueueBytes(t *testing.T) {
 func TestSlowFlushIsNotAStall(t *testing.T) {
 	chunk := func(seq int) *nats.Msg {
 		m := nats.NewMsg("x")
-		m.Header[HeaderKind] = []string{KindChunk}
-		m.Header[HeaderSeq] = []string{strconv.Itoa(seq)}
-		m.Header[HeaderAttempt] = []string{"0"}
+		m.Header[dispatcher.HeaderKind] = []string{dispatcher.KindChunk}
+		m.Header[dispatcher.HeaderSeq] = []string{strconv.Itoa(seq)}
+		m.Header[dispatcher.HeaderAttempt] = []string{"0"}
 		m.Data = []byte("c")
 		return m
 	}
 	for i := range 10 {
-		s := &ReplyStream{id: "r", q: newReplyQueue(nil), heard: true}
+		s := &Stream{id: "r", q: newReplyQueue(nil), heard: true}
 		s.q.push(chunk(0))
 		if _, err := s.Next(context.Background(), 50*time.Millisecond); err != nil {
 			t.Fatal(err)
@@ -695,12 +697,12 @@ func TestSlowFlushIsNotAStall(t *testing.T) {
 // headers and reads back as it was sent, a chunk with newlines included;
 // a payload that is not a frame is a gap, not a chunk.
 func TestReplyFrame(t *testing.T) {
-	nc, _ := startJetStream(t)
+	nc, _ := dispatchertest.JetStream(t)
 	raw, err := nc.SubscribeSync("frames")
 	if err != nil {
 		t.Fatal(err)
 	}
-	w := NewReplyWriter(nc, "frames", ReplyAttempt(3, 2))
+	w := NewWriter(nc, "frames", dispatcher.ReplyAttempt(3, 2))
 	w.Frame()
 	w.Chunk([]byte("one\nline, two"))
 	w.Chunks([][]byte{[]byte(`{"a":1}`), nil, []byte("z")})
@@ -716,9 +718,9 @@ func TestReplyFrame(t *testing.T) {
 			t.Errorf("a framed chunk came with headers %v", m.Header)
 		}
 		kind, attempt, seq, count, data, err := replyOf(m)
-		if err != nil || kind != KindChunk || attempt != ReplyAttempt(3, 2) || seq != want.seq || count != want.count || string(data) != want.data {
+		if err != nil || kind != dispatcher.KindChunk || attempt != dispatcher.ReplyAttempt(3, 2) || seq != want.seq || count != want.count || string(data) != want.data {
 			t.Errorf("read %q as %s attempt %d seq %d count %d data %q (%v); want chunk attempt %d seq %d count %d data %q",
-				m.Data, kind, attempt, seq, count, data, err, ReplyAttempt(3, 2), want.seq, want.count, want.data)
+				m.Data, kind, attempt, seq, count, data, err, dispatcher.ReplyAttempt(3, 2), want.seq, want.count, want.data)
 		}
 	}
 	for _, bad := range []string{"", "no frame", "1 2 3", "1 2\nx", "1 2 0\nx", "1 -2 1\nx", "a 2 1\nx", "1  2 1\nx", "1 2 1 4\nx"} {
@@ -738,7 +740,7 @@ func FuzzReplyFrame(f *testing.F) {
 		if attempt < 0 || seq < 0 || bytes.IndexByte(one, '\n') >= 0 || bytes.IndexByte(other, '\n') >= 0 {
 			return
 		}
-		w := &ReplyWriter{attemptN: attempt}
+		w := &Writer{attemptN: attempt}
 		a, s, c, data, ok := parseFrame(w.frame(seq, one, other))
 		if !ok || a != attempt || s != seq || c != 2 || string(data) != string(one)+"\n"+string(other) {
 			t.Fatalf("frame(%d, %d, %q, %q) read back as %d %d %d %q %v", attempt, seq, one, other, a, s, c, data, ok)

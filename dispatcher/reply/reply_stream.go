@@ -1,4 +1,4 @@
-package dispatcher
+package reply
 
 import (
 	"bytes"
@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // Replies is the gateway's end of the reply streams: one wildcard
@@ -21,7 +22,7 @@ import (
 // dispatch and deliver run on the subscription's goroutine and, in pdq
 // up, on the goroutines of the local writers (a job's handler, its
 // beats), any number at once. Request handlers call Open, Subject and
-// ReplyStream.Close, any number at once.
+// Stream.Close, any number at once.
 type Replies struct {
 	// Set by NewReplies (sub once it has subscribed), read without a lock.
 	gatewayID string
@@ -33,10 +34,10 @@ type Replies struct {
 
 	// mu guards the fields below. It is read-locked once per reply
 	// message, by the subscription and, in pdq up, by every worker
-	// goroutine that relays a stream; Open and ReplyStream.Close
+	// goroutine that relays a stream; Open and Stream.Close
 	// write-lock it.
 	mu      sync.RWMutex
-	streams map[string]*ReplyStream
+	streams map[string]*Stream
 }
 
 // SetBudget counts the bytes the reply queues hold in budget, before any
@@ -46,8 +47,8 @@ func (r *Replies) SetBudget(b Budget) { r.budget = b }
 
 // NewReplies subscribes to the replies for gatewayID.
 func NewReplies(nc *nats.Conn, gatewayID string) (*Replies, error) {
-	r := &Replies{gatewayID: gatewayID, prefix: ReplySubject(gatewayID, ""), streams: make(map[string]*ReplyStream)}
-	sub, err := nc.Subscribe(ReplySubject(gatewayID, "*"), r.dispatch)
+	r := &Replies{gatewayID: gatewayID, prefix: dispatcher.ReplySubject(gatewayID, ""), streams: make(map[string]*Stream)}
+	sub, err := nc.Subscribe(dispatcher.ReplySubject(gatewayID, "*"), r.dispatch)
 	if err != nil {
 		return nil, fmt.Errorf("subscribe to replies: %w", err)
 	}
@@ -64,17 +65,17 @@ func NewReplies(nc *nats.Conn, gatewayID string) (*Replies, error) {
 func (r *Replies) Close() error { return r.sub.Unsubscribe() }
 
 // Subject is the reply subject for request id.
-func (r *Replies) Subject(id string) string { return ReplySubject(r.gatewayID, id) }
+func (r *Replies) Subject(id string) string { return dispatcher.ReplySubject(r.gatewayID, id) }
 
 // Open registers a request before its job is submitted, so no reply can
 // arrive unheard. It fails with ErrInFlight if the id is already open.
-func (r *Replies) Open(id string) (*ReplyStream, error) {
+func (r *Replies) Open(id string) (*Stream, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, ok := r.streams[id]; ok {
 		return nil, ErrInFlight
 	}
-	s := &ReplyStream{id: id, owner: r, q: newReplyQueue(r.budget)}
+	s := &Stream{id: id, owner: r, q: newReplyQueue(r.budget)}
 	r.streams[id] = s
 	return s, nil
 }
@@ -84,13 +85,13 @@ func (r *Replies) dispatch(msg *nats.Msg) {
 	case d == delivered:
 	case d == superseded:
 		ackGone(msg, GoneSuperseded)
-	case msg.Header.Get(HeaderKind) == KindBeat:
+	case msg.Header.Get(dispatcher.HeaderKind) == dispatcher.KindBeat:
 		// The request has ended here (answered, or given up): a worker
 		// that beats is told to stop.
 		ackGone(msg, GoneClosed)
 	default:
 		// One that ends is told it has nothing more to send.
-		ack(msg, msg.Header.Get(HeaderSeq))
+		ack(msg, msg.Header.Get(dispatcher.HeaderSeq))
 	}
 }
 
@@ -113,8 +114,8 @@ func (r *Replies) deliver(msg *nats.Msg) delivery {
 	if s == nil {
 		return closed
 	}
-	if msg.Header.Get(HeaderKind) == KindBeat {
-		if a, err := strconv.Atoi(msg.Header.Get(HeaderAttempt)); err == nil && int64(a) < s.latest.Load() {
+	if msg.Header.Get(dispatcher.HeaderKind) == dispatcher.KindBeat {
+		if a, err := strconv.Atoi(msg.Header.Get(dispatcher.HeaderAttempt)); err == nil && int64(a) < s.latest.Load() {
 			return superseded
 		}
 	}
@@ -124,7 +125,7 @@ func (r *Replies) deliver(msg *nats.Msg) delivery {
 	return delivered
 }
 
-// ReplyStream is one request's reply, read in order.
+// Stream is one request's reply, read in order.
 //
 // A stream is used by one goroutine at a time: the request's handler,
 // which in a batch hands each prompt's stream to a reader goroutine of its
@@ -133,7 +134,7 @@ func (r *Replies) deliver(msg *nats.Msg) delivery {
 // moved, base, heard, stall, idle and pending are read and written by it
 // only, without a lock. Replies.deliver, on other goroutines, uses only
 // q, overflow and latest.
-type ReplyStream struct {
+type Stream struct {
 	// Set by Open, read without a lock.
 	id    string
 	owner *Replies
@@ -170,14 +171,14 @@ type ReplyStream struct {
 // once its submit has set it: a writer of an earlier generation (the
 // decode of an earlier request under this id, still running after its
 // client left) is not this request's, and is told it is gone.
-func (s *ReplyStream) Start(generation int) {
-	s.attempt = ReplyAttempt(generation, 0)
+func (s *Stream) Start(generation int) {
+	s.attempt = dispatcher.ReplyAttempt(generation, 0)
 	s.latest.Store(int64(s.attempt))
 }
 
 // Close unregisters the request, and gives back the bytes its replies
 // held.
-func (s *ReplyStream) Close() {
+func (s *Stream) Close() {
 	if s.stall != nil {
 		s.stall.Stop()
 	}
@@ -191,42 +192,42 @@ func (s *ReplyStream) Close() {
 
 // Whole bounds the stream's bytes as a whole answer's, which comes in
 // parts up to the largest a worker relays, rather than a stream's.
-func (s *ReplyStream) Whole() {
+func (s *Stream) Whole() {
 	s.q.mu.Lock()
 	s.q.limit = wholeReplyBytes
 	s.q.mu.Unlock()
 }
 
 // Generation is the generation of the attempt the stream follows.
-func (s *ReplyStream) Generation() int { return s.attempt >> 8 }
+func (s *Stream) Generation() int { return s.attempt >> 8 }
 
 // Heard reports whether a decode of the current attempt has been heard
 // from.
-func (s *ReplyStream) Heard() bool { return s.heard }
+func (s *Stream) Heard() bool { return s.heard }
 
 // OnIdle sets f to be called whenever Next is about to wait for a reply:
 // a relay that writes without flushing flushes there, once per burst of
 // replies instead of once per reply. Next fails, wrapping ErrIdle, when f
 // does.
-func (s *ReplyStream) OnIdle(f func() error) { s.idle = f }
+func (s *Stream) OnIdle(f func() error) { s.idle = f }
 
 // ErrIdle wraps the error of the OnIdle function.
 var ErrIdle = errors.New("writing the replies so far failed")
 
 // Rearm forgets the decode heard so far, for a request that went back to
 // prefill: until a decode of it is heard again, silence is expected.
-func (s *ReplyStream) Rearm() { s.heard = false }
+func (s *Stream) Rearm() { s.heard = false }
 
 // Next returns the next reply in order: a chunk, or the terminal done or
 // error. Chunks lost in transit are asked for again; Next fails on a
 // restart after output, when nothing comes for stall (ErrReplyStalled:
 // the caller decides by Heard whether that is a silent decode or a queue),
 // or when ctx ends.
-func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
+func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 	if len(s.pending) > 0 {
 		data := s.pending[0]
 		s.pending = s.pending[1:]
-		return Reply{Kind: KindChunk, Data: data}, nil
+		return Reply{Kind: dispatcher.KindChunk, Data: data}, nil
 	}
 	if s.stall == nil {
 		s.stall = time.NewTimer(stall)
@@ -272,7 +273,7 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			return Reply{}, err
 		}
 		switch {
-		case attempt < s.attempt && kind == KindBeat:
+		case attempt < s.attempt && kind == dispatcher.KindBeat:
 			ackGone(msg, GoneSuperseded) // a superseded writer still running: it stops
 			continue
 		case attempt < s.attempt:
@@ -288,21 +289,21 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			s.attempt, s.moved = attempt, false
 			s.latest.Store(int64(attempt))
 		}
-		if !s.heard || kind == KindBeat || (kind == KindChunk && seq <= s.next && s.next < seq+count) {
+		if !s.heard || kind == dispatcher.KindBeat || (kind == dispatcher.KindChunk && seq <= s.next && s.next < seq+count) {
 			owed = true // a sign of life, or progress
 		}
 		s.heard = true
 		switch kind {
-		case KindBeat:
+		case dispatcher.KindBeat:
 			ack(msg, strconv.Itoa(s.next))
 			continue
-		case KindChunk:
+		case dispatcher.KindChunk:
 			if seq > s.next || seq+count <= s.next {
 				continue // a duplicate, or past a gap the next ack fills
 			}
 			if count == 1 {
 				s.next++
-				return Reply{Kind: KindChunk, Data: data}, nil
+				return Reply{Kind: dispatcher.KindChunk, Data: data}, nil
 			}
 			parts := bytes.Split(data, newline)
 			if len(parts) != count {
@@ -311,8 +312,8 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			parts = parts[s.next-seq:] // what came before is here already
 			s.next += len(parts)
 			s.pending = parts[1:]
-			return Reply{Kind: KindChunk, Data: parts[0]}, nil
-		case KindMoved, KindDone:
+			return Reply{Kind: dispatcher.KindChunk, Data: parts[0]}, nil
+		case dispatcher.KindMoved, dispatcher.KindDone:
 			ack(msg, strconv.Itoa(s.next))
 			if seq > s.next {
 				continue // the writer sends what is missing, then ends again
@@ -320,19 +321,19 @@ func (s *ReplyStream) Next(ctx context.Context, stall time.Duration) (Reply, err
 			if seq < s.next {
 				return Reply{}, fmt.Errorf("%w: %d chunks sent, %d arrived", ErrReplyGap, seq, s.next)
 			}
-			if kind == KindMoved {
+			if kind == dispatcher.KindMoved {
 				s.moved = true
 				continue
 			}
-			done := Reply{Kind: KindDone}
-			if raw := msg.Header.Get(HeaderStages); raw != "" {
+			done := Reply{Kind: dispatcher.KindDone}
+			if raw := msg.Header.Get(dispatcher.HeaderStages); raw != "" {
 				_ = json.Unmarshal([]byte(raw), &done.Stages) // informational: a bad one is left out
 			}
 			return done, nil
-		case KindError:
+		case dispatcher.KindError:
 			ack(msg, strconv.Itoa(seq))
-			status, _ := strconv.Atoi(msg.Header.Get(HeaderStatus))
-			return Reply{Kind: KindError, Data: data, Status: status}, nil
+			status, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderStatus))
+			return Reply{Kind: dispatcher.KindError, Data: data, Status: status}, nil
 		}
 		return Reply{}, fmt.Errorf("%w: unknown reply kind %q", ErrReplyGap, kind)
 	}
