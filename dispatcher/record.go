@@ -263,12 +263,12 @@ func (rs *Records) Transition(ctx context.Context, id string, change func(*Recor
 	return rs.transition(ctx, id, nil, 0, change)
 }
 
-// TransitionFrom is Transition starting from the record a Submit wrote:
-// when no other write came since, the change is written without reading
-// the record first. A claim whose revision is not known makes it a plain
-// Transition.
-func (rs *Records) TransitionFrom(ctx context.Context, claim *Claim, change func(*Record) error) (*Record, error) {
-	return rs.transition(ctx, claim.rec.ID, claim.rec, claim.rev, change)
+// TransitionFrom is Transition starting from rec, the record as a claim
+// wrote it at revision rev: when no other write came since, the change is
+// written without reading the record first. A revision not known (0)
+// makes it a plain Transition.
+func (rs *Records) TransitionFrom(ctx context.Context, rec *Record, rev uint64, change func(*Record) error) (*Record, error) {
+	return rs.transition(ctx, rec.ID, rec, rev, change)
 }
 
 // transition is Transition whose first try, when rev is not 0, starts

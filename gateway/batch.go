@@ -16,7 +16,9 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -37,7 +39,7 @@ const maxBatch = 256
 // batchJob is one prompt's job of a batch.
 type batchJob struct {
 	job     *dispatcher.Job
-	claim   *dispatcher.Claim
+	claim   *submit.Claim
 	replies *reply.Stream
 	log     *slog.Logger
 	// settled is set once the job's record holds its end: a worker's
@@ -51,7 +53,7 @@ type batchJob struct {
 // generateBatch serves a completions request with several prompts.
 // clientID is the client's X-Request-Id, id the request's key
 // (dispatcher.RequestKey), which leaves room for every prompt's -<i>.
-func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clientID, id string, in *incoming, pool dispatcher.PoolStatus, log *slog.Logger) error {
+func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clientID, id string, in *incoming, pool registry.PoolStatus, log *slog.Logger) error {
 	if len(in.batch) > maxBatch {
 		return writeError(c, openai.NewError(http.StatusBadRequest, "'prompt' holds %d prompts; at most %d are served in one request", len(in.batch), maxBatch).WithParam("prompt"))
 	}
@@ -118,7 +120,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clien
 // run under <id>-<i>: it makes the id one request, so that a single
 // request cannot take it while the batch runs or after it was answered.
 type batchRecord struct {
-	claim *dispatcher.Claim
+	claim *submit.Claim
 	rec   *dispatcher.Record
 	// state and err are the first end the batch came to; state is empty
 	// while it has come to none.
@@ -167,7 +169,7 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 			r.State, r.Error = dispatcher.StateDone, nil
 			return nil
 		}
-		if _, err := h.records.TransitionFrom(ctx, b.claim, done); err != nil {
+		if _, err := b.claim.Transition(ctx, h.records, done); err != nil {
 			log.Debug("could not record the delivered answer yet; kept until NATS answers", logging.Err(err))
 			h.ledger.keep(b.rec.ID, b.rec.Created, done)
 		}

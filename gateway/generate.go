@@ -18,7 +18,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -104,7 +106,7 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 // client's X-Request-Id, for the record; batch marks a prompt of a
 // batched request.
 func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID string, batch bool, req *openai.Request, body []byte,
-	promptTokens int, pool dispatcher.PoolStatus, log *slog.Logger) (*reply.Stream, *dispatcher.Job, *dispatcher.Claim, *openai.Error) {
+	promptTokens int, pool registry.PoolStatus, log *slog.Logger) (*reply.Stream, *dispatcher.Job, *submit.Claim, *openai.Error) {
 	model := req.Model
 	stage := dispatcher.StagePrefill
 	fallback := false
@@ -160,7 +162,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 
 // prefillDown reports whether model's pool has no healthy prefill worker
 // (none live, or every breaker open), and logs each change of that.
-func (h *handlers) prefillDown(model string, pool dispatcher.PoolStatus) bool {
+func (h *handlers) prefillDown(model string, pool registry.PoolStatus) bool {
 	down := pool.PrefillHealthy == 0
 	if was, _ := h.fallingBack.Swap(model, down); was != down && (was != nil || down) {
 		if down {
@@ -218,7 +220,7 @@ func (h *handlers) submitFailed(c echo.Context, err error, log *slog.Logger) *op
 			"a request with this X-Request-Id is in flight or has been answered; use a new id")
 	case errors.Is(err, dispatcher.ErrQueueFull):
 		wait := 5 * time.Second
-		var full *dispatcher.QueueFullError
+		var full *submit.QueueFullError
 		if errors.As(err, &full) {
 			wait = full.RetryAfter
 		}
@@ -251,7 +253,7 @@ func natsGone(err error) bool {
 // its HTTP status; after that it can only be an in-stream error. Whatever
 // ends the relay early, the workers are told to stop.
 // ids, when not nil, puts the client's id back into the response ids.
-func (h *handlers) relay(c echo.Context, replies *reply.Stream, job *dispatcher.Job, claim *dispatcher.Claim, ids *responseIDs, log *slog.Logger) error {
+func (h *handlers) relay(c echo.Context, replies *reply.Stream, job *dispatcher.Job, claim *submit.Claim, ids *responseIDs, log *slog.Logger) error {
 	t := trackOf(c)
 	ctx, cancel := h.relayContext(c, job.Deadline)
 	defer cancel()
@@ -464,7 +466,7 @@ func (r *relays) ended() (time.Time, bool) {
 
 // delivered records a request whose answer went out whole, starting from
 // the record its claim wrote.
-func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done reply.Reply, log *slog.Logger) {
+func (h *handlers) delivered(job *dispatcher.Job, claim *submit.Claim, done reply.Reply, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	change := func(r *dispatcher.Record) error {
@@ -474,7 +476,7 @@ func (h *handlers) delivered(job *dispatcher.Job, claim *dispatcher.Claim, done 
 		r.State, r.Error, r.Stages = dispatcher.StateDone, nil, done.Stages
 		return nil
 	}
-	if _, err := h.records.TransitionFrom(ctx, claim, change); err != nil {
+	if _, err := claim.Transition(ctx, h.records, change); err != nil {
 		log.Debug("could not record the delivered answer yet; kept until NATS answers", logging.Err(err))
 		h.ledger.keep(job.ID, job.Submitted, change)
 	}
@@ -608,7 +610,7 @@ func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.
 	if !theirs.Load() {
 		// Lost while NATS is out of reach: the record, written once it is
 		// back, stops the work at its next beat.
-		if err := dispatcher.Cancel(h.nc, job.ID, job.Origin); err != nil && !natsGone(err) {
+		if err := submit.Cancel(h.nc, job.ID, job.Origin); err != nil && !natsGone(err) {
 			log.Warn("could not publish the cancel", logging.Err(err))
 		}
 	}

@@ -8,6 +8,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -30,7 +32,7 @@ func TestLedger(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	submitter := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc))
+	submitter := submit.NewSubmitter(js, records, registry.NewLiveness(nc))
 	claim := func(id string) time.Time {
 		now := time.Now()
 		rec := &dispatcher.Record{ID: id, State: dispatcher.StateQueued, Generation: 1, Model: "m", Pool: dispatcher.PoolName("m"),

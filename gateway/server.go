@@ -27,7 +27,9 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/admin"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -134,11 +136,11 @@ func (s *Server) Run(ctx context.Context) error {
 // within the grace period.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	defer ln.Close()
-	registry, err := dispatcher.WatchWorkers(ctx, s.js, s.log)
+	reg, err := registry.WatchWorkers(ctx, s.js, s.log)
 	if err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}
-	if err := registry.WaitSynced(ctx); err != nil {
+	if err := reg.WaitSynced(ctx); err != nil {
 		return fmt.Errorf("gateway: read the worker registry: %w", err)
 	}
 	records, err := dispatcher.OpenRecords(ctx, s.js)
@@ -154,7 +156,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	defer unshare()
 	// Workers ask whether this gateway still holds its clients; once it
 	// stops answering, they stop working for them.
-	pings, err := dispatcher.AnswerPings(s.nc, s.id)
+	pings, err := registry.AnswerPings(s.nc, s.id)
 	if err != nil {
 		return fmt.Errorf("gateway: answer liveness pings: %w", err)
 	}
@@ -176,10 +178,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	doctorDone := make(chan struct{})
 	go func() { doctor.Run(doctorCtx); close(doctorDone) }()
 	defer func() { stopDoctor(); <-doctorDone }()
-	h := &handlers{Server: s, registry: registry, replies: replies, records: records, relays: newRelays(), ledger: led, doctor: doctor,
-		submitter: dispatcher.NewSubmitter(s.js, records, dispatcher.NewLiveness(s.nc)),
+	h := &handlers{Server: s, registry: reg, replies: replies, records: records, relays: newRelays(), ledger: led, doctor: doctor,
+		submitter: submit.NewSubmitter(s.js, records, registry.NewLiveness(s.nc)),
 		budget:    budget,
-		admission: dispatcher.NewAdmission(s.js, s.cfg.MaxQueue)}
+		admission: submit.NewAdmission(s.js, s.cfg.MaxQueue)}
 	srv := &http.Server{
 		Handler:           h.routes(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -221,16 +223,16 @@ type handlers struct {
 	// relays are the relays running, ended when the shutdown grace
 	// period runs out.
 	relays   *relays
-	registry *dispatcher.Registry
+	registry *registry.Registry
 	replies  *reply.Replies
 	records  *dispatcher.Records
 	// ledger keeps the record writes NATS did not take, until it does.
 	ledger *ledger
 	// doctor knows which streams do not store.
 	doctor    *admin.StoreDoctor
-	submitter *dispatcher.Submitter
+	submitter *submit.Submitter
 	budget    *byteBudget
-	admission *dispatcher.Admission
+	admission *submit.Admission
 	// fallingBack holds the pools whose long prompts go decode-only for
 	// want of a healthy prefill worker, to log each change once.
 	fallingBack sync.Map

@@ -10,7 +10,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -150,7 +152,7 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	submitter := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc))
+	submitter := submit.NewSubmitter(js, records, registry.NewLiveness(nc))
 	submit := func(id string, life time.Duration) {
 		job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
 			Submitted: time.Now(), Deadline: time.Now().Add(life)}

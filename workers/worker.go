@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/pkg/config"
@@ -113,7 +114,7 @@ type Worker struct {
 	// peers are the live workers, to know whether another worker of the
 	// stage has a healthy engine. Set by Run before the first stage loop
 	// starts, read without a lock (nil before).
-	peers *dispatcher.Registry
+	peers *registry.Registry
 	// slots bounds the engine calls of all the worker's models together.
 	// It has its own lock.
 	slots *stage.EngineSlots
@@ -197,7 +198,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	w.breaker.generate = func(ctx context.Context) error {
 		return w.engine.Generate(ctx, w.probeModel(), "pdq-probe-"+w.id)
 	}
-	if w.peers, err = dispatcher.WatchWorkers(ctx, w.js, w.log); err != nil {
+	if w.peers, err = registry.WatchWorkers(ctx, w.js, w.log); err != nil {
 		return err
 	}
 	if w.cfg.Role != dispatcher.StageDecode {

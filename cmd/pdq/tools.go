@@ -18,6 +18,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/admin"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/pkg/config"
 )
 
@@ -319,7 +320,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	defer nc.Close()
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	registry, err := dispatcher.WatchWorkers(wctx, js, slog.New(slog.DiscardHandler))
+	reg, err := registry.WatchWorkers(wctx, js, slog.New(slog.DiscardHandler))
 	if err != nil {
 		return err
 	}
@@ -327,7 +328,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	// those listed in the bucket are waited for a little longer.
 	sctx, scancel := context.WithTimeout(ctx, 2*time.Second)
 	defer scancel()
-	_ = registry.WaitSynced(sctx) // a worker that never answers is not live
+	_ = reg.WaitSynced(sctx) // a worker that never answers is not live
 	for {
 		if *watch > 0 && !*asJSON {
 			if isTerminal(stdout) {
@@ -335,7 +336,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			}
 			fmt.Fprintf(stdout, "%s\n\n", time.Now().Format(time.DateTime))
 		}
-		if err := printStatus(ctx, js, registry, stdout, *asJSON); err != nil {
+		if err := printStatus(ctx, js, reg, stdout, *asJSON); err != nil {
 			return err
 		}
 		if *watch == 0 {
@@ -350,9 +351,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 // printStatus prints the status once, as a table or as JSON.
-func printStatus(ctx context.Context, js jetstream.JetStream, registry *dispatcher.Registry, stdout io.Writer, asJSON bool) error {
+func printStatus(ctx context.Context, js jetstream.JetStream, reg *registry.Registry, stdout io.Writer, asJSON bool) error {
 	var err error
-	s := status{Workers: registry.Workers()}
+	s := status{Workers: reg.Workers()}
 	pools := map[string]bool{}
 	for _, w := range s.Workers {
 		if !pools[w.Pool] {

@@ -10,6 +10,8 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -35,7 +37,7 @@ func TestEngineSlotsBusyEngine(t *testing.T) {
 		Release: func(context.Context, *dispatcher.Job) error { released.Add(1); return nil }}
 	records, _ := dispatcher.OpenRecords(ctx, js)
 	job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
-	if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+	if _, err := submit.NewSubmitter(js, records, registry.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 		t.Fatal(err)
 	}
 	pcons, _ := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Second)

@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -43,7 +44,7 @@ type decodeGate struct {
 	js       jetstream.JetStream
 	pool     string
 	ttl      time.Duration
-	registry *dispatcher.Registry // has its own lock
+	registry *registry.Registry // has its own lock
 	log      *slog.Logger
 
 	fresh time.Duration // how long a look serves: gateFresh; tests change it between calls
@@ -66,7 +67,7 @@ type decodeGate struct {
 }
 
 func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*decodeGate, error) {
-	registry, err := dispatcher.WatchWorkers(ctx, js, log)
+	registry, err := registry.WatchWorkers(ctx, js, log)
 	if err != nil {
 		return nil, err
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -144,7 +145,7 @@ type Loop struct {
 	records *dispatcher.Records
 	// kvReads claims handoffs' KV for one reader (decode stage only).
 	kvReads  *kvReads
-	liveness *dispatcher.Liveness
+	liveness *registry.Liveness
 	log      *slog.Logger
 
 	// Counters that the job and release goroutines change and the
@@ -222,7 +223,7 @@ func NewLoop(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &Loop{
-		cfg: cfg, nc: nc, js: js, liveness: dispatcher.NewLiveness(nc),
+		cfg: cfg, nc: nc, js: js, liveness: registry.NewLiveness(nc),
 		log:     log.With("stage", string(cfg.Stage), "pool", cfg.Pool),
 		running: make(map[*runningJob]struct{}),
 	}, nil

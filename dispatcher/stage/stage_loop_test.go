@@ -18,7 +18,9 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/admin"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -66,7 +68,7 @@ func startLoopOn(t *testing.T, nc *nats.Conn, js jetstream.JetStream, pool strin
 	if err != nil {
 		t.Fatal(err)
 	}
-	pings, err := dispatcher.AnswerPings(nc, "gw-"+cfg.Pool)
+	pings, err := registry.AnswerPings(nc, "gw-"+cfg.Pool)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +117,7 @@ func (lt *loopTest) submitJob(job *dispatcher.Job) {
 	if stage == "" {
 		stage = dispatcher.StagePrefill
 	}
-	if _, err := dispatcher.NewSubmitter(lt.js, records, dispatcher.NewLiveness(lt.nc)).Submit(context.Background(), stage, job); err != nil {
+	if _, err := submit.NewSubmitter(lt.js, records, registry.NewLiveness(lt.nc)).Submit(context.Background(), stage, job); err != nil {
 		lt.t.Fatal(err)
 	}
 }
@@ -341,7 +343,7 @@ func TestStageLoop(t *testing.T) {
 		// the running job stopped by it.
 		cancelStops := func(id string, origin int, what string) {
 			t.Helper()
-			if err := dispatcher.Cancel(nc, id, origin); err != nil {
+			if err := submit.Cancel(nc, id, origin); err != nil {
 				t.Fatal(err)
 			}
 			select {
@@ -358,7 +360,7 @@ func TestStageLoop(t *testing.T) {
 		// A late cancel of another request under the same id (one claimed
 		// at generation 2, from the worker's point of view a retry that
 		// runs later, or an earlier one): not this request's business.
-		if err := dispatcher.Cancel(nc, "job-gen", 2); err != nil {
+		if err := submit.Cancel(nc, "job-gen", 2); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -517,7 +519,7 @@ func TestStageLoop(t *testing.T) {
 	t.Run("workers register and leave the registry", func(t *testing.T) {
 		rctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		reg, err := dispatcher.WatchWorkers(rctx, js, logging.Discard())
+		reg, err := registry.WatchWorkers(rctx, js, logging.Discard())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -635,7 +637,7 @@ func TestLifecycle(t *testing.T) {
 		records, _ := dispatcher.OpenRecords(ctx, js)
 		job := &dispatcher.Job{ID: "raw-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
 			ReplyTo: lt.replies.Subject("raw-1"), Deadline: time.Now().Add(time.Minute)}
-		if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+		if _, err := submit.NewSubmitter(js, records, registry.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 			t.Fatal(err)
 		}
 		select {
@@ -824,7 +826,7 @@ func TestHandoffGenerations(t *testing.T) {
 			records, _ := dispatcher.OpenRecords(ctx, js)
 			job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`),
 				Deadline: time.Now().Add(time.Minute)}
-			if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+			if _, err := submit.NewSubmitter(js, records, registry.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 				t.Fatal(err)
 			}
 			// The prefill stage's work, done by hand: the handoff, and the
@@ -1177,7 +1179,7 @@ func TestQueues(t *testing.T) {
 	}
 	job := &dispatcher.Job{ID: "q-1", Model: "m", Pool: pool, Endpoint: openai.Completions, Body: []byte(`{"prompt":"x"}`),
 		Submitted: time.Now(), Deadline: time.Now().Add(time.Minute)}
-	if _, err := dispatcher.NewSubmitter(js, records, dispatcher.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+	if _, err := submit.NewSubmitter(js, records, registry.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond)

@@ -1,4 +1,4 @@
-package dispatcher
+package submit
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // depthTTL is how long the gateway trusts one look at a queue's depth. A
@@ -24,7 +25,7 @@ const (
 // to wait before it retries, derived from the depth.
 type QueueFullError struct {
 	Pool       string
-	Stage      Stage
+	Stage      dispatcher.Stage
 	Depth      int
 	RetryAfter time.Duration
 }
@@ -34,7 +35,7 @@ func (e *QueueFullError) Error() string {
 }
 
 // Unwrap makes the error match ErrQueueFull.
-func (e *QueueFullError) Unwrap() error { return ErrQueueFull }
+func (e *QueueFullError) Unwrap() error { return dispatcher.ErrQueueFull }
 
 // Admission bounds the queue of each pool and stage, so that one model's
 // backlog cannot fill the streams that all models share: a job is refused,
@@ -69,7 +70,7 @@ func NewAdmission(js jetstream.StreamConsumerManager, max int) *Admission {
 // queue is at its bound. slots gives the pool's worker slots for the
 // stage, which set the suggested wait; it is asked only on a refusal. A
 // depth it cannot read admits the job: the stream's own bound still holds.
-func (a *Admission) Check(ctx context.Context, stage Stage, pool string, slots func() int) error {
+func (a *Admission) Check(ctx context.Context, stage dispatcher.Stage, pool string, slots func() int) error {
 	n := a.read(ctx, stage, pool)
 	if n < a.max {
 		return nil
@@ -80,7 +81,7 @@ func (a *Admission) Check(ctx context.Context, stage Stage, pool string, slots f
 	return &QueueFullError{Pool: pool, Stage: stage, Depth: n, RetryAfter: min(wait, time.Minute)}
 }
 
-func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
+func (a *Admission) read(ctx context.Context, stage dispatcher.Stage, pool string) int {
 	key := string(stage) + "/" + pool
 	a.mu.Lock()
 	look, ok := a.depth[key]
@@ -101,9 +102,9 @@ func (a *Admission) read(ctx context.Context, stage Stage, pool string) int {
 // look reads the depth of the stage's queue for pool and keeps it under
 // key, unless a look begun later is kept already. A depth it cannot read
 // is the last one read, or 0 (admit: the stream's own bound still holds).
-func (a *Admission) look(ctx context.Context, key string, stage Stage, pool string) int {
+func (a *Admission) look(ctx context.Context, key string, stage dispatcher.Stage, pool string) int {
 	at := a.now()
-	cons, err := a.js.Consumer(ctx, StageStream(stage), ConsumerName(stage, pool))
+	cons, err := a.js.Consumer(ctx, dispatcher.StageStream(stage), dispatcher.ConsumerName(stage, pool))
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	kept := a.depth[key]

@@ -1,4 +1,4 @@
-package dispatcher
+package registry
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/pdq-dev/pdq/dispatcher"
 )
 
 // Gateway liveness. A gateway answers pings on GatewaySubject(its id) for
@@ -23,7 +24,7 @@ const (
 	pingTimeout = time.Second
 	aliveFor    = time.Second // how old an answer gets before it is renewed
 	goneAfter   = 4 * time.Second
-	silenceGap  = 2*HeartbeatInterval + time.Second
+	silenceGap  = 2*dispatcher.HeartbeatInterval + time.Second
 )
 
 // Liveness answers "does this gateway still run?", with a short cache.
@@ -83,7 +84,7 @@ func (l *Liveness) ping(ctx context.Context, gatewayID string, behind bool) bool
 	now := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
-	_, err := l.nc.RequestWithContext(ctx, GatewaySubject(gatewayID), nil)
+	_, err := l.nc.RequestWithContext(ctx, dispatcher.GatewaySubject(gatewayID), nil)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if behind {
@@ -129,7 +130,7 @@ func (l *Liveness) prune(now time.Time) {
 // AnswerPings makes this process answer the liveness pings for gatewayID
 // until the returned subscription is unsubscribed.
 func AnswerPings(nc *nats.Conn, gatewayID string) (*nats.Subscription, error) {
-	return nc.Subscribe(GatewaySubject(gatewayID), func(m *nats.Msg) {
+	return nc.Subscribe(dispatcher.GatewaySubject(gatewayID), func(m *nats.Msg) {
 		_ = m.Respond(nil) // a lost pong only makes the asker count us alive
 	})
 }

@@ -1,4 +1,4 @@
-package dispatcher
+package registry
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 )
 
 // TestLiveness checks what counts as a gone gateway: only an unbroken
@@ -13,7 +15,7 @@ import (
 // not the silence of a gateway whose connection blipped, nor one heard
 // around this process's own reconnect.
 func TestLiveness(t *testing.T) {
-	nc, _ := startJetStream(t)
+	nc, _ := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	pings, err := AnswerPings(nc, "gw-up")
 	if err != nil {
@@ -47,10 +49,10 @@ func TestLiveness(t *testing.T) {
 // renewed by a ping the caller does not wait for: the answer below comes
 // only after Alive has returned, and still counts.
 func TestLivenessRenewsBehind(t *testing.T) {
-	nc, _ := startJetStream(t)
+	nc, _ := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	got, release := make(chan struct{}, 1), make(chan struct{})
-	slow, err := nc.Subscribe(GatewaySubject("gw-slow"), func(m *nats.Msg) {
+	slow, err := nc.Subscribe(dispatcher.GatewaySubject("gw-slow"), func(m *nats.Msg) {
 		got <- struct{}{}
 		<-release
 		_ = m.Respond(nil)
@@ -71,7 +73,7 @@ func TestLivenessRenewsBehind(t *testing.T) {
 		t.Fatal("no ping went out for an answer past aliveFor")
 	}
 	close(release)
-	waitFor(t, "the late answer taken", func() bool {
+	dispatchertest.WaitFor(t, "the late answer taken", func() bool {
 		l.mu.Lock()
 		defer l.mu.Unlock()
 		return l.seen["gw-slow"].After(old)

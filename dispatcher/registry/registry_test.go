@@ -1,4 +1,4 @@
-package dispatcher
+package registry
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -35,7 +37,7 @@ func (c *fakeClock) advance(d time.Duration) {
 // worker, on its own clock; how far the NATS server's clock is off does
 // not matter.
 func TestRegistryOwnClock(t *testing.T) {
-	nc, js := startJetStream(t)
+	nc, js := dispatchertest.JetStream(t)
 	for _, skew := range []time.Duration{-time.Hour, time.Hour} {
 		t.Run(fmt.Sprintf("gateway clock %v off the server's", skew), func(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
@@ -45,19 +47,19 @@ func TestRegistryOwnClock(t *testing.T) {
 				t.Fatal(err)
 			}
 			// A worker's heartbeat, as the stage loop sends it, then its last word.
-			model := "model-" + PoolName(t.Name())
-			info := WorkerInfo{ID: NewWorkerID(StagePrefill), Role: StagePrefill, Model: model, Pool: PoolName(model), Slots: 2}
+			model := "model-" + dispatcher.PoolName(t.Name())
+			info := dispatcher.WorkerInfo{ID: dispatcher.NewWorkerID(dispatcher.StagePrefill), Role: dispatcher.StagePrefill, Model: model, Pool: dispatcher.PoolName(model), Slots: 2}
 			data, _ := json.Marshal(info)
-			if err := nc.Publish(WorkerSubject(info.ID), data); err != nil {
+			if err := nc.Publish(dispatcher.WorkerSubject(info.ID), data); err != nil {
 				t.Fatal(err)
 			}
-			waitFor(t, "the worker counted live", func() bool { return reg.Status(model).Prefill == 1 })
-			leaving := nats.NewMsg(WorkerSubject(info.ID))
-			leaving.Header.Set(HeaderLeaving, "true")
+			dispatchertest.WaitFor(t, "the worker counted live", func() bool { return reg.Status(model).Prefill == 1 })
+			leaving := nats.NewMsg(dispatcher.WorkerSubject(info.ID))
+			leaving.Header.Set(dispatcher.HeaderLeaving, "true")
 			if err := nc.PublishMsg(leaving); err != nil {
 				t.Fatal(err)
 			}
-			waitFor(t, "the worker gone", func() bool { return reg.Status(model).Prefill == 0 })
+			dispatchertest.WaitFor(t, "the worker gone", func() bool { return reg.Status(model).Prefill == 0 })
 		})
 	}
 
@@ -70,13 +72,13 @@ func TestRegistryOwnClock(t *testing.T) {
 			t.Fatal(err)
 		}
 		// One heartbeat, then silence: a worker that crashed.
-		info := WorkerInfo{ID: NewWorkerID(StageDecode), Role: StageDecode, Model: "crashed", Pool: "crashed", Slots: 4}
+		info := dispatcher.WorkerInfo{ID: dispatcher.NewWorkerID(dispatcher.StageDecode), Role: dispatcher.StageDecode, Model: "crashed", Pool: "crashed", Slots: 4}
 		data, _ := json.Marshal(info)
-		if err := nc.Publish(WorkerSubject(info.ID), data); err != nil {
+		if err := nc.Publish(dispatcher.WorkerSubject(info.ID), data); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "the heartbeat heard", func() bool { return reg.Slots(StageDecode, "crashed") == 4 })
-		clock.advance(LiveFor)
+		dispatchertest.WaitFor(t, "the heartbeat heard", func() bool { return reg.Slots(dispatcher.StageDecode, "crashed") == 4 })
+		clock.advance(dispatcher.LiveFor)
 		if reg.Status("crashed").Decode != 1 {
 			t.Errorf("a worker heard LiveFor ago is not live")
 		}
@@ -97,7 +99,7 @@ func TestRegistryOwnClock(t *testing.T) {
 			t.Error("a worker heard 1s before NATS went away counts dead while it is away")
 		}
 		r.connectionChanged(nats.CONNECTED)
-		clock.advance(LiveFor - time.Second)
+		clock.advance(dispatcher.LiveFor - time.Second)
 		if !r.live(heard, clock.now()) {
 			t.Error("a worker counts dead before its time is up, counted on from the reconnect")
 		}

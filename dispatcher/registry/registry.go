@@ -1,4 +1,4 @@
-package dispatcher
+package registry
 
 import (
 	"context"
@@ -14,82 +14,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
-
-// Registry timing: workers send a heartbeat every HeartbeatInterval; a
-// worker not heard for LiveFor is dead.
-const (
-	HeartbeatInterval = 2 * time.Second
-	LiveFor           = 3 * HeartbeatInterval
-)
-
-// WorkerInfo is a worker's entry in the pdq_workers bucket.
-type WorkerInfo struct {
-	// ID is the registry key: one per stage loop. Worker is the worker
-	// process's id, shared by the loops of the models its engine serves.
-	ID     string `json:"id"`
-	Worker string `json:"worker,omitempty"`
-	Role   Stage  `json:"role"`
-	Pool   string `json:"pool"`
-	Model  string `json:"model"`
-	Engine string `json:"engine"`
-	Slots  int    `json:"slots"`
-	// Seats is what the engine runs at once, as the worker last saw it
-	// (its slots follow the engine's load), at most Slots; 0 from a worker
-	// that does not say, whose Slots stand for it.
-	Seats    int `json:"seats,omitempty"`
-	InFlight int `json:"in_flight"`
-	// KVReleased counts the handoffs whose KV this worker released, and
-	// DeadLettersRefused the failures a full DLQ refused, since it started.
-	KVReleased         int64 `json:"kv_released,omitempty"`
-	DeadLettersRefused int64 `json:"dead_letters_refused,omitempty"`
-	// AvgJobMs is how long this worker's jobs have taken of late (an
-	// exponential average), for the prefill stage's decode gate.
-	AvgJobMs float64 `json:"avg_job_ms,omitempty"`
-	// Breaker is the state of the worker's circuit breaker on its engine:
-	// closed (healthy), open (the engine keeps failing; the worker probes
-	// it and pulls nothing) or half-open (one trial job).
-	Breaker BreakerState `json:"breaker,omitempty"`
-	Started time.Time    `json:"started"`
-	// MaxModelLen is the engine's context length for the model, 0 when
-	// unknown; Card is the engine's /v1/models entry for it, verbatim.
-	MaxModelLen int             `json:"max_model_len,omitempty"`
-	Card        json.RawMessage `json:"card,omitempty"`
-}
-
-// Capacity is how many jobs the worker's engine runs at once: its seats,
-// or its slots from a worker that does not report seats.
-func (w WorkerInfo) Capacity() int {
-	if w.Seats > 0 {
-		return w.Seats
-	}
-	return w.Slots
-}
-
-// WorkerID is the id of the worker process this entry belongs to.
-func (w WorkerInfo) WorkerID() string {
-	if w.Worker != "" {
-		return w.Worker
-	}
-	return w.ID
-}
-
-// BreakerState is the state of a worker's circuit breaker.
-type BreakerState string
-
-// The breaker states.
-const (
-	BreakerClosed   BreakerState = "closed"
-	BreakerOpen     BreakerState = "open"
-	BreakerHalfOpen BreakerState = "half-open"
-)
-
-// Healthy reports whether the worker's engine is taking jobs.
-func (w WorkerInfo) Healthy() bool { return w.Breaker != BreakerOpen }
-
-// NewWorkerID returns a unique worker id, usable as a bucket key.
-func NewWorkerID(role Stage) string { return string(role) + "-" + Token() }
 
 // Registry is a view of the live workers, kept on this process's own
 // clock: a worker is live while its heartbeats arrive here, whatever the
@@ -126,13 +53,13 @@ type Registry struct {
 }
 
 type registryEntry struct {
-	info WorkerInfo
+	info dispatcher.WorkerInfo
 	at   time.Time // when this process last heard the worker, on its clock
 }
 
 // syncWait bounds how long WaitSynced waits for workers that the bucket
 // lists but that do not answer (crashed within the bucket's TTL).
-const syncWait = HeartbeatInterval
+const syncWait = dispatcher.HeartbeatInterval
 
 // pruneAfter is how long a silent worker stays in memory (as dead).
 const pruneAfter = 10 * time.Minute
@@ -157,12 +84,12 @@ func watchWorkers(ctx context.Context, js jetstream.JetStream, log *slog.Logger,
 		r.expected[id] = true
 	}
 	status := nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING)
-	sub, err := nc.Subscribe(WorkerSubject("*"), r.onBeat)
+	sub, err := nc.Subscribe(dispatcher.WorkerSubject("*"), r.onBeat)
 	if err != nil {
 		nc.RemoveStatusListener(status)
 		return nil, fmt.Errorf("listen to worker heartbeats: %w", err)
 	}
-	if err := nc.Publish(WorkersAskSubject, nil); err != nil {
+	if err := nc.Publish(dispatcher.WorkersAskSubject, nil); err != nil {
 		log.Warn("could not ask the workers for a heartbeat; waiting for their next one", logging.Err(err))
 	}
 	r.mu.Lock()
@@ -179,7 +106,7 @@ func watchWorkers(ctx context.Context, js jetstream.JetStream, log *slog.Logger,
 
 // listWorkers lists the ids in the pdq_workers bucket.
 func listWorkers(ctx context.Context, js jetstream.KeyValueManager) ([]string, error) {
-	kv, err := js.KeyValue(ctx, BucketWorkers)
+	kv, err := js.KeyValue(ctx, dispatcher.BucketWorkers)
 	if err != nil {
 		return nil, err
 	}
@@ -220,7 +147,7 @@ func (r *Registry) run(ctx context.Context, nc *nats.Conn, sub *nats.Subscriptio
 			if s == nats.CONNECTED {
 				// Workers that reconnected before this process missed
 				// nothing, but their next beat may be 2 s away: ask now.
-				if err := nc.Publish(WorkersAskSubject, nil); err != nil {
+				if err := nc.Publish(dispatcher.WorkersAskSubject, nil); err != nil {
 					r.log.Debug("could not ask the workers for a heartbeat", logging.Err(err))
 				}
 			}
@@ -252,8 +179,8 @@ func (r *Registry) connectionChanged(s nats.Status) {
 // onBeat takes a heartbeat or a leaving message, stamped with the time
 // this process received it.
 func (r *Registry) onBeat(m *nats.Msg) {
-	id := m.Subject[len(WorkerSubject("")):]
-	if id == "" || m.Subject == WorkersAskSubject {
+	id := m.Subject[len(dispatcher.WorkerSubject("")):]
+	if id == "" || m.Subject == dispatcher.WorkersAskSubject {
 		return
 	}
 	at := r.now()
@@ -265,11 +192,11 @@ func (r *Registry) onBeat(m *nats.Msg) {
 			r.markSynced()
 		}
 	}
-	if m.Header.Get(HeaderLeaving) != "" {
+	if m.Header.Get(dispatcher.HeaderLeaving) != "" {
 		delete(r.workers, id)
 		return
 	}
-	var info WorkerInfo
+	var info dispatcher.WorkerInfo
 	if err := json.Unmarshal(m.Data, &info); err != nil || info.ID != id {
 		r.log.Warn("ignoring an unreadable worker heartbeat", "subject", m.Subject, logging.Err(err))
 		return
@@ -295,7 +222,7 @@ func (r *Registry) prune() {
 // keeps the time it had left then, counted on from the reconnect. r.mu is
 // held.
 func (r *Registry) live(at, now time.Time) bool {
-	if now.Sub(at) <= LiveFor {
+	if now.Sub(at) <= dispatcher.LiveFor {
 		return true
 	}
 	if at.After(r.down) {
@@ -305,7 +232,7 @@ func (r *Registry) live(at, now time.Time) bool {
 	if r.connected {
 		silence += now.Sub(r.up)
 	}
-	return silence <= LiveFor
+	return silence <= dispatcher.LiveFor
 }
 
 // WaitSynced waits until every worker listed in the pdq_workers bucket has
@@ -345,12 +272,12 @@ func (r *Registry) Status(model string) PoolStatus {
 			continue
 		}
 		switch e.info.Role {
-		case StagePrefill:
+		case dispatcher.StagePrefill:
 			s.Prefill++
 			if e.info.Healthy() {
 				s.PrefillHealthy++
 			}
-		case StageDecode:
+		case dispatcher.StageDecode:
 			s.Decode++
 			if n := e.info.MaxModelLen; n > 0 && (s.MaxModelLen == 0 || n < s.MaxModelLen) {
 				s.MaxModelLen = n
@@ -371,7 +298,7 @@ func (r *Registry) Cards() map[string]json.RawMessage {
 	out := make(map[string]json.RawMessage)
 	from := make(map[string]string) // model → the entry id its card is from
 	for _, e := range r.workers {
-		if e.info.Role != StageDecode || !r.live(e.at, now) {
+		if e.info.Role != dispatcher.StageDecode || !r.live(e.at, now) {
 			continue
 		}
 		if id, ok := from[e.info.Model]; !ok || e.info.ID < id {
@@ -383,13 +310,13 @@ func (r *Registry) Cards() map[string]json.RawMessage {
 
 // Decoders lists the live decode workers of model whose engines take
 // jobs (breaker not open).
-func (r *Registry) Decoders(model string) []WorkerInfo {
+func (r *Registry) Decoders(model string) []dispatcher.WorkerInfo {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
-	var out []WorkerInfo
+	var out []dispatcher.WorkerInfo
 	for _, e := range r.workers {
-		if e.info.Role == StageDecode && e.info.Model == model && e.info.Healthy() && r.live(e.at, now) {
+		if e.info.Role == dispatcher.StageDecode && e.info.Model == model && e.info.Healthy() && r.live(e.at, now) {
 			out = append(out, e.info)
 		}
 	}
@@ -406,7 +333,7 @@ func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 	var weighted float64
 	timed := 0
 	for _, e := range r.workers {
-		if e.info.Role != StageDecode || e.info.Pool != pool || !r.live(e.at, now) {
+		if e.info.Role != dispatcher.StageDecode || e.info.Pool != pool || !r.live(e.at, now) {
 			continue
 		}
 		c := e.info.Capacity()
@@ -423,7 +350,7 @@ func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 }
 
 // Slots sums the capacity (seats) of pool's live workers of stage.
-func (r *Registry) Slots(stage Stage, pool string) int {
+func (r *Registry) Slots(stage dispatcher.Stage, pool string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
@@ -437,16 +364,16 @@ func (r *Registry) Slots(stage Stage, pool string) int {
 }
 
 // Workers lists the live workers.
-func (r *Registry) Workers() []WorkerInfo {
+func (r *Registry) Workers() []dispatcher.WorkerInfo {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
-	var out []WorkerInfo
+	var out []dispatcher.WorkerInfo
 	for _, e := range r.workers {
 		if r.live(e.at, now) {
 			out = append(out, e.info)
 		}
 	}
-	slices.SortFunc(out, func(a, b WorkerInfo) int { return strings.Compare(a.ID, b.ID) })
+	slices.SortFunc(out, func(a, b dispatcher.WorkerInfo) int { return strings.Compare(a.ID, b.ID) })
 	return out
 }

@@ -1,4 +1,4 @@
-package dispatcher
+package submit
 
 import (
 	"context"
@@ -7,6 +7,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 )
 
 // TestAdmissionBound checks the queue bound against a real consumer: past
@@ -14,10 +17,10 @@ import (
 // past depthRenew is renewed in the background, so that steady traffic
 // never waits for one.
 func TestAdmissionBound(t *testing.T) {
-	_, js := startJetStream(t)
+	_, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	const pool = "m"
-	cons, err := EnsureConsumer(ctx, js, StagePrefill, pool, time.Minute)
+	cons, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,26 +30,26 @@ func TestAdmissionBound(t *testing.T) {
 	now := time.Now()
 	a.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
-	if err := a.Check(ctx, StagePrefill, pool, oneSlot); err != nil {
+	if err := a.Check(ctx, dispatcher.StagePrefill, pool, oneSlot); err != nil {
 		t.Fatalf("an empty queue refused a job: %v", err)
 	}
 	for i := range 2 {
-		if _, err := js.Publish(ctx, JobSubject(StagePrefill, pool, fmt.Sprint("a-", i)), []byte("{}")); err != nil {
+		if _, err := js.Publish(ctx, dispatcher.JobSubject(dispatcher.StagePrefill, pool, fmt.Sprint("a-", i)), []byte("{}")); err != nil {
 			t.Fatal(err)
 		}
 	}
 	// The consumer counts a stored message a moment after its publish is
 	// acknowledged: the looks below must find both.
-	waitFor(t, "two jobs pending", func() bool {
+	dispatchertest.WaitFor(t, "two jobs pending", func() bool {
 		info, err := cons.Info(ctx)
 		return err == nil && info.NumPending == 2
 	})
-	key := string(StagePrefill) + "/" + pool
+	key := string(dispatcher.StagePrefill) + "/" + pool
 
 	// The first look (depth 0) is served while it is young; from
 	// depthRenew on it is still served, and renewed behind the request.
 	advance(depthRenew - time.Millisecond)
-	if err := a.Check(ctx, StagePrefill, pool, oneSlot); err != nil {
+	if err := a.Check(ctx, dispatcher.StagePrefill, pool, oneSlot); err != nil {
 		t.Fatalf("a young look was not served: %v", err)
 	}
 	a.mu.Lock()
@@ -56,10 +59,10 @@ func TestAdmissionBound(t *testing.T) {
 		t.Fatal("a look younger than depthRenew is being renewed")
 	}
 	advance(time.Millisecond)
-	if err := a.Check(ctx, StagePrefill, pool, oneSlot); err != nil {
+	if err := a.Check(ctx, dispatcher.StagePrefill, pool, oneSlot); err != nil {
 		t.Fatalf("a look within its life was not served: %v", err)
 	}
-	waitFor(t, "the look renewed in the background", func() bool {
+	dispatchertest.WaitFor(t, "the look renewed in the background", func() bool {
 		a.mu.Lock()
 		defer a.mu.Unlock()
 		return a.depth[key].n == 2 && !a.depth[key].renewing
@@ -69,9 +72,9 @@ func TestAdmissionBound(t *testing.T) {
 	a.mu.Lock()
 	a.depth[key] = depthLook{n: 0, at: now.Add(-depthTTL)}
 	a.mu.Unlock()
-	err = a.Check(ctx, StagePrefill, pool, oneSlot)
+	err = a.Check(ctx, dispatcher.StagePrefill, pool, oneSlot)
 	var full *QueueFullError
-	if !errors.As(err, &full) || !errors.Is(err, ErrQueueFull) {
+	if !errors.As(err, &full) || !errors.Is(err, dispatcher.ErrQueueFull) {
 		t.Fatalf("a full queue admitted a job: %v", err)
 	}
 	if full.Depth != 2 || full.RetryAfter != 3*time.Second {
