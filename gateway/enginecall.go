@@ -13,6 +13,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/enginecall"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -22,7 +23,7 @@ const engineCallTimeout = 60 * time.Second
 
 // engineCall serves one of vLLM's other endpoints (/tokenize, /detokenize,
 // /version, /v1/embeddings) by the engine of a healthy decode worker of
-// the request's model, over NATS (dispatcher.CallEngine). The engine's
+// the request's model, over NATS (enginecall.Call). The engine's
 // status and body come back as it sent them. A request without a model
 // goes to the only model served, as vLLM's own default would.
 func (h *handlers) engineCall(c echo.Context) error {
@@ -68,7 +69,7 @@ func (h *handlers) engineCall(c echo.Context) error {
 	}
 	ctx, cancel := context.WithTimeout(c.Request().Context(), engineCallTimeout)
 	defer cancel()
-	call := dispatcher.EngineCall{ID: "call-" + newUUID(), Method: c.Request().Method, Path: c.Request().URL.RequestURI(), Body: body}
+	call := enginecall.Request{ID: "call-" + newUUID(), Method: c.Request().Method, Path: c.Request().URL.RequestURI(), Body: body}
 	answered := false
 	defer func() {
 		if !answered {
@@ -84,8 +85,8 @@ func (h *handlers) engineCall(c echo.Context) error {
 	var err error
 	for try := 0; try < 3; try++ {
 		w := workers[rand.IntN(len(workers))]
-		var a dispatcher.EngineAnswer
-		a, err = dispatcher.CallEngine(ctx, h.nc, w.WorkerID(), call)
+		var a enginecall.Answer
+		a, err = enginecall.Call(ctx, h.nc, w.WorkerID(), call)
 		if err == nil {
 			answered = true
 			ct := a.ContentType
@@ -94,7 +95,7 @@ func (h *handlers) engineCall(c echo.Context) error {
 			}
 			return c.Blob(a.Status, ct, a.Body)
 		}
-		if !errors.Is(err, dispatcher.ErrNoAnswer) || ctx.Err() != nil {
+		if !errors.Is(err, enginecall.ErrNoAnswer) || ctx.Err() != nil {
 			break
 		}
 	}
@@ -103,7 +104,7 @@ func (h *handlers) engineCall(c echo.Context) error {
 	}
 	h.log.Warn("engine call failed", logging.Err(err), "path", c.Path(), "model", model)
 	status := http.StatusBadGateway
-	if errors.Is(err, dispatcher.ErrNoAnswer) {
+	if errors.Is(err, enginecall.ErrNoAnswer) {
 		status = http.StatusGatewayTimeout
 	}
 	return writeError(c, openai.NewError(status, "no decode worker answered: %v", err))

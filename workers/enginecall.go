@@ -6,12 +6,12 @@ import (
 	"net/http"
 	"strings"
 
-	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/enginecall"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// Engine calls: see dispatcher.CallEngine. A decode worker answers them
+// Engine calls: see enginecall.Call. A decode worker answers them
 // for its engine.
 
 // engineCallLimit bounds the engine calls a worker runs at once.
@@ -31,29 +31,29 @@ var engineCallPaths = map[string]string{
 
 // engineCall forwards one call to the engine and returns its answer as it
 // came; a call that gets none is a 502 in vLLM's error envelope.
-func (w *Worker) engineCall(ctx context.Context, call dispatcher.EngineCall) dispatcher.EngineAnswer {
+func (w *Worker) engineCall(ctx context.Context, call enginecall.Request) enginecall.Answer {
 	path, _, _ := strings.Cut(call.Path, "?")
 	if method, ok := engineCallPaths[path]; !ok || method != call.Method {
-		return dispatcher.ErrorAnswer(openai.NewError(http.StatusNotFound, "no engine call %s %s", call.Method, call.Path))
+		return enginecall.ErrorAnswer(openai.NewError(http.StatusNotFound, "no engine call %s %s", call.Method, call.Path))
 	}
 	resp, err := w.engine.Do(ctx, call.Method, call.Path, call.Body)
 	if err != nil {
 		if ctx.Err() == nil {
 			w.log.Warn("engine call failed", logging.Err(err), "path", path)
 		}
-		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine unreachable"))
+		return enginecall.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine unreachable"))
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode == http.StatusUnauthorized || resp.StatusCode == http.StatusForbidden {
 		// pdq's key, not the client's: the same answer as on generation.
-		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine refused pdq (%d): check PDQ_ENGINE_API_KEY", resp.StatusCode))
+		return enginecall.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine refused pdq (%d): check PDQ_ENGINE_API_KEY", resp.StatusCode))
 	}
 	body, err := io.ReadAll(io.LimitReader(resp.Body, maxEngineAnswer+1))
 	switch {
 	case err != nil:
-		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine: reading its answer: %v", err))
+		return enginecall.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine: reading its answer: %v", err))
 	case len(body) > maxEngineAnswer:
-		return dispatcher.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine answered more than %d bytes", maxEngineAnswer))
+		return enginecall.ErrorAnswer(openai.NewError(http.StatusBadGateway, "decode engine answered more than %d bytes", maxEngineAnswer))
 	}
-	return dispatcher.EngineAnswer{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
+	return enginecall.Answer{Status: resp.StatusCode, ContentType: resp.Header.Get("Content-Type"), Body: body}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/enginecall"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
@@ -204,7 +205,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	if w.cfg.Role != dispatcher.StageDecode {
 		return w.serveModels(ctx, models)
 	}
-	calls, err := dispatcher.ServeEngineCalls(w.nc, w.id, engineCallLimit, w.engineCall)
+	calls, err := enginecall.Serve(w.nc, w.id, engineCallLimit, w.engineCall)
 	if err != nil {
 		return fmt.Errorf("decode worker: take engine calls: %w", err)
 	}

@@ -1,4 +1,4 @@
-package dispatcher
+package enginecall
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -35,12 +36,12 @@ const (
 // subjectEngine prefixes the subjects where workers take engine calls.
 const subjectEngine = "pdq.engine"
 
-// EngineSubject is where the worker with this id (WorkerInfo.WorkerID)
+// Subject is where the worker with this id (WorkerInfo.WorkerID)
 // takes engine calls.
-func EngineSubject(workerID string) string { return subjectEngine + "." + workerID }
+func Subject(workerID string) string { return subjectEngine + "." + workerID }
 
-// EngineCall is a request to forward to an engine.
-type EngineCall struct {
+// Request is a request to forward to an engine.
+type Request struct {
 	// ID names the call for its cancel broadcast (CancelSubject): a client
 	// that goes away stops the engine's work.
 	ID     string
@@ -49,8 +50,8 @@ type EngineCall struct {
 	Body   []byte
 }
 
-// EngineAnswer is an engine's answer to a call.
-type EngineAnswer struct {
+// Answer is an engine's answer to a call.
+type Answer struct {
 	Status      int
 	ContentType string
 	Body        []byte
@@ -59,11 +60,11 @@ type EngineAnswer struct {
 // ErrNoAnswer means the worker asked did not answer an engine call.
 var ErrNoAnswer = errors.New("the worker did not answer")
 
-// CallEngine sends call to the worker workerID and waits for its engine's
+// Call sends call to the worker workerID and waits for its engine's
 // answer, within ctx.
-func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call EngineCall) (EngineAnswer, error) {
-	m := nats.NewMsg(EngineSubject(workerID))
-	m.Header.Set(HeaderID, call.ID)
+func Call(ctx context.Context, nc *nats.Conn, workerID string, call Request) (Answer, error) {
+	m := nats.NewMsg(Subject(workerID))
+	m.Header.Set(dispatcher.HeaderID, call.ID)
 	if d, ok := ctx.Deadline(); ok {
 		m.Header.Set(HeaderTimeout, strconv.FormatInt(max(time.Until(d).Milliseconds(), 1), 10))
 	}
@@ -73,25 +74,25 @@ func CallEngine(ctx context.Context, nc *nats.Conn, workerID string, call Engine
 	reply, err := nc.RequestMsgWithContext(ctx, m)
 	if err != nil {
 		if errors.Is(err, nats.ErrNoResponders) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) {
-			return EngineAnswer{}, fmt.Errorf("%w: %w", ErrNoAnswer, err)
+			return Answer{}, fmt.Errorf("%w: %w", ErrNoAnswer, err)
 		}
-		return EngineAnswer{}, err
+		return Answer{}, err
 	}
-	status, err := strconv.Atoi(reply.Header.Get(HeaderStatus))
+	status, err := strconv.Atoi(reply.Header.Get(dispatcher.HeaderStatus))
 	if err != nil || status < 100 || status > 599 {
-		return EngineAnswer{}, fmt.Errorf("engine call: the worker's answer has no status")
+		return Answer{}, fmt.Errorf("engine call: the worker's answer has no status")
 	}
-	return EngineAnswer{Status: status, ContentType: reply.Header.Get(HeaderContentType), Body: reply.Data}, nil
+	return Answer{Status: status, ContentType: reply.Header.Get(HeaderContentType), Body: reply.Data}, nil
 }
 
-// EngineCalls serves a worker's engine calls; Stop ends it.
+// Server serves a worker's engine calls; Stop ends it.
 //
 // The subscription's callback (one goroutine: NATS hands a subscription
 // its messages one at a time) admits each call and runs it in a goroutine
 // of its own (serve). Stop may be called from any goroutine; a call after
 // the first returns at once.
-type EngineCalls struct {
-	// sub is set by ServeEngineCalls once it has subscribed; only Stop
+type Server struct {
+	// sub is set by Serve once it has subscribed; only Stop
 	// reads it.
 	sub *nats.Subscription
 	// waiting counts the calls admitted that wait for a slot. The callback
@@ -119,25 +120,25 @@ var errStopping = ErrorAnswer(openai.NewError(http.StatusServiceUnavailable, "th
 
 // ErrorAnswer is an engine call's answer that is pdq's error, not the
 // engine's.
-func ErrorAnswer(e *openai.Error) EngineAnswer {
+func ErrorAnswer(e *openai.Error) Answer {
 	body, err := e.Envelope()
 	if err != nil { // plain fields: it always encodes
 		body = []byte(`{"error":{}}`)
 	}
-	return EngineAnswer{Status: e.Status(), ContentType: "application/json", Body: body}
+	return Answer{Status: e.Status(), ContentType: "application/json", Body: body}
 }
 
-// ServeEngineCalls takes the engine calls sent to workerID and answers
+// Serve takes the engine calls sent to workerID and answers
 // each with what do returns. do runs in a goroutine of its own, at most
 // limit at a time, with a context that ends at the caller's deadline, at a
 // cancel broadcast of the call's id, or at the end of Stop's grace. With
 // 4×limit calls waiting, more are answered 503 at once.
-func ServeEngineCalls(nc *nats.Conn, workerID string, limit int, do func(context.Context, EngineCall) EngineAnswer) (*EngineCalls, error) {
+func Serve(nc *nats.Conn, workerID string, limit int, do func(context.Context, Request) Answer) (*Server, error) {
 	limit = max(limit, 1)
 	sem := make(chan struct{}, limit)
-	s := &EngineCalls{stopping: make(chan struct{})}
+	s := &Server{stopping: make(chan struct{})}
 	s.base, s.cancel = context.WithCancel(context.Background())
-	sub, err := nc.Subscribe(EngineSubject(workerID), func(m *nats.Msg) {
+	sub, err := nc.Subscribe(Subject(workerID), func(m *nats.Msg) {
 		s.mu.Lock()
 		if s.stopped {
 			s.mu.Unlock()
@@ -166,8 +167,8 @@ func ServeEngineCalls(nc *nats.Conn, workerID string, limit int, do func(context
 }
 
 // serve runs one call: it waits for a slot, calls do, and answers.
-func (s *EngineCalls) serve(nc *nats.Conn, m *nats.Msg, sem chan struct{}, do func(context.Context, EngineCall) EngineAnswer) {
-	call := EngineCall{ID: m.Header.Get(HeaderID), Method: m.Header.Get(HeaderMethod), Path: m.Header.Get(HeaderPath), Body: m.Data}
+func (s *Server) serve(nc *nats.Conn, m *nats.Msg, sem chan struct{}, do func(context.Context, Request) Answer) {
+	call := Request{ID: m.Header.Get(dispatcher.HeaderID), Method: m.Header.Get(HeaderMethod), Path: m.Header.Get(HeaderPath), Body: m.Data}
 	// The caller's time left, not its clock: the two clocks may differ.
 	wait := engineCallWait
 	if ms, err := strconv.ParseInt(m.Header.Get(HeaderTimeout), 10, 64); err == nil && ms > 0 {
@@ -175,8 +176,8 @@ func (s *EngineCalls) serve(nc *nats.Conn, m *nats.Msg, sem chan struct{}, do fu
 	}
 	ctx, cancel := context.WithTimeout(s.base, wait)
 	defer cancel()
-	if ValidRequestID(call.ID) {
-		if sub, err := nc.Subscribe(CancelSubject(call.ID), func(*nats.Msg) { cancel() }); err == nil {
+	if dispatcher.ValidRequestID(call.ID) {
+		if sub, err := nc.Subscribe(dispatcher.CancelSubject(call.ID), func(*nats.Msg) { cancel() }); err == nil {
 			defer sub.Unsubscribe()
 		}
 	}
@@ -203,9 +204,9 @@ func (s *EngineCalls) serve(nc *nats.Conn, m *nats.Msg, sem chan struct{}, do fu
 
 // respond answers an engine call; an answer the server refuses (too large)
 // becomes a short 502 that says so.
-func respond(m *nats.Msg, a EngineAnswer) {
+func respond(m *nats.Msg, a Answer) {
 	r := nats.NewMsg(m.Reply)
-	r.Header.Set(HeaderStatus, strconv.Itoa(a.Status))
+	r.Header.Set(dispatcher.HeaderStatus, strconv.Itoa(a.Status))
 	if a.ContentType != "" {
 		r.Header.Set(HeaderContentType, a.ContentType)
 	}
@@ -213,7 +214,7 @@ func respond(m *nats.Msg, a EngineAnswer) {
 	if err := m.RespondMsg(r); err != nil {
 		a := ErrorAnswer(openai.NewError(http.StatusBadGateway, "the engine's answer could not be sent: %v", err))
 		r.Data = a.Body
-		r.Header.Set(HeaderStatus, strconv.Itoa(a.Status))
+		r.Header.Set(dispatcher.HeaderStatus, strconv.Itoa(a.Status))
 		r.Header.Set(HeaderContentType, a.ContentType)
 		m.RespondMsg(r) // a lost answer is the caller's time-out
 	}
@@ -222,7 +223,7 @@ func respond(m *nats.Msg, a EngineAnswer) {
 // Stop takes no more calls (they are answered 503, as are those waiting
 // for a slot), gives the running ones grace to finish, then cuts them off
 // and waits for them.
-func (s *EngineCalls) Stop(grace time.Duration) {
+func (s *Server) Stop(grace time.Duration) {
 	s.mu.Lock()
 	if s.stopped {
 		s.mu.Unlock()
