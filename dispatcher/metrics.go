@@ -198,7 +198,7 @@ func (m *Metrics) collectors() []prometheus.Collector {
 		m.gatewayRequests, m.gatewayBytes}
 }
 
-// pool shows the series of a pool's stage from the start.
+// Pool shows the series of a pool's stage from the start.
 func (m *Metrics) Pool(stage Stage, pool string) {
 	if m == nil {
 		return
@@ -389,7 +389,7 @@ func (m *Metrics) Migrated(pool string) {
 	}
 }
 
-// waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
+// Waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
 // reason.
 type Waste string
 

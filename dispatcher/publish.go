@@ -27,14 +27,14 @@ const (
 	errCodeInsufficientResources = 10023
 )
 
-// noAnswer reports whether a NATS call failed for want of an answer, not
+// NoAnswer reports whether a NATS call failed for want of an answer, not
 // because it was refused: it may have been carried out.
 func NoAnswer(err error) bool {
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) ||
 		errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders)
 }
 
-// publishGeneration stores a job its record has just claimed. The record's
+// PublishGeneration stores a job its record has just claimed. The record's
 // generation may be one whose message ids JetStream still deduplicates (a
 // regeneration of an earlier request under this id, within the dedup
 // window): then the record and the job take the next generation, up to 3
@@ -59,7 +59,7 @@ func PublishGeneration(ctx context.Context, js jetstream.Publisher, records *Rec
 	return err
 }
 
-// publish stores msg on its stream, deduplicated by its Nats-Msg-Id.
+// Publish stores msg on its stream, deduplicated by its Nats-Msg-Id.
 func Publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
 	_, err := PublishSeq(ctx, js, msg)
 	return err
@@ -82,7 +82,7 @@ const (
 	publishNoLeaderTo = int(PublishAttempt / PublishRetryWait)
 )
 
-// publishSeq is publish that also returns the message's stream sequence
+// PublishSeq is publish that also returns the message's stream sequence
 // (for a duplicate, the earlier message's).
 func PublishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uint64, error) {
 	giveUp := time.Now().Add(PublishFailover)
@@ -124,7 +124,7 @@ func PublishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uin
 // Trying again does not help until the stream is rebuilt.
 var ErrNotStoring = errors.New("the stream does not store (its disk may be full)")
 
-// answersAbout reports whether the stream that stores subject answers
+// AnswersAbout reports whether the stream that stores subject answers
 // about itself, within a second, and its last sequence. Only a stream of
 // one replica counts: one of several whose leader stops answering hands
 // over to another replica (a store that latched a write error steps

@@ -127,7 +127,7 @@ func (rs *Records) Get(ctx context.Context, id string) (*Record, uint64, error) 
 	return rs.GetChanged(ctx, id, 0)
 }
 
-// getChanged is Get, unless the record's revision is still rev (when rev
+// GetChanged is Get, unless the record's revision is still rev (when rev
 // is not 0): then it returns a nil record, without decoding it. On the hot
 // path nothing writes a record between its claim and its end, and the
 // decode is about a quarter of the time of a stage's read at admission,
@@ -186,7 +186,7 @@ func (rs *Records) read(ctx context.Context, id string) ([]byte, uint64, error) 
 // purged, as the KeyValue's Get reads it: by its operation, or else by
 // the reason the server gave for a marker.
 func deleteMarker(h nats.Header) bool {
-	if op := h.Get(KvOperation); op != "" {
+	if op := h.Get(KVOperation); op != "" {
 		return op == "DEL" || op == "PURGE"
 	}
 	switch h.Get(jetstream.MarkerReasonHeader) {
@@ -196,8 +196,8 @@ func deleteMarker(h nats.Header) bool {
 	return false
 }
 
-// kvOperation is the header of a KeyValue's delete and purge markers.
-const KvOperation = "KV-Operation"
+// KVOperation is the header of a KeyValue's delete and purge markers.
+const KVOperation = "KV-Operation"
 
 // readEntry is read through the KeyValue's Get.
 func (rs *Records) readEntry(ctx context.Context, id string) ([]byte, uint64, error) {
@@ -211,7 +211,7 @@ func (rs *Records) readEntry(ctx context.Context, id string) ([]byte, uint64, er
 	return e.Value(), e.Revision(), nil
 }
 
-// create writes a new record; it fails with jetstream.ErrKeyExists when id
+// Create writes a new record; it fails with jetstream.ErrKeyExists when id
 // has one.
 func (rs *Records) Create(ctx context.Context, r *Record) (uint64, error) {
 	data, err := json.Marshal(r)
@@ -221,7 +221,7 @@ func (rs *Records) Create(ctx context.Context, r *Record) (uint64, error) {
 	return whileNoLeader(ctx, func() (uint64, error) { return rs.kv.Create(ctx, r.ID, data) })
 }
 
-// update writes r over the revision read; it fails with
+// Update writes r over the revision read; it fails with
 // jetstream.ErrKeyExists (wrong last sequence) when another write came in
 // between.
 func (rs *Records) Update(ctx context.Context, r *Record, rev uint64) (uint64, error) {

@@ -243,7 +243,7 @@ const (
 // collide with "ask".
 func WorkerSubject(id string) string { return subjectWorkers + "." + id }
 
-// keeperNote is a keeper's body, for whoever reads the stream.
+// KeeperNote is a keeper's body, for whoever reads the stream.
 const KeeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
 
 // KeeperSubject is where stage's stream keeps its keeper.

@@ -205,7 +205,7 @@ func stageStreamConfig(name, subjects, description string, replicas int) jetstre
 	}
 }
 
-// workersBucketConfig is pdq_workers: memory storage, since its entries
+// WorkersBucketConfig is pdq_workers: memory storage, since its entries
 // live for seconds; a restarted server has lost it, and the first process
 // to notice creates it again.
 func WorkersBucketConfig(replicas int) jetstream.KeyValueConfig {
@@ -374,7 +374,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 	}, opts...)
 }
 
-// ensureReleaseConsumer returns the durable consumer of pool's release
+// EnsureReleaseConsumer returns the durable consumer of pool's release
 // queue, creating it when it is missing.
 func EnsureReleaseConsumer(ctx context.Context, js jetstream.JetStream, pool string, ackWait time.Duration, maxDeliver int, opts ...EnsureOption) (jetstream.Consumer, error) {
 	return ensureConsumer(ctx, js, StreamRelease, jetstream.ConsumerConfig{

@@ -20,6 +20,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/enginecall"
+	"github.com/pdq-dev/pdq/dispatcher/pull"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
@@ -118,7 +119,7 @@ type Worker struct {
 	peers *registry.Registry
 	// slots bounds the engine calls of all the worker's models together.
 	// It has its own lock.
-	slots *stage.EngineSlots
+	slots *pull.EngineSlots
 
 	// mu guards the served models and the last answers of alone, kept to
 	// log their changes.
@@ -154,7 +155,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 	if err != nil {
 		return nil, fmt.Errorf("worker: %w", err)
 	}
-	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: stage.NewEngineSlots(cfg.Slots),
+	w := &Worker{cfg: cfg, nc: nc, js: js, engine: engine, slots: pull.NewEngineSlots(cfg.Slots),
 		lonely: make(map[string]bool),
 		log:    log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
 	w.id = dispatcher.NewWorkerID(cfg.Role)

@@ -275,7 +275,7 @@ func ProbeStore(ctx context.Context, js jetstream.JetStream, stream, subject str
 		// A bucket denies deletes: its probe is a delete marker, which
 		// every reader of the bucket takes for no key, and which the next
 		// probe replaces (one value a key).
-		msg.Header.Set(dispatcher.KvOperation, "DEL")
+		msg.Header.Set(dispatcher.KVOperation, "DEL")
 	}
 	ack, err := js.PublishMsg(pctx, msg, jetstream.WithExpectStream(stream), jetstream.WithRetryAttempts(0))
 	if err == nil {
@@ -530,7 +530,7 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 				kept[i] = nil
 				delete(latest, m.Subject)
 			}
-			if op := m.Header.Get(dispatcher.KvOperation); op == "" {
+			if op := m.Header.Get(dispatcher.KVOperation); op == "" {
 				latest[m.Subject] = len(kept)
 				kept = append(kept, m)
 			}

@@ -92,7 +92,7 @@ var (
 // the end of a reply.
 const DefaultEndWait = 10 * time.Second
 
-// ackTimeout is the wait for one ack; the end is sent again after it.
+// AckTimeout is the wait for one ack; the end is sent again after it.
 const AckTimeout = time.Second
 
 // NewWriter writes to subject as the given attempt (see
@@ -497,10 +497,10 @@ func kindHeader(kind string) []string {
 }
 
 var (
-	// errAbandoned stops a job whose gateway no longer holds its request,
+	// ErrAbandoned stops a job whose gateway no longer holds its request,
 	// or whose record says it ended: its cancel broadcast was lost.
 	ErrAbandoned = errors.New("the gateway no longer holds the request")
-	// errSuperseded stops a job whose request the gateway follows under a
+	// ErrSuperseded stops a job whose request the gateway follows under a
 	// later attempt: a redelivery of it, run while this worker was cut
 	// off from NATS past the ack wait.
 	ErrSuperseded = errors.New("a later attempt of the request runs")

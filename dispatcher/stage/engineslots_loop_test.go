@@ -9,13 +9,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/pull"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
+	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
-
-func (e *EngineSlots) inUse() int { e.mu.Lock(); defer e.mu.Unlock(); return e.used }
 
 func runLoop(t *testing.T, l *Loop) {
 	ctx, cancel := context.WithCancel(context.Background())
@@ -31,7 +33,7 @@ func runLoop(t *testing.T, l *Loop) {
 func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	e := NewEngineSlots(1)
+	e := pull.NewEngineSlots(1)
 	poolA, poolB := dispatcher.PoolName("slots-a"), dispatcher.PoolName("slots-b")
 	block := make(chan struct{})
 	unblock := sync.OnceFunc(func() { close(block) })
@@ -43,7 +45,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	cb := base
 	cb.Pool = poolB
 	cb.Handler = func(context.Context, *Delivery) error { return nil }
-	cb.Release = func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }
+	cb.Release = func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.InUse())); return nil }
 	lb, _ := NewLoop(nc, js, withSettings(cb), logging.Discard())
 	runLoop(t, lb) // idle: passes waitFree, waits in its pull (for up to 3 s)
 	time.Sleep(300 * time.Millisecond)
@@ -58,7 +60,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	if _, err := js.PublishMsg(ctx, a.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
-	dispatchertest.WaitFor(t, "a holds the engine", func() bool { return e.inUse() == 1 })
+	dispatchertest.WaitFor(t, "a holds the engine", func() bool { return e.InUse() == 1 })
 
 	b := &dispatcher.Job{ID: "slot-b", Model: "b", Pool: poolB, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
 		KV: []byte(`{"remote_block_ids":[1]}`), Prefill: &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}}
@@ -85,7 +87,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 // slot back when the handler returned.
 func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 	nc, js := dispatchertest.JetStream(t)
-	e := NewEngineSlots(1)
+	e := pull.NewEngineSlots(1)
 	var usedAtRelease atomic.Int32
 	usedAtRelease.Store(-1)
 	cfg := Config{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
@@ -93,7 +95,7 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 		Handler: func(context.Context, *Delivery) error {
 			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
 		},
-		Release: func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.inUse())); return nil }}
+		Release: func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.InUse())); return nil }}
 	l, _ := NewLoop(nc, js, withSettings(cfg), logging.Discard())
 	runLoop(t, l)
 	j := &dispatcher.Job{ID: "slot-r", Model: "r", Pool: cfg.Pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute), Generation: 1,
@@ -113,9 +115,9 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 func TestEngineSlotsNoOverPull(t *testing.T) {
 	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	e := NewEngineSlots(4)
+	e := pull.NewEngineSlots(4)
 	for range 3 { // another model's jobs hold 3 of the 4 slots
-		e.acquire(ctx)
+		e.Acquire(ctx)
 	}
 	block := make(chan struct{})
 	defer close(block)
@@ -168,7 +170,7 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	if _, err := cons.Next(); err != nil { // delivery 1: a worker that read the KV, then went silent
 		t.Fatal(err)
 	}
-	e := NewEngineSlots(1)
+	e := pull.NewEngineSlots(1)
 	c1 := cfg
 	c1.EngineSlots = e
 	l1, _ := NewLoop(nc, js, withSettings(c1), logging.Discard())
@@ -176,17 +178,112 @@ func TestEngineSlotsRedeliveryKeepsCount(t *testing.T) {
 	done1 := make(chan struct{})
 	go func() { defer close(done1); l1.Run(ctx1) }()
 	time.Sleep(200 * time.Millisecond) // l1 waits in its pull (for up to 3 s)
-	e.acquire(ctx)                     // another model's job takes the engine
+	e.Acquire(ctx)                     // another model's job takes the engine
 	dispatchertest.WaitFor(t, "delivery 2 waits for the slot", func() bool { l1.mu.Lock(); defer l1.mu.Unlock(); return len(l1.running) == 1 })
 	cancel1()
 	<-done1
 
 	c2 := cfg
-	c2.EngineSlots = NewEngineSlots(1)
+	c2.EngineSlots = pull.NewEngineSlots(1)
 	l2, _ := NewLoop(nc, js, withSettings(c2), logging.Discard())
 	runLoop(t, l2)
 	time.Sleep(2 * time.Second)
 	if ran.Load() > 0 {
 		t.Errorf("a redelivered handoff was decoded after a hand-back (KV possibly read twice): ran %d", ran.Load())
+	}
+}
+
+// TestEngineSlotsBusyEngine: a loop whose engine is full (another model's
+// job holds its only slot) pulls nothing, so a handoff waits in the queue
+// for a worker with a free engine, which decodes it: its KV unread, not
+// prefilled again. (Review: a pulled job used to wait in the busy worker,
+// and was Naked into a new generation when that loop stopped.)
+func TestEngineSlotsBusyEngine(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	id := "slot-wait"
+	var ran, released, handBacks atomic.Int32
+	cfg := Config{Stage: dispatcher.StageDecode, Pool: pool, Slots: 1, PullWait: 100 * time.Millisecond, KVTTL: 10 * time.Second, AckWait: 300 * time.Millisecond,
+		Grace: time.Second,
+		Handler: func(_ context.Context, d *Delivery) error {
+			ran.Add(1)
+			handBacks.Store(int32(d.Job.HandBacks))
+			return nil
+		},
+		Release: func(context.Context, *dispatcher.Job) error { released.Add(1); return nil }}
+	records, _ := dispatcher.OpenRecords(ctx, js)
+	job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), Deadline: time.Now().Add(time.Minute)}
+	if _, err := submit.NewSubmitter(js, records, registry.NewLiveness(nc)).Submit(ctx, dispatcher.StagePrefill, job); err != nil {
+		t.Fatal(err)
+	}
+	pcons, _ := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, time.Second)
+	pm, err := pcons.Next(jetstream.FetchMaxWait(5 * time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	job.KV = []byte(`{"remote_block_ids":[1]}`)
+	job.Prefill = &dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Generation: 1, Started: time.Now()}
+	if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	pm.Ack()
+
+	// Worker 1: its engine is full (another model's job holds the slot).
+	full := pull.NewEngineSlots(1)
+	if err := full.Acquire(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c1 := cfg
+	c1.EngineSlots = full
+	l1, _ := NewLoop(nc, js, withSettings(c1), logging.Discard())
+	ctx1, cancel1 := context.WithCancel(ctx)
+	done1 := make(chan struct{})
+	go func() { defer close(done1); l1.Run(ctx1) }()
+	time.Sleep(time.Second) // long enough to pull the handoff, were it to
+	cancel1()
+	<-done1
+
+	// Worker 2: an idle engine.
+	c2 := cfg
+	c2.EngineSlots = pull.NewEngineSlots(1)
+	l2, _ := NewLoop(nc, js, withSettings(c2), logging.Discard())
+	ctx2, cancel2 := context.WithCancel(ctx)
+	done2 := make(chan struct{})
+	go func() { defer close(done2); l2.Run(ctx2) }()
+	defer func() { cancel2(); <-done2 }()
+	dispatchertest.WaitFor(t, "the handoff settled", func() bool {
+		r, _, _ := records.Get(ctx, id)
+		return ran.Load() > 0 || r.Generation > 1
+	})
+	if r, _, _ := records.Get(ctx, id); ran.Load() != 1 || r.Generation != 1 {
+		t.Errorf("the unread handoff was not decoded: record generation %d state %s, decode ran %d times", r.Generation, r.State, ran.Load())
+	}
+	if n := handBacks.Load(); n != 0 {
+		t.Errorf("the handoff was handed back %d times: the busy worker pulled it", n)
+	}
+}
+
+// TestJobDurations: the average is not reported until avgWarmup jobs
+// finished, so one short first job (a readiness probe) does not stand for
+// them all; then it follows the jobs.
+func TestJobDurations(t *testing.T) {
+	var j jobDurations
+	j.add(4 * time.Millisecond)
+	for range avgWarmup - 2 {
+		j.add(300 * time.Millisecond)
+		if got := j.avgMs(); got != 0 {
+			t.Fatalf("reported %v ms before %d jobs", got, avgWarmup)
+		}
+	}
+	j.add(300 * time.Millisecond)
+	if got, want := j.avgMs(), (4+300*(avgWarmup-1))/float64(avgWarmup); got != want {
+		t.Errorf("after %d jobs: %v ms, want their mean %v", avgWarmup, got, want)
+	}
+	for range 40 {
+		j.add(time.Second)
+	}
+	if got := j.avgMs(); got < 990 || got > 1000 {
+		t.Errorf("after 40 jobs of 1 s: %v ms, want about 1000", got)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/pull"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -20,10 +21,10 @@ import (
 // at a time, each in one of the worker's slots, so the engine never gets
 // more calls than the slots.
 func (l *Loop) releaseLoop(ctx context.Context, slots chan struct{}) {
-	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait)
+	pulls := pull.NewPuller(ctx, l.nc, l.js, l.cfg.PullWait)
 	defer func() {
 		// A release that came as the loop stopped goes back at once.
-		for _, msg := range pulls.stop() {
+		for _, msg := range pulls.Stop() {
 			_ = msg.Nak() // or it comes back after the ack wait
 		}
 	}()
@@ -40,7 +41,7 @@ func (l *Loop) releaseLoop(ctx context.Context, slots chan struct{}) {
 			}
 			cons = c
 		}
-		msg, err := pulls.next(ctx, cons)
+		msg, err := pulls.Next(ctx, cons)
 		switch {
 		case ctx.Err() != nil:
 			if err == nil {
@@ -64,7 +65,7 @@ func (l *Loop) releaseLoop(ctx context.Context, slots chan struct{}) {
 			return
 		}
 		if l.cfg.EngineSlots != nil {
-			if l.cfg.EngineSlots.acquire(ctx) != nil {
+			if l.cfg.EngineSlots.Acquire(ctx) != nil {
 				<-slots
 				_ = msg.Nak() // or it comes back after the ack wait
 				return

@@ -232,7 +232,7 @@ func (s *settle) release(ctx context.Context, why string) bool {
 	defer cancel()
 	if e := s.l.cfg.EngineSlots; e != nil && !s.engineHeld {
 		// A release is an engine call: it waits for a slot like any.
-		if err := e.acquire(rctx); err != nil {
+		if err := e.Acquire(rctx); err != nil {
 			s.log.Warn("no engine slot to release the prefill's KV blocks; they stay held until their lease ends", "reason", why, logging.Err(err))
 			return false
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/pull"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/internal/sleep"
@@ -53,7 +54,7 @@ type Config struct {
 	Slots int
 	// EngineSlots, when set, are the engine's slots, shared with the loops
 	// of the engine's other models (see [EngineSlots]).
-	EngineSlots *EngineSlots
+	EngineSlots *pull.EngineSlots
 	Handler     Handler
 	// Release frees the prefill engine's KV blocks of a handoff that will
 	// not be decoded (cancelled, expired, superseded, too old, rejected by
@@ -218,8 +219,8 @@ func NewLoop(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger
 			return nil, fmt.Errorf("stage loop: the %s must be positive (config gives every setting)", d.name)
 		}
 	}
-	if cfg.PullWait < minPullWait {
-		return nil, fmt.Errorf("stage loop: a pull wait under %s would pull without a pause", minPullWait)
+	if cfg.PullWait < pull.MinPullWait {
+		return nil, fmt.Errorf("stage loop: a pull wait under %s would pull without a pause", pull.MinPullWait)
 	}
 	cfg.Worker.Role, cfg.Worker.Pool, cfg.Worker.Slots = cfg.Stage, cfg.Pool, cfg.Slots
 	return &Loop{
@@ -297,9 +298,9 @@ func (l *Loop) Run(ctx context.Context) error {
 			return err
 		}
 	}
-	var gate *decodeGate
+	var gate *pull.DecodeGate
 	if l.cfg.Stage == dispatcher.StagePrefill {
-		if gate, err = newDecodeGate(ctx, l.js, l.cfg.Pool, l.cfg.KVTTL, l.log); err != nil {
+		if gate, err = pull.NewDecodeGate(ctx, l.js, l.cfg.Pool, l.cfg.KVTTL, l.log); err != nil {
 			return err
 		}
 	}
@@ -325,9 +326,9 @@ func (l *Loop) Run(ctx context.Context) error {
 		defer sub.Unsubscribe()
 	}
 
-	keep := newKeeper(l.js, l.cfg.Stage, l.cfg.KeepEvery, l.log)
+	keep := pull.NewKeeper(l.js, l.cfg.Stage, l.cfg.KeepEvery, l.log)
 	var bg sync.WaitGroup
-	bg.Go(func() { keep.run(ctx) })
+	bg.Go(func() { keep.Run(ctx) })
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
 	bg.Go(func() { l.sampleDepth(ctx) })
@@ -342,7 +343,7 @@ func (l *Loop) Run(ctx context.Context) error {
 	jobCtx, stopJobs := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopJobs()
 	var wg sync.WaitGroup
-	pulls := newPuller(ctx, l.nc, l.js, l.cfg.PullWait) // stopped below, after the loop
+	pulls := pull.NewPuller(ctx, l.nc, l.js, l.cfg.PullWait) // stopped below, after the loop
 	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool))
 pull:
 	for {
@@ -357,15 +358,15 @@ pull:
 				break pull
 			}
 		}
-		if gate != nil && gate.wait(ctx) != nil {
+		if gate != nil && gate.Wait(ctx) != nil {
 			permit.release()
 			break pull
 		}
-		if l.cfg.EngineSlots != nil && l.cfg.EngineSlots.waitFree(ctx) != nil {
+		if l.cfg.EngineSlots != nil && l.cfg.EngineSlots.WaitFree(ctx) != nil {
 			permit.release()
 			break pull
 		}
-		msg, err := pulls.next(ctx, cons)
+		msg, err := pulls.Next(ctx, cons)
 		if err != nil {
 			permit.release()
 			<-slots
@@ -384,7 +385,7 @@ pull:
 			}
 			continue
 		}
-		keep.tookJob()
+		keep.TookJob()
 		// The engine slot is taken at once, so that the next turn of the
 		// loop sees it gone; losing a race for the last one, the job waits
 		// for it in process.
@@ -401,7 +402,7 @@ pull:
 
 	// A job that came as the loop stopped goes back at once, for another
 	// worker, rather than waiting out its ack wait here; within the grace.
-	for _, msg := range pulls.stop() {
+	for _, msg := range pulls.Stop() {
 		wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
 	}
 	done := make(chan struct{})

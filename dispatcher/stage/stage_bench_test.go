@@ -16,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/pull"
 	"github.com/pdq-dev/pdq/pkg/config"
 )
 
@@ -74,10 +75,10 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 	var workers sync.WaitGroup
 	work := func(stage dispatcher.Stage) {
 		defer workers.Done()
-		p := newPuller(ctx, nc, js, config.PullWait)
-		defer p.stop()
+		p := pull.NewPuller(ctx, nc, js, config.PullWait)
+		defer p.Stop()
 		for {
-			m, err := p.next(ctx, stages[stage])
+			m, err := p.Next(ctx, stages[stage])
 			if ctx.Err() != nil {
 				return
 			}

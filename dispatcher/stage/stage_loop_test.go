@@ -946,30 +946,6 @@ func TestPrefillRunAgainReleasesItsKV(t *testing.T) {
 	}
 }
 
-func TestDecodeRoom(t *testing.T) {
-	const ttl = 25 * time.Second
-	for _, tc := range []struct {
-		name                 string
-		pending, idle, slots int
-		avg                  time.Duration
-		want                 bool
-	}{
-		{"an idle slot takes the handoff at once", 0, 1, 4, time.Minute, true},
-		{"more idle slots than waiting handoffs", 2, 3, 4, time.Minute, true},
-		{"no average yet: fewer waiting than slots", 3, 0, 4, 0, true},
-		{"no average yet: as many waiting as slots", 4, 0, 4, 0, false},
-		{"short decodes: a queue of rounds within half the TTL", 10, 0, 4, 4 * time.Second, true}, // 3 rounds of 4 s
-		{"short decodes: rounds past half the TTL", 14, 0, 4, 4 * time.Second, false},             // 4 rounds of 4 s
-		{"short decodes: too many rounds", 20, 0, 4, 4 * time.Second, false},                      // 6 rounds of 4 s
-		{"decodes longer than the TTL: only a free slot will do", 0, 0, 4, 30 * time.Second, false},
-		{"no slots known: one at a time", 0, 0, 0, 0, true},
-	} {
-		if got := decodeRoom(tc.pending, tc.idle, tc.slots, tc.avg, ttl); got != tc.want {
-			t.Errorf("%s: decodeRoom(%d, %d, %d, %v) = %v, want %v", tc.name, tc.pending, tc.idle, tc.slots, tc.avg, got, tc.want)
-		}
-	}
-}
-
 // TestFullDLQ: a full dead-letter stream refuses a new entry rather than
 // dropping an older one, the refusal is counted, and the client is
 // answered at once.
@@ -1240,6 +1216,55 @@ func TestBatchPromptAckConfirmed(t *testing.T) {
 				t.Errorf("batch %v: ack confirmed %v, want %v", batch, confirmed, batch)
 			}
 			break
+		}
+	}
+}
+
+// TestShutdownDropsNoPulledJob: a job the server hands a loop's waiting
+// pull as the loop stops is run or handed back at once, never dropped to
+// wait out the ack wait. A dropped handoff comes back as a redelivery,
+// which a decode stage must take for one whose KV may have been read: a
+// new prefill, and the first one's KV held for its lease.
+func TestShutdownDropsNoPulledJob(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	for i := range 40 {
+		var ran atomic.Int32
+		pool := fmt.Sprintf("sd-%d", i)
+		lt := startLoopOn(t, nc, js, pool, Config{AckWait: time.Minute, Handler: func(context.Context, *Delivery) error {
+			ran.Add(1)
+			return nil
+		}})
+		cons, err := js.Consumer(ctx, dispatcher.StageStream(dispatcher.StagePrefill), dispatcher.ConsumerName(dispatcher.StagePrefill, pool))
+		dispatchertest.WaitFor(t, "the loop's pull", func() bool {
+			if err != nil {
+				cons, err = js.Consumer(ctx, dispatcher.StageStream(dispatcher.StagePrefill), dispatcher.ConsumerName(dispatcher.StagePrefill, pool))
+				return false
+			}
+			info, err := cons.Info(ctx)
+			return err == nil && info.NumWaiting > 0
+		})
+		// The job and the stop cross: the stop comes a little later each
+		// turn, from before the job's delivery to after it.
+		lt.submit(fmt.Sprintf("sd-%d", i))
+		time.Sleep(time.Duration(i) * 25 * time.Microsecond)
+		lt.stop()
+		// A job run was acked without waiting for the server's word: give
+		// the ack a moment. A job dropped stays unacked for the ack wait.
+		var info *jetstream.ConsumerInfo
+		settled := func() bool {
+			info, err = cons.Info(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return info.NumAckPending == 0 && uint64(ran.Load())+info.NumPending == 1
+		}
+		for deadline := time.Now().Add(2 * time.Second); !settled() && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if !settled() {
+			t.Fatalf("turn %d: %d jobs delivered and unacked, %d waiting, %d redelivered, %d run; want the job run or waiting, not held",
+				i, info.NumAckPending, info.NumPending, info.NumRedelivered, ran.Load())
 		}
 	}
 }

@@ -79,7 +79,7 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	if e := l.cfg.EngineSlots; e != nil && !engineHeld {
 		wctx, stop := context.WithCancel(jctx)
 		unhook := context.AfterFunc(pullCtx, stop)
-		err := e.acquire(wctx)
+		err := e.Acquire(wctx)
 		unhook()
 		stop()
 		switch cause := context.Cause(jctx); {

@@ -1,9 +1,8 @@
-package stage
+package pull
 
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -17,55 +16,6 @@ import (
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
-
-// TestShutdownDropsNoPulledJob: a job the server hands a loop's waiting
-// pull as the loop stops is run or handed back at once, never dropped to
-// wait out the ack wait. A dropped handoff comes back as a redelivery,
-// which a decode stage must take for one whose KV may have been read: a
-// new prefill, and the first one's KV held for its lease.
-func TestShutdownDropsNoPulledJob(t *testing.T) {
-	nc, js := dispatchertest.JetStream(t)
-	ctx := context.Background()
-	for i := range 40 {
-		var ran atomic.Int32
-		pool := fmt.Sprintf("sd-%d", i)
-		lt := startLoopOn(t, nc, js, pool, Config{AckWait: time.Minute, Handler: func(context.Context, *Delivery) error {
-			ran.Add(1)
-			return nil
-		}})
-		cons, err := js.Consumer(ctx, dispatcher.StageStream(dispatcher.StagePrefill), dispatcher.ConsumerName(dispatcher.StagePrefill, pool))
-		dispatchertest.WaitFor(t, "the loop's pull", func() bool {
-			if err != nil {
-				cons, err = js.Consumer(ctx, dispatcher.StageStream(dispatcher.StagePrefill), dispatcher.ConsumerName(dispatcher.StagePrefill, pool))
-				return false
-			}
-			info, err := cons.Info(ctx)
-			return err == nil && info.NumWaiting > 0
-		})
-		// The job and the stop cross: the stop comes a little later each
-		// turn, from before the job's delivery to after it.
-		lt.submit(fmt.Sprintf("sd-%d", i))
-		time.Sleep(time.Duration(i) * 25 * time.Microsecond)
-		lt.stop()
-		// A job run was acked without waiting for the server's word: give
-		// the ack a moment. A job dropped stays unacked for the ack wait.
-		var info *jetstream.ConsumerInfo
-		settled := func() bool {
-			info, err = cons.Info(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return info.NumAckPending == 0 && uint64(ran.Load())+info.NumPending == 1
-		}
-		for deadline := time.Now().Add(2 * time.Second); !settled() && time.Now().Before(deadline); {
-			time.Sleep(10 * time.Millisecond)
-		}
-		if !settled() {
-			t.Fatalf("turn %d: %d jobs delivered and unacked, %d waiting, %d redelivered, %d run; want the job run or waiting, not held",
-				i, info.NumAckPending, info.NumPending, info.NumRedelivered, ran.Load())
-		}
-	}
-}
 
 func TestPullEnded(t *testing.T) {
 	for _, tc := range []struct {
@@ -134,10 +84,10 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := nc.NumSubscriptions()
-	p := newPuller(ctx, nc, js, 20*time.Millisecond)
+	p := NewPuller(ctx, nc, js, 20*time.Millisecond)
 	var inbox string
 	for i := range 3 {
-		if _, err := p.next(ctx, cons); !errors.Is(err, nats.ErrTimeout) {
+		if _, err := p.Next(ctx, cons); !errors.Is(err, nats.ErrTimeout) {
 			t.Fatalf("pull %d: %v, want a time-out", i, err)
 		}
 		if i == 0 {
@@ -149,7 +99,7 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 	if _, err := js.Publish(ctx, dispatcher.JobSubject(dispatcher.StagePrefill, pool, "keep-1"), []byte(`{}`)); err != nil {
 		t.Fatal(err)
 	}
-	job, err := p.next(ctx, cons)
+	job, err := p.Next(ctx, cons)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,7 +109,7 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 	if p.inbox != inbox || nc.NumSubscriptions() != base+1 {
 		t.Errorf("after a job: inbox %q (was %q), %d subscriptions (want %d)", p.inbox, inbox, nc.NumSubscriptions(), base+1)
 	}
-	if late := p.stop(); len(late) != 0 || nc.NumSubscriptions() != base {
+	if late := p.Stop(); len(late) != 0 || nc.NumSubscriptions() != base {
 		t.Errorf("stop: %d late jobs, %d subscriptions left; want none, %d", len(late), nc.NumSubscriptions(), base)
 	}
 
@@ -202,8 +152,8 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 	}
 	defer server.Unsubscribe()
 	base = nc.NumSubscriptions()
-	p = newPuller(ctx, nc, js, 20*time.Millisecond)
-	defer p.stop()
+	p = NewPuller(ctx, nc, js, 20*time.Millisecond)
+	defer p.Stop()
 	p.api = "pdqtest.api."
 	subscription := func(reply string) string { return reply[:strings.LastIndexByte(reply, '.')] }
 	var subs []string
@@ -211,7 +161,7 @@ func TestPullerKeepsItsInbox(t *testing.T) {
 		kept bool
 		err  error
 	}{{true, nats.ErrTimeout}, {true, nats.ErrTimeout}, {false, nats.ErrTimeout}, {false, nats.ErrTimeout}, {false, nats.ErrTimeout}} {
-		if _, err := p.next(ctx, cons); !errors.Is(err, want.err) {
+		if _, err := p.Next(ctx, cons); !errors.Is(err, want.err) {
 			t.Fatalf("pull %d: %v, want %v", i, err, want.err)
 		}
 		subs = append(subs, subscription(<-requests))

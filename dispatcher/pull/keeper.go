@@ -1,4 +1,4 @@
-package stage
+package pull
 
 import (
 	"context"
@@ -30,8 +30,8 @@ import (
 // cache, which for long bodies takes large buffers from the server's pool
 // (docs/benchmarks.md).
 
-// keeper renews one stage stream's keeper for a loop.
-type keeper struct {
+// Keeper renews one stage stream's Keeper for a loop.
+type Keeper struct {
 	js    jetstream.JetStream
 	stage dispatcher.Stage
 	every time.Duration
@@ -40,21 +40,21 @@ type keeper struct {
 	st    jetstream.Stream // the stage's stream, once looked up
 }
 
-func newKeeper(js jetstream.JetStream, stage dispatcher.Stage, every time.Duration, log *slog.Logger) *keeper {
-	return &keeper{js: js, stage: stage, every: every, log: log, took: make(chan struct{}, 1)}
+func NewKeeper(js jetstream.JetStream, stage dispatcher.Stage, every time.Duration, log *slog.Logger) *Keeper {
+	return &Keeper{js: js, stage: stage, every: every, log: log, took: make(chan struct{}, 1)}
 }
 
-// tookJob tells the keeper that the loop took a job. It never waits.
-func (k *keeper) tookJob() {
+// TookJob tells the keeper that the loop took a job. It never waits.
+func (k *Keeper) TookJob() {
 	select {
 	case k.took <- struct{}{}:
 	default:
 	}
 }
 
-// run renews the keeper after a job is taken, at most every k.every,
+// Run renews the keeper after a job is taken, at most every k.every,
 // until ctx ends.
-func (k *keeper) run(ctx context.Context) {
+func (k *Keeper) Run(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -75,7 +75,7 @@ func (k *keeper) run(ctx context.Context) {
 // the same period publish one keeper between them (one message id), and
 // only the one whose keeper was stored purges. A renewal under way as the
 // loop stops still purges, within its time-out, rather than leave two.
-func (k *keeper) renew(ctx context.Context) error {
+func (k *Keeper) renew(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	msg := nats.NewMsg(dispatcher.KeeperSubject(k.stage))

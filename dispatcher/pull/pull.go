@@ -1,4 +1,4 @@
-package stage
+package pull
 
 import (
 	"context"
@@ -14,8 +14,8 @@ import (
 	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
-// minPullWait keeps an idle loop from pulling without a pause.
-const minPullWait = 10 * time.Millisecond
+// MinPullWait keeps an idle loop from pulling without a pause.
+const MinPullWait = 10 * time.Millisecond
 
 // pullSilence is how long past its expiry a request waits for the
 // server's word that it ended. A request lives on the server it was sent
@@ -27,7 +27,7 @@ const pullSilence = time.Second
 // back.
 const reconnectPoll = 50 * time.Millisecond
 
-// puller pulls jobs, one per request, for a loop's slots. A slot whose
+// Puller pulls jobs, one per request, for a loop's slots. A slot whose
 // loop stops waits for its request to end rather than unsubscribing from
 // it: the server sends a job to a waiting request from its own queue, a
 // moment after it checked that someone listens, so a job can reach an
@@ -38,9 +38,9 @@ const reconnectPoll = 50 * time.Millisecond
 // stops is kept for stop, which returns it to be given back.
 //
 // One goroutine calls next and then stop: the stage loop's Run, or its
-// release loop, each with a puller of its own. newPuller starts the other
+// release loop, each with a Puller of its own. newPuller starts the other
 // goroutine, which renews ctx when the connection drops, until stop.
-type puller struct {
+type Puller struct {
 	// Set by newPuller, read without a lock.
 	nc      *nats.Conn
 	api     string        // JetStream's API prefix, with its final dot
@@ -75,11 +75,11 @@ type puller struct {
 	cancel context.CancelFunc
 }
 
-// newPuller returns a puller whose pulls end when nc drops. Call stop
+// NewPuller returns a puller whose pulls end when nc drops. Call stop
 // when the loop is done with it.
-func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *puller {
+func NewPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait time.Duration) *Puller {
 	o := js.Options()
-	p := &puller{nc: nc, api: jsapi.Prefix(o), wait: wait, timeout: jsapi.Timeout(o), done: make(chan struct{}),
+	p := &Puller{nc: nc, api: jsapi.Prefix(o), wait: wait, timeout: jsapi.Timeout(o), done: make(chan struct{}),
 		req: fmt.Appendf(nil, `{"batch":1,"expires":%d}`, wait.Nanoseconds())}
 	// A stopping loop's last pull still ends when the connection drops.
 	root := context.WithoutCancel(ctx)
@@ -102,13 +102,13 @@ func newPuller(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, wait 
 	return p
 }
 
-// next waits for one job of cons. Once ctx has ended it still waits for
+// Next waits for one job of cons. Once ctx has ended it still waits for
 // the request to end (its wait at most), and returns ctx's error; a
 // job that came is kept for stop. A pull ended by a dropped connection,
 // or by the server's silence, returns nats.ErrTimeout, as a pull that
 // found no job: the caller just pulls again. The subscription is kept
 // for the next pull only when the request surely ended (see puller).
-func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.Msg, error) {
+func (p *Puller) Next(ctx context.Context, cons jetstream.Consumer) (jetstream.Msg, error) {
 	// A pull sent while the connection is down would only wait in the
 	// client's reconnect buffer, to reach the server stale.
 	for !p.nc.IsConnected() {
@@ -200,7 +200,7 @@ func (p *puller) next(ctx context.Context, cons jetstream.Consumer) (jetstream.M
 
 // retire unsubscribes the pulls' subscription, for the next pull to make
 // a new one.
-func (p *puller) retire() {
+func (p *Puller) retire() {
 	if p.sub != nil {
 		p.sub.Unsubscribe()
 		p.inbox, p.sub, p.msgs = "", nil, nil
@@ -208,7 +208,7 @@ func (p *puller) retire() {
 }
 
 // scope is the current pulls' context, which ends when the connection drops.
-func (p *puller) scope() context.Context {
+func (p *Puller) scope() context.Context {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.ctx
@@ -230,10 +230,10 @@ func pullEnded(status, description string) error {
 	return fmt.Errorf("pull ended by the server: %s %s", status, description)
 }
 
-// stop returns the jobs that came as the loop stopped, for the caller to
+// Stop returns the jobs that came as the loop stopped, for the caller to
 // give back, and unsubscribes the pulls' subscription: every request on
 // it has ended by then. Call it once no slot pulls.
-func (p *puller) stop() []jetstream.Msg {
+func (p *Puller) Stop() []jetstream.Msg {
 	p.retire()
 	close(p.done)
 	p.mu.Lock()

@@ -1,4 +1,4 @@
-package stage
+package pull
 
 import (
 	"context"
@@ -39,8 +39,8 @@ func NewEngineSlots(n int) *EngineSlots {
 	return &EngineSlots{limit: n, max: n, seats: n, freed: make(chan struct{})}
 }
 
-// acquire takes a slot, waiting for one until ctx ends.
-func (e *EngineSlots) acquire(ctx context.Context) error {
+// Acquire takes a slot, waiting for one until ctx ends.
+func (e *EngineSlots) Acquire(ctx context.Context) error {
 	return e.wait(ctx, true)
 }
 
@@ -55,8 +55,8 @@ func (e *EngineSlots) TryAcquire() bool {
 	return false
 }
 
-// waitFree returns once a slot is free, without taking it.
-func (e *EngineSlots) waitFree(ctx context.Context) error {
+// WaitFree returns once a slot is free, without taking it.
+func (e *EngineSlots) WaitFree(ctx context.Context) error {
 	return e.wait(ctx, false)
 }
 
@@ -126,4 +126,11 @@ func (e *EngineSlots) Seats() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.seats
+}
+
+// InUse is how many of the slots are taken now.
+func (e *EngineSlots) InUse() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.used
 }

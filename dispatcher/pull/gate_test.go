@@ -1,4 +1,4 @@
-package stage
+package pull
 
 import (
 	"context"
@@ -23,7 +23,7 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
 		t.Fatal(err)
 	}
-	g, err := newDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
+	g, err := NewDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +59,7 @@ func TestDecodeGateHeadAge(t *testing.T) {
 		}
 	}
 	const ttl = time.Second
-	g, err := newDecodeGate(ctx, js, pool, ttl, logging.Discard())
+	g, err := NewDecodeGate(ctx, js, pool, ttl, logging.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,5 +86,29 @@ func TestDecodeGateHeadAge(t *testing.T) {
 	time.Sleep(ttl/2 + headEvery)
 	if g.isOpen(ctx) {
 		t.Errorf("the next handoff has waited %v of a %v TTL: the gate is open (it waited %v by the gate)", ttl/2, ttl, g.headAge)
+	}
+}
+
+func TestDecodeRoom(t *testing.T) {
+	const ttl = 25 * time.Second
+	for _, tc := range []struct {
+		name                 string
+		pending, idle, slots int
+		avg                  time.Duration
+		want                 bool
+	}{
+		{"an idle slot takes the handoff at once", 0, 1, 4, time.Minute, true},
+		{"more idle slots than waiting handoffs", 2, 3, 4, time.Minute, true},
+		{"no average yet: fewer waiting than slots", 3, 0, 4, 0, true},
+		{"no average yet: as many waiting as slots", 4, 0, 4, 0, false},
+		{"short decodes: a queue of rounds within half the TTL", 10, 0, 4, 4 * time.Second, true}, // 3 rounds of 4 s
+		{"short decodes: rounds past half the TTL", 14, 0, 4, 4 * time.Second, false},             // 4 rounds of 4 s
+		{"short decodes: too many rounds", 20, 0, 4, 4 * time.Second, false},                      // 6 rounds of 4 s
+		{"decodes longer than the TTL: only a free slot will do", 0, 0, 4, 30 * time.Second, false},
+		{"no slots known: one at a time", 0, 0, 0, 0, true},
+	} {
+		if got := decodeRoom(tc.pending, tc.idle, tc.slots, tc.avg, ttl); got != tc.want {
+			t.Errorf("%s: decodeRoom(%d, %d, %d, %v) = %v, want %v", tc.name, tc.pending, tc.idle, tc.slots, tc.avg, got, tc.want)
+		}
 	}
 }

@@ -1,4 +1,4 @@
-package stage
+package pull
 
 import (
 	"context"
@@ -25,7 +25,7 @@ const gateRecheck = 50 * time.Millisecond
 // waiting, so a burst of fast prefills cannot overrun it.
 const gateFresh = 50 * time.Millisecond
 
-// decodeGate is admission by capacity for a prefill stage: a prefill
+// DecodeGate is admission by capacity for a prefill stage: a prefill
 // starts only while its handoff can be expected to start decoding within
 // the KV TTL. Prefilling further ahead would only make KV that expires
 // unread. See [decodeRoom].
@@ -39,7 +39,7 @@ const gateFresh = 50 * time.Millisecond
 //
 // Only the pull goroutine of a prefill stage loop calls wait: mu is
 // never contended, and guards the fields below all the same.
-type decodeGate struct {
+type DecodeGate struct {
 	// Set by newDecodeGate, read without a lock.
 	js       jetstream.JetStream
 	pool     string
@@ -66,16 +66,16 @@ type decodeGate struct {
 	stream             jetstream.Stream
 }
 
-func newDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*decodeGate, error) {
+func NewDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*DecodeGate, error) {
 	registry, err := registry.WatchWorkers(ctx, js, log)
 	if err != nil {
 		return nil, err
 	}
-	return &decodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh}, nil
+	return &DecodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh}, nil
 }
 
-// wait returns once a prefill may start, or when ctx ends.
-func (g *decodeGate) wait(ctx context.Context) error {
+// Wait returns once a prefill may start, or when ctx ends.
+func (g *DecodeGate) Wait(ctx context.Context) error {
 	for !g.isOpen(ctx) {
 		if err := sleep.For(ctx, gateRecheck); err != nil {
 			return err
@@ -88,7 +88,7 @@ func (g *decodeGate) wait(ctx context.Context) error {
 // with the prefills let through since counted as waiting handoffs: a
 // stale "open" would let a burst of fast prefills through before their
 // handoffs show.
-func (g *decodeGate) isOpen(ctx context.Context) bool {
+func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if time.Since(g.looked) >= g.fresh {
@@ -125,7 +125,7 @@ const headEvery = 250 * time.Millisecond
 // count it). It is read again only when the consumer has delivered more,
 // at most every headEvery; 0 when none waits, or it cannot be read (the
 // gate then goes by the reports alone).
-func (g *decodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) time.Duration {
+func (g *DecodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) time.Duration {
 	if info.NumPending == 0 {
 		g.headTime = time.Time{}
 		return 0
@@ -141,7 +141,7 @@ func (g *decodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) t
 
 // stored is when the next handoff to be delivered was stored; zero if it
 // cannot be read.
-func (g *decodeGate) stored(ctx context.Context, info *jetstream.ConsumerInfo) time.Time {
+func (g *DecodeGate) stored(ctx context.Context, info *jetstream.ConsumerInfo) time.Time {
 	if g.stream == nil {
 		s, err := g.js.Stream(ctx, dispatcher.StreamDecode)
 		if err != nil {
