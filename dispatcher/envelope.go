@@ -202,47 +202,6 @@ func (j *Job) MsgID(stage Stage) string {
 	return id
 }
 
-// Headers of a job message.
-const (
-	HeaderVersion    = "Pdq-Version"
-	HeaderID         = "Pdq-Id"
-	HeaderModel      = "Pdq-Model"
-	HeaderPool       = "Pdq-Pool"
-	HeaderEndpoint   = "Pdq-Endpoint"
-	HeaderStream     = "Pdq-Stream"
-	HeaderReplyTo    = "Pdq-Reply-To"
-	HeaderDeadline   = "Pdq-Deadline"   // Unix milliseconds
-	HeaderGeneration = "Pdq-Generation" // from 1
-	// HeaderRebuilt marks a job the store doctor stored again (doctor.go).
-	HeaderRebuilt      = "Pdq-Rebuilt"
-	HeaderOrigin       = "Pdq-Origin"    // the generation the request was claimed at
-	HeaderSubmitted    = "Pdq-Submitted" // Unix microseconds
-	HeaderPromptTokens = "Pdq-Prompt-Tokens"
-	HeaderOwner        = "Pdq-Owner"
-	HeaderClientID     = "Pdq-Client-Id"
-	// HeaderParts lists the parts of a version 3 payload after the body,
-	// in payload order, as name=length, comma-separated: "kv=123".
-	HeaderParts = "Pdq-Parts"
-	// HeaderKV carries a handoff's kv_transfer_params in version 2: those
-	// that fit in a header (maxHeaderKV), which a decode worker of the
-	// build before version 3 reads too. Longer ones go in the payload.
-	HeaderKV = "Pdq-Kv-Transfer-Params"
-	// HeaderPrefill is the prefill's StageRecord on a handoff, as JSON.
-	HeaderPrefill = "Pdq-Prefill"
-	// HeaderResume is a migrated decode's Resume, as JSON.
-	HeaderResume = "Pdq-Resume"
-	// HeaderHandBacks counts a job's hand-backs.
-	HeaderHandBacks = "Pdq-Hand-Backs"
-	// HeaderReplyBatch is set on jobs whose gateway reads batched replies.
-	HeaderReplyBatch = "Pdq-Reply-Batch"
-	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
-	HeaderReplyFrame = "Pdq-Reply-Frame"
-	// HeaderBatchPrompt is set on the jobs of a batched request's prompts.
-	HeaderBatchPrompt = "Pdq-Batch-Prompt"
-	// HeaderRecordRevision is the job's RecordRevision, when known.
-	HeaderRecordRevision = "Pdq-Record-Revision"
-)
-
 // Msg is the job as a message for stage's subject.
 func (j *Job) Msg(stage Stage) *nats.Msg {
 	m := nats.NewMsg(JobSubject(stage, j.Pool, j.ID))
@@ -461,62 +420,4 @@ func CompactKV(params json.RawMessage) (json.RawMessage, error) {
 		return nil, fmt.Errorf("kv_transfer_params: %w", err)
 	}
 	return b.Bytes(), nil
-}
-
-// Headers of reply and dead-letter messages.
-const (
-	// HeaderKind is the kind of a reply message: chunk, beat, moved, done,
-	// error, or the gateway's ack.
-	HeaderKind = "Pdq-Kind"
-	// HeaderSeq numbers the chunks of one reply from 0; on beat, moved, done
-	// and error it is the number of chunks sent, and on an ack the number
-	// of chunks the gateway has, in order.
-	HeaderSeq = "Pdq-Seq"
-	// HeaderCount is the number of chunks a chunk message carries, from
-	// HeaderSeq on, separated by newlines (a chunk that holds one is sent
-	// on its own); 1 when absent. Only jobs with ReplyBatch get such
-	// messages.
-	HeaderCount = "Pdq-Count"
-	// HeaderAttempt orders the attempts that write a request's reply: see
-	// [ReplyAttempt]. A reply from a later attempt starts over.
-	HeaderAttempt = "Pdq-Attempt"
-	// HeaderDelivery names one delivery of a job, in a running query: the
-	// delivery count cannot, since a restarted nats-server may deliver a
-	// job again as a first delivery.
-	HeaderDelivery = "Pdq-Delivery"
-	// HeaderStatus is the HTTP status of an error reply.
-	HeaderStatus = "Pdq-Status"
-	// HeaderStages carries the stage records on a done reply, as JSON, for
-	// the gateway's request record.
-	HeaderStages = "Pdq-Stages"
-	// HeaderGone on the gateway's ack of a beat says the gateway no longer
-	// holds the request (answered, given up, or followed by a later
-	// attempt): the worker stops. A cancel broadcast may be lost; this
-	// answer comes within a beat.
-	HeaderGone = "Pdq-Gone"
-	// HeaderStage and HeaderReason label a dead letter.
-	HeaderStage  = "Pdq-Stage"
-	HeaderReason = "Pdq-Reason"
-)
-
-// Reply kinds.
-const (
-	KindChunk = "chunk"
-	KindDone  = "done"
-	KindError = "error"
-	// KindBeat is a running decode's heartbeat: the gateway acks it with
-	// the chunks it has, and the worker resends the ones it lacks.
-	KindBeat = "beat"
-	// KindMoved ends a decode whose reply a later generation continues
-	// from this chunk on (a migration).
-	KindMoved = "moved"
-	// KindAck is the gateway's answer to a beat, moved, done or error.
-	KindAck = "ack"
-)
-
-// ReplyAttempt orders the writers of one request's reply: later
-// generations after earlier ones, and within a generation later deliveries
-// after earlier ones. Prefill errors are delivery 0 of their generation.
-func ReplyAttempt(generation, delivery int) int {
-	return generation<<8 | min(delivery, 255)
 }
