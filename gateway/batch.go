@@ -4,20 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
-	"slices"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
-	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -35,20 +31,6 @@ import (
 
 // maxBatch bounds the prompts of one request: each becomes a job.
 const maxBatch = 256
-
-// batchJob is one prompt's job of a batch.
-type batchJob struct {
-	job     *dispatcher.Job
-	claim   *submit.Claim
-	replies *reply.Stream
-	log     *slog.Logger
-	// settled is set once the job's record holds its end: a worker's
-	// error, or the gateway's stop. A job whose done arrived is not
-	// settled until its answer went out.
-	settled bool
-	chunks  int // chunks received
-	done    reply.Reply
-}
 
 // generateBatch serves a completions request with several prompts.
 // clientID is the client's X-Request-Id, id the request's key
@@ -93,7 +75,7 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clien
 			return writeError(c, openai.NewError(http.StatusBadRequest, "request body: %v", err))
 		}
 	}
-	jobs := make([]*batchJob, 0, len(in.batch))
+	jobs := make([]*leg, 0, len(in.batch))
 	defer func() {
 		for _, b := range jobs {
 			b.replies.Close()
@@ -111,9 +93,13 @@ func (h *handlers) generateBatch(c echo.Context, endpoint openai.Endpoint, clien
 			parent.end(dispatcher.StateFailed, apiErr.Status(), fmt.Sprintf("prompt %d was refused: %s", i, apiErr.Message))
 			return writeError(c, apiErr)
 		}
-		jobs = append(jobs, &batchJob{job: job, claim: claim, replies: replies, log: jlog})
+		jobs = append(jobs, &leg{job: job, claim: claim, replies: replies, log: jlog})
 	}
-	return h.relayBatch(c, clientID, in.req, jobs, parent, log)
+	n := 1
+	if in.req.N != nil {
+		n = *in.req.N
+	}
+	return h.relay(c, jobs, newBatchMerge(openai.Completions.IDPrefix()+clientID, n), parent, in.req.Stream, log)
 }
 
 // batchRecord is the record of a batched request's own id, whose prompts
@@ -128,9 +114,10 @@ type batchRecord struct {
 	err   *dispatcher.RecordError
 }
 
-// end notes how the batch ended; the first end stands.
+// end notes how the batch ended; the first end stands. A single
+// request, with no batch record, has nothing to note.
 func (b *batchRecord) end(state dispatcher.State, status int, why string) {
-	if b.state == "" {
+	if b != nil && b.state == "" {
 		b.state, b.err = state, &dispatcher.RecordError{Status: status, Message: why}
 	}
 }
@@ -186,193 +173,6 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 		r.State, r.Error = b.state, b.err
 		return nil
 	}, log)
-}
-
-// batchReply is a reply of one prompt's job.
-type batchReply struct {
-	i   int
-	r   reply.Reply
-	err error
-}
-
-// relayBatch merges the replies of a batch's jobs into one answer, as
-// relay does for one job, under the response id cmpl-<clientID>, vLLM's
-// for the client's X-Request-Id. The request logs its end once; its
-// prompts' records each hold it.
-func (h *handlers) relayBatch(c echo.Context, clientID string, req *openai.Request, jobs []*batchJob, parent *batchRecord, log *slog.Logger) error {
-	t := trackOf(c)
-	ctx, cancel := h.relayContext(c, jobs[0].job.Deadline)
-	in := make(chan batchReply)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer cancel() // before the wait: it ends the readers
-	for i, b := range jobs {
-		wg.Go(func() {
-			for {
-				r, err := h.next(ctx, b.replies, b.job)
-				select {
-				case in <- batchReply{i: i, r: r, err: err}:
-				case <-ctx.Done():
-					return
-				}
-				if err != nil || r.Kind != dispatcher.KindChunk {
-					return
-				}
-			}
-		})
-	}
-	n := 1
-	if req.N != nil {
-		n = *req.N
-	}
-	m := newBatchMerge(openai.Completions.IDPrefix()+clientID, n)
-	// stop ends every prompt not settled yet, the ones that finished
-	// included: their answers never went out.
-	stop := func(state dispatcher.State, status int, why string) {
-		parent.end(state, status, why)
-		for _, b := range jobs {
-			if !b.settled {
-				h.stop(b.job, b.log, state, status, why)
-				b.settled = true
-			}
-		}
-	}
-	// end is stop for a batch the gateway gives up on, logged once.
-	end := func(state dispatcher.State, status int, why string) {
-		stop(state, status, why)
-		log.Info("request stopped: "+why, "state", string(state), "prompts", len(jobs))
-	}
-	// fail ends the batch with an error: with its status before any
-	// output, in the stream after it.
-	var sse *openai.SSEWriter
-	if req.Stream {
-		sse = openai.NewSSEWriter(c.Response())
-	}
-	fail := func(apiErr *openai.Error) error {
-		end(dispatcher.StateFailed, apiErr.Status(), apiErr.Message)
-		if sse != nil && sse.Started() {
-			t.failed = true
-			if err := sse.Error(apiErr); err != nil {
-				log.Debug("could not write the in-stream error", logging.Err(err))
-			}
-			return nil
-		}
-		return writeError(c, apiErr)
-	}
-	whole := make([][]byte, len(jobs)) // the non-streamed responses
-	var joined int64                   // their bytes, taken from the budget
-	defer func() { h.budget.release(joined) }()
-	for left := len(jobs); left > 0; {
-		var br batchReply
-		select {
-		case br = <-in:
-		default:
-			// Nothing more at hand: the chunks so far go out before the
-			// wait, one flush per burst, as relay does (a flush with
-			// nothing written is none).
-			if sse != nil {
-				if err := sse.Flush(); err != nil {
-					end(dispatcher.StateCancelled, 499, "client went away")
-					return nil
-				}
-			}
-			select {
-			case br = <-in:
-			case <-ctx.Done():
-				br = batchReply{i: -1, err: ctx.Err()}
-			}
-		}
-		if br.err != nil {
-			// replyFailed ends (and logs) the request as one job would;
-			// the other prompts end the same way.
-			first := max(br.i, 0)
-			jobs[first].settled = true
-			err := h.replyFailed(c, ctx, sse, jobs[first].job, br.err, log)
-			switch {
-			case c.Request().Context().Err() != nil:
-				stop(dispatcher.StateCancelled, 499, "client went away")
-			case errors.Is(context.Cause(ctx), errDeadline):
-				stop(dispatcher.StateExpired, http.StatusGatewayTimeout, errDeadline.Error())
-			case errors.Is(context.Cause(ctx), errShutdown):
-				stop(dispatcher.StateCancelled, http.StatusServiceUnavailable, errShutdown.Error())
-			default:
-				parent.end(dispatcher.StateFailed, http.StatusBadGateway, fmt.Sprintf("prompt %d failed: %v", first, br.err))
-				stop(dispatcher.StateCancelled, http.StatusBadGateway, "another prompt of its batch failed")
-			}
-			return err
-		}
-		b := jobs[br.i]
-		switch br.r.Kind {
-		case dispatcher.KindError:
-			b.settled = true // the worker recorded it
-			parent.end(dispatcher.StateFailed, br.r.Status, fmt.Sprintf("prompt %d failed", br.i))
-			stop(dispatcher.StateCancelled, br.r.Status, "another prompt of its batch failed")
-			if sse != nil && sse.Started() {
-				t.failed = true
-				if err := sse.Data(br.r.Data); err == nil {
-					sse.Done()
-				}
-				return nil
-			}
-			return h.writeWorkerError(c, br.r)
-		case dispatcher.KindDone:
-			left--
-			if b.chunks == 0 {
-				return fail(openai.NewError(http.StatusBadGateway, "the engine sent an empty reply"))
-			}
-			b.done = br.r
-		case dispatcher.KindChunk:
-			b.chunks++
-			if !req.Stream {
-				// The response, in parts if it was larger than a message:
-				// what the gateway joins counts in its budget.
-				if !h.budget.take(int64(len(br.r.Data))) {
-					return fail(h.answerOverBudget(c))
-				}
-				joined += int64(len(br.r.Data))
-				whole[br.i] = append(slices.Clip(whole[br.i]), br.r.Data...)
-				continue
-			}
-			out, held, err := m.chunk(br.i, br.r.Data)
-			if err != nil {
-				return fail(openai.NewError(http.StatusBadGateway, "%v", err))
-			}
-			if held {
-				continue
-			}
-			t.wrote(h.cfg.Counters)
-			if err := sse.Write(out); err != nil {
-				end(dispatcher.StateCancelled, 499, "client went away")
-				return nil
-			}
-		}
-	}
-	if !req.Stream {
-		out, err := m.responses(whole)
-		if err != nil {
-			return fail(openai.NewError(http.StatusBadGateway, "could not merge the answers of the batch: %v", err))
-		}
-		t.wrote(h.cfg.Counters)
-		if err := c.Blob(http.StatusOK, echo.MIMEApplicationJSON, out); err != nil {
-			end(dispatcher.StateCancelled, 499, "client went away")
-			return nil
-		}
-	} else {
-		if usage := m.usageChunk(); usage != nil {
-			if err := sse.Data(usage); err != nil {
-				end(dispatcher.StateCancelled, 499, "client went away")
-				return nil
-			}
-		}
-		if err := sse.Done(); err != nil {
-			log.Debug("client went away before [DONE]", logging.Err(err))
-		}
-	}
-	for _, b := range jobs {
-		h.delivered(b.job, b.claim, b.done, b.log)
-	}
-	t.whole = true
-	return nil
 }
 
 // batchMerge rewrites the answers of a batch's jobs into one.
@@ -469,9 +269,9 @@ func none(choices []byte) bool {
 // isNull reports whether a member is absent or null.
 func isNull(v []byte) bool { return v == nil || string(v) == "null" }
 
-// usageChunk is the one usage chunk of a merged stream, or nil when the
+// tail is the one usage chunk of a merged stream, or nil when the
 // streams sent none.
-func (m *batchMerge) usageChunk() []byte {
+func (m *batchMerge) tail() []byte {
 	if m.usage == nil {
 		return nil
 	}
@@ -504,12 +304,12 @@ func (m *batchMerge) withUsage(obj []byte) ([]byte, error) {
 	return jsonobj.Edit(obj, jsonobj.Set("usage", u))
 }
 
-// responses merges the non-streamed responses of a batch: the first
+// whole merges the non-streamed responses of a batch: the first
 // prompt's response, with the batch's id, every prompt's choices, and the
 // usage summed.
-func (m *batchMerge) responses(whole [][]byte) ([]byte, error) {
+func (m *batchMerge) whole(parts [][]byte) ([]byte, error) {
 	var list []byte
-	for i, data := range whole {
+	for i, data := range parts {
 		v, err := jsonobj.Lookup(data, "choices", "usage")
 		if err != nil {
 			return nil, fmt.Errorf("the response of prompt %d: %w", i, err)
@@ -525,7 +325,7 @@ func (m *batchMerge) responses(whole [][]byte) ([]byte, error) {
 			}
 		}
 	}
-	out, err := jsonobj.Edit(whole[0], jsonobj.Set("id", m.id), jsonobj.Set("choices", array(list)))
+	out, err := jsonobj.Edit(parts[0], jsonobj.Set("id", m.id), jsonobj.Set("choices", array(list)))
 	if err == nil {
 		out, err = m.withUsage(out)
 	}

@@ -7,7 +7,7 @@ import (
 func TestBatchMerge(t *testing.T) {
 	t.Run("responses", func(t *testing.T) {
 		m := newBatchMerge("cmpl-b", 1)
-		out, err := m.responses([][]byte{
+		out, err := m.whole([][]byte{
 			[]byte(`{"id":"cmpl-b-0","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"<a>","finish_reason":"length"}],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":null},"kv_transfer_params":null}`),
 			[]byte(`{"id":"cmpl-b-1","object":"text_completion","created":8,"model":"m","choices":[{"index":0,"text":"b","finish_reason":"stop"}],"usage":{"prompt_tokens":4,"total_tokens":5,"completion_tokens":1,"prompt_tokens_details":null},"kv_transfer_params":null}`),
 		})
@@ -34,7 +34,7 @@ func TestBatchMerge(t *testing.T) {
 			}
 		}
 		want := `{"id":"cmpl-b","choices":[],"usage":{"prompt_tokens":3,"total_tokens":6,"completion_tokens":3}}`
-		if got := string(m.usageChunk()); got != want {
+		if got := string(m.tail()); got != want {
 			t.Errorf("usage chunk = %s, want %s", got, want)
 		}
 	})
