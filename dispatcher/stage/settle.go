@@ -218,10 +218,6 @@ func (s *settle) expired(ctx context.Context) {
 
 // succeeded acks a job that ran; a prefill's handoff is stored first.
 func (s *settle) succeeded(ctx context.Context, d *Delivery, took time.Duration) {
-	if d.moved != nil {
-		s.migrate(ctx, d.moved)
-		return
-	}
 	if d.handoff != nil {
 		m := s.fitHandoff(d) // may send it on decode-only, as d.handoff
 		if err := s.storeHandoff(ctx, m, d.handoff); err != nil {
@@ -297,71 +293,55 @@ func (s *settle) confirmAck(ctx context.Context) {
 	}
 }
 
-// interrupted settles a job whose grace period ran out at shutdown.
-func (s *settle) interrupted(ctx context.Context, err error) {
-	switch {
-	case s.sent > 0:
-		e := openai.NewError(http.StatusBadGateway, "the %s worker shut down mid-answer", s.l.cfg.Stage)
-		s.failForGood(ctx, e, fmt.Errorf("interrupted by shutdown after output: %w", err), true)
-	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0 && !s.ran:
-		// Its engine never ran it (it waited for a busy engine, say).
-		s.unrun(ctx, fmt.Errorf("interrupted by shutdown before its engine ran it: %w", err))
-	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0:
-		s.regenerate(ctx, dispatcher.WasteShutdown, "interrupted by shutdown; its KV may have been read", false)
-	default:
-		s.log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
-		if err := s.msg.Nak(); err != nil {
-			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+// carry carries out v, the verdict on delivery d, whose handler
+// returned err with its job context's cause; took is how long it ran.
+func (s *settle) carry(ctx context.Context, v verdict, d *Delivery, err, cause error, took time.Duration) {
+	if v.note != "" {
+		s.log.Warn(v.note, logging.Err(err))
+	}
+	switch v.act {
+	case actAck:
+		s.succeeded(ctx, d, took)
+	case actMigrate:
+		s.migrate(ctx, d.moved)
+	case actStop, actExpire:
+		if v.release {
+			s.queueRelease(ctx, d.handoff)
 		}
-	}
-}
-
-// failed settles a handler's error: a retry, a new generation, or the
-// request's end.
-func (s *settle) failed(ctx context.Context, err error) {
-	var f *Failure
-	if !errors.As(err, &f) {
-		f = &Failure{Err: err}
-	}
-	client := f.Client
-	if client == nil {
-		client = openai.NewError(http.StatusBadGateway, "%s failed: %v", s.l.cfg.Stage, err)
-	}
-	if f.Permanent {
-		if f.Rejected && s.l.cfg.Stage == dispatcher.StageDecode {
-			// The engine refused the request before running it: no read.
+		if v.act == actExpire {
+			s.expired(ctx)
+		} else {
+			s.stopped(ctx, cause)
+		}
+	case actNothing:
+		s.log.Debug("job stopped: a later attempt of the request runs")
+	case actFail:
+		if v.release {
 			s.ran = false
 			s.release(ctx, "the decode engine refused the request")
 		}
-		s.failForGood(ctx, client, err, !f.Reported)
-		return
-	}
-	switch {
-	case f.HandBack && s.sent == 0 && s.job.HandBacks < maxHandBacks:
+		if v.why != "" {
+			err = fmt.Errorf("%s: %w", v.why, err)
+		}
+		s.failForGood(ctx, v.client, err, v.answer)
+	case actHandBack:
 		s.handBack(ctx, err)
-	case s.sent > 0:
-		// The client has part of the answer: no attempt can start over.
-		e := openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", s.l.cfg.Stage)
-		s.failForGood(ctx, e, err, true)
-	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0 && f.Unread:
-		// Before output, and the engine never ran it: the KV is unread
-		// (and s.ran false, see process).
-		s.log.Warn("decode failed before its engine ran it", logging.Err(err))
-		s.regenerate(ctx, dispatcher.WasteDecodeFailed, "decode failed before its engine ran it: "+err.Error(), true)
-	case s.l.cfg.Stage == dispatcher.StageDecode && len(s.job.KV) > 0:
-		// Before output, but the engine may have read the KV blocks.
-		s.log.Warn("decode failed before output", logging.Err(err))
-		s.regenerate(ctx, dispatcher.WasteDecodeFailed, "decode failed before output: "+err.Error(), false)
-	case s.attempt < s.l.cfg.MaxDeliver:
+	case actRegenerate:
+		s.regenerate(ctx, v.waste, v.why, v.release)
+	case actRetry:
 		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "retry")
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
 		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := s.msg.NakWithDelay(delay); err != nil {
 			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
 		}
-	default:
-		e := openai.NewError(client.Status(), "%s (after %d attempts)", client.Message, s.attempt)
-		s.failForGood(ctx, e, err, true)
+	case actUnrun:
+		s.unrun(ctx, fmt.Errorf("%s: %w", v.why, err))
+	case actNak:
+		s.log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
+		if err := s.msg.Nak(); err != nil {
+			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
+		}
 	}
 }
 

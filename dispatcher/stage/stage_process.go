@@ -146,41 +146,21 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	s.sent = d.sent()
 
 	cause := context.Cause(jctx)
-	expired := errors.Is(cause, errExpired)
-	stoppedBy := errors.Is(cause, errCancelled) || errors.Is(cause, errGatewayGone)
-	// A beat's answer stops a decode only if the handler ended by it: one
-	// that came as the handler ended the reply itself (a beat racing its
-	// end) leaves the handler's own outcome to settle.
-	cutOff := errors.Is(err, context.Canceled)
-	switch {
-	case err == nil && d.handoff != nil && (stoppedBy || expired):
-		// The prefill's answer came after its client had gone, or its
-		// deadline (a prefill call waits a moment for an answer on its
-		// way): its KV is released, not handed to a decode.
-		s.queueRelease(sctx, d.handoff)
-		if expired {
-			s.expired(sctx)
-		} else {
-			s.stopped(sctx, cause)
-		}
-	case err == nil:
+	handedOff := err == nil && d.handoff != nil
+	o := outcomeOf(err, cause, handedOff, pullCtx.Err() != nil && jobCtx.Err() != nil)
+	if o == outcomeOK {
 		l.recordDuration(time.Since(start))
-		s.succeeded(sctx, d, time.Since(start))
-	case stoppedBy:
-		s.stopped(sctx, cause)
-	case expired:
-		s.expired(sctx)
-	case cutOff && errors.Is(cause, reply.ErrAbandoned):
-		s.stopped(sctx, cause)
-	case cutOff && errors.Is(cause, reply.ErrSuperseded):
-		// A later delivery of the job runs, and owns the request and the
-		// message: nothing to record, ack or end here.
-		s.log.Debug("job stopped: a later attempt of the request runs")
-	case pullCtx.Err() != nil && jobCtx.Err() != nil:
-		s.interrupted(sctx, err)
-	default:
-		s.failed(sctx, err)
 	}
+	var failure *Failure
+	errors.As(err, &failure)
+	errText := ""
+	if err != nil {
+		errText = err.Error()
+	}
+	v := decide(facts{stage: l.cfg.Stage, handoff: len(job.KV) > 0, sent: s.sent > 0, ran: s.ran,
+		attempt: attempt, maxDeliver: l.cfg.MaxDeliver, handBacks: job.HandBacks < maxHandBacks,
+		handedOff: handedOff, moved: d.moved != nil, failure: failure}, o, errText)
+	s.carry(sctx, v, d, err, cause, time.Since(start))
 }
 
 // handle runs the handler on a delivery. A handler that panics (a job that
