@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -26,10 +25,10 @@ import (
 type byteBudget struct {
 	limit   int64 // set by newByteBudget
 	used    atomic.Int64
-	metrics *dispatcher.Metrics // set by newByteBudget; nil counts nothing
+	metrics *Metrics // set by newByteBudget; nil counts nothing
 }
 
-func newByteBudget(limit int64, metrics *dispatcher.Metrics) *byteBudget {
+func newByteBudget(limit int64, metrics *Metrics) *byteBudget {
 	return &byteBudget{limit: limit, metrics: metrics}
 }
 

@@ -7,8 +7,7 @@ import (
 
 	"github.com/labstack/echo/v4"
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // gaugeValue is the value of the gauge name in reg.
@@ -32,7 +31,7 @@ func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 // back leaves it.
 func TestInflightBytesGauge(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m, err := dispatcher.NewMetrics(reg)
+	m, err := NewMetrics(reg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +56,7 @@ func TestInflightBytesGauge(t *testing.T) {
 // pdq_gateway_inflight_requests while the gateway holds it, a 401 too.
 func TestInflightRequestsGauge(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m, err := dispatcher.NewMetrics(reg)
+	m, err := NewMetrics(reg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,4 +77,28 @@ func TestInflightRequestsGauge(t *testing.T) {
 	if got := gaugeValue(t, reg, "pdq_gateway_inflight_requests"); got != 0 {
 		t.Errorf("once it is answered: pdq_gateway_inflight_requests = %v, want 0", got)
 	}
+}
+
+// TestGatewayGauges: the requests and bytes a gateway holds go up and back
+// down to zero.
+func TestGatewayGauges(t *testing.T) {
+	m, err := NewMetrics(prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	one, two := m.GatewayRequest(), m.GatewayRequest()
+	m.GatewayBytes(1000)
+	m.GatewayBytes(24)
+	if r, b := testutil.ToFloat64(m.gatewayRequests), testutil.ToFloat64(m.gatewayBytes); r != 2 || b != 1024 {
+		t.Errorf("two requests of 1024 bytes held: pdq_gateway_inflight_requests = %v, _bytes = %v", r, b)
+	}
+	one()
+	two()
+	m.GatewayBytes(-1024)
+	if r, b := testutil.ToFloat64(m.gatewayRequests), testutil.ToFloat64(m.gatewayBytes); r != 0 || b != 0 {
+		t.Errorf("all given back: pdq_gateway_inflight_requests = %v, _bytes = %v", r, b)
+	}
+	var none *Metrics
+	none.GatewayRequest()()
+	none.GatewayBytes(1)
 }

@@ -129,7 +129,7 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 func (h *handlers) deadLetter(job *dispatcher.Job, status int, cause error, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := dispatcher.DeadLetterJob(ctx, h.js, job, dispatcher.StageDecode, status, cause.Error(), h.cfg.Counters); err != nil {
+	if err := dispatcher.DeadLetterJob(ctx, h.js, job, dispatcher.StageDecode, status, cause.Error(), h.cfg.Counters.Shared()); err != nil {
 		log.Warn("could not keep the failed request for replay", logging.Err(err))
 	}
 }

@@ -67,7 +67,7 @@ type Config struct {
 	// Metrics is what GET /metrics serves; nil serves an empty set.
 	Metrics prometheus.Gatherer
 	// Counters counts the gateway's prefill fallbacks; nil counts nothing.
-	Counters *dispatcher.Metrics
+	Counters *Metrics
 	// LocalReplies, when set, lets the workers of this process (pdq up)
 	// hand this gateway their replies without NATS.
 	LocalReplies *reply.LocalReplies
@@ -163,7 +163,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	defer func() { stopLedger(); <-ledgerDone }()
 	// The store doctor rebuilds a stream whose store stopped writing (a
 	// full disk), once it can write again.
-	doctor := admin.NewStoreDoctor(s.js, records, s.cfg.Counters, s.log)
+	doctor := admin.NewStoreDoctor(s.js, records, s.cfg.Counters.Shared(), s.log)
 	doctorCtx, stopDoctor := context.WithCancel(ctx)
 	doctorDone := make(chan struct{})
 	go func() { doctor.Run(doctorCtx); close(doctorDone) }()

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -30,7 +29,7 @@ func trackOf(c echo.Context) *tracked {
 
 // wrote notes a write of answer to the client: the first is the time to
 // first token, the others the gaps between tokens.
-func (t *tracked) wrote(m *dispatcher.Metrics) {
+func (t *tracked) wrote(m *Metrics) {
 	now := time.Now()
 	if t.first.IsZero() {
 		t.first, t.itl = now, m.ITL(t.model)

@@ -80,7 +80,7 @@ type Config struct {
 	// /v1/models (config.ModelsRefresh).
 	ModelsRefresh time.Duration
 	// Metrics counts dead letters and KV releases; nil counts nothing.
-	Metrics *dispatcher.Metrics
+	Metrics *stage.Metrics
 	// LocalReplies are the gateways in this process (pdq up), which take
 	// replies without NATS; nil sends them all over NATS.
 	LocalReplies *reply.LocalReplies

@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -201,24 +202,24 @@ func drain(nc *nats.Conn, log *slog.Logger) {
 	}
 }
 
-func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *dispatcher.Metrics) gateway.Config {
+func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *metrics) gateway.Config {
 	return gateway.Config{
 		Addr: cfg.HTTPAddr, APIKeys: cfg.APIKeys, OperatorKeys: cfg.OperatorKeys, MinPromptTokens: cfg.DisaggMinPromptTokens, Grace: cfg.ShutdownGrace,
 		MaxBodyBytes:   config.MaxBodyBytes,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
-		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics,
+		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics.gateway,
 	}
 }
 
 // workerConfig is the configuration of a worker for one engine.
-func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *dispatcher.Metrics) workers.Config {
+func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, metrics *metrics) workers.Config {
 	return workers.Config{
 		Role: role, EngineURL: engineURL, EngineAPIKey: cfg.EngineAPIKey, Slots: cfg.EngineSlotsFor(role == dispatcher.StagePrefill),
 		KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace, RetryBase: config.RetryBase, ModelsRefresh: config.ModelsRefresh,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
 		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,
-		Replicas: cfg.NATS.Replicas, Metrics: metrics,
+		Replicas: cfg.NATS.Replicas, Metrics: metrics.workers,
 	}
 }
 
@@ -326,10 +327,27 @@ func helpIsNoError(err error) error {
 	return err
 }
 
+// metrics are pdq's series, each component's next to it (the gateway's,
+// the workers', and what both count in package dispatcher). Every process
+// registers all of them, so that each exports the same series whatever
+// it runs.
+type metrics struct {
+	gateway *gateway.Metrics
+	workers *stage.Metrics
+}
+
 // newMetrics registers pdq's metrics with reg, and pdq_build_info: which
 // build runs, for dashboards that compare versions during a rollout.
-func newMetrics(reg *prometheus.Registry) (*dispatcher.Metrics, error) {
-	m, err := dispatcher.NewMetrics(reg)
+func newMetrics(reg *prometheus.Registry) (*metrics, error) {
+	shared, err := dispatcher.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	gw, err := gateway.NewMetrics(reg, shared)
+	if err != nil {
+		return nil, err
+	}
+	w, err := stage.NewMetrics(reg, shared)
 	if err != nil {
 		return nil, err
 	}
@@ -341,5 +359,5 @@ func newMetrics(reg *prometheus.Registry) (*dispatcher.Metrics, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	info.WithLabelValues(b.version, b.revision, runtime.Version()).Set(1)
-	return m, nil
+	return &metrics{gateway: gw, workers: w}, nil
 }

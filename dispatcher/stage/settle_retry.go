@@ -38,7 +38,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 // new KV, new message ids; its prefill was wasted, for reason. release
 // says whether this handoff's KV was certainly never read, and so is
 // freed.
-func (s *settle) regenerate(ctx context.Context, reason dispatcher.Waste, why string, release bool) {
+func (s *settle) regenerate(ctx context.Context, reason Waste, why string, release bool) {
 	l, job := s.l, s.job
 	l.cfg.Metrics.Wasted(reason)
 	if release {
@@ -141,7 +141,7 @@ func (l *Loop) deadLetter(ctx context.Context, msg jetstream.Msg, id string, sta
 		m.Header[k] = v
 	}
 	m.Data = msg.Data()
-	err := dispatcher.StoreDeadLetter(ctx, l.js, m, id, l.cfg.Stage, status, reason, l.cfg.Metrics)
+	err := dispatcher.StoreDeadLetter(ctx, l.js, m, id, l.cfg.Stage, status, reason, l.cfg.Metrics.Shared())
 	if errors.Is(err, dispatcher.ErrDLQFull) {
 		l.dlqRefused.Add(1)
 	}

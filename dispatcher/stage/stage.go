@@ -109,7 +109,7 @@ type Config struct {
 	// this loop find it missing and create it (PDQ_NATS_REPLICAS); 0 is 1.
 	Replicas int
 	// Metrics counts dead letters and KV releases; nil counts nothing.
-	Metrics *dispatcher.Metrics
+	Metrics *Metrics
 	// LocalReplies are the gateways in this process, which take replies
 	// without NATS; nil sends every reply over NATS.
 	LocalReplies *reply.LocalReplies

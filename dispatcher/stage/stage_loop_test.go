@@ -803,20 +803,20 @@ func TestHandoffGenerations(t *testing.T) {
 		crashes     int
 		claimed     bool // its KV claimed by a delivery NATS has forgotten
 		wantRelease int32
-		wantWaste   dispatcher.Waste // the wasted prefill's reason
+		wantWaste   Waste // the wasted prefill's reason
 	}{
-		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, dispatcher.WasteKVTTL},
-		{"older than the lease", 30 * time.Second, 0, false, 0, dispatcher.WasteKVTTL},
-		{"redelivered after a crash", 0, 1, false, 0, dispatcher.WasteRedelivered},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, WasteKVTTL},
+		{"older than the lease", 30 * time.Second, 0, false, 0, WasteKVTTL},
+		{"redelivered after a crash", 0, 1, false, 0, WasteRedelivered},
 		// A restarted nats-server delivers it again as a first delivery.
-		{"delivered again as a first", 0, 0, true, 0, dispatcher.WasteRedelivered},
-		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, dispatcher.WasteRedelivered},
+		{"delivered again as a first", 0, 0, true, 0, WasteRedelivered},
+		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, WasteRedelivered},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := dispatcher.PoolName(t.Name())
 			id := "gen-" + strings.ReplaceAll(tc.name, " ", "-")
 			var ran, released atomic.Int32
-			metrics, err := dispatcher.NewMetrics(prometheus.NewRegistry())
+			metrics, err := NewMetrics(prometheus.NewRegistry(), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -884,12 +884,12 @@ func TestHandoffGenerations(t *testing.T) {
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
 			}
-			for _, reason := range dispatcher.WasteReasons {
+			for _, reason := range WasteReasons {
 				want := 0.0
 				if reason == tc.wantWaste {
 					want = 1
 				}
-				if got := testutil.ToFloat64(metrics.WastedPrefills.WithLabelValues(string(reason))); got != want {
+				if got := testutil.ToFloat64(metrics.wastedPrefills.WithLabelValues(string(reason))); got != want {
 					t.Errorf("pdq_prefills_wasted_total{reason=%q} = %v, want %v", reason, got, want)
 				}
 			}
@@ -957,7 +957,11 @@ func TestFullDLQ(t *testing.T) {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	m, err := dispatcher.NewMetrics(reg)
+	shared, err := dispatcher.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := NewMetrics(reg, shared)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -970,10 +974,10 @@ func TestFullDLQ(t *testing.T) {
 		t.Fatalf("reply %+v %s, %v; want the 502 at once", r, r.Data, err)
 	}
 	dispatchertest.WaitFor(t, "the job gone", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
-	if got := testutil.ToFloat64(m.DeadLettersRefused.WithLabelValues("prefill")); got != 1 {
+	if got := counterValue(t, reg, "pdq_dead_letters_refused_total", "prefill"); got != 1 {
 		t.Errorf("pdq_dead_letters_refused_total = %v, want 1", got)
 	}
-	if got := testutil.ToFloat64(m.DeadLetters.WithLabelValues("prefill")); got != 0 {
+	if got := counterValue(t, reg, "pdq_dead_letters_total", "prefill"); got != 0 {
 		t.Errorf("pdq_dead_letters_total = %v, want 0", got)
 	}
 	info, err := st.Info(ctx)
@@ -1267,4 +1271,26 @@ func TestShutdownDropsNoPulledJob(t *testing.T) {
 				i, info.NumAckPending, info.NumPending, info.NumRedelivered, ran.Load())
 		}
 	}
+}
+
+// counterValue is the counter name's series whose one label is label, as
+// reg exports it.
+func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			if len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == label {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	t.Fatalf("no series %s{%q}", name, label)
+	return 0
 }

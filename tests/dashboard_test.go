@@ -1,4 +1,4 @@
-package dispatcher
+package tests
 
 import (
 	"encoding/json"
@@ -13,26 +13,35 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/gateway"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/prometheus/prometheus/promql/parser"
 )
 
-// metricLabels are the metrics NewMetrics registers, histograms as their
-// base name, with their labels; and pdq_build_info, which cmd/pdq
-// registers (tests/metrics_test.go checks that a live pdq serves it).
+// metricLabels are the metrics pdq registers (the gateway's, the
+// workers' and the shared ones), histograms as their base name, with their
+// labels; and pdq_build_info, which cmd/pdq registers (TestMetricsCountTraffic
+// checks that a live pdq serves it).
 func metricLabels(t *testing.T) map[string][]string {
 	t.Helper()
-	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	var reg collectorList
+	shared, err := dispatcher.NewMetrics(&reg)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gateway.NewMetrics(&reg, shared); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stage.NewMetrics(&reg, shared); err != nil {
 		t.Fatal(err)
 	}
 	desc := regexp.MustCompile(`fqName: "([a-z0-9_]+)".*variableLabels: \{([a-z0-9_,]*)\}`)
 	metrics := map[string][]string{"pdq_build_info": {"version", "revision", "goversion"}}
 	ch := make(chan *prometheus.Desc, 64)
 	go func() {
-		for _, c := range m.collectors() {
+		for _, c := range reg {
 			c.Describe(ch)
 		}
 		close(ch)
@@ -42,6 +51,9 @@ func metricLabels(t *testing.T) map[string][]string {
 		if s == nil {
 			t.Fatalf("cannot read the metric description %s", d)
 		}
+		if !strings.HasPrefix(s[1], "pdq_") {
+			continue // the Go runtime's and the process's own
+		}
 		metrics[s[1]] = []string{}
 		if s[2] != "" {
 			metrics[s[1]] = strings.Split(s[2], ",")
@@ -49,6 +61,14 @@ func metricLabels(t *testing.T) map[string][]string {
 	}
 	return metrics
 }
+
+// collectorList is a prometheus.Registerer that keeps what is registered,
+// so that a test can describe every metric, even one with no series yet.
+type collectorList []prometheus.Collector
+
+func (l *collectorList) Register(c prometheus.Collector) error   { *l = append(*l, c); return nil }
+func (l *collectorList) MustRegister(cs ...prometheus.Collector) { *l = append(*l, cs...) }
+func (l *collectorList) Unregister(prometheus.Collector) bool    { return false }
 
 // dashboard is deploy/grafana/pdq-dashboard.json, as much as the tests
 // read of it.
@@ -75,7 +95,7 @@ var grafanaVars = strings.NewReplacer("$__rate_interval", "5m", "$__interval", "
 // shows what issues 8 and 25 ask of it, every metric an alert watches
 // among them.
 func TestDashboardQueriesExist(t *testing.T) {
-	raw, err := os.ReadFile("../deploy/grafana/pdq-dashboard.json")
+	raw, err := os.ReadFile(repoRoot + "/deploy/grafana/pdq-dashboard.json")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +152,7 @@ func TestDashboardQueriesExist(t *testing.T) {
 // requests that went to an engine: answered, failed or cancelled, not a
 // client's mistake (4xx) nor one turned away (429, 503).
 func TestDashboardDecodeOnlyShare(t *testing.T) {
-	raw, err := os.ReadFile("../deploy/grafana/pdq-dashboard.json")
+	raw, err := os.ReadFile(repoRoot + "/deploy/grafana/pdq-dashboard.json")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,14 +210,22 @@ func TestDashboardDecodeOnlyShare(t *testing.T) {
 // few buckets, since every bound is a series per label value.
 func TestHistogramBucketsAreRound(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m, err := NewMetrics(reg)
+	shared, err := dispatcher.NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m.Request("m", "ok", time.Second, time.Second)
-	m.ITL("m").Observe(0.02)
-	m.JobStarted(StagePrefill, time.Second)
-	m.JobEnded(StagePrefill, time.Second)
+	gm, err := gateway.NewMetrics(reg, shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wm, err := stage.NewMetrics(reg, shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gm.Request("m", "ok", time.Second, time.Second)
+	gm.ITL("m").Observe(0.02)
+	wm.JobStarted(dispatcher.StagePrefill, time.Second)
+	wm.JobEnded(dispatcher.StagePrefill, time.Second)
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -231,57 +259,4 @@ func TestHistogramBucketsAreRound(t *testing.T) {
 	if want := []float64{0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}; !slices.Equal(bounds["pdq_ttft_seconds"], want) {
 		t.Errorf("pdq_ttft_seconds buckets %v, want %v", bounds["pdq_ttft_seconds"], want)
 	}
-}
-
-// TestEngineUpAndBreakerState: pdq_engine_up is 1 only while the breaker is
-// closed, never a fraction, and pdq_engine_breaker_state has one series per
-// state, 1 for the breaker's.
-func TestEngineUpAndBreakerState(t *testing.T) {
-	m, err := NewMetrics(prometheus.NewRegistry())
-	if err != nil {
-		t.Fatal(err)
-	}
-	const engine = "http://10.0.0.7:8200"
-	for _, c := range []struct {
-		state BreakerState
-		up    float64
-	}{{BreakerClosed, 1}, {BreakerHalfOpen, 0}, {BreakerOpen, 0}, {BreakerHalfOpen, 0}, {BreakerClosed, 1}} {
-		m.EngineUp(StageDecode, engine, c.state)
-		if got := testutil.ToFloat64(m.engineUp.WithLabelValues("decode", engine)); got != c.up {
-			t.Errorf("breaker %s: pdq_engine_up = %v, want %v", c.state, got, c.up)
-		}
-		for _, s := range []BreakerState{BreakerClosed, BreakerHalfOpen, BreakerOpen} {
-			want := 0.0
-			if s == c.state {
-				want = 1
-			}
-			if got := testutil.ToFloat64(m.breakerState.WithLabelValues("decode", engine, string(s))); got != want {
-				t.Errorf("breaker %s: pdq_engine_breaker_state{state=%q} = %v, want %v", c.state, s, got, want)
-			}
-		}
-	}
-}
-
-// TestGatewayGauges: the requests and bytes a gateway holds go up and back
-// down to zero.
-func TestGatewayGauges(t *testing.T) {
-	m, err := NewMetrics(prometheus.NewRegistry())
-	if err != nil {
-		t.Fatal(err)
-	}
-	one, two := m.GatewayRequest(), m.GatewayRequest()
-	m.GatewayBytes(1000)
-	m.GatewayBytes(24)
-	if r, b := testutil.ToFloat64(m.gatewayRequests), testutil.ToFloat64(m.gatewayBytes); r != 2 || b != 1024 {
-		t.Errorf("two requests of 1024 bytes held: pdq_gateway_inflight_requests = %v, _bytes = %v", r, b)
-	}
-	one()
-	two()
-	m.GatewayBytes(-1024)
-	if r, b := testutil.ToFloat64(m.gatewayRequests), testutil.ToFloat64(m.gatewayBytes); r != 0 || b != 0 {
-		t.Errorf("all given back: pdq_gateway_inflight_requests = %v, _bytes = %v", r, b)
-	}
-	var none *Metrics
-	none.GatewayRequest()()
-	none.GatewayBytes(1)
 }

@@ -1,4 +1,4 @@
-package dispatcher
+package tests
 
 import (
 	"bytes"
@@ -12,7 +12,7 @@ import (
 	"testing"
 	"text/template"
 
-	"github.com/prometheus/common/model"
+	promodel "github.com/prometheus/common/model"
 	"github.com/prometheus/prometheus/model/labels"
 	"github.com/prometheus/prometheus/promql/parser"
 	"gopkg.in/yaml.v3"
@@ -93,7 +93,7 @@ func checkSelectors(expr parser.Expr, exported map[string][]string, errorf func(
 		}
 		used[base] = true
 		for _, m := range vs.LabelMatchers {
-			if m.Name == model.MetricNameLabel {
+			if m.Name == promodel.MetricNameLabel {
 				continue
 			}
 			if m.Name == "le" && base != name && strings.HasSuffix(name, "_bucket") {
@@ -131,7 +131,7 @@ func alertTemplate(text string) error {
 // Prometheus does not know fails the test, as it fails Prometheus.
 func readRules(t *testing.T) ruleFile {
 	t.Helper()
-	raw, err := os.ReadFile("../deploy/prometheus/pdq-alerts.yaml")
+	raw, err := os.ReadFile(repoRoot + "/deploy/prometheus/pdq-alerts.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +163,7 @@ func TestAlertRules(t *testing.T) {
 		}
 		groups[g.Name] = true
 		for _, d := range []string{g.Interval, g.QueryOffset} {
-			if _, err := model.ParseDuration(d); d != "" && err != nil {
+			if _, err := promodel.ParseDuration(d); d != "" && err != nil {
 				t.Errorf("group %s: %v", g.Name, err)
 			}
 		}
@@ -183,7 +183,7 @@ func TestAlertRules(t *testing.T) {
 			}
 			alerts[r.Alert] = true
 			for _, d := range []string{r.For, r.KeepFiringFor} {
-				if _, err := model.ParseDuration(d); d != "" && err != nil {
+				if _, err := promodel.ParseDuration(d); d != "" && err != nil {
 					errorf("%v", err)
 				}
 			}
@@ -227,7 +227,7 @@ func TestAlertRules(t *testing.T) {
 // each row's alert, and the selectors its first column names.
 func alertTable(t *testing.T) map[string][]string {
 	t.Helper()
-	raw, err := os.ReadFile("../docs/operations.md")
+	raw, err := os.ReadFile(repoRoot + "/docs/operations.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -305,7 +305,7 @@ func TestAlertRulesMatchOperations(t *testing.T) {
 			}
 			var name string
 			for _, m := range matchers {
-				if m.Name == model.MetricNameLabel {
+				if m.Name == promodel.MetricNameLabel {
 					name = m.Value
 				}
 			}
@@ -318,7 +318,7 @@ func TestAlertRulesMatchOperations(t *testing.T) {
 				}
 				all := true
 				for _, m := range matchers {
-					all = all && (m.Name == model.MetricNameLabel ||
+					all = all && (m.Name == promodel.MetricNameLabel ||
 						slices.ContainsFunc(vs.LabelMatchers, func(o *labels.Matcher) bool { return o.String() == m.String() }))
 				}
 				found = found || all

@@ -1,0 +1,250 @@
+package stage
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// Metrics are the workers' series: their jobs, queues, engines and
+// breakers. One set serves every loop of a process; a nil *Metrics counts
+// nothing.
+type Metrics struct {
+	// shared are the counters the gateway keeps too.
+	shared            *dispatcher.Metrics
+	kvReleased        *prometheus.CounterVec
+	handoffsWithoutKV *prometheus.CounterVec
+	breakerOpens      *prometheus.CounterVec
+	migrations        *prometheus.CounterVec
+	queueWait         *prometheus.HistogramVec
+	engineTime        *prometheus.HistogramVec
+	retries           *prometheus.CounterVec
+	inflight          *prometheus.GaugeVec
+	queueDepth        *prometheus.GaugeVec
+	engineUp          *prometheus.GaugeVec
+	// breakerState is each engine's breaker, one series per state.
+	breakerState *prometheus.GaugeVec
+	// engineSlots is each engine's slots now, wastedPrefills the handoffs
+	// sent back to prefill.
+	engineSlots    *prometheus.GaugeVec
+	wastedPrefills *prometheus.CounterVec
+}
+
+// NewMetrics registers the workers' series with reg; shared are the
+// counters the gateway keeps too.
+func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics, error) {
+	m := &Metrics{shared: shared,
+		kvReleased: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdq_kv_released_total",
+			Help: "Handoffs whose prefill KV blocks a decode worker released because they will not be decoded.",
+		}, []string{"pool"}),
+		handoffsWithoutKV: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdq_kv_params_missing_total",
+			Help: "Prefill answers (200) whose kv_transfer_params were missing or could not point a decode engine at the blocks; each was retried, never decoded as a recompute.",
+		}, []string{"pool"}),
+		breakerOpens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdq_breaker_opens_total",
+			Help: "Times a worker's circuit breaker opened on its engine: it stopped pulling and probed /health.",
+		}, []string{"stage"}),
+		migrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdq_migrations_total",
+			Help: "Decodes that failed after output and continued on another decode engine.",
+		}, []string{"pool"}),
+	}
+	m.queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_queue_wait_seconds", Help: "Time a job waited in its stage's queue before a worker pulled it.",
+		Buckets: dispatcher.LongBuckets,
+	}, []string{"stage"})
+	m.engineTime = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "pdq_engine_seconds", Help: "Time a stage's engine call took, relay included.",
+		Buckets: dispatcher.LongBuckets,
+	}, []string{"stage"})
+	m.retries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_retries_total",
+		Help: "Jobs run again, by stage and reason: retry (a failure, after back-off), regenerate (sent back to prefill), hand_back (its worker's engine was failing), running_elsewhere (redelivered while a delivery ran), ack_unconfirmed (a batch prompt's ack JetStream did not confirm: it may run again).",
+	}, []string{"stage", "reason"})
+	m.inflight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_inflight", Help: "Jobs this process's workers run now, by stage.",
+	}, []string{"stage"})
+	m.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_queue_depth", Help: "Jobs waiting in a pool's stage queue, not yet delivered (as its workers last saw it).",
+	}, []string{"stage", "pool"})
+	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0 while it does not (its breaker open, or half-open: one trial job at most); pdq_engine_breaker_state says which.",
+	}, []string{"stage", "engine"})
+	m.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_engine_breaker_state", Help: "A worker's circuit breaker on its engine: 1 for its state (closed, half-open, open), 0 for the others.",
+	}, []string{"stage", "engine", "state"})
+	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
+	}, []string{"stage", "engine"})
+	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_prefills_wasted_total",
+		Help: "Handoffs sent back to prefill (or failed, out of generations), their prefill's work lost, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (a redelivered handoff, whose KV an earlier delivery may have read), decode_failed, shutdown.",
+	}, []string{"reason"})
+	if err := dispatcher.Register(reg, m.kvReleased, m.handoffsWithoutKV, m.breakerOpens, m.migrations, m.queueWait, m.engineTime,
+		m.retries, m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.wastedPrefills); err != nil {
+		return nil, err
+	}
+	// Zeros from the start, so that a dashboard sees the series before the
+	// first failure.
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		m.breakerOpens.WithLabelValues(string(stage))
+		m.inflight.WithLabelValues(string(stage))
+		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere", "ack_unconfirmed"} {
+			m.retries.WithLabelValues(string(stage), reason)
+		}
+	}
+	for _, reason := range WasteReasons {
+		m.wastedPrefills.WithLabelValues(string(reason))
+	}
+	return m, nil
+}
+
+// Shared are the counters the gateway keeps too; nil from a nil m.
+func (m *Metrics) Shared() *dispatcher.Metrics {
+	if m == nil {
+		return nil
+	}
+	return m.shared
+}
+
+// DecodeOnly counts a request sent decode-only.
+func (m *Metrics) DecodeOnly(reason string) { m.Shared().DecodeOnly(reason) }
+
+// Fallback counts a long prompt sent decode-only for want of a healthy
+// prefill worker; where is "gateway" or "prefill".
+func (m *Metrics) Fallback(pool, where string) { m.Shared().Fallback(pool, where) }
+
+// Pool shows the series of a pool's stage from the start.
+func (m *Metrics) Pool(stage dispatcher.Stage, pool string) {
+	if m == nil {
+		return
+	}
+	m.queueDepth.WithLabelValues(string(stage), pool)
+	if stage == dispatcher.StagePrefill {
+		m.handoffsWithoutKV.WithLabelValues(pool)
+		m.shared.FallbackSeries(pool, "prefill")
+		return
+	}
+	m.kvReleased.WithLabelValues(pool)
+	m.migrations.WithLabelValues(pool)
+}
+
+// Released counts a handoff whose KV a decode worker released.
+func (m *Metrics) Released(pool string) {
+	if m != nil {
+		m.kvReleased.WithLabelValues(pool).Inc()
+	}
+}
+
+// EngineUp records a worker's engine health: its breaker state. The
+// engine is up only while its breaker is closed: a half-open breaker lets
+// one trial job through, not the pool's share of the work, so it counts as
+// down, and pdq_engine_breaker_state tells half-open from open.
+func (m *Metrics) EngineUp(stage dispatcher.Stage, engine string, state dispatcher.BreakerState) {
+	if m == nil {
+		return
+	}
+	up := 0.0
+	if state == dispatcher.BreakerClosed {
+		up = 1
+	}
+	m.engineUp.WithLabelValues(string(stage), engine).Set(up)
+	// One series for each value of the state label.
+	for _, s := range [...]dispatcher.BreakerState{dispatcher.BreakerClosed, dispatcher.BreakerHalfOpen, dispatcher.BreakerOpen} {
+		v := 0.0
+		if s == state {
+			v = 1
+		}
+		m.breakerState.WithLabelValues(string(stage), engine, string(s)).Set(v)
+	}
+}
+
+// JobStarted counts a job a worker started, after waiting in its queue
+// for wait.
+func (m *Metrics) JobStarted(stage dispatcher.Stage, wait time.Duration) {
+	if m == nil {
+		return
+	}
+	m.inflight.WithLabelValues(string(stage)).Inc()
+	if wait > 0 {
+		m.queueWait.WithLabelValues(string(stage)).Observe(wait.Seconds())
+	}
+}
+
+// JobEnded counts a job that ended, its engine call having taken engine.
+func (m *Metrics) JobEnded(stage dispatcher.Stage, engine time.Duration) {
+	if m == nil {
+		return
+	}
+	m.inflight.WithLabelValues(string(stage)).Dec()
+	if engine > 0 {
+		m.engineTime.WithLabelValues(string(stage)).Observe(engine.Seconds())
+	}
+}
+
+// EngineSlots reports the slots a worker gives its engine now.
+func (m *Metrics) EngineSlots(stage dispatcher.Stage, engine string, n int) {
+	if m != nil {
+		m.engineSlots.WithLabelValues(string(stage), engine).Set(float64(n))
+	}
+}
+
+// Wasted counts a handoff sent back to prefill, its KV unread.
+func (m *Metrics) Wasted(reason Waste) {
+	if m != nil {
+		m.wastedPrefills.WithLabelValues(string(reason)).Inc()
+	}
+}
+
+// Retry counts a job run again, for reason.
+func (m *Metrics) Retry(stage dispatcher.Stage, reason string) {
+	if m != nil {
+		m.retries.WithLabelValues(string(stage), reason).Inc()
+	}
+}
+
+// Depth records a pool's queue depth.
+func (m *Metrics) Depth(stage dispatcher.Stage, pool string, n uint64) {
+	if m != nil {
+		m.queueDepth.WithLabelValues(string(stage), pool).Set(float64(n))
+	}
+}
+
+// HandoffWithoutKV counts a prefill answer without usable
+// kv_transfer_params.
+func (m *Metrics) HandoffWithoutKV(pool string) {
+	if m != nil {
+		m.handoffsWithoutKV.WithLabelValues(pool).Inc()
+	}
+}
+
+// BreakerOpened counts a circuit breaker that opened.
+func (m *Metrics) BreakerOpened(stage dispatcher.Stage) {
+	if m != nil {
+		m.breakerOpens.WithLabelValues(string(stage)).Inc()
+	}
+}
+
+// Migrated counts a decode continued on another engine.
+func (m *Metrics) Migrated(pool string) {
+	if m != nil {
+		m.migrations.WithLabelValues(pool).Inc()
+	}
+}
+
+// Waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
+// reason.
+type Waste string
+
+const (
+	WasteKVTTL        Waste = "kv_ttl"
+	WasteRedelivered  Waste = "redelivered"
+	WasteDecodeFailed Waste = "decode_failed"
+	WasteShutdown     Waste = "shutdown"
+)
+
+var WasteReasons = []Waste{WasteKVTTL, WasteRedelivered, WasteDecodeFailed, WasteShutdown}
