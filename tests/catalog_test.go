@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -21,8 +22,8 @@ import (
 func TestClientErrorCatalog(t *testing.T) {
 	var catalog []int
 	for _, e := range gateway.ClientErrors() {
-		if e.Type == "" || e.When == "" || slices.Contains(catalog, e.Status) {
-			t.Errorf("catalog entry %+v: want a type, a when, and one entry per status", e)
+		if e.Type == "" || e.Message == "" || e.When == "" || slices.Contains(catalog, e.Status) {
+			t.Errorf("catalog entry %+v: want a type, a message, a when, and one entry per status", e)
 		}
 		catalog = append(catalog, e.Status)
 	}
@@ -66,16 +67,16 @@ func TestClientErrorCatalog(t *testing.T) {
 		"RequestEntityTooLarge": 413, "TooManyRequests": 429, "InternalServerError": 500, "BadGateway": 502,
 		"ServiceUnavailable": 503, "GatewayTimeout": 504,
 	}
-	made := regexp.MustCompile(`NewError\((?:http\.Status(\w+)|(\d{3}))`)
+	made := regexp.MustCompile(`NewError\(\s*(?:http\.Status(\w+)|(\d{3}))(?:,\s*"((?:[^"\\]|\\.)*)")?`)
+	messages := map[int][]string{} // the literal messages the code makes, by status
 	for _, dir := range []string{"gateway", "dispatcher", "workers"} {
-		files, _ := filepath.Glob(filepath.Join(repoRoot, dir, "*.go"))
-		for _, f := range files {
-			if strings.HasSuffix(f, "_test.go") {
-				continue
+		err := filepath.WalkDir(filepath.Join(repoRoot, dir), func(f string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(f, ".go") || strings.HasSuffix(f, "_test.go") {
+				return err
 			}
 			src, err := os.ReadFile(f)
 			if err != nil {
-				t.Fatal(err)
+				return err
 			}
 			for _, m := range made.FindAllStringSubmatch(string(src), -1) {
 				status, known := names[m[1]]
@@ -84,9 +85,21 @@ func TestClientErrorCatalog(t *testing.T) {
 					known = true
 				}
 				if !known || !slices.Contains(catalog, status) {
-					t.Errorf("%s makes an error with status %s%s, which the catalog lacks", filepath.Base(f), m[1], m[2])
+					t.Errorf("%s makes an error with status %s%s, which the catalog lacks", f, m[1], m[2])
+				}
+				if msg, err := strconv.Unquote(`"` + m[3] + `"`); err == nil && m[3] != "" {
+					messages[status] = append(messages[status], msg)
 				}
 			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, e := range gateway.ClientErrors() {
+		if !slices.Contains(messages[e.Status], e.Message) {
+			t.Errorf("the catalog's %d message %q is made nowhere in the code; it makes %q", e.Status, e.Message, messages[e.Status])
 		}
 	}
 }
