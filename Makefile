@@ -33,7 +33,7 @@ bench: ## side by side: engine alone, the floor, a plain P/D proxy, pdq up at BA
 	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))
 
 microbench: ## go test -bench of the hot pieces, with allocations, and the durable path alone
-	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./pkg/nixl ./dispatcher ./workers
+	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./pkg/nixl ./dispatcher/... ./workers
 
 openai-client: ## install the pinned official OpenAI Node client that the suite drives
 	npm ci --prefix tests/openai-client --no-audit --no-fund --loglevel=error
@@ -51,7 +51,7 @@ fuzz: ## fuzz request parsing and the reply frame for 60s each
 	$(GO) test -run '^$$' -fuzz FuzzDecodeRequest -fuzztime 60s ./pkg/openai
 	$(GO) test -run '^$$' -fuzz FuzzDecodeFast -fuzztime 60s ./pkg/openai
 	$(GO) test -run '^$$' -fuzz FuzzParseRequest -fuzztime 60s ./gateway
-	$(GO) test -run '^$$' -fuzz FuzzReplyFrame -fuzztime 60s ./dispatcher
+	$(GO) test -run '^$$' -fuzz FuzzReplyFrame -fuzztime 60s ./dispatcher/reply
 
 clean: ## remove build output, local data and installed test packages
 	rm -rf bin data tests/openai-client/node_modules
