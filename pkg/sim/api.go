@@ -82,7 +82,7 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 				"Cannot set both `continue_final_message` and `add_generation_prompt` to True."))
 			return
 		}
-		text, err := renderChat(in.Messages, tmpl)
+		text, err := render(in.Messages, tmpl)
 		if err != nil {
 			openai.WriteError(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages"))
 			return
@@ -226,7 +226,7 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 	}
 	var inputs [][]int
 	if in.Messages != nil {
-		text, err := renderChat(in.Messages, ChatTemplate{AddGenerationPrompt: true})
+		text, err := render(in.Messages, ChatTemplate{AddGenerationPrompt: true})
 		if err != nil {
 			e.fail(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages"))
 			return

@@ -127,7 +127,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 			return nil, openai.NewError(http.StatusBadRequest,
 				"continue_final_message is set but the final message is not the assistant's").WithParam("messages")
 		}
-		text, err := renderChat(req.Messages, tmpl)
+		text, err := render(req.Messages, tmpl)
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}

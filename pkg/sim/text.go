@@ -39,7 +39,7 @@ func CountTokens(s string) int {
 // a line before the message's text, as vLLM puts a model's placeholders;
 // it counts as Config.MMTokens tokens, not as the placeholder's text.
 func RenderChat(msgs []openai.Message) (string, error) {
-	r, err := renderChat(msgs, ChatTemplate{AddGenerationPrompt: true})
+	r, err := render(msgs, ChatTemplate{AddGenerationPrompt: true})
 	return r.String(), err
 }
 
@@ -173,11 +173,11 @@ func readMedia(p openai.Part) (*mediaItem, error) {
 	return &mediaItem{modality: kind.modality, hash: h.Sum64()}, nil
 }
 
-// renderChat applies the template. Text parts of a message are joined by
+// render applies the template. Text parts of a message are joined by
 // newlines; its media items go first, one per line, as vLLM's
 // _get_full_multimodal_text_prompt puts a model's placeholders. An unknown
 // part type is vLLM's error.
-func renderChat(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
+func render(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
 	var r rendered
 	var pending strings.Builder // text not yet added
 	for i, m := range msgs {

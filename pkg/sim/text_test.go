@@ -51,7 +51,7 @@ func TestRenderChatContinued(t *testing.T) {
 	user := openai.Message{Role: "user", Content: json.RawMessage(`"Hi"`)}
 	first, _ := RenderChat([]openai.Message{user})
 	partial := " alpha bravo charlie"
-	r, err := renderChat([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
+	r, err := render([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
 		ChatTemplate{ContinueFinalMessage: true})
 	if err != nil {
 		t.Fatal(err)

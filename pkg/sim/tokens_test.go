@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"flag"
 	"slices"
 	"strings"
 	"testing"
@@ -64,55 +63,6 @@ func TestMediaIDs(t *testing.T) {
 	for _, id := range ids {
 		if id >= 1<<53 {
 			t.Errorf("id %d is not JSON-safe", id)
-		}
-	}
-}
-
-func TestFlags(t *testing.T) {
-	c := DefaultConfig()
-	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
-	c.RegisterFlags(fs)
-	err := fs.Parse([]string{
-		"--model", "/models/llama",
-		"--served-model-name", "llama, llama-8b", "--served-model-name", "default",
-		"--lora-modules", "sql=/adapters/sql",
-		"--lora-modules", `{"name":"chat","path":"/adapters/chat","base_model_name":"llama-8b"}`,
-		"--allow-runtime-lora-updating=false", "--mm-tokens", "32", "--runner", "pooling",
-		"--embedding-dim", "8", "--vllm-version", "0.9.2",
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !slices.Equal(c.ServedModelNames, []string{"llama", "llama-8b", "default"}) {
-		t.Errorf("served names = %q", c.ServedModelNames)
-	}
-	want := []LoRAModule{{Name: "sql", Path: "/adapters/sql"}, {Name: "chat", Path: "/adapters/chat", BaseModelName: "llama-8b"}}
-	if !slices.Equal(c.LoRAModules, want) {
-		t.Errorf("lora modules = %+v", c.LoRAModules)
-	}
-	if c.RuntimeLoRA || c.MMTokens != 32 || c.Runner != RunnerPooling || c.EmbeddingDim != 8 || c.Version != "0.9.2" {
-		t.Errorf("config = %+v", c)
-	}
-	if err := c.Validate(); err != nil {
-		t.Error(err)
-	}
-	for _, bad := range []string{`{"name":"x"}x`, `{"name":"x","path":"p","rank":8}`, `a,b`} {
-		if m, err := ParseLoRAModule(bad); err == nil && m.Path != "" {
-			t.Errorf("ParseLoRAModule(%q) = %+v", bad, m)
-		}
-	}
-	for name, mutate := range map[string]func(*Config){
-		"duplicate adapter": func(c *Config) { c.LoRAModules = []LoRAModule{{"a", "p", ""}, {"a", "q", ""}} },
-		"adapter no path":   func(c *Config) { c.LoRAModules = []LoRAModule{{Name: "a"}} },
-		"runner":            func(c *Config) { c.Runner = "draft" },
-		"mm tokens":         func(c *Config) { c.MMTokens = 0 },
-		"embedding dim":     func(c *Config) { c.EmbeddingDim = 0 },
-		"empty served name": func(c *Config) { c.ServedModelNames = []string{" "} },
-	} {
-		c := DefaultConfig()
-		mutate(&c)
-		if c.Validate() == nil {
-			t.Errorf("%s: want a validation error", name)
 		}
 	}
 }
