@@ -13,6 +13,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // faultTimeouts are the stage deadlines of the engine-fault runs: short, so
@@ -394,13 +395,13 @@ func migrationRow(t *testing.T) row {
 			r.accepted++
 			r.errors++
 			t.Errorf("stream %d broke: %+v", i, s)
-		case sim.CountTokens(s.text) != sim.CountTokens(b.text) || s.generated != b.generated || s.prompt != b.prompt ||
+		case tokenizer.CountTokens(s.text) != tokenizer.CountTokens(b.text) || s.generated != b.generated || s.prompt != b.prompt ||
 			len(s.ids) != 1 || len(s.created) != 1:
 			r.accepted++
 			r.errors++
 			t.Errorf("stream %d: %d tokens of text, usage %d+%d, %d ids, %d created times; want %d tokens, usage %d+%d, 1, 1",
-				i, sim.CountTokens(s.text), s.prompt, s.generated, len(s.ids), len(s.created),
-				sim.CountTokens(b.text), b.prompt, b.generated)
+				i, tokenizer.CountTokens(s.text), s.prompt, s.generated, len(s.ids), len(s.created),
+				tokenizer.CountTokens(b.text), b.prompt, b.generated)
 		default:
 			r.accepted++
 			r.completed++

@@ -9,6 +9,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // droppingCluster is a cluster whose decode engine drops every stream
@@ -54,7 +55,7 @@ func TestMigrationBounds(t *testing.T) {
 			if s.status != 200 || !s.done || !strings.Contains(last, `"error"`) {
 				t.Fatalf("status %d, done %v, last event %s; want an in-stream error, then [DONE]", s.status, s.done, last)
 			}
-			if n := sim.CountTokens(sum.text); n != tc.words {
+			if n := tokenizer.CountTokens(sum.text); n != tc.words {
 				t.Errorf("the client got %d words (%q), want %d", n, sum.text, tc.words)
 			}
 			after := c.decode.WaitStats(t, 10*time.Second, "the decode engine idle", func(s sim.Stats) bool { return s.Running == 0 })
@@ -94,9 +95,9 @@ func TestMigrationAvoidsBrokenEngine(t *testing.T) {
 			b := completionBody(model, longPrompt, body{"max_tokens": 16, "ignore_eos": true, "stream": true})
 			s := postStream(t, c.url+"/v1/completions", fmt.Sprintf("avoid-%d", i), b)
 			sum := summarize(s)
-			if !sum.whole || sim.CountTokens(sum.text) != 16 {
+			if !sum.whole || tokenizer.CountTokens(sum.text) != 16 {
 				t.Errorf("request %d: status %d, whole %v, %d words (%q); want the whole answer of 16",
-					i, s.status, sum.whole, sim.CountTokens(sum.text), sum.text)
+					i, s.status, sum.whole, tokenizer.CountTokens(sum.text), sum.text)
 			}
 		})
 	}
@@ -132,8 +133,8 @@ func TestReplayOfAContinuation(t *testing.T) {
 	if rec.State != dispatcher.StateDone || err != nil {
 		t.Fatalf("replayed record %+v (%v)\n%s", rec, err, replay.stdout.String())
 	}
-	prompt := int(sim.CountTokens(longPrompt))
-	if res.usage.CompletionTokens != tokens || res.usage.PromptTokens != prompt || sim.CountTokens(res.text) != tokens {
+	prompt := int(tokenizer.CountTokens(longPrompt))
+	if res.usage.CompletionTokens != tokens || res.usage.PromptTokens != prompt || tokenizer.CountTokens(res.text) != tokens {
 		t.Errorf("the replay answered %+v, %q: want the original request's %d tokens to a prompt of %d", res.usage, res.text, tokens, prompt)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // TestPipelineUnderLoad runs a few hundred concurrent requests, chat and
@@ -126,7 +127,7 @@ func testPipelineUnderLoad(t *testing.T, inProcess bool) {
 			if got.id != r.endpoint.IDPrefix()+id {
 				errs <- fmt.Sprintf("request %d: response id %q does not carry the request id %q", r.i, got.id, id)
 			}
-			if got.text != want.text || got.finish != openai.FinishLength || sim.CountTokens(got.text) != r.maxTokens {
+			if got.text != want.text || got.finish != openai.FinishLength || tokenizer.CountTokens(got.text) != r.maxTokens {
 				errs <- fmt.Sprintf("request %d: text %q (finish %q), want %q", r.i, got.text, got.finish, want.text)
 			}
 			if (!r.stream || r.usage) && got.usage != want.usage {

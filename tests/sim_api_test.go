@@ -14,6 +14,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // TestStreamFraming checks the bytes of a stream against vLLM's framing:
@@ -45,8 +46,8 @@ func TestStreamFraming(t *testing.T) {
 			t.Errorf("event %d = %q; want one data line", i, ev)
 		}
 	}
-	prompt, _ := sim.RenderChat([]openai.Message{{Role: "user", Content: json.RawMessage(`"hi"`)}})
-	pt := sim.CountTokens(prompt)
+	prompt, _ := tokenizer.RenderChat([]openai.Message{{Role: "user", Content: json.RawMessage(`"hi"`)}})
+	pt := tokenizer.CountTokens(prompt)
 	var texts []string
 	for _, i := range []int{1, 2} {
 		var c openai.ChatChunk
@@ -78,7 +79,7 @@ func TestStreamFraming(t *testing.T) {
 func TestUsageAndLength(t *testing.T) {
 	e := simtest.Start(t, simtest.FastConfig())
 	prompt := "Count these words: one, two, three 42."
-	chatPrompt, _ := sim.RenderChat([]openai.Message{{Role: "user", Content: json.RawMessage(`"Count these words: one, two, three 42."`)}})
+	chatPrompt, _ := tokenizer.RenderChat([]openai.Message{{Role: "user", Content: json.RawMessage(`"Count these words: one, two, three 42."`)}})
 
 	for _, tc := range []struct {
 		name       string
@@ -88,12 +89,12 @@ func TestUsageAndLength(t *testing.T) {
 		wantTokens int // 0: the model's natural length, which must stop before max
 		wantFinish string
 	}{
-		{"chat max_tokens", openai.Chat, chatBody(model, prompt, body{"max_tokens": 7, "ignore_eos": true}), sim.CountTokens(chatPrompt), 7, "length"},
-		{"chat max_completion_tokens wins", openai.Chat, chatBody(model, prompt, body{"max_tokens": 50, "max_completion_tokens": 3, "ignore_eos": true}), sim.CountTokens(chatPrompt), 3, "length"},
-		{"completion", openai.Completions, completionBody(model, prompt, body{"max_tokens": 5, "ignore_eos": true}), sim.CountTokens(prompt), 5, "length"},
+		{"chat max_tokens", openai.Chat, chatBody(model, prompt, body{"max_tokens": 7, "ignore_eos": true}), tokenizer.CountTokens(chatPrompt), 7, "length"},
+		{"chat max_completion_tokens wins", openai.Chat, chatBody(model, prompt, body{"max_tokens": 50, "max_completion_tokens": 3, "ignore_eos": true}), tokenizer.CountTokens(chatPrompt), 3, "length"},
+		{"completion", openai.Completions, completionBody(model, prompt, body{"max_tokens": 5, "ignore_eos": true}), tokenizer.CountTokens(prompt), 5, "length"},
 		{"completion token ids", openai.Completions, body{"model": model, "prompt": []int{1, 2, 3, 4}, "max_tokens": 2, "ignore_eos": true}, 4, 2, "length"},
-		{"natural end", openai.Completions, completionBody(model, prompt, body{"max_tokens": 1000}), sim.CountTokens(prompt), 0, "stop"},
-		{"min_tokens past the natural end", openai.Completions, completionBody(model, prompt, body{"max_tokens": 1000, "min_tokens": 300}), sim.CountTokens(prompt), 300, "stop"},
+		{"natural end", openai.Completions, completionBody(model, prompt, body{"max_tokens": 1000}), tokenizer.CountTokens(prompt), 0, "stop"},
+		{"min_tokens past the natural end", openai.Completions, completionBody(model, prompt, body{"max_tokens": 1000, "min_tokens": 300}), tokenizer.CountTokens(prompt), 300, "stop"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, _ := parseResponse(t, post(t, e.URL+tc.ep.Path(), "", tc.b))
@@ -110,7 +111,7 @@ func TestUsageAndLength(t *testing.T) {
 			if got.usage.TotalTokens != got.usage.PromptTokens+got.usage.CompletionTokens {
 				t.Errorf("total_tokens = %d", got.usage.TotalTokens)
 			}
-			if tok := sim.CountTokens(got.text); tok != got.usage.CompletionTokens {
+			if tok := tokenizer.CountTokens(got.text); tok != got.usage.CompletionTokens {
 				t.Errorf("text %q has %d tokens, usage says %d", got.text, tok, got.usage.CompletionTokens)
 			}
 			if got.finish != tc.wantFinish {

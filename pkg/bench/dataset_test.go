@@ -8,7 +8,7 @@ import (
 	"testing"
 	"unicode"
 
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 func TestVocabularyIsOneTokenPerWord(t *testing.T) {
@@ -42,7 +42,7 @@ func TestRandomDataset(t *testing.T) {
 			}
 			var ins, outs []int
 			for i, r := range reqs {
-				if got := sim.CountTokens(r.Prompt); got != r.PromptLen {
+				if got := tokenizer.CountTokens(r.Prompt); got != r.PromptLen {
 					t.Fatalf("request %d: pdq sim counts %d tokens, dataset says %d", i, got, r.PromptLen)
 				}
 				if r.RequestID != "bench-x-"+strconv.Itoa(i) {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // readJSON reads a request body into v, answering 400 for what is not JSON.
@@ -75,27 +76,27 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 	}
 	switch {
 	case in.Messages != nil:
-		tmpl := ChatTemplate{AddGenerationPrompt: in.AddGenerationPrompt == nil || *in.AddGenerationPrompt,
+		tmpl := tokenizer.ChatTemplate{AddGenerationPrompt: in.AddGenerationPrompt == nil || *in.AddGenerationPrompt,
 			ContinueFinalMessage: in.ContinueFinalMessage}
 		if tmpl.AddGenerationPrompt && tmpl.ContinueFinalMessage {
 			openai.WriteError(w, openai.NewError(http.StatusBadRequest,
 				"Cannot set both `continue_final_message` and `add_generation_prompt` to True."))
 			return
 		}
-		text, err := render(in.Messages, tmpl)
+		text, err := tokenizer.Render(in.Messages, tmpl)
 		if err != nil {
 			openai.WriteError(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages"))
 			return
 		}
-		ids = text.ids(e.cfg.MMTokens)
-		for _, s := range text.segs {
-			if s.media == nil {
-				rememberLongTokens(s.text)
+		ids = text.IDs(e.cfg.MMTokens)
+		for _, s := range text.Segs {
+			if s.Media == nil {
+				tokenizer.RememberLongTokens(s.Text)
 			}
 		}
 	case in.Prompt != nil:
-		ids = textIDs(*in.Prompt)
-		rememberLongTokens(*in.Prompt)
+		ids = tokenizer.TextIDs(*in.Prompt)
+		tokenizer.RememberLongTokens(*in.Prompt)
 	default:
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "'prompt' or 'messages' is required"))
 		return
@@ -107,7 +108,7 @@ func (e *Engine) tokenize(w http.ResponseWriter, r *http.Request) {
 	if in.ReturnTokenStrs {
 		resp.TokenStrs = make([]string, len(ids))
 		for i, id := range ids {
-			resp.TokenStrs[i], _ = tokenString(id)
+			resp.TokenStrs[i], _ = tokenizer.TokenString(id)
 		}
 	}
 	writeJSON(w, http.StatusOK, resp)
@@ -142,7 +143,7 @@ func (e *Engine) detokenize(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "'tokens' is required").WithParam("tokens"))
 		return
 	}
-	text, err := decodeIDs(*in.Tokens)
+	text, err := tokenizer.DecodeIDs(*in.Tokens)
 	if err != nil {
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("tokens"))
 		return
@@ -226,12 +227,12 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 	}
 	var inputs [][]int
 	if in.Messages != nil {
-		text, err := render(in.Messages, ChatTemplate{AddGenerationPrompt: true})
+		text, err := tokenizer.Render(in.Messages, tokenizer.ChatTemplate{AddGenerationPrompt: true})
 		if err != nil {
 			e.fail(w, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages"))
 			return
 		}
-		inputs = append(inputs, text.ids(e.cfg.MMTokens))
+		inputs = append(inputs, text.IDs(e.cfg.MMTokens))
 	} else if len(bytes.TrimSpace(in.Input)) == 0 || bytes.Equal(bytes.TrimSpace(in.Input), []byte("null")) {
 		e.fail(w, openai.NewError(http.StatusBadRequest, "'input' is required").WithParam("input"))
 		return
@@ -245,7 +246,7 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 			if p.Tokens != nil {
 				inputs = append(inputs, p.Tokens)
 			} else {
-				inputs = append(inputs, textIDs(p.Text))
+				inputs = append(inputs, tokenizer.TextIDs(p.Text))
 			}
 		}
 	}
@@ -257,7 +258,7 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 				e.cfg.MaxModelLen, len(ids)).WithParam("input_tokens"))
 			return
 		}
-		vec := e.embed(promptOf(ids, tgt.adapter, false).digest, dim)
+		vec := e.embed(tokenizer.PromptOf(ids, tgt.adapter, false).Digest, dim)
 		// Floats as vLLM writes them: float32 values printed as doubles.
 		floats := make([]float64, len(vec))
 		for k, x := range vec {
@@ -290,11 +291,11 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 // embed is the unit vector of a prompt digest: dim hashed values in
 // [-1, 1), normalized.
 func (e *Engine) embed(digest string, dim int) []float32 {
-	m := model{seed: e.cfg.Seed}
+	m := tokenizer.Model{Seed: e.cfg.Seed}
 	raw := make([]float64, dim)
 	var norm float64
 	for k := range raw {
-		raw[k] = float64(m.hash(digest, uint64(k)+1<<62)>>11)/(1<<52) - 1
+		raw[k] = float64(m.Hash(digest, uint64(k)+1<<62)>>11)/(1<<52) - 1
 		norm += raw[k] * raw[k]
 	}
 	norm = math.Sqrt(norm)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 type tokenized struct {
@@ -38,7 +39,7 @@ func TestTokenize(t *testing.T) {
 
 	prompt := "Hello, world! Count 42 things: supercalifragilistic ones."
 	tk := tokenize(map[string]any{"model": "pdq-sim", "prompt": prompt})
-	if tk.Count != len(tk.Tokens) || tk.Count != sim.CountTokens(prompt) || tk.MaxModelLen != 4096 || tk.TokenStrs != nil {
+	if tk.Count != len(tk.Tokens) || tk.Count != tokenizer.CountTokens(prompt) || tk.MaxModelLen != 4096 || tk.TokenStrs != nil {
 		t.Errorf("tokenize = %+v", tk)
 	}
 	raw := call(t, http.MethodPost, e.URL+"/tokenize", map[string]any{"prompt": prompt}).want(t, http.StatusOK).body
@@ -76,7 +77,7 @@ func TestTokenize(t *testing.T) {
 		t.Errorf("chat detokenizes to %q", got)
 	}
 	noGen := tokenize(map[string]any{"messages": msgs, "add_generation_prompt": false})
-	if noGen.Count != ct.Count-sim.CountTokens("<|assistant|>") {
+	if noGen.Count != ct.Count-tokenizer.CountTokens("<|assistant|>") {
 		t.Errorf("without the generation prompt: %d tokens, with: %d", noGen.Count, ct.Count)
 	}
 

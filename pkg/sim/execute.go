@@ -59,7 +59,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	}
 	defer release()
 
-	digest := j.prompt.digest
+	digest := j.prompt.Digest
 	switch j.mode {
 	case modeDecode:
 		loaded, err := e.loadKV(ctx, j)
@@ -106,8 +106,8 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 		if e.dead.Load() {
 			return outcome{}, errEngineDead
 		}
-		t := token{i: i, n: n, text: j.gen.token(digest, i)}
-		if i == 0 && j.prompt.midWord {
+		t := token{i: i, n: n, text: j.gen.Token(digest, i)}
+		if i == 0 && j.prompt.MidWord {
 			t.text = " " + t.text // going on from a partial answer: a new word
 		}
 		if i == n-1 {
@@ -130,7 +130,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			// router that forgot max_tokens=1 gets null and no held blocks.
 			j.log.Warn("prefill stopped before max_tokens; no KV blocks held, kv_transfer_params is null", "tokens", n)
 		default:
-			blocks := e.kv.hold(j.internalID, j.baseID, e.numBlocks(j.prompt.tokens), j.prompt.tokens, j.prompt.digest)
+			blocks := e.kv.hold(j.internalID, j.baseID, e.numBlocks(j.prompt.Tokens), j.prompt.Tokens, j.prompt.Digest)
 			if out.kvParams, err = e.paramsFor(j, blocks); err != nil {
 				return outcome{}, err
 			}
@@ -141,9 +141,9 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	default:
 		e.stats.local.Add(1)
 	}
-	e.stats.promptTokens.Add(int64(j.prompt.tokens))
+	e.stats.promptTokens.Add(int64(j.prompt.Tokens))
 	e.stats.generationTokens.Add(int64(n))
-	j.log.Debug("request finished", "prompt_tokens", j.prompt.tokens, "tokens", n, "finish_reason", finish,
+	j.log.Debug("request finished", "prompt_tokens", j.prompt.Tokens, "tokens", n, "finish_reason", finish,
 		logging.Ms("duration_ms", time.Since(j.start)))
 	return out, nil
 }
@@ -155,7 +155,7 @@ func (e *Engine) outputLength(j *job, digest string) (int, string) {
 	if j.req.IgnoreEOS {
 		return j.maxTokens, openai.FinishLength
 	}
-	n := max(j.gen.naturalLength(digest), j.minTokens)
+	n := max(j.gen.NaturalLength(digest), j.minTokens)
 	if n >= j.maxTokens {
 		return j.maxTokens, openai.FinishLength
 	}
@@ -163,7 +163,7 @@ func (e *Engine) outputLength(j *job, digest string) (int, string) {
 }
 
 func (e *Engine) prefillTime(j *job) time.Duration {
-	return e.cfg.PrefillOverhead + time.Duration(j.prompt.tokens)*e.cfg.PrefillPerToken
+	return e.cfg.PrefillOverhead + time.Duration(j.prompt.Tokens)*e.cfg.PrefillPerToken
 }
 
 // admit waits for one of the engine's --max-num-seqs slots. A decode request

@@ -12,6 +12,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 func image(url string) map[string]any {
@@ -48,7 +49,7 @@ func TestMultimodalParts(t *testing.T) {
 	}
 
 	// The template: placeholders first, one per line, as vLLM's default.
-	got, err := sim.RenderChat([]openai.Message{{Role: "user", Content: json.RawMessage(`[{"type":"text","text":"Hi"},{"type":"image_url","image_url":{"url":"u"}}]`)}})
+	got, err := tokenizer.RenderChat([]openai.Message{{Role: "user", Content: json.RawMessage(`[{"type":"text","text":"Hi"},{"type":"image_url","image_url":{"url":"u"}}]`)}})
 	if want := "<|user|>\n<image>\nHi\n<|assistant|>\n"; err != nil || got != want {
 		t.Errorf("RenderChat = %q, %v; want %q", got, err, want)
 	}

@@ -195,7 +195,7 @@ func (e *Engine) runBatch(ctx context.Context, jobs []*job, noKV bool, emit func
 func sumUsage(jobs []*job, outs []outcome) *openai.Usage {
 	u := &openai.Usage{}
 	for i, j := range jobs {
-		u.PromptTokens += j.prompt.tokens
+		u.PromptTokens += j.prompt.Tokens
 		u.CompletionTokens += outs[i].tokens
 	}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
@@ -275,7 +275,7 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, jobs []*job,
 		if !continuous {
 			return nil
 		}
-		return openai.NewUsage(j.prompt.tokens, completion)
+		return openai.NewUsage(j.prompt.Tokens, completion)
 	}
 	dropped := false // runBatch calls emit one at a time
 	outs, err := e.runBatch(ctx, jobs, false, func(j *job, t token) error {

@@ -14,6 +14,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // mode is the part a request asks the engine to play in a P/D pair.
@@ -65,8 +66,8 @@ type job struct {
 	internalID string
 	// target is the model or adapter that answers; gen says its words.
 	target    target
-	gen       model
-	prompt    prompt
+	gen       tokenizer.Model
+	prompt    tokenizer.Prompt
 	maxTokens int
 	minTokens int
 	mode      mode
@@ -113,10 +114,10 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 	if req.N != nil && *req.N > 1 {
 		return nil, openai.NewError(http.StatusBadRequest, "pdq sim supports n=1 only, got n=%d", *req.N).WithParam("n")
 	}
-	var prompts []prompt
+	var prompts []tokenizer.Prompt
 	switch endpoint {
 	case openai.Chat:
-		tmpl := ChatTemplate{AddGenerationPrompt: req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
+		tmpl := tokenizer.ChatTemplate{AddGenerationPrompt: req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
 			ContinueFinalMessage: req.ContinueFinalMessage != nil && *req.ContinueFinalMessage}
 		if tmpl.AddGenerationPrompt && tmpl.ContinueFinalMessage {
 			// vLLM's own message.
@@ -127,17 +128,17 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 			return nil, openai.NewError(http.StatusBadRequest,
 				"continue_final_message is set but the final message is not the assistant's").WithParam("messages")
 		}
-		text, err := render(req.Messages, tmpl)
+		text, err := tokenizer.Render(req.Messages, tmpl)
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}
-		prompts = append(prompts, promptOf(text.ids(e.cfg.MMTokens), tgt.adapter, text.midWord()))
+		prompts = append(prompts, tokenizer.PromptOf(text.IDs(e.cfg.MMTokens), tgt.adapter, text.MidWord()))
 	case openai.Completions:
 		for _, p := range req.Prompts() { // parsed, and judged, by DecodeRequest
 			if p.Tokens != nil {
-				prompts = append(prompts, promptOf(p.Tokens, tgt.adapter, false))
+				prompts = append(prompts, tokenizer.PromptOf(p.Tokens, tgt.adapter, false))
 			} else {
-				prompts = append(prompts, promptOf(textIDs(p.Text), tgt.adapter, endsMidWord(p.Text)))
+				prompts = append(prompts, tokenizer.PromptOf(tokenizer.TextIDs(p.Text), tgt.adapter, tokenizer.EndsMidWord(p.Text)))
 			}
 		}
 	}
@@ -146,34 +147,34 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 	maxLen := e.cfg.MaxModelLen
 	limits := make([][2]int, len(prompts)) // max and min tokens per prompt
 	for i, p := range prompts {
-		if p.tokens == 0 {
+		if p.Tokens == 0 {
 			return nil, openai.NewError(http.StatusBadRequest, "The prompt must not be empty.").WithParam("prompt")
 		}
 		if e.cfg.LegacyLengthErrors {
 			n, ok := req.OutputLimit(endpoint)
 			if !ok {
-				n = max(maxLen-p.tokens, 1)
+				n = max(maxLen-p.Tokens, 1)
 			}
-			if p.tokens+n > maxLen {
+			if p.Tokens+n > maxLen {
 				// vLLM before 0.10 (serving_engine.py _validate_input):
 				// one check of prompt plus output.
 				return nil, openai.NewError(http.StatusBadRequest,
 					"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
-					maxLen, p.tokens+n, p.tokens, n)
+					maxLen, p.Tokens+n, p.Tokens, n)
 			}
 		}
-		if p.tokens >= maxLen {
+		if p.Tokens >= maxLen {
 			return nil, openai.NewError(http.StatusBadRequest,
 				"This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.",
-				maxLen, p.tokens)
+				maxLen, p.Tokens)
 		}
-		room := maxLen - p.tokens
+		room := maxLen - p.Tokens
 		limits[i][0] = room
 		if n, ok := req.OutputLimit(endpoint); ok {
 			if n > room {
 				return nil, openai.NewError(http.StatusBadRequest,
 					"'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
-					n, maxLen, p.tokens, n, maxLen, p.tokens).WithParam("max_tokens")
+					n, maxLen, p.Tokens, n, maxLen, p.Tokens).WithParam("max_tokens")
 			}
 			limits[i][0] = n
 		}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
 // modelNames holds the names an engine answers to: the base model's served
@@ -106,13 +107,13 @@ func unknownModel(name string) *openai.Error {
 // modelFor is the text generator of a target: the engine's seed for the
 // base model, a seed mixed with the adapter's name for an adapter, so that
 // an adapter says something else than the base model.
-func (e *Engine) modelFor(t target) model {
+func (e *Engine) modelFor(t target) tokenizer.Model {
 	if t.adapter == "" {
-		return model{seed: e.cfg.Seed}
+		return tokenizer.Model{Seed: e.cfg.Seed}
 	}
 	h := fnv.New64a()
 	h.Write([]byte(t.adapter))
-	return model{seed: mix(e.cfg.Seed ^ h.Sum64())}
+	return tokenizer.Model{Seed: tokenizer.Mix(e.cfg.Seed ^ h.Sum64())}
 }
 
 // modelCard is one entry of GET /v1/models, in vLLM's shape (ModelCard):

@@ -1,4 +1,4 @@
-package sim
+package tokenizer
 
 import (
 	"encoding/json"
@@ -51,7 +51,7 @@ func TestRenderChatContinued(t *testing.T) {
 	user := openai.Message{Role: "user", Content: json.RawMessage(`"Hi"`)}
 	first, _ := RenderChat([]openai.Message{user})
 	partial := " alpha bravo charlie"
-	r, err := render([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
+	r, err := Render([]openai.Message{user, {Role: "assistant", Content: json.RawMessage(`"` + partial + `"`)}},
 		ChatTemplate{ContinueFinalMessage: true})
 	if err != nil {
 		t.Fatal(err)
@@ -66,11 +66,11 @@ func TestRenderChatContinued(t *testing.T) {
 }
 
 func TestModel(t *testing.T) {
-	m := model{seed: 7}
-	d := textPrompt("a prompt").digest
+	m := Model{Seed: 7}
+	d := textPrompt("a prompt").Digest
 	var text strings.Builder
 	for i := range 50 {
-		text.WriteString(m.token(d, i))
+		text.WriteString(m.Token(d, i))
 	}
 	if CountTokens(text.String()) != 50 {
 		t.Errorf("50 tokens re-tokenize to %d: %q", CountTokens(text.String()), text.String())
@@ -78,21 +78,21 @@ func TestModel(t *testing.T) {
 	if strings.HasPrefix(text.String(), " ") {
 		t.Error("the first token starts with a space")
 	}
-	again := model{seed: 7}
-	other := model{seed: 8}
-	if again.token(d, 3) != m.token(d, 3) || other.token(d, 0)+other.token(d, 1)+other.token(d, 2) == m.token(d, 0)+m.token(d, 1)+m.token(d, 2) {
+	again := Model{Seed: 7}
+	other := Model{Seed: 8}
+	if again.Token(d, 3) != m.Token(d, 3) || other.Token(d, 0)+other.Token(d, 1)+other.Token(d, 2) == m.Token(d, 0)+m.Token(d, 1)+m.Token(d, 2) {
 		t.Error("tokens are not a function of seed, digest and index")
 	}
 	for _, p := range []string{"a", "b", "c", "d", "e"} {
-		if n := m.naturalLength(textPrompt(p).digest); n < 16 || n > 256 {
+		if n := m.NaturalLength(textPrompt(p).Digest); n < 16 || n > 256 {
 			t.Errorf("natural length %d outside 16..256", n)
 		}
 	}
-	if textPrompt("x").digest == tokenPrompt([]int{1}).digest || tokenPrompt([]int{1, 2}).digest == tokenPrompt([]int{2, 1}).digest {
+	if textPrompt("x").Digest == tokenPrompt([]int{1}).Digest || tokenPrompt([]int{1, 2}).Digest == tokenPrompt([]int{2, 1}).Digest {
 		t.Error("digests collide")
 	}
 }
 
-func textPrompt(s string) prompt { return promptOf(textIDs(s), "", endsMidWord(s)) }
+func textPrompt(s string) Prompt { return PromptOf(TextIDs(s), "", EndsMidWord(s)) }
 
-func tokenPrompt(ids []int) prompt { return promptOf(ids, "", false) }
+func tokenPrompt(ids []int) Prompt { return PromptOf(ids, "", false) }

@@ -1,4 +1,4 @@
-package sim
+package tokenizer
 
 import (
 	"bytes"
@@ -39,7 +39,7 @@ func CountTokens(s string) int {
 // a line before the message's text, as vLLM puts a model's placeholders;
 // it counts as Config.MMTokens tokens, not as the placeholder's text.
 func RenderChat(msgs []openai.Message) (string, error) {
-	r, err := render(msgs, ChatTemplate{AddGenerationPrompt: true})
+	r, err := Render(msgs, ChatTemplate{AddGenerationPrompt: true})
 	return r.String(), err
 }
 
@@ -54,14 +54,14 @@ type ChatTemplate struct {
 	ContinueFinalMessage bool
 }
 
-// rendered is a chat prompt after the template: text, with media items
+// Rendered is a chat prompt after the template: text, with media items
 // where their placeholders go.
-type rendered struct{ segs []segment }
+type Rendered struct{ Segs []segment }
 
 // segment is a piece of text, or one media item.
 type segment struct {
-	text  string
-	media *mediaItem
+	Text  string
+	Media *mediaItem
 }
 
 // mediaItem is an image, audio or video part, known by a hash of its
@@ -71,42 +71,42 @@ type mediaItem struct {
 	hash     uint64
 }
 
-func (r *rendered) add(text string) {
+func (r *Rendered) add(text string) {
 	if text != "" {
-		r.segs = append(r.segs, segment{text: text})
+		r.Segs = append(r.Segs, segment{Text: text})
 	}
 }
 
 // String is the prompt with each media item as its placeholder.
-func (r rendered) String() string {
+func (r Rendered) String() string {
 	var b strings.Builder
-	for _, s := range r.segs {
-		if s.media != nil {
-			b.WriteString(modalityPlaceholder[s.media.modality])
+	for _, s := range r.Segs {
+		if s.Media != nil {
+			b.WriteString(modalityPlaceholder[s.Media.modality])
 		} else {
-			b.WriteString(s.text)
+			b.WriteString(s.Text)
 		}
 	}
 	return b.String()
 }
 
 // ids tokenizes the prompt; each media item is mmTokens ids.
-func (r rendered) ids(mmTokens int) []int {
+func (r Rendered) IDs(mmTokens int) []int {
 	var ids []int
-	for _, s := range r.segs {
-		if s.media != nil {
-			ids = append(ids, mediaIDs(s.media.modality, s.media.hash, mmTokens)...)
+	for _, s := range r.Segs {
+		if s.Media != nil {
+			ids = append(ids, mediaIDs(s.Media.modality, s.Media.hash, mmTokens)...)
 		} else {
-			ids = append(ids, textIDs(s.text)...)
+			ids = append(ids, TextIDs(s.Text)...)
 		}
 	}
 	return ids
 }
 
-// midWord reports whether the prompt ends in a letter or digit.
-func (r rendered) midWord() bool {
-	if n := len(r.segs); n > 0 && r.segs[n-1].media == nil {
-		return endsMidWord(r.segs[n-1].text)
+// MidWord reports whether the prompt ends in a letter or digit.
+func (r Rendered) MidWord() bool {
+	if n := len(r.Segs); n > 0 && r.Segs[n-1].Media == nil {
+		return EndsMidWord(r.Segs[n-1].Text)
 	}
 	return false
 }
@@ -173,17 +173,17 @@ func readMedia(p openai.Part) (*mediaItem, error) {
 	return &mediaItem{modality: kind.modality, hash: h.Sum64()}, nil
 }
 
-// render applies the template. Text parts of a message are joined by
+// Render applies the template. Text parts of a message are joined by
 // newlines; its media items go first, one per line, as vLLM's
 // _get_full_multimodal_text_prompt puts a model's placeholders. An unknown
 // part type is vLLM's error.
-func render(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
-	var r rendered
+func Render(msgs []openai.Message, tmpl ChatTemplate) (Rendered, error) {
+	var r Rendered
 	var pending strings.Builder // text not yet added
 	for i, m := range msgs {
 		parts, err := m.Parts()
 		if err != nil {
-			return rendered{}, fmt.Errorf("messages[%d].content: %w", i, err)
+			return Rendered{}, fmt.Errorf("messages[%d].content: %w", i, err)
 		}
 		var texts []string
 		var media []*mediaItem
@@ -201,11 +201,11 @@ func render(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
 			}
 			if _, ok := mediaParts[p.Type]; !ok {
 				//lint:ignore ST1005 vLLM's own message, which clients see
-				return rendered{}, fmt.Errorf("Unknown part type: %s", p.Type)
+				return Rendered{}, fmt.Errorf("Unknown part type: %s", p.Type)
 			}
 			item, err := readMedia(p)
 			if err != nil {
-				return rendered{}, err
+				return Rendered{}, err
 			}
 			media = append(media, item)
 		}
@@ -215,7 +215,7 @@ func render(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
 		for _, item := range media {
 			r.add(pending.String())
 			pending.Reset()
-			r.segs = append(r.segs, segment{media: item})
+			r.Segs = append(r.Segs, segment{Media: item})
 			pending.WriteString("\n")
 		}
 		pending.WriteString(strings.Join(texts, "\n"))
@@ -232,19 +232,19 @@ func render(msgs []openai.Message, tmpl ChatTemplate) (rendered, error) {
 	return r, nil
 }
 
-// prompt is what the engine knows of a request's input: its token count and
+// Prompt is what the engine knows of a request's input: its token count and
 // a digest that stands for its KV cache.
-type prompt struct {
-	tokens int
-	digest string
-	// midWord means the prompt ends in a letter or digit, as a partial
+type Prompt struct {
+	Tokens int
+	Digest string
+	// MidWord means the prompt ends in a letter or digit, as a partial
 	// answer being continued does: the first output token is a new word.
-	midWord bool
+	MidWord bool
 }
 
-// promptOf is the prompt of token ids run under a LoRA adapter ("" for the
+// PromptOf is the prompt of token ids run under a LoRA adapter ("" for the
 // base model). The digest covers both, since KV caches differ per adapter.
-func promptOf(ids []int, adapter string, midWord bool) prompt {
+func PromptOf(ids []int, adapter string, midWord bool) Prompt {
 	h := sha256.New()
 	if adapter != "" {
 		h.Write([]byte("lora\x00" + adapter + "\x00"))
@@ -254,10 +254,10 @@ func promptOf(ids []int, adapter string, midWord bool) prompt {
 		binary.LittleEndian.PutUint64(buf[:], uint64(id))
 		h.Write(buf[:])
 	}
-	return prompt{tokens: len(ids), digest: hex.EncodeToString(h.Sum(nil)[:12]), midWord: midWord}
+	return Prompt{Tokens: len(ids), Digest: hex.EncodeToString(h.Sum(nil)[:12]), MidWord: midWord}
 }
 
-func endsMidWord(s string) bool {
+func EndsMidWord(s string) bool {
 	last, _ := utf8.DecodeLastRuneInString(s)
 	return unicode.IsLetter(last) || unicode.IsDigit(last)
 }
@@ -272,35 +272,35 @@ var vocabulary = strings.Fields(`
 	cloud ember frost grove harbor island meadow orbit prairie quartz ridge
 	summit thunder valley willow`)
 
-// model is the deterministic language model: given the seed and the digest
+// Model is the deterministic language model: given the seed and the digest
 // of a KV cache (that is, of a prompt), it says the same words every time.
-type model struct{ seed uint64 }
+type Model struct{ Seed uint64 }
 
-func (m model) hash(digest string, i uint64) uint64 {
-	h := m.seed ^ 0x9e3779b97f4a7c15
+func (m Model) Hash(digest string, i uint64) uint64 {
+	h := m.Seed ^ 0x9e3779b97f4a7c15
 	for _, c := range []byte(digest) {
-		h = mix(h ^ uint64(c))
+		h = Mix(h ^ uint64(c))
 	}
-	return mix(h ^ i)
+	return Mix(h ^ i)
 }
 
-// token returns output token i (0-based) for the KV cache with digest.
-func (m model) token(digest string, i int) string {
-	w := vocabulary[m.hash(digest, uint64(i))%uint64(len(vocabulary))]
+// Token returns output token i (0-based) for the KV cache with digest.
+func (m Model) Token(digest string, i int) string {
+	w := vocabulary[m.Hash(digest, uint64(i))%uint64(len(vocabulary))]
 	if i == 0 {
 		return w
 	}
 	return " " + w
 }
 
-// naturalLength is the number of tokens the model says before its
+// NaturalLength is the number of tokens the model says before its
 // end-of-sequence token: 16 to 256, fixed per prompt.
-func (m model) naturalLength(digest string) int {
-	return 16 + int(m.hash(digest, 1<<63)%241)
+func (m Model) NaturalLength(digest string) int {
+	return 16 + int(m.Hash(digest, 1<<63)%241)
 }
 
-// mix is splitmix64's finalizer.
-func mix(x uint64) uint64 {
+// Mix is splitmix64's finalizer.
+func Mix(x uint64) uint64 {
 	x ^= x >> 30
 	x *= 0xbf58476d1ce4e5b9
 	x ^= x >> 27

@@ -1,4 +1,4 @@
-package sim
+package tokenizer
 
 import (
 	"slices"
@@ -13,8 +13,8 @@ func TestTokenIDs(t *testing.T) {
 		"tabs\tand\nnewlines\r\n", "trailing space  ", "\x00nul", "emoji 🙂🙂 ok", "  leading",
 		strings.Repeat("long ", 50) + "end",
 	} {
-		ids := textIDs(s)
-		rememberLongTokens(s) // as /tokenize does, for /detokenize
+		ids := TextIDs(s)
+		RememberLongTokens(s) // as /tokenize does, for /detokenize
 		if len(ids) != CountTokens(s) {
 			t.Errorf("%q: %d ids, CountTokens %d", s, len(ids), CountTokens(s))
 		}
@@ -23,7 +23,7 @@ func TestTokenIDs(t *testing.T) {
 				t.Errorf("%q: id %d is not JSON-safe", s, id)
 			}
 		}
-		got, err := decodeIDs(ids)
+		got, err := DecodeIDs(ids)
 		if err != nil {
 			t.Fatalf("%q: %v", s, err)
 		}
@@ -36,11 +36,11 @@ func TestTokenIDs(t *testing.T) {
 	if id := tokenID(" thunder"); id < vocabBase || id >= vocabBase+2*len(vocabulary) {
 		t.Errorf(`" thunder" = %d, not a vocabulary id`, id)
 	}
-	if got, _ := decodeIDs([]int{1, 2}); got != "<|reserved_1|><|reserved_2|>" {
+	if got, _ := DecodeIDs([]int{1, 2}); got != "<|reserved_1|><|reserved_2|>" {
 		t.Errorf("reserved ids decode to %q", got)
 	}
 	for _, id := range []int{-1, vocabBase + 2*len(vocabulary), hashedBase + 12345, 1 << 60, packedBase + 1<<40, packedBase + 0x6120} {
-		if _, err := decodeIDs([]int{id}); err == nil {
+		if _, err := DecodeIDs([]int{id}); err == nil {
 			t.Errorf("id %d: err = %v", id, err)
 		}
 	}
@@ -53,7 +53,7 @@ func TestMediaIDs(t *testing.T) {
 	if len(ids) != 4 {
 		t.Fatalf("%d ids", len(ids))
 	}
-	text, err := decodeIDs(ids)
+	text, err := DecodeIDs(ids)
 	if err != nil || text != "\n<image>" {
 		t.Errorf("image ids decode to %q, %v", text, err)
 	}

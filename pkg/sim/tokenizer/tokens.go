@@ -1,4 +1,4 @@
-package sim
+package tokenizer
 
 import (
 	"fmt"
@@ -127,10 +127,10 @@ func tokenID(tok string) int {
 	return hashedBase + int(h.Sum64()&hashedMask)
 }
 
-// rememberLongTokens keeps the hashed tokens of s in longTokens, so that
+// RememberLongTokens keeps the hashed tokens of s in longTokens, so that
 // /detokenize decodes the ids /tokenize gives them. Only /tokenize calls
 // it: generation needs no table, nor a lock per long token.
-func rememberLongTokens(s string) {
+func RememberLongTokens(s string) {
 	longTokens.Lock()
 	defer longTokens.Unlock()
 	for _, tok := range splitTokens(s) {
@@ -143,8 +143,8 @@ func rememberLongTokens(s string) {
 	}
 }
 
-// textIDs tokenizes a text.
-func textIDs(s string) []int {
+// TextIDs tokenizes a text.
+func TextIDs(s string) []int {
 	toks := splitTokens(s)
 	ids := make([]int, len(toks))
 	for i, t := range toks {
@@ -170,8 +170,8 @@ func mediaIDs(modality int, h uint64, n int) []int {
 	return ids
 }
 
-// tokenString decodes one id, or says why it cannot.
-func tokenString(id int) (string, error) {
+// TokenString decodes one id, or says why it cannot.
+func TokenString(id int) (string, error) {
 	switch {
 	case id < 0:
 		return "", fmt.Errorf("token id %d is negative", id)
@@ -221,11 +221,11 @@ func tokenString(id int) (string, error) {
 	return "", fmt.Errorf("Token id %d is out of vocabulary", id)
 }
 
-// decodeIDs joins the text of ids.
-func decodeIDs(ids []int) (string, error) {
+// DecodeIDs joins the text of ids.
+func DecodeIDs(ids []int) (string, error) {
 	var b strings.Builder
 	for _, id := range ids {
-		s, err := tokenString(id)
+		s, err := TokenString(id)
 		if err != nil {
 			return "", err
 		}
