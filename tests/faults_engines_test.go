@@ -12,6 +12,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
@@ -116,7 +117,7 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 	base, baseLat := load(string(stage) + "-base")
 	b1 := faulty.Stats(t)
 	// The blocks of one prompt, from the healthy load (one prompt for all).
-	blockSize := int64(sim.DefaultConfig().BlockSize)
+	blockSize := int64(simconfig.DefaultConfig().BlockSize)
 	promptBlocks := ((b1.PromptTokens-b0.PromptTokens)/max(b1.Prefills-b0.Prefills, 1) + blockSize - 1) / blockSize
 	for _, o := range base {
 		if !o.ok {
@@ -127,9 +128,9 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 	// A prefill engine that drops the connection after its prefill holds
 	// the KV of params pdq never got: its blocks are the lease's, and the
 	// row comes last, so that they count in no other.
-	kinds := []sim.FaultKind{sim.Fault503, sim.Fault500, sim.Fault429, sim.FaultHang, sim.FaultNoKV, sim.FaultSlow, sim.FaultDrop}
+	kinds := []simconfig.FaultKind{simconfig.Fault503, simconfig.Fault500, simconfig.Fault429, simconfig.FaultHang, simconfig.FaultNoKV, simconfig.FaultSlow, simconfig.FaultDrop}
 	if stage == dispatcher.StageDecode {
-		kinds = slices.DeleteFunc(kinds, func(k sim.FaultKind) bool { return k == sim.FaultNoKV }) // a prefill's fault
+		kinds = slices.DeleteFunc(kinds, func(k simconfig.FaultKind) bool { return k == simconfig.FaultNoKV }) // a prefill's fault
 	}
 	for _, kind := range kinds {
 		// Each kind meets a pool whose faulty engine takes jobs again: a
@@ -158,7 +159,7 @@ func engineFaultRows(t *testing.T, stage dispatcher.Stage) []row {
 				t.Logf("%s: status %d, err %q, tail %q", r.scenario, o.status, o.err, o.tail)
 			}
 		}
-		if stage == dispatcher.StagePrefill && kind == sim.FaultDrop {
+		if stage == dispatcher.StagePrefill && kind == simconfig.FaultDrop {
 			r.blocksHeld = idleAndHeld(t, 20*time.Second, prefills, decodes)
 			r.byLimit = true
 			// Exactly the blocks of the prefills whose answer was dropped

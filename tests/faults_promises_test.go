@@ -11,6 +11,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
 // The fault suite's rows for the promises issue 23 found broken on the
@@ -165,7 +166,7 @@ func kvReleaseRows(t *testing.T) []row {
 		p2, d2 := c.prefill.Stats(t), c.decode.Stats(t)
 		r.blocksHeld, r.byLimit = p2.BlocksHeld-p0.BlocksHeld, true
 		perPrompt := (p1.PromptTokens - p0.PromptTokens) / max(p1.Prefills-p0.Prefills, 1)
-		want := (p1.Prefills - p0.Prefills) * ((perPrompt + int64(sim.DefaultConfig().BlockSize) - 1) / int64(sim.DefaultConfig().BlockSize))
+		want := (p1.Prefills - p0.Prefills) * ((perPrompt + int64(simconfig.DefaultConfig().BlockSize) - 1) / int64(simconfig.DefaultConfig().BlockSize))
 		if r.blocksHeld != want || p2.KVServed != p0.KVServed || d2.KVReads+d2.KVReadFailures != d0.KVReads+d0.KVReadFailures {
 			t.Errorf("%s: %d blocks held, %d reads served; want %d held (each generation's), none read",
 				name, r.blocksHeld, p2.KVServed-p0.KVServed, want)

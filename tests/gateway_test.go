@@ -13,6 +13,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -101,7 +102,7 @@ func TestGatewayDropsClientKVParams(t *testing.T) {
 // both engines, and that a reused id is refused rather than dropped.
 func TestGatewayRequestIDs(t *testing.T) {
 	cfg := simtest.FastConfig()
-	cfg.Protocol = sim.ProtocolV1 // one id on both legs, or the decode engine dies
+	cfg.Protocol = simconfig.ProtocolV1 // one id on both legs, or the decode engine dies
 	p := startPipeline(t, pipelineOptions{sim: cfg})
 
 	r := post(t, p.chat(), "client-id-1", chatBody(model, longPrompt, body{"max_tokens": 2}))

@@ -10,7 +10,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
@@ -29,7 +29,7 @@ func TestPipelineUnderLoad(t *testing.T) {
 
 func testPipelineUnderLoad(t *testing.T, inProcess bool) {
 	cfg := simtest.FastConfig()
-	cfg.Protocol = sim.ProtocolV1
+	cfg.Protocol = simconfig.ProtocolV1
 	cfg.ITL = time.Millisecond
 	cfg.PrefillOverhead = 2 * time.Millisecond
 	p := startPipeline(t, pipelineOptions{prefill: 2, decode: 2, sim: cfg, local: inProcess})

@@ -18,7 +18,7 @@ import (
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 	"github.com/pdq-dev/pdq/workers"
 )
@@ -39,9 +39,9 @@ type pipeline struct {
 }
 
 type pipelineOptions struct {
-	prefill, decode int        // engines of each kind, default 1; -1 for none
-	sim             sim.Config // engine configuration, default simtest.FastConfig
-	prefillSim      *sim.Config
+	prefill, decode int              // engines of each kind, default 1; -1 for none
+	sim             simconfig.Config // engine configuration, default simtest.FastConfig
+	prefillSim      *simconfig.Config
 	gateway         gateway.Config
 	slots           int            // per worker; 0 takes the role's default
 	worker          workers.Config // settings of every worker beyond the defaults

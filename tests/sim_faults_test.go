@@ -12,6 +12,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -144,7 +145,7 @@ func TestFaults(t *testing.T) {
 
 	t.Run("from flags, at a rate", func(t *testing.T) {
 		cfg := simtest.FastConfig()
-		cfg.Fault = sim.Fault{Rate: 0.5, Kind: sim.Fault503}
+		cfg.Fault = simconfig.Fault{Rate: 0.5, Kind: simconfig.Fault503}
 		e := simtest.Start(t, cfg)
 		failed := 0
 		const n = 100

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -79,7 +80,7 @@ func editParams(t *testing.T, params json.RawMessage, key string, v any) json.Ra
 	return out
 }
 
-func protocolConfig(p sim.Protocol, policy sim.LoadFailurePolicy) sim.Config {
+func protocolConfig(p simconfig.Protocol, policy simconfig.LoadFailurePolicy) simconfig.Config {
 	c := simtest.FastConfig()
 	c.Protocol = p
 	c.KVLoadFailure = policy
@@ -94,8 +95,8 @@ func TestSeedIncident(t *testing.T) {
 	b := chatBody(model, "Explain disaggregated prefill in one paragraph.", body{"max_tokens": 12, "ignore_eos": true})
 
 	t.Run("two ids kill a v1 decode engine", func(t *testing.T) {
-		p := simtest.Start(t, protocolConfig(sim.ProtocolV1, sim.LoadFailureFail))
-		d := simtest.Start(t, protocolConfig(sim.ProtocolV1, sim.LoadFailureFail))
+		p := simtest.Start(t, protocolConfig(simconfig.ProtocolV1, simconfig.LoadFailureFail))
+		d := simtest.Start(t, protocolConfig(simconfig.ProtocolV1, simconfig.LoadFailureFail))
 
 		params := runPrefill(t, p, openai.Chat, "req-A", b)
 		r := post(t, d.URL+openai.Chat.Path(), "req-B", decodeBody(b, params))
@@ -122,8 +123,8 @@ func TestSeedIncident(t *testing.T) {
 	})
 
 	t.Run("one id works on v1", func(t *testing.T) {
-		p := simtest.Start(t, protocolConfig(sim.ProtocolV1, sim.LoadFailureFail))
-		d := simtest.Start(t, protocolConfig(sim.ProtocolV1, sim.LoadFailureFail))
+		p := simtest.Start(t, protocolConfig(simconfig.ProtocolV1, simconfig.LoadFailureFail))
+		d := simtest.Start(t, protocolConfig(simconfig.ProtocolV1, simconfig.LoadFailureFail))
 
 		params := runPrefill(t, p, openai.Chat, "req-A", b)
 		var kv map[string]any
@@ -136,7 +137,7 @@ func TestSeedIncident(t *testing.T) {
 			t.Errorf("decode result = %+v; want id chatcmpl-req-A and 12 tokens", got)
 		}
 		// The decode must say what a plain engine says for the same prompt.
-		local, _ := parseResponse(t, post(t, simtest.Start(t, protocolConfig(sim.ProtocolV1, sim.LoadFailureFail)).URL+openai.Chat.Path(), "", b))
+		local, _ := parseResponse(t, post(t, simtest.Start(t, protocolConfig(simconfig.ProtocolV1, simconfig.LoadFailureFail)).URL+openai.Chat.Path(), "", b))
 		if got.text != local.text {
 			t.Errorf("P/D text %q != local text %q", got.text, local.text)
 		}
@@ -152,8 +153,8 @@ func TestSeedIncident(t *testing.T) {
 	})
 
 	t.Run("two ids on v2 still work but are counted", func(t *testing.T) {
-		p := simtest.Start(t, protocolConfig(sim.ProtocolV2, sim.LoadFailureFail))
-		d := simtest.Start(t, protocolConfig(sim.ProtocolV2, sim.LoadFailureFail))
+		p := simtest.Start(t, protocolConfig(simconfig.ProtocolV2, simconfig.LoadFailureFail))
+		d := simtest.Start(t, protocolConfig(simconfig.ProtocolV2, simconfig.LoadFailureFail))
 		params := runPrefill(t, p, openai.Chat, "req-A", b)
 		got, _ := parseResponse(t, post(t, d.URL+openai.Chat.Path(), "req-B", decodeBody(b, params)))
 		if got.usage.CompletionTokens != 12 {
@@ -189,8 +190,8 @@ func TestKVLoadFailures(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name+"/fail", func(t *testing.T) {
-			p := simtest.Start(t, protocolConfig(sim.ProtocolV2, sim.LoadFailureFail))
-			d := simtest.Start(t, protocolConfig(sim.ProtocolV2, sim.LoadFailureFail))
+			p := simtest.Start(t, protocolConfig(simconfig.ProtocolV2, simconfig.LoadFailureFail))
+			d := simtest.Start(t, protocolConfig(simconfig.ProtocolV2, simconfig.LoadFailureFail))
 			params := tc.break_(t, runPrefill(t, p, openai.Completions, "req-1", b))
 			r := post(t, d.URL+openai.Completions.Path(), "req-1", decodeBody(b, params))
 			r.wantStatus(t, http.StatusInternalServerError)
@@ -213,8 +214,8 @@ func TestKVLoadFailures(t *testing.T) {
 			}
 		})
 		t.Run(tc.name+"/recompute", func(t *testing.T) {
-			p := simtest.Start(t, protocolConfig(sim.ProtocolV2, sim.LoadFailureRecompute))
-			d := simtest.Start(t, protocolConfig(sim.ProtocolV2, sim.LoadFailureRecompute))
+			p := simtest.Start(t, protocolConfig(simconfig.ProtocolV2, simconfig.LoadFailureRecompute))
+			d := simtest.Start(t, protocolConfig(simconfig.ProtocolV2, simconfig.LoadFailureRecompute))
 			params := tc.break_(t, runPrefill(t, p, openai.Completions, "req-1", b))
 			got, _ := parseResponse(t, post(t, d.URL+openai.Completions.Path(), "req-1", decodeBody(b, params)))
 			local, _ := parseResponse(t, post(t, d.URL+openai.Completions.Path(), "", b))

@@ -24,6 +24,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/sim"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 	"github.com/pdq-dev/pdq/workers"
 )
@@ -343,7 +344,7 @@ func TestEveryServedModel(t *testing.T) {
 	cfg := simtest.FastConfig()
 	cfg.Model = "/models/base"
 	cfg.ServedModelNames = []string{"base-a", "base-b"}
-	cfg.LoRAModules = []sim.LoRAModule{{Name: "sql-lora", Path: "/adapters/sql"}}
+	cfg.LoRAModules = []simconfig.LoRAModule{{Name: "sql-lora", Path: "/adapters/sql"}}
 	p := startPipeline(t, pipelineOptions{sim: cfg, worker: workers.Config{ModelsRefresh: 100 * time.Millisecond}})
 
 	answer := func(t *testing.T, url, model, id string) (string, string) {
@@ -575,7 +576,7 @@ func TestEngineCalls(t *testing.T) {
 	})
 	t.Run("embeddings", func(t *testing.T) {
 		embed := simtest.FastConfig()
-		embed.Model, embed.APIKey, embed.Runner = "embedder", "engine-secret", sim.RunnerPooling
+		embed.Model, embed.APIKey, embed.Runner = "embedder", "engine-secret", simconfig.RunnerPooling
 		e := simtest.Start(t, embed)
 		p.startWorker(dispatcher.StageDecode, e.URL, 0)
 		b := body{"model": "embedder", "input": []string{"a", "b"}}

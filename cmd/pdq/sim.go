@@ -8,6 +8,7 @@ import (
 	"io"
 
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
 func runSim(ctx context.Context, args []string, _, stderr io.Writer) error {
@@ -17,7 +18,7 @@ func runSim(ctx context.Context, args []string, _, stderr io.Writer) error {
 		fmt.Fprintln(stderr, "Usage: pdq sim [flags]\n\nA vLLM-compatible simulated engine that enforces the NIXL P/D handshake.\n\nFlags:")
 		fs.PrintDefaults()
 	}
-	cfg := sim.DefaultConfig()
+	cfg := simconfig.DefaultConfig()
 	cfg.RegisterFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {

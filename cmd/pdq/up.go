@@ -24,6 +24,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/workers"
 )
 
@@ -186,7 +187,7 @@ func tryLine(base string, models []string, keys bool) string {
 // URL. It requires apiKey, when set, as an engine started with --api-key
 // does.
 func startSim(ctx context.Context, g *errgroup.Group, apiKey string, log *slog.Logger) (string, error) {
-	cfg := sim.DefaultConfig()
+	cfg := simconfig.DefaultConfig()
 	cfg.KVHost = "127.0.0.1"
 	cfg.APIKey = apiKey
 	engine, err := sim.New(cfg, log)

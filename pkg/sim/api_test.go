@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
@@ -23,7 +23,7 @@ type tokenized struct {
 }
 
 func TestTokenize(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) { c.MaxModelLen = 4096 }))
+	e := simtest.Start(t, fast(func(c *simconfig.Config) { c.MaxModelLen = 4096 }))
 	tokenize := func(b any) tokenized {
 		var out tokenized
 		call(t, http.MethodPost, e.URL+"/tokenize", b).want(t, http.StatusOK).decode(t, &out)
@@ -89,7 +89,7 @@ func TestTokenize(t *testing.T) {
 }
 
 func TestVersionAndAPIKey(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) { c.APIKey = "k"; c.Version = "0.11.2" }))
+	e := simtest.Start(t, fast(func(c *simconfig.Config) { c.APIKey = "k"; c.Version = "0.11.2" }))
 	var v struct {
 		Version string `json:"version"`
 	}
@@ -126,7 +126,7 @@ type embedResponse struct {
 }
 
 func TestEmbeddings(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) { c.Runner = sim.RunnerPooling; c.EmbeddingDim = 32 }))
+	e := simtest.Start(t, fast(func(c *simconfig.Config) { c.Runner = simconfig.RunnerPooling; c.EmbeddingDim = 32 }))
 	embed := func(b any, headers ...string) embedResponse {
 		var out embedResponse
 		call(t, http.MethodPost, e.URL+"/v1/embeddings", b, headers...).want(t, http.StatusOK).decode(t, &out)

@@ -19,6 +19,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
 // shutdownGrace is how long Serve waits for running requests at shutdown
@@ -29,7 +31,7 @@ const shutdownGrace = 5 * time.Second
 // side channel. It plays either leg of a P/D pair, or both, depending on
 // each request's kv_transfer_params, as a vLLM engine with kv_role kv_both.
 type Engine struct {
-	cfg      Config
+	cfg      simconfig.Config
 	log      *slog.Logger
 	names    *modelNames
 	engineID string
@@ -37,7 +39,7 @@ type Engine struct {
 
 	stats    counters
 	dead     atomic.Bool
-	kv       *kvStore
+	kv       *kvstore.Store
 	faults   faultInjector
 	slots    chan struct{}
 	kvPort   atomic.Int64
@@ -47,7 +49,7 @@ type Engine struct {
 }
 
 // New validates cfg and builds an engine. It does not listen yet.
-func New(cfg Config, log *slog.Logger) (*Engine, error) {
+func New(cfg simconfig.Config, log *slog.Logger) (*Engine, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("sim config: %w", err)
 	}
@@ -65,7 +67,7 @@ func New(cfg Config, log *slog.Logger) (*Engine, error) {
 	// protocol, as vLLM's compatibility hash demands matching builds.
 	sum := sha256.Sum256([]byte(fmt.Sprintf("pdq-sim|%s|%d|%s", cfg.Model, cfg.BlockSize, cfg.Protocol)))
 	e.compat = hex.EncodeToString(sum[:8])
-	e.kv = newKVStore(e.log, &e.stats, cfg.KVLease)
+	e.kv = kvstore.New(e.log, &e.stats.kv, cfg.KVLease)
 	e.faults = faultInjector{fault: cfg.Fault, rng: mrand.New(mrand.NewPCG(cfg.Seed, 0x5eed))}
 	e.kvPort.Store(int64(cfg.KVPort))
 	e.registry = e.newRegistry()
@@ -138,7 +140,7 @@ func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
 			first = err
 		}
 	}
-	e.kv.close()
+	e.kv.Close()
 	e.log.Info("simulated engine stopped")
 	return first
 }
@@ -150,7 +152,7 @@ func (e *Engine) Stats() Stats { return e.snapshot() }
 func (e *Engine) KVPort() int { return int(e.kvPort.Load()) }
 
 // SetFault changes the injected fault.
-func (e *Engine) SetFault(f Fault) error {
+func (e *Engine) SetFault(f simconfig.Fault) error {
 	if err := f.Validate(); err != nil {
 		return err
 	}
@@ -170,28 +172,28 @@ func (e *Engine) die(requestID string, cause error) {
 // faultInjector draws the fault of each request.
 type faultInjector struct {
 	mu    sync.Mutex
-	fault Fault
+	fault simconfig.Fault
 	rng   *mrand.Rand
 }
 
-func (f *faultInjector) set(v Fault) {
+func (f *faultInjector) set(v simconfig.Fault) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.fault = v
 }
 
-func (f *faultInjector) get() Fault {
+func (f *faultInjector) get() simconfig.Fault {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.fault
 }
 
 // draw picks the fault of one request: Kind with probability Rate.
-func (f *faultInjector) draw() (FaultKind, time.Duration) {
+func (f *faultInjector) draw() (simconfig.FaultKind, time.Duration) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.fault.Rate <= 0 || (f.fault.Rate < 1 && f.rng.Float64() >= f.fault.Rate) {
-		return FaultNone, 0
+		return simconfig.FaultNone, 0
 	}
 	return f.fault.Kind, time.Duration(f.fault.Delay)
 }

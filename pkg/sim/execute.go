@@ -11,6 +11,8 @@ import (
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
 // kvLoadError is a failed KV load under --kv-load-failure fail: vLLM ends
@@ -74,13 +76,13 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			e.stats.kvReads.Add(1)
 		case ctx.Err() != nil:
 			return outcome{}, ctx.Err()
-		case e.cfg.Protocol == ProtocolV1 && errors.Is(err, errUnknownRequest):
+		case e.cfg.Protocol == simconfig.ProtocolV1 && errors.Is(err, kvstore.ErrUnknownRequest):
 			e.stats.kvReadFailures.Add(1)
 			e.die(j.internalID, err)
-			return outcome{}, errEngineDead
+			return outcome{}, kvstore.ErrEngineDead
 		default:
 			e.stats.kvReadFailures.Add(1)
-			if e.cfg.KVLoadFailure == LoadFailureFail {
+			if e.cfg.KVLoadFailure == simconfig.LoadFailureFail {
 				j.log.Warn("KV load failed; failing the request (kv_load_failure_policy=fail)", logging.Err(err))
 				return outcome{}, &kvLoadError{err: err}
 			}
@@ -104,7 +106,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			}
 		}
 		if e.dead.Load() {
-			return outcome{}, errEngineDead
+			return outcome{}, kvstore.ErrEngineDead
 		}
 		t := token{i: i, n: n, text: j.gen.Token(digest, i)}
 		if i == 0 && j.prompt.MidWord {
@@ -130,7 +132,7 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			// router that forgot max_tokens=1 gets null and no held blocks.
 			j.log.Warn("prefill stopped before max_tokens; no KV blocks held, kv_transfer_params is null", "tokens", n)
 		default:
-			blocks := e.kv.hold(j.internalID, j.baseID, e.numBlocks(j.prompt.Tokens), j.prompt.Tokens, j.prompt.Digest)
+			blocks := e.kv.Hold(j.internalID, j.baseID, e.numBlocks(j.prompt.Tokens), j.prompt.Tokens, j.prompt.Digest)
 			if out.kvParams, err = e.paramsFor(j, blocks); err != nil {
 				return outcome{}, err
 			}
@@ -203,7 +205,7 @@ func (e *Engine) admit(ctx context.Context, j *job) (release func(), err error) 
 // request's blocks: the prefill's remote_request_id in v2, but its own
 // internal id in v1, which only matches when both legs had one X-Request-Id.
 func (e *Engine) remoteID(j *job) string {
-	if e.cfg.Protocol == ProtocolV1 {
+	if e.cfg.Protocol == simconfig.ProtocolV1 {
 		return j.internalID
 	}
 	return j.remote.requestID

@@ -11,6 +11,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
@@ -22,7 +23,7 @@ func image(url string) map[string]any {
 func text(s string) map[string]any { return map[string]any{"type": "text", "text": s} }
 
 func TestMultimodalParts(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) { c.MMTokens = 20 }))
+	e := simtest.Start(t, fast(func(c *simconfig.Config) { c.MMTokens = 20 }))
 	ask := func(parts ...any) openai.ChatCompletion {
 		return chat(t, e, map[string]any{"model": "pdq-sim", "messages": user(parts), "max_tokens": 10, "ignore_eos": true})
 	}
@@ -147,7 +148,7 @@ func TestBatchedCompletions(t *testing.T) {
 	})
 
 	t.Run("streamed, dropped", func(t *testing.T) {
-		d := simtest.Start(t, fast(func(c *sim.Config) { c.Fault = sim.Fault{Rate: 1, Kind: sim.FaultDrop} }))
+		d := simtest.Start(t, fast(func(c *simconfig.Config) { c.Fault = simconfig.Fault{Rate: 1, Kind: simconfig.FaultDrop} }))
 		raw, _ := json.Marshal(map[string]any{"model": "pdq-sim", "prompt": prompts, "max_tokens": 20, "ignore_eos": true, "stream": true})
 		resp, err := http.Post(d.URL+"/v1/completions", "application/json", bytes.NewReader(raw))
 		if err != nil {
@@ -164,7 +165,7 @@ func TestBatchedCompletions(t *testing.T) {
 	})
 
 	t.Run("each prompt is checked", func(t *testing.T) {
-		small := simtest.Start(t, fast(func(c *sim.Config) { c.MaxModelLen = 20 }))
+		small := simtest.Start(t, fast(func(c *simconfig.Config) { c.MaxModelLen = 20 }))
 		b := map[string]any{"model": "pdq-sim", "prompt": []string{"short", strings.Repeat("w ", 15)}, "max_tokens": 8}
 		call(t, http.MethodPost, small.URL+"/v1/completions", b).apiError(t, http.StatusBadRequest,
 			"'max_tokens' or 'max_completion_tokens' is too large: 8. This model's maximum context length is 20 tokens and your request has 15 input tokens")
@@ -197,16 +198,16 @@ func TestBatchPrefillDecode(t *testing.T) {
 		t.Errorf("prefill stats = %+v", s)
 	}
 
-	for _, policy := range []sim.LoadFailurePolicy{sim.LoadFailureFail, sim.LoadFailureRecompute} {
+	for _, policy := range []simconfig.LoadFailurePolicy{simconfig.LoadFailureFail, simconfig.LoadFailureRecompute} {
 		t.Run(string(policy), func(t *testing.T) {
 			p := simtest.Start(t, fast(nil))
-			d := simtest.Start(t, fast(func(c *sim.Config) { c.KVLoadFailure = policy }))
+			d := simtest.Start(t, fast(func(c *simconfig.Config) { c.KVLoadFailure = policy }))
 			pr := completion(t, p, map[string]any{"model": "pdq-sim", "prompt": prompts, "max_tokens": 1, "kv_transfer_params": prefillParams}, "X-Request-Id", "pd-b")
 			var params any
 			json.Unmarshal(pr.KVTransferParams, &params)
 			b := map[string]any{"model": "pdq-sim", "prompt": prompts, "max_tokens": 4, "ignore_eos": true, "kv_transfer_params": params}
 			r := call(t, http.MethodPost, d.URL+"/v1/completions", b, "X-Request-Id", "pd-b")
-			if policy == sim.LoadFailureFail {
+			if policy == simconfig.LoadFailureFail {
 				r.apiError(t, http.StatusInternalServerError, "failed to load KV cache")
 			} else {
 				r.want(t, http.StatusOK)

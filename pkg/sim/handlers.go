@@ -17,6 +17,8 @@ import (
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
 // maxBodyBytes bounds a request body.
@@ -34,7 +36,7 @@ var (
 
 func (e *Engine) routes() http.Handler {
 	mux := http.NewServeMux()
-	if e.cfg.Runner == RunnerPooling {
+	if e.cfg.Runner == simconfig.RunnerPooling {
 		// vLLM registers the routes of the tasks the model supports only.
 		mux.HandleFunc("POST /v1/embeddings", e.embeddings)
 		mux.HandleFunc("POST /v1/chat/completions", fastAPINotFound)
@@ -117,25 +119,25 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 		ctx := r.Context()
 		kind, delay := e.faults.draw()
 		switch kind {
-		case Fault503:
+		case simconfig.Fault503:
 			e.stats.faults.Add(1)
 			e.fail(w, openai.NewError(http.StatusServiceUnavailable, "injected fault: the engine is overloaded, try again later"))
 			return
-		case Fault500:
+		case simconfig.Fault500:
 			e.stats.faults.Add(1)
 			e.fail(w, openai.NewError(http.StatusInternalServerError, "injected fault: internal engine error"))
 			return
-		case Fault429:
+		case simconfig.Fault429:
 			e.stats.faults.Add(1)
 			e.fail(w, openai.NewError(http.StatusTooManyRequests, "injected fault: too many requests"))
 			return
-		case FaultHang:
+		case simconfig.FaultHang:
 			e.stats.faults.Add(1)
 			jobs[0].log.Debug("injected fault: hanging until the client goes away")
 			<-ctx.Done()
 			e.abortBeforeScheduling(ctx, jobs)
 			return
-		case FaultSlow:
+		case simconfig.FaultSlow:
 			e.stats.faults.Add(1)
 			if sleep.For(ctx, delay) != nil {
 				e.abortBeforeScheduling(ctx, jobs)
@@ -143,7 +145,7 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			}
 		}
 		if jobs[0].req.Stream {
-			e.stream(ctx, w, jobs, kind == FaultDrop)
+			e.stream(ctx, w, jobs, kind == simconfig.FaultDrop)
 		} else {
 			e.respond(ctx, w, jobs, kind, delay)
 		}
@@ -205,9 +207,9 @@ func sumUsage(jobs []*job, outs []outcome) *openai.Usage {
 // respond runs a non-streaming request and writes its JSON: one choice per
 // prompt (index = prompt index, as n is 1), usage summed, and, as vLLM's
 // completion serving does, the kv_transfer_params of the first prompt only.
-func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job, kind FaultKind, delay time.Duration) {
+func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job, kind simconfig.FaultKind, delay time.Duration) {
 	texts := make([]strings.Builder, len(jobs))
-	outs, err := e.runBatch(ctx, jobs, kind == FaultNoKV, func(j *job, t token) error {
+	outs, err := e.runBatch(ctx, jobs, kind == simconfig.FaultNoKV, func(j *job, t token) error {
 		texts[j.index].WriteString(t.text)
 		return nil
 	})
@@ -217,11 +219,11 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job
 		return
 	}
 	switch kind {
-	case FaultDrop:
+	case simconfig.FaultDrop:
 		e.stats.faults.Add(1)
 		e.dropConnection(w, first)
 		return
-	case FaultLate:
+	case simconfig.FaultLate:
 		e.stats.faults.Add(1)
 		if sleep.For(ctx, delay) != nil {
 			// The work is done: a prefill's blocks stay held for their
@@ -365,7 +367,7 @@ func (e *Engine) finishWithError(ctx context.Context, w http.ResponseWriter, j *
 		return
 	}
 	apiErr := openai.NewError(http.StatusInternalServerError, "%v", err)
-	if errors.Is(err, errEngineDead) {
+	if errors.Is(err, kvstore.ErrEngineDead) {
 		apiErr = openai.NewError(http.StatusInternalServerError, engineDeadMessage)
 	}
 	if sse == nil {
@@ -416,9 +418,9 @@ func (e *Engine) getFaults(w http.ResponseWriter, _ *http.Request) {
 // optional "delay" for slow ("2s" or milliseconds). Rate 0 turns faults off.
 func (e *Engine) setFaults(w http.ResponseWriter, r *http.Request) {
 	var in struct {
-		Rate  *float64  `json:"rate"`
-		Kind  FaultKind `json:"kind"`
-		Delay *Duration `json:"delay"`
+		Rate  *float64            `json:"rate"`
+		Kind  simconfig.FaultKind `json:"kind"`
+		Delay *simconfig.Duration `json:"delay"`
 	}
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16))
 	dec.DisallowUnknownFields()

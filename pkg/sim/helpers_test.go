@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -125,7 +125,7 @@ func events(t *testing.T, raw []byte) []string {
 var prefillParams = map[string]any{"do_remote_decode": true, "do_remote_prefill": false,
 	"remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil}
 
-func fast(mutate func(*sim.Config)) sim.Config {
+func fast(mutate func(*simconfig.Config)) simconfig.Config {
 	c := simtest.FastConfig()
 	if mutate != nil {
 		mutate(&c)

@@ -14,6 +14,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
@@ -213,7 +214,7 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		if endpoint == openai.Completions {
 			j.internalID += "-" + strconv.Itoa(i) // vLLM's cmpl-<base>-<i>
 		}
-		if e.cfg.Protocol == ProtocolV2 {
+		if e.cfg.Protocol == simconfig.ProtocolV2 {
 			j.internalID += "-" + randomHex(4)
 		}
 		if md == modeDecode && len(prompts) > 1 {
@@ -294,7 +295,7 @@ func (e *Engine) parseKVParams(raw json.RawMessage) (mode, remote, *openai.Error
 	rem := remote{tpSize: 1}
 	rem.engineID = str("remote_engine_id", p.RemoteEngineID)
 	rem.host = str("remote_host", p.RemoteHost)
-	if e.cfg.Protocol == ProtocolV2 {
+	if e.cfg.Protocol == simconfig.ProtocolV2 {
 		rem.requestID = str("remote_request_id", p.RemoteRequestID)
 	}
 	if p.RemotePort == nil || *p.RemotePort <= 0 || *p.RemotePort > 65535 {
@@ -374,7 +375,7 @@ func (e *Engine) paramsFor(j *job, blocks []int) (json.RawMessage, error) {
 		RemotePort:      e.KVPort(),
 		TPSize:          1,
 	}
-	if e.cfg.Protocol == ProtocolV2 {
+	if e.cfg.Protocol == simconfig.ProtocolV2 {
 		out.RemoteRequestID = j.internalID // v1 engines predate the key
 	}
 	b, err := json.Marshal(out)

@@ -7,11 +7,12 @@ import (
 	"testing"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
-func newTestEngine(t *testing.T, mutate func(*Config)) *Engine {
+func newTestEngine(t *testing.T, mutate func(*simconfig.Config)) *Engine {
 	t.Helper()
-	cfg := DefaultConfig()
+	cfg := simconfig.DefaultConfig()
 	if mutate != nil {
 		mutate(&cfg)
 	}
@@ -26,7 +27,7 @@ func TestParseKVParams(t *testing.T) {
 	full := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[3,4],"remote_engine_id":"e1","remote_request_id":"chatcmpl-x-1234abcd","remote_host":"10.0.0.5","remote_port":5600,"tp_size":2}`
 	for _, tc := range []struct {
 		name     string
-		protocol Protocol
+		protocol simconfig.Protocol
 		raw      string
 		mode     mode
 		remote   remote
@@ -40,7 +41,7 @@ func TestParseKVParams(t *testing.T) {
 			remote: remote{engineID: "e1", requestID: "chatcmpl-x-1234abcd", host: "10.0.0.5", port: 5600, blockIDs: []int{3, 4}, tpSize: 2}},
 		{name: "block ids per kv-cache group", raw: strings.Replace(full, `[3,4]`, `[[3,4],[9]]`, 1), mode: modeDecode,
 			remote: remote{engineID: "e1", requestID: "chatcmpl-x-1234abcd", host: "10.0.0.5", port: 5600, blockIDs: []int{3, 4, 9}, tpSize: 2}},
-		{name: "v1 needs no remote_request_id", protocol: ProtocolV1, raw: strings.Replace(full, `"remote_request_id":"chatcmpl-x-1234abcd",`, ``, 1), mode: modeDecode,
+		{name: "v1 needs no remote_request_id", protocol: simconfig.ProtocolV1, raw: strings.Replace(full, `"remote_request_id":"chatcmpl-x-1234abcd",`, ``, 1), mode: modeDecode,
 			remote: remote{engineID: "e1", host: "10.0.0.5", port: 5600, blockIDs: []int{3, 4}, tpSize: 2}},
 		{name: "v2 needs remote_request_id", raw: strings.Replace(full, `"remote_request_id":"chatcmpl-x-1234abcd",`, ``, 1), errHas: "[remote_request_id]"},
 		{name: "empty block list", raw: strings.Replace(full, `[3,4]`, `[]`, 1), errHas: "[remote_block_ids]"},
@@ -51,7 +52,7 @@ func TestParseKVParams(t *testing.T) {
 		{name: "both set", raw: `{"do_remote_decode":true,"do_remote_prefill":true}`, errHas: "both"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			e := newTestEngine(t, func(c *Config) {
+			e := newTestEngine(t, func(c *simconfig.Config) {
 				if tc.protocol != "" {
 					c.Protocol = tc.protocol
 				}
@@ -78,25 +79,25 @@ func TestParseKVParams(t *testing.T) {
 }
 
 func TestConfigValidate(t *testing.T) {
-	if err := DefaultConfig().Validate(); err != nil {
+	if err := simconfig.DefaultConfig().Validate(); err != nil {
 		t.Fatalf("defaults are invalid: %v", err)
 	}
 	for _, tc := range []struct {
 		name   string
-		mutate func(*Config)
+		mutate func(*simconfig.Config)
 	}{
-		{"protocol", func(c *Config) { c.Protocol = "v3" }},
-		{"policy", func(c *Config) { c.KVLoadFailure = "retry" }},
-		{"block size", func(c *Config) { c.BlockSize = 0 }},
-		{"lease", func(c *Config) { c.KVLease = 0 }},
-		{"seqs", func(c *Config) { c.MaxNumSeqs = 0 }},
-		{"negative itl", func(c *Config) { c.ITL = -1 }},
-		{"fault rate", func(c *Config) { c.Fault.Rate = 1.5 }},
-		{"fault kind", func(c *Config) { c.Fault = Fault{Rate: 1, Kind: "boom"} }},
-		{"kv port", func(c *Config) { c.KVPort = 70000 }},
-		{"model", func(c *Config) { c.Model = "" }},
+		{"protocol", func(c *simconfig.Config) { c.Protocol = "v3" }},
+		{"policy", func(c *simconfig.Config) { c.KVLoadFailure = "retry" }},
+		{"block size", func(c *simconfig.Config) { c.BlockSize = 0 }},
+		{"lease", func(c *simconfig.Config) { c.KVLease = 0 }},
+		{"seqs", func(c *simconfig.Config) { c.MaxNumSeqs = 0 }},
+		{"negative itl", func(c *simconfig.Config) { c.ITL = -1 }},
+		{"fault rate", func(c *simconfig.Config) { c.Fault.Rate = 1.5 }},
+		{"fault kind", func(c *simconfig.Config) { c.Fault = simconfig.Fault{Rate: 1, Kind: "boom"} }},
+		{"kv port", func(c *simconfig.Config) { c.KVPort = 70000 }},
+		{"model", func(c *simconfig.Config) { c.Model = "" }},
 	} {
-		c := DefaultConfig()
+		c := simconfig.DefaultConfig()
 		tc.mutate(&c)
 		if err := c.Validate(); err == nil {
 			t.Errorf("%s: want a validation error", tc.name)
@@ -108,38 +109,38 @@ func TestConfigValidate(t *testing.T) {
 }
 
 func TestDurationJSON(t *testing.T) {
-	for in, want := range map[string]Duration{`"1.5s"`: Duration(1500e6), `250`: Duration(250e6), `"0s"`: 0} {
-		var d Duration
+	for in, want := range map[string]simconfig.Duration{`"1.5s"`: simconfig.Duration(1500e6), `250`: simconfig.Duration(250e6), `"0s"`: 0} {
+		var d simconfig.Duration
 		if err := json.Unmarshal([]byte(in), &d); err != nil || d != want {
 			t.Errorf("%s -> %v, %v; want %v", in, d, err, want)
 		}
 	}
-	var d Duration
+	var d simconfig.Duration
 	if err := json.Unmarshal([]byte(`"soon"`), &d); err == nil {
 		t.Error("accepted \"soon\"")
 	}
-	if out, _ := json.Marshal(Duration(2e9)); string(out) != `"2s"` {
+	if out, _ := json.Marshal(simconfig.Duration(2e9)); string(out) != `"2s"` {
 		t.Errorf("marshal = %s", out)
 	}
 }
 
 func TestFaultDraw(t *testing.T) {
-	f := faultInjector{fault: Fault{Rate: 0.25, Kind: Fault500}, rng: newTestEngine(t, nil).faults.rng}
+	f := faultInjector{fault: simconfig.Fault{Rate: 0.25, Kind: simconfig.Fault500}, rng: newTestEngine(t, nil).faults.rng}
 	hits := 0
 	for range 4000 {
-		if k, _ := f.draw(); k == Fault500 {
+		if k, _ := f.draw(); k == simconfig.Fault500 {
 			hits++
 		}
 	}
 	if hits < 800 || hits > 1200 {
 		t.Errorf("%d of 4000 at rate 0.25", hits)
 	}
-	f.set(Fault{Rate: 1, Kind: FaultSlow, Delay: Duration(3e9)})
-	if k, d := f.draw(); k != FaultSlow || d != 3e9 {
+	f.set(simconfig.Fault{Rate: 1, Kind: simconfig.FaultSlow, Delay: simconfig.Duration(3e9)})
+	if k, d := f.draw(); k != simconfig.FaultSlow || d != 3e9 {
 		t.Errorf("draw = %v %v", k, d)
 	}
-	f.set(Fault{})
-	if k, _ := f.draw(); k != FaultNone {
+	f.set(simconfig.Fault{})
+	if k, _ := f.draw(); k != simconfig.FaultNone {
 		t.Errorf("rate 0 drew %v", k)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
 
@@ -40,8 +41,8 @@ type target struct {
 	adapter string
 }
 
-func newModelNames(cfg Config) *modelNames {
-	g := &modelNames{served: cfg.servedNames(), root: cfg.Model}
+func newModelNames(cfg simconfig.Config) *modelNames {
+	g := &modelNames{served: cfg.ServedNames(), root: cfg.Model}
 	for _, m := range cfg.LoRAModules {
 		g.load(m.Name, m.Path, m.BaseModelName, false)
 	}

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -54,7 +54,7 @@ func listModels(t *testing.T, e *simtest.Engine) []card {
 }
 
 func TestServedModelNames(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) {
+	e := simtest.Start(t, fast(func(c *simconfig.Config) {
 		c.Model = "/models/llama-3.1-8b"
 		c.ServedModelNames = []string{"llama", "llama-8b"}
 	}))
@@ -120,9 +120,9 @@ func TestServedModelNames(t *testing.T) {
 }
 
 func TestLoRAAdapters(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) {
+	e := simtest.Start(t, fast(func(c *simconfig.Config) {
 		c.ServedModelNames = []string{"base", "base-alias"}
-		c.LoRAModules = []sim.LoRAModule{{Name: "sql", Path: "/adapters/sql"}, {Name: "chat", Path: "/adapters/chat", BaseModelName: "base-alias"}}
+		c.LoRAModules = []simconfig.LoRAModule{{Name: "sql", Path: "/adapters/sql"}, {Name: "chat", Path: "/adapters/chat", BaseModelName: "base-alias"}}
 	}))
 	cards := listModels(t, e)
 	if len(cards) != 4 {
@@ -186,7 +186,7 @@ func TestLoRAAdapters(t *testing.T) {
 	})
 
 	t.Run("runtime updates off", func(t *testing.T) {
-		off := simtest.Start(t, fast(func(c *sim.Config) { c.RuntimeLoRA = false }))
+		off := simtest.Start(t, fast(func(c *simconfig.Config) { c.RuntimeLoRA = false }))
 		call(t, http.MethodPost, off.URL+"/v1/load_lora_adapter", map[string]any{"lora_name": "a", "lora_path": "/a"}).want(t, http.StatusNotFound)
 	})
 }
@@ -194,7 +194,9 @@ func TestLoRAAdapters(t *testing.T) {
 // The P/D handshake checks the adapter: KV prefilled under one adapter is
 // another cache than the base model's.
 func TestLoRAPrefillDecode(t *testing.T) {
-	cfg := fast(func(c *sim.Config) { c.LoRAModules = []sim.LoRAModule{{Name: "sql", Path: "/adapters/sql"}} })
+	cfg := fast(func(c *simconfig.Config) {
+		c.LoRAModules = []simconfig.LoRAModule{{Name: "sql", Path: "/adapters/sql"}}
+	})
 	p, d, plain := simtest.Start(t, cfg), simtest.Start(t, cfg), simtest.Start(t, cfg)
 	b := map[string]any{"model": "sql", "messages": user("SELECT the answer"), "max_tokens": 12, "ignore_eos": true}
 	want := chat(t, plain, b).Choices[0].Message.Content

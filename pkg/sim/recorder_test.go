@@ -6,12 +6,12 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
 func TestRequestRecorder(t *testing.T) {
-	e := simtest.Start(t, fast(func(c *sim.Config) { c.APIKey = "k" }))
+	e := simtest.Start(t, fast(func(c *simconfig.Config) { c.APIKey = "k" }))
 	// Odd spacing and key order: the record is the bytes, not a re-encoding.
 	body := []byte("{ \"prompt\" : \"hi\",\n \"model\":\"pdq-sim\", \"max_tokens\": 2 ,\"x\":\"\\u00e9\"}")
 	call(t, http.MethodPost, e.URL+"/v1/completions", body, "X-Request-Id", "rec-1", "Authorization", "Bearer k").want(t, http.StatusOK)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
+	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
 )
 
 // The side channel stands in for NIXL: a decode engine connects to the
@@ -123,7 +124,7 @@ func (e *Engine) serveKVConn(conn net.Conn) {
 
 func (e *Engine) handleKV(req kvRequest) kvReply {
 	if e.dead.Load() {
-		return kvReply{Code: codeEngineDead, Error: errEngineDead.Error()}
+		return kvReply{Code: codeEngineDead, Error: kvstore.ErrEngineDead.Error()}
 	}
 	switch req.Op {
 	case opHandshake:
@@ -132,33 +133,33 @@ func (e *Engine) handleKV(req kvRequest) kvReply {
 		}
 		return kvReply{OK: true, EngineID: e.engineID, Compat: e.compat}
 	case opRead:
-		h, err := e.kv.read(req.RequestID, req.BlockIDs)
+		h, err := e.kv.Read(req.RequestID, req.BlockIDs)
 		if err != nil {
 			code := codeUnknownRequest
-			if errors.Is(err, errBlockMismatch) {
+			if errors.Is(err, kvstore.ErrBlockMismatch) {
 				code = codeBlockMismatch
 			}
 			e.log.Warn("KV read refused", logging.KeyRequestID, req.RequestID, "peer", req.EngineID, logging.Err(err))
 			return kvReply{Code: code, Error: err.Error()}
 		}
 		e.stats.kvServed.Add(1)
-		if req.PeerRequestID != "" && h.externalID != "" && req.PeerRequestID != h.externalID {
+		if req.PeerRequestID != "" && h.ExternalID != "" && req.PeerRequestID != h.ExternalID {
 			e.stats.requestIDMismatches.Add(1)
 			e.log.Warn("decode leg carried a different X-Request-Id than the prefill leg",
-				logging.KeyRequestID, req.RequestID, "prefill_x_request_id", h.externalID, "decode_x_request_id", req.PeerRequestID)
+				logging.KeyRequestID, req.RequestID, "prefill_x_request_id", h.ExternalID, "decode_x_request_id", req.PeerRequestID)
 		}
-		return kvReply{OK: true, Digest: h.digest, NumTokens: h.numTokens}
+		return kvReply{OK: true, Digest: h.Digest, NumTokens: h.NumTokens}
 	case opNotify:
-		if !e.kv.release(req.RequestID) {
+		if !e.kv.Release(req.RequestID) {
 			e.stats.unknownNotifs.Add(1)
 			e.log.Warn("Potentially invalid KV blocks for unrecognized request; the blocks may have expired",
 				logging.KeyRequestID, req.RequestID)
-			return kvReply{Code: codeUnknownRequest, Error: errUnknownRequest.Error()}
+			return kvReply{Code: codeUnknownRequest, Error: kvstore.ErrUnknownRequest.Error()}
 		}
 		return kvReply{OK: true}
 	case opHeartbeat:
-		if !e.kv.extend(req.RequestID) {
-			return kvReply{Code: codeUnknownRequest, Error: errUnknownRequest.Error()}
+		if !e.kv.Extend(req.RequestID) {
+			return kvReply{Code: codeUnknownRequest, Error: kvstore.ErrUnknownRequest.Error()}
 		}
 		return kvReply{OK: true}
 	}
@@ -198,11 +199,11 @@ func (c *kvConn) call(ctx context.Context, req kvRequest) (kvReply, error) {
 		var base error
 		switch rep.Code {
 		case codeUnknownRequest:
-			base = errUnknownRequest
+			base = kvstore.ErrUnknownRequest
 		case codeBlockMismatch:
-			base = errBlockMismatch
+			base = kvstore.ErrBlockMismatch
 		case codeEngineDead:
-			base = errEngineDead
+			base = kvstore.ErrEngineDead
 		default:
 			base = errors.New(rep.Error)
 		}

@@ -3,6 +3,7 @@ package sim
 import (
 	"sync/atomic"
 
+	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -64,7 +65,8 @@ type Stats struct {
 type counters struct {
 	requests, prefills, decodes, local                atomic.Int64
 	kvReads, kvReadFailures, kvMismatches, recomputes atomic.Int64
-	kvServed, blocksHeld, blocksExpired, holdsExpired atomic.Int64
+	kvServed                                          atomic.Int64
+	kv                                                kvstore.Counters
 	unknownNotifs, requestIDMismatches                atomic.Int64
 	aborts, faults, errors, running, waiting          atomic.Int64
 	promptTokens, generationTokens                    atomic.Int64
@@ -75,8 +77,8 @@ func (e *Engine) snapshot() Stats {
 	return Stats{
 		Requests: c.requests.Load(), Prefills: c.prefills.Load(), Decodes: c.decodes.Load(), Local: c.local.Load(),
 		KVReads: c.kvReads.Load(), KVReadFailures: c.kvReadFailures.Load(), KVMismatches: c.kvMismatches.Load(),
-		Recomputes: c.recomputes.Load(), KVServed: c.kvServed.Load(), BlocksHeld: c.blocksHeld.Load(),
-		BlocksExpired: c.blocksExpired.Load(), HoldsExpired: c.holdsExpired.Load(),
+		Recomputes: c.recomputes.Load(), KVServed: c.kvServed.Load(), BlocksHeld: c.kv.BlocksHeld.Load(),
+		BlocksExpired: c.kv.BlocksExpired.Load(), HoldsExpired: c.kv.HoldsExpired.Load(),
 		UnknownNotifs: c.unknownNotifs.Load(), RequestIDMismatches: c.requestIDMismatches.Load(),
 		Aborts: c.aborts.Load(), Faults: c.faults.Load(), Errors: c.errors.Load(),
 		Running: c.running.Load(), Waiting: c.waiting.Load(),
@@ -115,8 +117,8 @@ func (e *Engine) newRegistry() *prometheus.Registry {
 		counter("pdq_sim_kv_mismatches_total", "KV loads that held another prompt.", &c.kvMismatches),
 		counter("pdq_sim_recomputes_total", "Decodes that recomputed the prompt after a failed KV load.", &c.recomputes),
 		counter("pdq_sim_kv_served_total", "Reads of this engine's KV blocks.", &c.kvServed),
-		gauge("pdq_sim_blocks_held", "KV blocks held for decode engines.", &c.blocksHeld),
-		counter("pdq_sim_blocks_expired_total", "KV blocks freed at lease expiry.", &c.blocksExpired),
+		gauge("pdq_sim_blocks_held", "KV blocks held for decode engines.", &c.kv.BlocksHeld),
+		counter("pdq_sim_blocks_expired_total", "KV blocks freed at lease expiry.", &c.kv.BlocksExpired),
 		counter("pdq_sim_request_id_mismatches_total", "KV reads whose legs carried different X-Request-Ids.", &c.requestIDMismatches),
 		counter("pdq_sim_aborts_total", "Requests aborted by their client.", &c.aborts),
 		counter("pdq_sim_faults_total", "Injected faults.", &c.faults),

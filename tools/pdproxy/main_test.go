@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -16,12 +16,12 @@ import (
 // not (a recompute, or a local run); a v1 decode engine dies of legs with
 // two X-Request-Ids.
 func TestProxyHandshake(t *testing.T) {
-	for _, protocol := range []sim.Protocol{sim.ProtocolV1, sim.ProtocolV2} {
+	for _, protocol := range []simconfig.Protocol{simconfig.ProtocolV1, simconfig.ProtocolV2} {
 		t.Run(string(protocol), func(t *testing.T) { testHandshake(t, protocol) })
 	}
 }
 
-func testHandshake(t *testing.T, protocol sim.Protocol) {
+func testHandshake(t *testing.T, protocol simconfig.Protocol) {
 	cfg := simtest.FastConfig()
 	cfg.Protocol = protocol
 	prefill, decode := simtest.Start(t, cfg), simtest.Start(t, cfg)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/sim"
+	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
 // Engine is a running simulated engine.
@@ -25,8 +26,8 @@ type Engine struct {
 
 // FastConfig is sim.DefaultConfig with latencies cut to what keeps tests
 // quick and a side channel on a free loopback port.
-func FastConfig() sim.Config {
-	c := sim.DefaultConfig()
+func FastConfig() simconfig.Config {
+	c := simconfig.DefaultConfig()
 	c.Addr = "127.0.0.1:0"
 	c.KVHost = "127.0.0.1"
 	c.KVPort = 0
@@ -40,7 +41,7 @@ func FastConfig() sim.Config {
 // Start runs an engine with cfg until the test ends. Addr and KVPort are
 // ignored: both listeners take free ports on 127.0.0.1 (the advertised
 // remote_host is still cfg.KVHost).
-func Start(t testing.TB, cfg sim.Config) *Engine {
+func Start(t testing.TB, cfg simconfig.Config) *Engine {
 	t.Helper()
 	e, err := sim.New(cfg, logging.Discard())
 	if err != nil {

@@ -1,4 +1,4 @@
-package sim
+package simconfig
 
 import (
 	"encoding/json"
@@ -292,7 +292,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 }
 
 // servedNames are the names the base model answers to.
-func (c Config) servedNames() []string {
+func (c Config) ServedNames() []string {
 	if len(c.ServedModelNames) > 0 {
 		return c.ServedModelNames
 	}

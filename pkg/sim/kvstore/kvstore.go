@@ -1,10 +1,11 @@
-package sim
+package kvstore
 
 import (
 	"errors"
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -13,17 +14,22 @@ import (
 // Errors of the KV side channel. A decode engine matches them to tell a
 // request the prefill engine does not know from other transfer failures.
 var (
-	errUnknownRequest = errors.New("unrecognized request: no KV blocks held under this id (never prefilled here, already read, or expired)")
-	errBlockMismatch  = errors.New("block ids do not match the blocks held for this request")
-	errEngineDead     = errors.New("engine is dead")
+	ErrUnknownRequest = errors.New("unrecognized request: no KV blocks held under this id (never prefilled here, already read, or expired)")
+	ErrBlockMismatch  = errors.New("block ids do not match the blocks held for this request")
+	ErrEngineDead     = errors.New("engine is dead")
 )
 
-// kvStore holds the KV blocks of finished prefills until a decode engine
+// Counters are the store's counters, for the engine's stats.
+type Counters struct {
+	BlocksHeld, BlocksExpired, HoldsExpired atomic.Int64
+}
+
+// Store holds the KV blocks of finished prefills until a decode engine
 // reads them or their lease runs out, as a vLLM prefill engine with the
 // NIXL connector does.
-type kvStore struct {
+type Store struct {
 	log   *slog.Logger
-	stats *counters
+	stats *Counters
 	lease time.Duration
 
 	mu    sync.Mutex
@@ -34,20 +40,21 @@ type kvStore struct {
 
 // hold is one prefill's blocks, named by the engine's internal request id.
 type hold struct {
-	externalID string // the X-Request-Id the prefill came with
+	ExternalID string // the X-Request-Id the prefill came with
 	blocks     []int
-	digest     string
-	numTokens  int
+	Digest     string
+	NumTokens  int
 	expires    time.Time
 	timer      *time.Timer
 }
 
-func newKVStore(log *slog.Logger, stats *counters, lease time.Duration) *kvStore {
-	return &kvStore{log: log, stats: stats, lease: lease, holds: make(map[string]*hold)}
+// New is a store whose holds last lease unless read; it counts in stats.
+func New(log *slog.Logger, stats *Counters, lease time.Duration) *Store {
+	return &Store{log: log, stats: stats, lease: lease, holds: make(map[string]*hold)}
 }
 
-// hold allocates blocks for a finished prefill and holds them under id.
-func (s *kvStore) hold(id, externalID string, numBlocks, numTokens int, digest string) []int {
+// Hold allocates blocks for a finished prefill and holds them under id.
+func (s *Store) Hold(id, externalID string, numBlocks, numTokens int, digest string) []int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	blocks := make([]int, numBlocks)
@@ -59,7 +66,7 @@ func (s *kvStore) hold(id, externalID string, numBlocks, numTokens int, digest s
 			s.next++
 		}
 	}
-	h := &hold{externalID: externalID, blocks: blocks, digest: digest, numTokens: numTokens, expires: time.Now().Add(s.lease)}
+	h := &hold{ExternalID: externalID, blocks: blocks, Digest: digest, NumTokens: numTokens, expires: time.Now().Add(s.lease)}
 	h.timer = time.AfterFunc(s.lease, func() { s.expire(id, h) })
 	if old, ok := s.holds[id]; ok {
 		// An id reused while its blocks are still held: vLLM would corrupt
@@ -68,28 +75,28 @@ func (s *kvStore) hold(id, externalID string, numBlocks, numTokens int, digest s
 		s.dropLocked(id, old)
 	}
 	s.holds[id] = h
-	s.stats.blocksHeld.Add(int64(numBlocks))
+	s.stats.BlocksHeld.Add(int64(numBlocks))
 	return slices.Clone(blocks)
 }
 
-// read checks a decode engine's read of id's blocks and returns what they
+// Read checks a decode engine's read of id's blocks and returns what they
 // hold. The blocks stay held until release.
-func (s *kvStore) read(id string, blockIDs []int) (hold, error) {
+func (s *Store) Read(id string, blockIDs []int) (hold, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h, ok := s.holds[id]
 	if !ok {
-		return hold{}, errUnknownRequest
+		return hold{}, ErrUnknownRequest
 	}
 	if !slices.Equal(h.blocks, blockIDs) {
-		return hold{}, errBlockMismatch
+		return hold{}, ErrBlockMismatch
 	}
-	return hold{externalID: h.externalID, digest: h.digest, numTokens: h.numTokens, blocks: slices.Clone(h.blocks)}, nil
+	return hold{ExternalID: h.ExternalID, Digest: h.Digest, NumTokens: h.NumTokens, blocks: slices.Clone(h.blocks)}, nil
 }
 
-// release frees id's blocks on a decode engine's notification. It reports
+// Release frees id's blocks on a decode engine's notification. It reports
 // false for an id it does not hold.
-func (s *kvStore) release(id string) bool {
+func (s *Store) Release(id string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h, ok := s.holds[id]
@@ -100,9 +107,9 @@ func (s *kvStore) release(id string) bool {
 	return true
 }
 
-// extend renews id's lease, as vLLM's decode heartbeats do for a request
+// Extend renews id's lease, as vLLM's decode heartbeats do for a request
 // that waits in the decode engine's queue.
-func (s *kvStore) extend(id string) bool {
+func (s *Store) Extend(id string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h, ok := s.holds[id]
@@ -116,7 +123,7 @@ func (s *kvStore) extend(id string) bool {
 	return true
 }
 
-func (s *kvStore) expire(id string, h *hold) {
+func (s *Store) expire(id string, h *hold) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.holds[id] != h {
@@ -127,21 +134,21 @@ func (s *kvStore) expire(id string, h *hold) {
 		return
 	}
 	s.dropLocked(id, h)
-	s.stats.blocksExpired.Add(int64(len(h.blocks)))
-	s.stats.holdsExpired.Add(1)
+	s.stats.BlocksExpired.Add(int64(len(h.blocks)))
+	s.stats.HoldsExpired.Add(1)
 	s.log.Warn("Releasing expired KV blocks: no decode engine read them within the lease",
 		logging.KeyRequestID, id, "blocks", len(h.blocks), "lease", s.lease.String())
 }
 
-func (s *kvStore) dropLocked(id string, h *hold) {
+func (s *Store) dropLocked(id string, h *hold) {
 	h.timer.Stop()
 	delete(s.holds, id)
 	s.free = append(s.free, h.blocks...)
-	s.stats.blocksHeld.Add(-int64(len(h.blocks)))
+	s.stats.BlocksHeld.Add(-int64(len(h.blocks)))
 }
 
-// close stops the lease timers; held blocks are dropped with the engine.
-func (s *kvStore) close() {
+// Close stops the lease timers; held blocks are dropped with the engine.
+func (s *Store) Close() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for id, h := range s.holds {
