@@ -96,3 +96,11 @@ func (h *handlers) ready(c echo.Context) error {
 	}
 	return c.NoContent(http.StatusOK)
 }
+
+// array wraps a list's members in brackets.
+func array(members []byte) []byte {
+	out := make([]byte, 0, len(members)+2)
+	out = append(out, '[')
+	out = append(out, members...)
+	return append(out, ']')
+}

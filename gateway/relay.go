@@ -23,7 +23,7 @@ import (
 // the SSE events, flushed once per burst. One loop serves a single request
 // and a batch of prompts (batch.go) alike: each job is a leg, and a hook
 // rewrites what the legs send into the client's answer, the way
-// httputil.ReverseProxy takes ModifyResponse. A single request is one leg
+// httputil.ReverseProxy takes ModifyResponse (a batch's: openai.BatchMerge). A single request is one leg
 // whose answer passes as the worker sent it, its ids put back; a batch's
 // legs are merged into one answer. An error that comes before any output
 // keeps its HTTP status; after that it can only be an in-stream error.
@@ -45,22 +45,22 @@ type leg struct {
 
 // merge rewrites the legs' replies into the client's answer.
 type merge interface {
-	// chunk rewrites a stream chunk of leg i; held keeps it back, for
-	// tail.
-	chunk(i int, data []byte) (out []byte, held bool, err error)
-	// whole joins the legs' whole answers (not streamed) into one body.
-	whole(parts [][]byte) ([]byte, error)
-	// tail is a stream's last event before [DONE], or nil.
-	tail() []byte
+	// Chunk rewrites a stream chunk of leg i; held keeps it back, for
+	// Tail.
+	Chunk(i int, data []byte) (out []byte, held bool, err error)
+	// Whole joins the legs' whole answers (not streamed) into one body.
+	Whole(parts [][]byte) ([]byte, error)
+	// Tail is a stream's last event before [DONE], or nil.
+	Tail() []byte
 }
 
 // ownIDs is a single request's merge: the answer as the worker sent it,
 // with the client's ids put back (responseIDs).
 type ownIDs struct{ ids *responseIDs }
 
-func (m ownIDs) chunk(_ int, data []byte) ([]byte, bool, error) { return m.ids.apply(data), false, nil }
-func (m ownIDs) whole(parts [][]byte) ([]byte, error)           { return m.ids.apply(parts[0]), nil }
-func (ownIDs) tail() []byte                                     { return nil }
+func (m ownIDs) Chunk(_ int, data []byte) ([]byte, bool, error) { return m.ids.apply(data), false, nil }
+func (m ownIDs) Whole(parts [][]byte) ([]byte, error)           { return m.ids.apply(parts[0]), nil }
+func (ownIDs) Tail() []byte                                     { return nil }
 
 // legReply is a reply of leg i, or the error that ended its stream (i is
 // -1 when the relay itself ended).
@@ -184,7 +184,7 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 				whole[lr.i] = append(slices.Clip(whole[lr.i]), lr.r.Data...)
 				continue
 			}
-			out, held, err := m.chunk(lr.i, lr.r.Data)
+			out, held, err := m.Chunk(lr.i, lr.r.Data)
 			if err != nil {
 				return fail(openai.NewError(http.StatusBadGateway, "%v", err))
 			}
@@ -199,7 +199,7 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 		}
 	}
 	if !stream {
-		out, err := m.whole(whole)
+		out, err := m.Whole(whole)
 		if err != nil {
 			return fail(openai.NewError(http.StatusBadGateway, "could not merge the answers of the batch: %v", err))
 		}
@@ -209,7 +209,7 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 			return nil
 		}
 	} else {
-		if tail := m.tail(); tail != nil {
+		if tail := m.Tail(); tail != nil {
 			if err := sse.Data(tail); err != nil {
 				end(dispatcher.StateCancelled, 499, errClientGone.Error())
 				return nil

@@ -1,4 +1,4 @@
-package gateway
+package openai
 
 import (
 	"testing"
@@ -6,8 +6,8 @@ import (
 
 func TestBatchMerge(t *testing.T) {
 	t.Run("responses", func(t *testing.T) {
-		m := newBatchMerge("cmpl-b", 1)
-		out, err := m.whole([][]byte{
+		m := NewBatchMerge("cmpl-b", 1)
+		out, err := m.Whole([][]byte{
 			[]byte(`{"id":"cmpl-b-0","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"<a>","finish_reason":"length"}],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":null},"kv_transfer_params":null}`),
 			[]byte(`{"id":"cmpl-b-1","object":"text_completion","created":8,"model":"m","choices":[{"index":0,"text":"b","finish_reason":"stop"}],"usage":{"prompt_tokens":4,"total_tokens":5,"completion_tokens":1,"prompt_tokens_details":null},"kv_transfer_params":null}`),
 		})
@@ -17,7 +17,7 @@ func TestBatchMerge(t *testing.T) {
 		}
 	})
 	t.Run("chunks", func(t *testing.T) {
-		m := newBatchMerge("cmpl-b", 2)
+		m := NewBatchMerge("cmpl-b", 2)
 		for _, tc := range []struct {
 			i        int
 			in, want string
@@ -28,18 +28,18 @@ func TestBatchMerge(t *testing.T) {
 			{1, `{"id":"cmpl-b-1","choices":[],"usage":{"prompt_tokens":1,"total_tokens":3,"completion_tokens":2}}`, "", true},
 			{0, `{"id":"cmpl-b-0","choices":[],"usage":{"prompt_tokens":2,"total_tokens":3,"completion_tokens":1}}`, "", true},
 		} {
-			out, held, err := m.chunk(tc.i, []byte(tc.in))
+			out, held, err := m.Chunk(tc.i, []byte(tc.in))
 			if err != nil || held != tc.held || string(out) != tc.want {
 				t.Errorf("chunk(%d, %s) = %s, %v, %v; want %s, %v", tc.i, tc.in, out, held, err, tc.want, tc.held)
 			}
 		}
 		want := `{"id":"cmpl-b","choices":[],"usage":{"prompt_tokens":3,"total_tokens":6,"completion_tokens":3}}`
-		if got := string(m.tail()); got != want {
+		if got := string(m.Tail()); got != want {
 			t.Errorf("usage chunk = %s, want %s", got, want)
 		}
 	})
 	t.Run("odd choices", func(t *testing.T) {
-		m := newBatchMerge("cmpl-b", 2)
+		m := NewBatchMerge("cmpl-b", 2)
 		for _, tc := range []struct {
 			in, want string
 			fails    bool
@@ -51,15 +51,15 @@ func TestBatchMerge(t *testing.T) {
 			{in: `{"id":"x","choices":[{"index":"0"}]}`, fails: true},
 			{in: `{"id":"x","choices":{}}`, fails: true},
 		} {
-			out, held, err := m.chunk(1, []byte(tc.in))
+			out, held, err := m.Chunk(1, []byte(tc.in))
 			if (err != nil) != tc.fails || held || string(out) != tc.want {
 				t.Errorf("chunk(1, %s) = %s, %v, %v; want %s, fails %v", tc.in, out, held, err, tc.want, tc.fails)
 			}
 		}
 	})
 	t.Run("not JSON", func(t *testing.T) {
-		m := newBatchMerge("cmpl-b", 1)
-		if _, _, err := m.chunk(0, []byte(`{"id":`)); err == nil {
+		m := NewBatchMerge("cmpl-b", 1)
+		if _, _, err := m.Chunk(0, []byte(`{"id":`)); err == nil {
 			t.Error("a broken chunk was merged")
 		}
 	})
