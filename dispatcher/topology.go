@@ -411,22 +411,5 @@ func ensureConsumer(ctx context.Context, js jetstream.JetStream, stream string, 
 	return c, nil
 }
 
-// kvReadsTTL outlives any handoff's KV; the claims it bounds are
-// explained where they are made, with the stage loop.
-const kvReadsTTL = 10 * time.Minute
-
-// kvReadsBucketConfig is pdq_kv_reads.
-func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
-	return jetstream.KeyValueConfig{
-		Bucket:      BucketKVReads,
-		Description: "handoffs whose KV a decode or a release has claimed to read: one reader per prefill",
-		TTL:         kvReadsTTL,
-		Storage:     jetstream.FileStorage,
-		History:     1,
-		MaxBytes:    stageMaxBytes,
-		Replicas:    max(replicas, 1),
-	}
-}
-
 // releaseConsumer is the durable consumer of a pool's release queue.
 func releaseConsumer(pool string) string { return "release-" + pool }

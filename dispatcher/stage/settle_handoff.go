@@ -96,7 +96,7 @@ func (s *settle) queueRelease(ctx context.Context, h *dispatcher.Job) {
 	// One release per generation; a release tried again (its call did
 	// not run) is a copy of its own, counted in its hand-backs.
 	// Keyed by the KV too: two runs of one prefill each have their own.
-	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation) + "." + strconv.Itoa(h.HandBacks) + "." + kvReadKey(h)[:8]}
+	m.Header[nats.MsgIdHdr] = []string{h.ID + "/r" + strconv.Itoa(h.Generation) + "." + strconv.Itoa(h.HandBacks) + "." + dispatcher.KVReadKey(h)[:8]}
 	if h.HandBacks > 0 {
 		m.Header[headerNotBefore] = []string{strconv.FormatInt(time.Now().Add(releaseRetry).UnixMilli(), 10)}
 	}
@@ -185,7 +185,7 @@ func (s *settle) claimKV(ctx context.Context) bool {
 	// As long as a publish waits for a stream's new leader.
 	cctx, cancel := context.WithTimeout(ctx, dispatcher.PublishFailover)
 	defer cancel()
-	ok, err := s.l.kvReads.claim(cctx, s.job, s.delivery)
+	ok, err := s.l.kvReads.Claim(cctx, s.job, s.delivery)
 	if err != nil {
 		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "kv_claim_failed")
 		s.log.Warn("could not claim the handoff's KV; taking it as read", logging.Err(err))
@@ -203,7 +203,7 @@ func (s *settle) unclaimKV(ctx context.Context) {
 	s.kvClaimed = false
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	if err := s.l.kvReads.unclaim(cctx, s.job, s.delivery); err != nil {
+	if err := s.l.kvReads.Unclaim(cctx, s.job, s.delivery); err != nil {
 		s.log.Warn("could not give back the handoff's KV claim: its next delivery sends it to prefill", logging.Err(err))
 	}
 }

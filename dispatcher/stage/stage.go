@@ -145,7 +145,7 @@ type Loop struct {
 	js      jetstream.JetStream
 	records *dispatcher.Records
 	// kvReads claims handoffs' KV for one reader (decode stage only).
-	kvReads  *kvReads
+	kvReads  *dispatcher.KVReads
 	liveness *registry.Liveness
 	log      *slog.Logger
 
@@ -294,7 +294,7 @@ func (l *Loop) Run(ctx context.Context) error {
 		return err
 	}
 	if l.cfg.Stage == dispatcher.StageDecode {
-		if l.kvReads, err = openKVReads(ctx, l.js); err != nil {
+		if l.kvReads, err = dispatcher.OpenKVReads(ctx, l.js); err != nil {
 			return err
 		}
 	}

@@ -849,11 +849,11 @@ func TestHandoffGenerations(t *testing.T) {
 				}
 			}
 			if tc.claimed {
-				reads, err := openKVReads(ctx, js)
+				reads, err := dispatcher.OpenKVReads(ctx, js)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if ok, err := reads.claim(ctx, job, "forgotten"); !ok || err != nil {
+				if ok, err := reads.Claim(ctx, job, "forgotten"); !ok || err != nil {
 					t.Fatalf("claim: %v %v", ok, err)
 				}
 			}

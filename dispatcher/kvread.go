@@ -1,4 +1,4 @@
-package stage
+package dispatcher
 
 import (
 	"context"
@@ -6,9 +6,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/internal/sleep"
 )
 
@@ -33,35 +33,51 @@ import (
 // KV TTL (vLLM's lease is 30 s; its older abort timeout 480 s), and the
 // bucket holds what 3,000 handoffs a second leave in that time.
 
-// kvReads claims handoffs' KV for one reader each.
-type kvReads struct{ kv jetstream.KeyValue }
+const kvReadsTTL = 10 * time.Minute
 
-func openKVReads(ctx context.Context, js jetstream.JetStream) (*kvReads, error) {
-	kv, err := js.KeyValue(ctx, dispatcher.BucketKVReads)
-	if err != nil {
-		return nil, fmt.Errorf("open bucket %s: %w", dispatcher.BucketKVReads, err)
+// kvReadsBucketConfig is pdq_kv_reads.
+func kvReadsBucketConfig(replicas int) jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{
+		Bucket:      BucketKVReads,
+		Description: "handoffs whose KV a decode or a release has claimed to read: one reader per prefill",
+		TTL:         kvReadsTTL,
+		Storage:     jetstream.FileStorage,
+		History:     1,
+		MaxBytes:    stageMaxBytes,
+		Replicas:    max(replicas, 1),
 	}
-	return &kvReads{kv: kv}, nil
 }
 
-// kvReadKey is the key of the KV that a handoff of job names.
-func kvReadKey(job *dispatcher.Job) string {
+// KVReads claims handoffs' KV for one reader each.
+type KVReads struct{ kv jetstream.KeyValue }
+
+// OpenKVReads opens the pdq_kv_reads bucket.
+func OpenKVReads(ctx context.Context, js jetstream.JetStream) (*KVReads, error) {
+	kv, err := js.KeyValue(ctx, BucketKVReads)
+	if err != nil {
+		return nil, fmt.Errorf("open bucket %s: %w", BucketKVReads, err)
+	}
+	return &KVReads{kv: kv}, nil
+}
+
+// KVReadKey is the key of the KV that a handoff of job names.
+func KVReadKey(job *Job) string {
 	h := sha256.New()
 	fmt.Fprintf(h, "%s\x00%d\x00", job.ID, job.Generation)
 	h.Write(job.KV)
 	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-// claim reports whether reader holds the KV of job's handoff: it claimed
+// Claim reports whether reader holds the KV of job's handoff: it claimed
 // it now, or had before. False means another reader has. A create that got
 // no answer (the bucket's leader being elected again in a cluster) is tried
 // again, up to ctx's end: one that was stored after all finds the key
 // holding this reader's name, and stands.
-func (r *kvReads) claim(ctx context.Context, job *dispatcher.Job, reader string) (bool, error) {
-	key := kvReadKey(job)
+func (r *KVReads) Claim(ctx context.Context, job *Job, reader string) (bool, error) {
+	key := KVReadKey(job)
 	_, err := r.kv.Create(ctx, key, []byte(reader))
-	for dispatcher.NoAnswer(err) && ctx.Err() == nil {
-		if sleep.For(ctx, dispatcher.PublishRetryWait) != nil {
+	for NoAnswer(err) && ctx.Err() == nil {
+		if sleep.For(ctx, PublishRetryWait) != nil {
 			break
 		}
 		_, err = r.kv.Create(ctx, key, []byte(reader))
@@ -79,10 +95,10 @@ func (r *kvReads) claim(ctx context.Context, job *dispatcher.Job, reader string)
 	return string(e.Value()) == reader, nil
 }
 
-// unclaim gives back reader's claim of a read that did not happen: the
+// Unclaim gives back reader's claim of a read that did not happen: the
 // handoff goes back to the queue, unread, for another reader.
-func (r *kvReads) unclaim(ctx context.Context, job *dispatcher.Job, reader string) error {
-	key := kvReadKey(job)
+func (r *KVReads) Unclaim(ctx context.Context, job *Job, reader string) error {
+	key := KVReadKey(job)
 	e, err := r.kv.Get(ctx, key)
 	if errors.Is(err, jetstream.ErrKeyNotFound) {
 		return nil
