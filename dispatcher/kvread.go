@@ -77,7 +77,7 @@ func (r *KVReads) Claim(ctx context.Context, job *Job, reader string) (bool, err
 	key := KVReadKey(job)
 	_, err := r.kv.Create(ctx, key, []byte(reader))
 	for NoAnswer(err) && ctx.Err() == nil {
-		if sleep.For(ctx, PublishRetryWait) != nil {
+		if sleep.For(ctx, publishRetryWait) != nil {
 			break
 		}
 		_, err = r.kv.Create(ctx, key, []byte(reader))

@@ -77,9 +77,9 @@ func Publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
 // would on any retry: every message published here has a Nats-Msg-Id.
 const (
 	PublishAttempt    = 2 * time.Second
-	PublishRetryWait  = 250 * time.Millisecond
+	publishRetryWait  = 250 * time.Millisecond
 	PublishFailover   = 15 * time.Second
-	publishNoLeaderTo = int(PublishAttempt / PublishRetryWait)
+	publishNoLeaderTo = int(PublishAttempt / publishRetryWait)
 )
 
 // PublishSeq is publish that also returns the message's stream sequence
@@ -89,7 +89,7 @@ func PublishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uin
 	silent, last := 0, uint64(0) // unanswered attempts in a row; the stream's last sequence at the first
 	for {
 		actx, cancel := context.WithTimeout(ctx, PublishAttempt)
-		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(PublishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
+		ack, err := js.PublishMsg(actx, msg, jetstream.WithRetryWait(publishRetryWait), jetstream.WithRetryAttempts(publishNoLeaderTo))
 		cancel()
 		switch {
 		case err == nil && ack.Duplicate:

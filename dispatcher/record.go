@@ -245,7 +245,7 @@ func whileNoLeader(ctx context.Context, write func() (uint64, error)) (uint64, e
 		if err == nil || !errors.Is(err, jetstream.ErrNoStreamResponse) || time.Now().After(giveUp) {
 			return rev, err
 		}
-		if sleep.For(ctx, PublishRetryWait) != nil {
+		if sleep.For(ctx, publishRetryWait) != nil {
 			return rev, err
 		}
 	}

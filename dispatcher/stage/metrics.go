@@ -97,7 +97,7 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 			m.retries.WithLabelValues(string(stage), reason)
 		}
 	}
-	for _, reason := range WasteReasons {
+	for _, reason := range wasteReasons {
 		m.wastedPrefills.WithLabelValues(string(reason))
 	}
 	return m, nil
@@ -194,7 +194,7 @@ func (m *Metrics) EngineSlots(stage dispatcher.Stage, engine string, n int) {
 }
 
 // Wasted counts a handoff sent back to prefill, its KV unread.
-func (m *Metrics) Wasted(reason Waste) {
+func (m *Metrics) Wasted(reason waste) {
 	if m != nil {
 		m.wastedPrefills.WithLabelValues(string(reason)).Inc()
 	}
@@ -236,15 +236,15 @@ func (m *Metrics) Migrated(pool string) {
 	}
 }
 
-// Waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
+// waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
 // reason.
-type Waste string
+type waste string
 
 const (
-	WasteKVTTL        Waste = "kv_ttl"
-	WasteRedelivered  Waste = "redelivered"
-	WasteDecodeFailed Waste = "decode_failed"
-	WasteShutdown     Waste = "shutdown"
+	wasteKVTTL        waste = "kv_ttl"
+	wasteRedelivered  waste = "redelivered"
+	wasteDecodeFailed waste = "decode_failed"
+	wasteShutdown     waste = "shutdown"
 )
 
-var WasteReasons = []Waste{WasteKVTTL, WasteRedelivered, WasteDecodeFailed, WasteShutdown}
+var wasteReasons = []waste{wasteKVTTL, wasteRedelivered, wasteDecodeFailed, wasteShutdown}

@@ -151,11 +151,11 @@ func (s *settle) admit(ctx context.Context) bool {
 	if handoff && redelivered {
 		// An earlier delivery may have read the KV blocks, which a prefill
 		// engine serves once.
-		s.regenerate(ctx, WasteRedelivered, "a redelivered handoff's KV may have been read", false)
+		s.regenerate(ctx, wasteRedelivered, "a redelivered handoff's KV may have been read", false)
 		return false
 	}
 	if handoff && job.Prefill != nil && time.Since(job.Prefill.Ended()) > l.cfg.KVTTL {
-		s.regenerate(ctx, WasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
+		s.regenerate(ctx, wasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
 		return false
 	}
 	return true

@@ -38,7 +38,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 // new KV, new message ids; its prefill was wasted, for reason. release
 // says whether this handoff's KV was certainly never read, and so is
 // freed.
-func (s *settle) regenerate(ctx context.Context, reason Waste, why string, release bool) {
+func (s *settle) regenerate(ctx context.Context, reason waste, why string, release bool) {
 	l, job := s.l, s.job
 	l.cfg.Metrics.Wasted(reason)
 	if release {

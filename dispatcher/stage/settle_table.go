@@ -81,7 +81,7 @@ type verdict struct {
 	client *openai.Error
 	answer bool
 	// waste says why a regenerated handoff's prefill was wasted.
-	waste Waste
+	waste waste
 	// why is the cause, for the record, the log and the next generation;
 	// note a warning logged first, with the handler's error.
 	why, note string
@@ -133,7 +133,7 @@ func decide(f facts, o outcome, errText string) verdict {
 		case decodeKV && !f.ran:
 			return verdict{act: actUnrun, why: "interrupted by shutdown before its engine ran it"}
 		case decodeKV:
-			return verdict{act: actRegenerate, waste: WasteShutdown, why: "interrupted by shutdown; its KV may have been read"}
+			return verdict{act: actRegenerate, waste: wasteShutdown, why: "interrupted by shutdown; its KV may have been read"}
 		}
 		return verdict{act: actNak, why: "interrupted by shutdown"}
 	}
@@ -156,11 +156,11 @@ func decide(f facts, o outcome, errText string) verdict {
 		// The client has part of the answer: no attempt can start over.
 		return verdict{act: actFail, answer: true, client: openai.NewError(http.StatusBadGateway, "the %s stage failed mid-answer", f.stage)}
 	case decodeKV && fl.Unread:
-		return verdict{act: actRegenerate, release: true, waste: WasteDecodeFailed,
+		return verdict{act: actRegenerate, release: true, waste: wasteDecodeFailed,
 			why: "decode failed before its engine ran it: " + errText, note: "decode failed before its engine ran it"}
 	case decodeKV:
 		// Before output, but the engine may have read the KV blocks.
-		return verdict{act: actRegenerate, waste: WasteDecodeFailed,
+		return verdict{act: actRegenerate, waste: wasteDecodeFailed,
 			why: "decode failed before output: " + errText, note: "decode failed before output"}
 	case f.attempt < f.maxDeliver:
 		return verdict{act: actRetry}

@@ -803,14 +803,14 @@ func TestHandoffGenerations(t *testing.T) {
 		crashes     int
 		claimed     bool // its KV claimed by a delivery NATS has forgotten
 		wantRelease int32
-		wantWaste   Waste // the wasted prefill's reason
+		wantWaste   waste // the wasted prefill's reason
 	}{
-		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, WasteKVTTL},
-		{"older than the lease", 30 * time.Second, 0, false, 0, WasteKVTTL},
-		{"redelivered after a crash", 0, 1, false, 0, WasteRedelivered},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, wasteKVTTL},
+		{"older than the lease", 30 * time.Second, 0, false, 0, wasteKVTTL},
+		{"redelivered after a crash", 0, 1, false, 0, wasteRedelivered},
 		// A restarted nats-server delivers it again as a first delivery.
-		{"delivered again as a first", 0, 0, true, 0, WasteRedelivered},
-		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, WasteRedelivered},
+		{"delivered again as a first", 0, 0, true, 0, wasteRedelivered},
+		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, wasteRedelivered},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := dispatcher.PoolName(t.Name())
@@ -884,7 +884,7 @@ func TestHandoffGenerations(t *testing.T) {
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
 			}
-			for _, reason := range WasteReasons {
+			for _, reason := range wasteReasons {
 				want := 0.0
 				if reason == tc.wantWaste {
 					want = 1
