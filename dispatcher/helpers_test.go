@@ -3,7 +3,6 @@ package dispatcher
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -33,26 +32,4 @@ func startJetStreamAt(t testing.TB, dir string) (*nats.Conn, jetstream.JetStream
 		t.Fatalf("Ensure is not idempotent: %v", err)
 	}
 	return nc, js
-}
-
-func recv[T any](t *testing.T, what string, ch <-chan T) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s: not within 10s", what)
-		panic("unreachable")
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within 10s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }

@@ -147,10 +147,10 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		"prompt_tokens_estimate", promptTokens, "generation", job.Generation)
 	switch {
 	case fallback:
-		h.cfg.Counters.Fallback(job.Pool, "gateway")
-		h.cfg.Counters.DecodeOnly("no_healthy_prefill")
+		h.cfg.Counters.Shared().Fallback(job.Pool, "gateway")
+		h.cfg.Counters.Shared().DecodeOnly("no_healthy_prefill")
 	case stage == dispatcher.StageDecode:
-		h.cfg.Counters.DecodeOnly("short_prompt")
+		h.cfg.Counters.Shared().DecodeOnly("short_prompt")
 	}
 	return replies, job, claim, nil
 }

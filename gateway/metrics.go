@@ -63,13 +63,6 @@ func (m *Metrics) Shared() *dispatcher.Metrics {
 	return m.shared
 }
 
-// DecodeOnly counts a request sent decode-only.
-func (m *Metrics) DecodeOnly(reason string) { m.Shared().DecodeOnly(reason) }
-
-// Fallback counts a long prompt sent decode-only for want of a healthy
-// prefill worker.
-func (m *Metrics) Fallback(pool, where string) { m.Shared().Fallback(pool, where) }
-
 // Request counts a request the gateway answered, and its latencies: ttft
 // and e2e are zero when there was no first byte or no whole answer.
 func (m *Metrics) Request(model, outcome string, ttft, e2e time.Duration) {

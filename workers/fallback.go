@@ -144,7 +144,7 @@ func (w *Worker) canForward() bool {
 // forward sends a job on to decode-only.
 func (w *Worker) forward(d *stage.Delivery) {
 	d.Forward()
-	w.cfg.Metrics.Fallback(d.Job.Pool, "prefill")
-	w.cfg.Metrics.DecodeOnly("no_healthy_prefill")
+	w.cfg.Metrics.Shared().Fallback(d.Job.Pool, "prefill")
+	w.cfg.Metrics.Shared().DecodeOnly("no_healthy_prefill")
 	w.log.Debug("prefill engine down: forwarded decode-only", logging.KeyRequestID, d.Job.ID)
 }

@@ -49,7 +49,7 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 		} else {
 			log.Debug("prefill engine refused the request: sent decode-only for the decode engine to judge", logging.Err(err))
 		}
-		w.cfg.Metrics.DecodeOnly("prefill_refused")
+		w.cfg.Metrics.Shared().DecodeOnly("prefill_refused")
 		d.Forward()
 		return nil
 	default:

@@ -111,13 +111,6 @@ func (m *Metrics) Shared() *dispatcher.Metrics {
 	return m.shared
 }
 
-// DecodeOnly counts a request sent decode-only.
-func (m *Metrics) DecodeOnly(reason string) { m.Shared().DecodeOnly(reason) }
-
-// Fallback counts a long prompt sent decode-only for want of a healthy
-// prefill worker; where is "gateway" or "prefill".
-func (m *Metrics) Fallback(pool, where string) { m.Shared().Fallback(pool, where) }
-
 // Pool shows the series of a pool's stage from the start.
 func (m *Metrics) Pool(stage dispatcher.Stage, pool string) {
 	if m == nil {

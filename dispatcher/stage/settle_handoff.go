@@ -71,7 +71,7 @@ func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
 	}
 	s.log.Warn("the handoff is larger than a NATS message: sent decode-only, its KV left to the prefill engine's lease",
 		"body_bytes", len(d.handoff.Body), "kv_bytes", len(d.handoff.KV), "max_payload", maxPayload)
-	s.l.cfg.Metrics.DecodeOnly("handoff_too_large")
+	s.l.cfg.Metrics.Shared().DecodeOnly("handoff_too_large")
 	d.Forward()
 	return d.handoff.Msg(dispatcher.StageDecode)
 }
