@@ -39,11 +39,11 @@ func StoreDeadLetter(ctx context.Context, js jetstream.Publisher, m *nats.Msg, i
 	case errors.Is(err, ErrDuplicate):
 		return nil // counted when it was stored
 	case errors.Is(err, ErrQueueFull), errors.Is(err, ErrNotStoring):
-		metrics.DeadLetterRefused(stage)
+		metrics.deadLetterRefused(stage)
 		return fmt.Errorf("%w (%d entries or %d bytes, or its store does not write): %w", ErrDLQFull, dlqMaxMsgs, dlqMaxBytes, err)
 	case err != nil:
 		return err
 	}
-	metrics.DeadLetter(stage)
+	metrics.deadLetter(stage)
 	return nil
 }

@@ -11,7 +11,7 @@ const (
 	HeaderReplyTo    = "Pdq-Reply-To"
 	HeaderDeadline   = "Pdq-Deadline"   // Unix milliseconds
 	HeaderGeneration = "Pdq-Generation" // from 1
-	// HeaderRebuilt marks a job the store doctor stored again (doctor.go).
+	// HeaderRebuilt marks a job the store doctor stored again (dispatcher/admin/doctor.go).
 	HeaderRebuilt      = "Pdq-Rebuilt"
 	HeaderOrigin       = "Pdq-Origin"    // the generation the request was claimed at
 	HeaderSubmitted    = "Pdq-Submitted" // Unix microseconds

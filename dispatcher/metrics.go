@@ -101,15 +101,15 @@ func Register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
 	return nil
 }
 
-// DeadLetter counts a request kept for replay.
-func (m *Metrics) DeadLetter(stage Stage) {
+// deadLetter counts a request kept for replay.
+func (m *Metrics) deadLetter(stage Stage) {
 	if m != nil {
 		m.deadLetters.WithLabelValues(string(stage)).Inc()
 	}
 }
 
-// DeadLetterRefused counts a failure a full dead-letter stream refused.
-func (m *Metrics) DeadLetterRefused(stage Stage) {
+// deadLetterRefused counts a failure a full dead-letter stream refused.
+func (m *Metrics) deadLetterRefused(stage Stage) {
 	if m != nil {
 		m.deadLettersRefused.WithLabelValues(string(stage)).Inc()
 	}

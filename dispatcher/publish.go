@@ -70,7 +70,7 @@ func Publish(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) error {
 // the last heartbeat): a publish meanwhile finds no responders, and one
 // sent to the dying leader is never answered. Either way the message was
 // not acknowledged, so it is sent again, each attempt bounded by
-// publishAttempt, for up to publishFailover in all (or until ctx ends),
+// publishAttempt, for up to PublishFailover in all (or until ctx ends),
 // instead of failing after the client's default half second of retries
 // or waiting out a 5 s time-out on the first attempt. A message whose
 // lost attempt was stored after all comes back as a duplicate, as it
@@ -120,7 +120,7 @@ func PublishSeq(ctx context.Context, js jetstream.Publisher, msg *nats.Msg) (uin
 }
 
 // ErrNotStoring means a stream answers about itself but stores nothing it
-// is sent: its store latched a write error (a full disk; see doctor.go).
+// is sent: its store latched a write error (a full disk; see dispatcher/admin/doctor.go).
 // Trying again does not help until the stream is rebuilt.
 var ErrNotStoring = errors.New("the stream does not store (its disk may be full)")
 

@@ -234,7 +234,7 @@ func (rs *Records) Update(ctx context.Context, r *Record, rev uint64) (uint64, e
 }
 
 // whileNoLeader retries a record write that found no leader for the bucket
-// (its node lost; see publishFailover): nothing was written, so the same
+// (its node lost; see PublishFailover): nothing was written, so the same
 // compare-and-set is tried again. A write that got no answer at all is not
 // retried: it may have been stored, and a second try would fail its
 // revision check as if another writer had come in between.

@@ -16,7 +16,7 @@ import (
 )
 
 // Topology settings. The stage streams are work queues: they hold only
-// pending work (and a keeper, keeper.go), reject a second consumer over the same subjects, and are
+// pending work (and a keeper, dispatcher/pull/keeper.go), reject a second consumer over the same subjects, and are
 // bounded with DiscardNew, so an overload becomes a 429 at the gateway
 // instead of deleting queued work (see jetstream.md).
 const (

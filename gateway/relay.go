@@ -151,7 +151,7 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 		switch lr.r.Kind {
 		case dispatcher.KindError:
 			l.settled = true
-			h.failed(l.job, lr.r, log)
+			h.failed(l.job, lr.r, l.log)
 			parent.end(dispatcher.StateFailed, lr.r.Status, fmt.Sprintf("prompt %d failed", lr.i))
 			stop(dispatcher.StateCancelled, lr.r.Status, "another prompt of its batch failed")
 			if sse != nil && sse.Started() {
@@ -178,7 +178,9 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 					continue
 				}
 				if !h.budget.take(int64(len(lr.r.Data))) {
-					return fail(h.answerOverBudget(c))
+					apiErr := h.answerOverBudget(c) // no output yet: nothing is streamed
+					end(dispatcher.StateFailed, apiErr.Status(), "the gateway holds PDQ_MAX_INFLIGHT_BYTES")
+					return writeError(c, apiErr)
 				}
 				joined += int64(len(lr.r.Data))
 				whole[lr.i] = append(slices.Clip(whole[lr.i]), lr.r.Data...)

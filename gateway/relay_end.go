@@ -29,7 +29,7 @@ import (
 func (h *handlers) next(ctx context.Context, replies *reply.Stream, job *dispatcher.Job) (reply.Reply, error) {
 	for {
 		r, err := replies.Next(ctx, h.cfg.StallTimeout)
-		if !errors.Is(err, reply.ErrReplyStalled) {
+		if !errors.Is(err, reply.ErrStalled) {
 			return r, err
 		}
 		if !h.nc.IsConnected() {
@@ -102,12 +102,12 @@ func (h *handlers) replyFailed(c echo.Context, ctx context.Context, sse *openai.
 	case errors.Is(err, errNATSDown):
 		status = http.StatusServiceUnavailable
 		c.Response().Header().Set("Retry-After", "5")
-	case errors.Is(err, reply.ErrReplyStalled):
+	case errors.Is(err, reply.ErrStalled):
 		status, err = http.StatusGatewayTimeout, fmt.Errorf("%w for %v", err, h.cfg.StallTimeout)
 	}
 	log.Warn("reply failed", logging.Err(err), "status", status)
 	h.cancel(job, log, state, status, err.Error())
-	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable && !errors.Is(err, reply.ErrReplyOverflow) {
+	if state == dispatcher.StateFailed && status != http.StatusServiceUnavailable && !errors.Is(err, reply.ErrOverflow) {
 		// Failed on pdq's side of the reply (a decode restarted after
 		// output, as when its worker died; chunks lost; a decode gone
 		// silent): no worker keeps it for replay, so the gateway does.
@@ -152,7 +152,7 @@ func (h *handlers) writeWorkerError(c echo.Context, r reply.Reply) error {
 
 // failed makes sure that the record of a request a worker failed says so.
 // The worker writes it before it answers, but its write may not have been
-// taken (a stream that does not store, see dispatcher/doctor.go), and a
+// taken (a stream that does not store, see dispatcher/admin/doctor.go), and a
 // record left queued keeps the id a 409 until its deadline. Most often the
 // record has ended already, and this is one read.
 func (h *handlers) failed(job *dispatcher.Job, r reply.Reply, log *slog.Logger) {

@@ -152,7 +152,7 @@ func fullDiskRow(t *testing.T) row {
 	}
 	r.blocksHeld = c.settle(20 * time.Second)
 	// Acked work does not stay in the store: only each stage stream's
-	// keeper (see dispatcher/keeper.go) may.
+	// keeper (see dispatcher/pull/keeper.go) may.
 	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
 		name, keeper := dispatcher.StreamPrefill, dispatcher.KeeperSubject(stage)
 		if stage == dispatcher.StageDecode {

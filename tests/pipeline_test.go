@@ -46,7 +46,7 @@ type pipelineOptions struct {
 	slots           int            // per worker; 0 takes the role's default
 	worker          workers.Config // settings of every worker beyond the defaults
 	// local hands replies from the workers to the gateway in memory, as
-	// pdq up does (dispatcher.LocalReplies); they go over NATS otherwise.
+	// pdq up does (reply.LocalReplies); they go over NATS otherwise.
 	local bool
 }
 

@@ -176,7 +176,7 @@ func TestUpConfigErrors(t *testing.T) {
 
 // TestUpRepliesInProcess checks that `pdq up` streams a reply from its own
 // decode worker to its own gateway without a reply message through NATS
-// (dispatcher.LocalReplies), and the client gets the whole stream.
+// (reply.LocalReplies), and the client gets the whole stream.
 func TestUpRepliesInProcess(t *testing.T) {
 	up, url := startUp(t, "PDQ_NATS_LISTEN=127.0.0.1:0")
 	natsURL, _ := up.waitLog(t, "embedded NATS with JetStream started")["client_url"].(string)

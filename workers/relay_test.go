@@ -128,7 +128,7 @@ func TestEngineFailure(t *testing.T) {
 			err := engineFailure(tc.stage, tc.status, refusal, 0)
 			var f *stage.Failure
 			if !errors.As(err, &f) {
-				t.Fatalf("%v is not a dispatcher.Failure", err)
+				t.Fatalf("%v is not a stage.Failure", err)
 			}
 			var fault *engineFault
 			if f.Permanent != tc.permanent || errors.As(err, &fault) != tc.fault || f.Client == nil || f.Client.Status() != tc.client {

@@ -338,7 +338,7 @@ type metrics struct {
 
 // newMetrics registers pdq's metrics with reg, and pdq_build_info: which
 // build runs, for dashboards that compare versions during a rollout.
-func newMetrics(reg *prometheus.Registry) (*metrics, error) {
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	shared, err := dispatcher.NewMetrics(reg)
 	if err != nil {
 		return nil, err

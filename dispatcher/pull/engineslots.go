@@ -19,8 +19,8 @@ import (
 // gate sees them and any idle worker can take them.
 //
 // Every method may be called from any goroutine, any number at once: the
-// stage loops' pull goroutines (waitFree, TryAcquire), their job and
-// release goroutines (acquire, Release), the heartbeats (Seats) and the
+// stage loops' pull goroutines (WaitFree, TryAcquire), their job and
+// release goroutines (Acquire, Release), the heartbeats (Seats) and the
 // worker's load follower (Load, SetLimit).
 type EngineSlots struct {
 	// mu guards the fields below; max is set by NewEngineSlots and only

@@ -40,7 +40,7 @@ const gateFresh = 50 * time.Millisecond
 // Only the pull goroutine of a prefill stage loop calls wait: mu is
 // never contended, and guards the fields below all the same.
 type DecodeGate struct {
-	// Set by newDecodeGate, read without a lock.
+	// Set by NewDecodeGate, read without a lock.
 	js       jetstream.JetStream
 	pool     string
 	ttl      time.Duration

@@ -38,10 +38,10 @@ const reconnectPoll = 50 * time.Millisecond
 // stops is kept for stop, which returns it to be given back.
 //
 // One goroutine calls next and then stop: the stage loop's Run, or its
-// release loop, each with a Puller of its own. newPuller starts the other
+// release loop, each with a Puller of its own. NewPuller starts the other
 // goroutine, which renews ctx when the connection drops, until stop.
 type Puller struct {
-	// Set by newPuller, read without a lock.
+	// Set by NewPuller, read without a lock.
 	nc      *nats.Conn
 	api     string        // JetStream's API prefix, with its final dot
 	wait    time.Duration // a request's expiry

@@ -39,12 +39,12 @@ package reply
 // error, until it is acked at all), for at most the writer's end wait. The reader (Stream) follows the
 // latest attempt: an earlier attempt's messages are acked away (its beats
 // told Gone); a later attempt after a moved goes on from the chunk where
-// it moved, after chunks were sent it is ErrReplyRestarted (the client
+// it moved, after chunks were sent it is ErrRestarted (the client
 // cannot be given a second beginning), and before that it starts over. A
 // chunk past a gap is dropped, and the ack of the next beat or end asks
-// for it again; silence past the stall time-out is ErrReplyStalled (an end
+// for it again; silence past the stall time-out is ErrStalled (an end
 // that reports chunks that never came is waited on until then).
-// ErrReplyGap is a reply that cannot be trusted: one piled up past its
+// ErrGap is a reply that cannot be trusted: one piled up past its
 // bound, a malformed or miscounted message, an end that reports fewer
 // chunks than came.
 
@@ -71,23 +71,23 @@ type Reply struct {
 
 // Errors of [Stream.Next].
 var (
-	// ErrReplyGap means chunks went missing and could not be had again:
+	// ErrGap means chunks went missing and could not be had again:
 	// the reply cannot be trusted.
-	ErrReplyGap = errors.New("reply chunks lost in transit")
-	// ErrReplyRestarted means the decode restarted after output was sent,
+	ErrGap = errors.New("reply chunks lost in transit")
+	// ErrRestarted means the decode restarted after output was sent,
 	// and not as a continuation: the client cannot be given a second
 	// beginning.
-	ErrReplyRestarted = errors.New("decode restarted after output was sent")
-	// ErrReplyStalled means nothing came for the stall time-out: from a
+	ErrRestarted = errors.New("decode restarted after output was sent")
+	// ErrStalled means nothing came for the stall time-out: from a
 	// running decode (see [Stream.Heard]), no chunk and no heartbeat,
 	// which fails the request; before one, the silence of a queue.
-	ErrReplyStalled = errors.New("the decode went silent")
+	ErrStalled = errors.New("the decode went silent")
 	// ErrInFlight means a request with this id is already in flight here.
 	ErrInFlight = errors.New("a request with this id is in flight")
-	// ErrReplyOverflow, with ErrReplyGap, means the reply piled up past its
+	// ErrOverflow, with ErrGap, means the reply piled up past its
 	// bound (or the gateway's budget) because its client read it slower
 	// than the engine wrote it.
-	ErrReplyOverflow = errors.New("the client reads slower than the engine writes (or the gateway holds PDQ_MAX_INFLIGHT_BYTES)")
+	ErrOverflow = errors.New("the client reads slower than the engine writes (or the gateway holds PDQ_MAX_INFLIGHT_BYTES)")
 )
 
 // parseFrame reads a framed chunk message's payload: the inverse of frame,
@@ -153,18 +153,18 @@ func replyOf(msg *nats.Msg) (kind string, attempt, seq, count int, data []byte, 
 	if kind = msg.Header.Get(dispatcher.HeaderKind); kind == "" {
 		attempt, seq, count, data, ok := parseFrame(msg.Data)
 		if !ok {
-			return "", 0, 0, 0, nil, fmt.Errorf("%w: a reply with neither headers nor a frame", ErrReplyGap)
+			return "", 0, 0, 0, nil, fmt.Errorf("%w: a reply with neither headers nor a frame", ErrGap)
 		}
 		return dispatcher.KindChunk, attempt, seq, count, data, nil
 	}
 	attempt, _ = strconv.Atoi(msg.Header.Get(dispatcher.HeaderAttempt))
 	if seq, err = strconv.Atoi(msg.Header.Get(dispatcher.HeaderSeq)); err != nil {
-		return "", 0, 0, 0, nil, fmt.Errorf("%w: reply without a sequence number", ErrReplyGap)
+		return "", 0, 0, 0, nil, fmt.Errorf("%w: reply without a sequence number", ErrGap)
 	}
 	count = 1
 	if c := msg.Header.Get(dispatcher.HeaderCount); c != "" && kind == dispatcher.KindChunk {
 		if count, err = strconv.Atoi(c); err != nil || count < 1 {
-			return "", 0, 0, 0, nil, fmt.Errorf("%w: chunk count %q", ErrReplyGap, c)
+			return "", 0, 0, 0, nil, fmt.Errorf("%w: chunk count %q", ErrGap, c)
 		}
 	}
 	return kind, attempt, seq, count, msg.Data, nil

@@ -220,7 +220,7 @@ func (s *Stream) Rearm() { s.heard = false }
 
 // Next returns the next reply in order: a chunk, or the terminal done or
 // error. Chunks lost in transit are asked for again; Next fails on a
-// restart after output, when nothing comes for stall (ErrReplyStalled:
+// restart after output, when nothing comes for stall (ErrStalled:
 // the caller decides by Heard whether that is a silent decode or a queue),
 // or when ctx ends.
 func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
@@ -260,13 +260,13 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 				if s.q.len() > 0 {
 					continue // it came as the timer fired
 				}
-				return Reply{}, ErrReplyStalled
+				return Reply{}, ErrStalled
 			case <-ctx.Done():
 				return Reply{}, ctx.Err()
 			}
 		}
 		if s.overflow.Load() {
-			return Reply{}, fmt.Errorf("%w: %w", ErrReplyGap, ErrReplyOverflow)
+			return Reply{}, fmt.Errorf("%w: %w", ErrGap, ErrOverflow)
 		}
 		kind, attempt, seq, count, data, err := replyOf(msg)
 		if err != nil {
@@ -284,7 +284,7 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 			case s.moved:
 				s.base = s.next
 			case s.next > s.base:
-				return Reply{}, ErrReplyRestarted
+				return Reply{}, ErrRestarted
 			}
 			s.attempt, s.moved = attempt, false
 			s.latest.Store(int64(attempt))
@@ -307,7 +307,7 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 			}
 			parts := bytes.Split(data, newline)
 			if len(parts) != count {
-				return Reply{}, fmt.Errorf("%w: %d chunks in a message that says %d", ErrReplyGap, len(parts), count)
+				return Reply{}, fmt.Errorf("%w: %d chunks in a message that says %d", ErrGap, len(parts), count)
 			}
 			parts = parts[s.next-seq:] // what came before is here already
 			s.next += len(parts)
@@ -319,7 +319,7 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 				continue // the writer sends what is missing, then ends again
 			}
 			if seq < s.next {
-				return Reply{}, fmt.Errorf("%w: %d chunks sent, %d arrived", ErrReplyGap, seq, s.next)
+				return Reply{}, fmt.Errorf("%w: %d chunks sent, %d arrived", ErrGap, seq, s.next)
 			}
 			if kind == dispatcher.KindMoved {
 				s.moved = true
@@ -335,6 +335,6 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 			status, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderStatus))
 			return Reply{Kind: dispatcher.KindError, Data: data, Status: status}, nil
 		}
-		return Reply{}, fmt.Errorf("%w: unknown reply kind %q", ErrReplyGap, kind)
+		return Reply{}, fmt.Errorf("%w: unknown reply kind %q", ErrGap, kind)
 	}
 }

@@ -361,8 +361,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		newWriter(nc, replies.Subject(p+"r5"), 1).Chunk([]byte("a"))
 		newWriter(nc, replies.Subject(p+"r5"), 2).Chunk([]byte("a"))
 		next(s)
-		if _, err := next(s); !errors.Is(err, ErrReplyRestarted) {
-			t.Fatalf("err = %v, want ErrReplyRestarted", err)
+		if _, err := next(s); !errors.Is(err, ErrRestarted) {
+			t.Fatalf("err = %v, want ErrRestarted", err)
 		}
 	})
 
@@ -492,8 +492,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	t.Run("an end nobody acknowledges gives up", func(t *testing.T) {
 		w := newWriter(nc, dispatcher.ReplySubject("no-gateway", p+"x"), 1)
 		w.SetEndWait(300 * time.Millisecond)
-		if err := w.Done(); !errors.Is(err, ErrReplyUnacked) {
-			t.Fatalf("done = %v, want ErrReplyUnacked", err)
+		if err := w.Done(); !errors.Is(err, ErrUnacked) {
+			t.Fatalf("done = %v, want ErrUnacked", err)
 		}
 	})
 
@@ -516,7 +516,7 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 	t.Run("silence before a decode starts is no stall", func(t *testing.T) {
 		s, _ := replies.Open(p + "r8")
 		defer s.Close()
-		if _, err := s.Next(ctx, 50*time.Millisecond); !errors.Is(err, ErrReplyStalled) || s.Heard() {
+		if _, err := s.Next(ctx, 50*time.Millisecond); !errors.Is(err, ErrStalled) || s.Heard() {
 			t.Fatalf("err = %v, heard %v; want a stall with no decode heard: a queued request is silent", err, s.Heard())
 		}
 	})
@@ -529,8 +529,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		if _, err := s.Next(ctx, 100*time.Millisecond); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := s.Next(ctx, 100*time.Millisecond); !errors.Is(err, ErrReplyStalled) || !s.Heard() {
-			t.Fatalf("err = %v, heard %v; want ErrReplyStalled from a decode heard", err, s.Heard())
+		if _, err := s.Next(ctx, 100*time.Millisecond); !errors.Is(err, ErrStalled) || !s.Heard() {
+			t.Fatalf("err = %v, heard %v; want ErrStalled from a decode heard", err, s.Heard())
 		}
 	})
 
@@ -563,8 +563,8 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 			time.Sleep(5 * time.Millisecond)
 		}
 		time.Sleep(50 * time.Millisecond)
-		if _, err := next(s); !errors.Is(err, ErrReplyGap) {
-			t.Fatalf("err = %v, want ErrReplyGap after an overflow", err)
+		if _, err := next(s); !errors.Is(err, ErrGap) {
+			t.Fatalf("err = %v, want ErrGap after an overflow", err)
 		}
 	})
 
@@ -724,8 +724,8 @@ func TestReplyFrame(t *testing.T) {
 		}
 	}
 	for _, bad := range []string{"", "no frame", "1 2 3", "1 2\nx", "1 2 0\nx", "1 -2 1\nx", "a 2 1\nx", "1  2 1\nx", "1 2 1 4\nx"} {
-		if _, _, _, _, _, err := replyOf(&nats.Msg{Data: []byte(bad)}); !errors.Is(err, ErrReplyGap) {
-			t.Errorf("%q read as a reply (%v); want ErrReplyGap", bad, err)
+		if _, _, _, _, _, err := replyOf(&nats.Msg{Data: []byte(bad)}); !errors.Is(err, ErrGap) {
+			t.Errorf("%q read as a reply (%v); want ErrGap", bad, err)
 		}
 	}
 }

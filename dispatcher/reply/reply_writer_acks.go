@@ -16,10 +16,10 @@ import (
 
 // Errors of a [Writer]'s end.
 var (
-	// ErrReplyUnacked means the gateway did not acknowledge the end within
+	// ErrUnacked means the gateway did not acknowledge the end within
 	// the writer's wait: it is gone, or cut off from NATS. Its own stall
 	// timer answers the client.
-	ErrReplyUnacked = errors.New("the gateway did not acknowledge the reply")
+	ErrUnacked = errors.New("the gateway did not acknowledge the reply")
 )
 
 // Watch makes the writer's beats tell whether anyone still wants the
@@ -30,15 +30,15 @@ var (
 // the gateway has ended it. The cancel broadcast is sent once, on core
 // NATS, and may be lost; a running decode beats every few seconds.
 //
-// gone gets errSuperseded when the request goes on under a later attempt
+// gone gets ErrSuperseded when the request goes on under a later attempt
 // (a redelivery of the job, run elsewhere while this writer was cut off):
-// that attempt owns it. Otherwise, errAbandoned: it has ended at its
+// that attempt owns it. Otherwise, ErrAbandoned: it has ended at its
 // gateway.
 func (w *Writer) Watch(gone func(cause error), wanted func(context.Context) bool) {
 	w.gone, w.wanted = gone, wanted
 }
 
-// isGone calls the gone hook once, with errSuperseded or errAbandoned.
+// isGone calls the gone hook once, with ErrSuperseded or ErrAbandoned.
 func (w *Writer) isGone(superseded bool) {
 	if w.gone == nil {
 		return
@@ -138,7 +138,7 @@ func (w *Writer) acked(resp *nats.Msg, upto int) int {
 }
 
 // Done ends the reply after the chunks sent, once the gateway has them
-// all. It fails with ErrReplyUnacked if the gateway does not say so in
+// all. It fails with ErrUnacked if the gateway does not say so in
 // time. A local gateway has them all, in its queue, ahead of the end: the
 // end is queued, and Done returns.
 func (w *Writer) Done() error {
@@ -215,7 +215,7 @@ func (w *Writer) end(kind string, data []byte, status int, stages []byte) error 
 			time.Sleep(min(250*time.Millisecond, max(time.Until(deadline), 0)))
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%w: %s after %v", ErrReplyUnacked, kind, w.endWait)
+			return fmt.Errorf("%w: %s after %v", ErrUnacked, kind, w.endWait)
 		}
 	}
 }

@@ -47,7 +47,7 @@ func TestEngineSlotsReleaseOnCancel(t *testing.T) {
 	cb.Handler = func(context.Context, *Delivery) error { return nil }
 	cb.Release = func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.InUse())); return nil }
 	lb, _ := NewLoop(nc, js, withSettings(cb), logging.Discard())
-	runLoop(t, lb) // idle: passes waitFree, waits in its pull (for up to 3 s)
+	runLoop(t, lb) // idle: passes WaitFree, waits in its pull (for up to 3 s)
 	time.Sleep(300 * time.Millisecond)
 
 	ca := base

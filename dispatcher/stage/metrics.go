@@ -111,8 +111,8 @@ func (m *Metrics) Shared() *dispatcher.Metrics {
 	return m.shared
 }
 
-// Pool shows the series of a pool's stage from the start.
-func (m *Metrics) Pool(stage dispatcher.Stage, pool string) {
+// pool shows the series of a pool's stage from the start.
+func (m *Metrics) pool(stage dispatcher.Stage, pool string) {
 	if m == nil {
 		return
 	}
@@ -126,8 +126,8 @@ func (m *Metrics) Pool(stage dispatcher.Stage, pool string) {
 	m.migrations.WithLabelValues(pool)
 }
 
-// Released counts a handoff whose KV a decode worker released.
-func (m *Metrics) Released(pool string) {
+// released counts a handoff whose KV a decode worker released.
+func (m *Metrics) released(pool string) {
 	if m != nil {
 		m.kvReleased.WithLabelValues(pool).Inc()
 	}
@@ -186,22 +186,22 @@ func (m *Metrics) EngineSlots(stage dispatcher.Stage, engine string, n int) {
 	}
 }
 
-// Wasted counts a handoff sent back to prefill, its KV unread.
-func (m *Metrics) Wasted(reason waste) {
+// wasted counts a handoff sent back to prefill, its KV unread.
+func (m *Metrics) wasted(reason waste) {
 	if m != nil {
 		m.wastedPrefills.WithLabelValues(string(reason)).Inc()
 	}
 }
 
-// Retry counts a job run again, for reason.
-func (m *Metrics) Retry(stage dispatcher.Stage, reason string) {
+// retry counts a job run again, for reason.
+func (m *Metrics) retry(stage dispatcher.Stage, reason string) {
 	if m != nil {
 		m.retries.WithLabelValues(string(stage), reason).Inc()
 	}
 }
 
-// Depth records a pool's queue depth.
-func (m *Metrics) Depth(stage dispatcher.Stage, pool string, n uint64) {
+// depth records a pool's queue depth.
+func (m *Metrics) depth(stage dispatcher.Stage, pool string, n uint64) {
 	if m != nil {
 		m.queueDepth.WithLabelValues(string(stage), pool).Set(float64(n))
 	}

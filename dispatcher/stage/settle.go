@@ -40,7 +40,7 @@ type settle struct {
 	// release queue refused it): one that does not run is not queued.
 	direct bool
 	// delivery names this delivery, in running queries and as the reader
-	// of a handoff's KV claim (kvread.go); kvClaimed is set while it holds
+	// of a handoff's KV claim (dispatcher/kvread.go); kvClaimed is set while it holds
 	// the claim.
 	delivery  string
 	kvClaimed bool
@@ -70,7 +70,7 @@ func (l *Loop) settleOf(msg jetstream.Msg, job *dispatcher.Job, attempt int) *se
 }
 
 // rebuilt reports whether the job was stored again by a rebuild of its
-// stream (doctor.go).
+// stream (dispatcher/admin/doctor.go).
 func (s *settle) rebuilt() bool { return s.msg.Headers().Get(dispatcher.HeaderRebuilt) != "" }
 
 // admit checks a delivery before any engine call. It settles, and returns
@@ -126,7 +126,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// NATS delivered it as a first delivery, but an earlier one has
 		// claimed its KV: a restarted server forgot that delivery, or its
 		// ack came late. It may have read the KV.
-		l.cfg.Metrics.Retry(l.cfg.Stage, "kv_claimed")
+		l.cfg.Metrics.retry(l.cfg.Stage, "kv_claimed")
 		s.log.Info("handoff delivered again after an earlier delivery claimed its KV")
 		redelivered = true
 	}
@@ -136,7 +136,7 @@ func (s *settle) admit(ctx context.Context) bool {
 		// call went on. Running it twice would read a handoff's KV twice
 		// or start a second answer; the first settles it, and this copy
 		// comes back only if the first never does.
-		l.cfg.Metrics.Retry(l.cfg.Stage, "running_elsewhere")
+		l.cfg.Metrics.retry(l.cfg.Stage, "running_elsewhere")
 		s.log.Info("job redelivered while an earlier delivery still runs; leaving it to that one")
 		if err := s.msg.NakWithDelay(l.cfg.AckWait); err != nil {
 			s.log.Warn("nak failed; the job comes back after the ack wait", logging.Err(err))
@@ -288,7 +288,7 @@ func (s *settle) confirmAck(ctx context.Context) {
 		}
 	}
 	if err != nil {
-		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "ack_unconfirmed")
+		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "ack_unconfirmed")
 		s.log.Warn("ack unconfirmed; this prompt of a batch may run again if the ack was lost", logging.Err(err))
 	}
 }
@@ -329,7 +329,7 @@ func (s *settle) carry(ctx context.Context, v verdict, d *Delivery, err, cause e
 	case actRegenerate:
 		s.regenerate(ctx, v.waste, v.why, v.release)
 	case actRetry:
-		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "retry")
+		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "retry")
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
 		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := s.msg.NakWithDelay(delay); err != nil {

@@ -37,7 +37,7 @@ func (s *settle) storeHandoff(ctx context.Context, m *nats.Msg, h *dispatcher.Jo
 // storedIsThis reports whether the decode stream's message seq is the
 // handoff h, with h's params. A message already decoded and gone is taken
 // as another's: a release of KV a decode has read is not made (its claim
-// is taken, see kvread.go). Not knowing (NATS did not answer), it is taken
+// is taken, see dispatcher/kvread.go). Not knowing (NATS did not answer), it is taken
 // as this one: the KV is left to its lease rather than released under a
 // decode.
 func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *dispatcher.Job) bool {
@@ -175,7 +175,7 @@ func (s *settle) keepResult(ctx context.Context, w *reply.Writer) error {
 }
 
 // claimKV claims this handoff's KV for this delivery, its one reader (see
-// kvread.go), and reports whether the delivery holds it. Not knowing
+// dispatcher/kvread.go), and reports whether the delivery holds it. Not knowing
 // (NATS did not answer) counts as not holding it: a decode then goes back
 // to prefill and a release is not made, rather than read the KV twice.
 func (s *settle) claimKV(ctx context.Context) bool {
@@ -187,7 +187,7 @@ func (s *settle) claimKV(ctx context.Context) bool {
 	defer cancel()
 	ok, err := s.l.kvReads.Claim(cctx, s.job, s.delivery)
 	if err != nil {
-		s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "kv_claim_failed")
+		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "kv_claim_failed")
 		s.log.Warn("could not claim the handoff's KV; taking it as read", logging.Err(err))
 		return false
 	}
@@ -255,7 +255,7 @@ func (s *settle) release(ctx context.Context, why string) bool {
 		return false
 	}
 	s.l.released.Add(1)
-	s.l.cfg.Metrics.Released(s.l.cfg.Pool)
+	s.l.cfg.Metrics.released(s.l.cfg.Pool)
 	s.log.Debug("released the prefill's KV blocks", "reason", why)
 	return true
 }

@@ -27,7 +27,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 		}
 		return
 	}
-	s.l.cfg.Metrics.Retry(s.l.cfg.Stage, "hand_back")
+	s.l.cfg.Metrics.retry(s.l.cfg.Stage, "hand_back")
 	s.log.Debug("job handed back", "reason", why.Error(), "hand_backs", next.HandBacks)
 	if err := s.msg.DoubleAck(ctx); err != nil {
 		s.log.Warn("ack failed; the job will be redelivered and dropped", logging.Err(err))
@@ -40,7 +40,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 // freed.
 func (s *settle) regenerate(ctx context.Context, reason waste, why string, release bool) {
 	l, job := s.l, s.job
-	l.cfg.Metrics.Wasted(reason)
+	l.cfg.Metrics.wasted(reason)
 	if release {
 		s.release(ctx, why)
 	}
@@ -62,7 +62,7 @@ func (s *settle) regenerate(ctx context.Context, reason waste, why string, relea
 		s.term("the request moved on while it was sent back to prefill")
 		return
 	}
-	l.cfg.Metrics.Retry(l.cfg.Stage, "regenerate")
+	l.cfg.Metrics.retry(l.cfg.Stage, "regenerate")
 	s.log.Info("request sent back to prefill", "reason", why, "next_generation", next.Generation)
 	s.term("regenerated: " + why)
 }

@@ -92,19 +92,23 @@ type effect struct{ msg, record, client, kv, dlq string }
 
 // effects says what every verdict does. "-" is nothing.
 var effects = map[action]effect{
-	actAck: {msg: "ack (a prefill's handoff stored first; a batch prompt's ack confirmed)", record: "- (the gateway records done)",
-		client: "had its answer", kv: "a prefill's: handed to the decode", dlq: "-"},
-	actMigrate: {msg: "term, once the continuation is stored", record: "-", client: "answer goes on", kv: "-", dlq: "-"},
+	actAck: {msg: "ack (a prefill's handoff stored first; a batch prompt's ack confirmed)",
+		record: "- (the gateway records done; a replay's result is kept in it; a handoff not stored: failed)",
+		client: "had its answer (a handoff not stored: 503, or 429 when the decode queue is full)", kv: "a prefill's: handed to the decode", dlq: "-"},
+	actMigrate: {msg: "ack, once the continuation is stored", record: "next generation (failed when it cannot be stored)",
+		client: "answer goes on (502 when it cannot)", kv: "-", dlq: "-"},
 	actStop:    {msg: "term (dropped when not run)", record: "cancelled", client: "503 when its gateway is gone", kv: "released if unread", dlq: "-"},
 	actExpire:  {msg: "term (dropped when not run)", record: "expired", client: "504", kv: "released if unread", dlq: "-"},
 	actNothing: {msg: "-", record: "-", client: "-", kv: "-", dlq: "-"},
 	actFail: {msg: "term (nak while the dead letter cannot be stored)", record: "failed", client: "the error",
 		kv: "released if the engine refused before reading", dlq: "stored, unless the client's fault (4xx)"},
-	actHandBack:   {msg: "term, once a copy is queued", record: "-", client: "-", kv: "unread, kept for the copy", dlq: "-"},
-	actRegenerate: {msg: "term, once the next generation is queued", record: "next generation", client: "-", kv: "released if unread, else left to its lease", dlq: "-"},
-	actRetry:      {msg: "nak with back-off", record: "-", client: "-", kv: "-", dlq: "-"},
-	actUnrun:      {msg: "term once handed back, else nak", record: "-", client: "-", kv: "unread, kept", dlq: "-"},
-	actNak:        {msg: "nak", record: "-", client: "-", kv: "-", dlq: "-"},
+	actHandBack: {msg: "ack, once a copy is queued (nak with back-off while it cannot be)", record: "-", client: "-",
+		kv: "unread, kept for the copy", dlq: "-"},
+	actRegenerate: {msg: "term, once the next generation is queued", record: "next generation (failed when out of generations or not stored)",
+		client: "- (the error when failed)", kv: "released if unread, else left to its lease", dlq: "as a failure, when failed"},
+	actRetry: {msg: "nak with back-off", record: "-", client: "-", kv: "-", dlq: "-"},
+	actUnrun: {msg: "ack once handed back as a copy, else nak", record: "-", client: "-", kv: "unread, kept", dlq: "-"},
+	actNak:   {msg: "nak", record: "-", client: "-", kv: "-", dlq: "-"},
 }
 
 // decide is the verdict on a delivery with facts f whose handler ended

@@ -83,7 +83,7 @@ type Config struct {
 	// agree on it.
 	AckWait time.Duration
 	// KeepEvery is how often a loop that takes jobs renews its stream's
-	// keeper (see keeper.go).
+	// keeper (see dispatcher/pull/keeper.go).
 	KeepEvery time.Duration
 	// KVTTL is the oldest handoff a decode stage runs.
 	KVTTL time.Duration
@@ -333,7 +333,7 @@ func (l *Loop) Run(ctx context.Context) error {
 	bg.Go(func() { l.watchGateways(ctx) })
 	bg.Go(func() { l.sampleDepth(ctx) })
 	slots := make(chan struct{}, l.cfg.Slots)
-	l.cfg.Metrics.Pool(l.cfg.Stage, l.cfg.Pool)
+	l.cfg.Metrics.pool(l.cfg.Stage, l.cfg.Pool)
 	if l.cfg.Stage == dispatcher.StageDecode && l.cfg.Release != nil {
 		bg.Go(func() { l.releaseLoop(ctx, slots) })
 	}

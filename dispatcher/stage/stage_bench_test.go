@@ -66,7 +66,7 @@ func benchDurablePath(b *testing.B, conc int, records bool, size int) {
 		if stages[stage], err = dispatcher.EnsureConsumer(ctx, js, stage, proto.Pool, config.DefaultAckWait); err != nil {
 			b.Fatal(err)
 		}
-		// Each stream's keeper, as pdq's stage loops keep one (keeper.go).
+		// Each stream's keeper, as pdq's stage loops keep one (dispatcher/pull/keeper.go).
 		if _, err := js.Publish(ctx, dispatcher.KeeperSubject(stage), []byte(dispatcher.KeeperNote)); err != nil {
 			b.Fatal(err)
 		}

@@ -198,7 +198,7 @@ func (l *Loop) giveBack(ctx context.Context, msg jetstream.Msg) {
 }
 
 // deliveryOf is which delivery of its job msg is, and when the job was
-// stored. A job stored again by a rebuild of its stream (see doctor.go)
+// stored. A job stored again by a rebuild of its stream (see dispatcher/admin/doctor.go)
 // is a first delivery to NATS but may have run before: each of its
 // deliveries counts one more than NATS says, so that it is judged as a
 // redelivery (see replies for its replies).

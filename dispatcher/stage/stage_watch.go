@@ -38,7 +38,7 @@ func (l *Loop) sampleDepth(ctx context.Context) {
 		cons, err := l.js.Consumer(qctx, dispatcher.StageStream(l.cfg.Stage), dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool))
 		cancel()
 		if err == nil { // else no consumer yet, or NATS away: the last value stands
-			l.cfg.Metrics.Depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
+			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
 		}
 		select {
 		case <-ctx.Done():

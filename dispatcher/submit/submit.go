@@ -85,7 +85,7 @@ func (s *Submitter) Submit(ctx context.Context, stage dispatcher.Stage, job *dis
 		return nil, err
 	}
 	if job.Generation != rec.Generation {
-		claim.rev = 0 // publishGeneration wrote the record again
+		claim.rev = 0 // PublishGeneration wrote the record again
 	}
 	return claim, nil
 }
@@ -132,7 +132,7 @@ func (s *Submitter) claim(ctx context.Context, rec *dispatcher.Record) (uint64, 
 		switch {
 		case errors.Is(gerr, dispatcher.ErrNoRecord) && len(lasts) >= 2 && lasts[len(lasts)-1] == lasts[len(lasts)-2]:
 			// Twice unanswered, not stored, and nothing stored in between:
-			// the bucket's store does not write (see doctor.go).
+			// the bucket's store does not write (see dispatcher/admin/doctor.go).
 			return 0, fmt.Errorf("claim %s: %w", rec.ID, dispatcher.ErrNotStoring)
 		case errors.Is(gerr, dispatcher.ErrNoRecord):
 			rev, err = create()

@@ -291,7 +291,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 }
 
-// servedNames are the names the base model answers to.
+// ServedNames are the names the base model answers to.
 func (c Config) ServedNames() []string {
 	if len(c.ServedModelNames) > 0 {
 		return c.ServedModelNames

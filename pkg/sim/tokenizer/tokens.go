@@ -56,7 +56,7 @@ var vocabIDs = func() map[string]int {
 }()
 
 // longTokens decodes hashed ids: the long tokens /tokenize has handed
-// out (see rememberLongTokens). It is bounded; when full it starts again.
+// out (see RememberLongTokens). It is bounded; when full it starts again.
 var longTokens = struct {
 	sync.Mutex
 	m map[int]string
