@@ -16,6 +16,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/workers"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/prometheus/promql/parser"
 )
@@ -35,6 +36,9 @@ func metricLabels(t *testing.T) map[string][]string {
 		t.Fatal(err)
 	}
 	if _, err := stage.NewMetrics(&reg, shared); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := workers.NewMetrics(&reg); err != nil {
 		t.Fatal(err)
 	}
 	desc := regexp.MustCompile(`fqName: "([a-z0-9_]+)".*variableLabels: \{([a-z0-9_,]*)\}`)

@@ -32,7 +32,7 @@ type breaker struct {
 	threshold int
 	engine    *vllm.Client
 	stage     dispatcher.Stage
-	metrics   *stage.Metrics
+	metrics   *Metrics
 	log       *slog.Logger
 	// generate, when set, asks the engine for one token: a probe must get
 	// an answer, not only /health.
@@ -56,7 +56,7 @@ type breaker struct {
 	epoch uint64
 }
 
-func newBreaker(threshold int, engine *vllm.Client, stage dispatcher.Stage, metrics *stage.Metrics, log *slog.Logger) *breaker {
+func newBreaker(threshold int, engine *vllm.Client, stage dispatcher.Stage, metrics *Metrics, log *slog.Logger) *breaker {
 	metrics.EngineUp(stage, engine.URL(), dispatcher.BreakerClosed)
 	return &breaker{threshold: threshold, engine: engine, stage: stage, metrics: metrics, log: log,
 		state: dispatcher.BreakerClosed, changed: make(chan struct{}), life: context.Background()}

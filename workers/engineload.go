@@ -129,7 +129,7 @@ func (f *loadFollower) look(ctx context.Context) time.Duration {
 		}
 		f.known, f.failed = false, 0
 		w.slots.SetLimit(most, 0)
-		w.cfg.Metrics.EngineSlots(w.cfg.Role, w.engine.URL(), most)
+		w.cfg.EngineMetrics.EngineSlots(w.cfg.Role, w.engine.URL(), most)
 		return loadRetry
 	default:
 		// The engine is down or slow: its breaker deals with that; the
@@ -156,7 +156,7 @@ func (f *loadFollower) look(ctx context.Context) time.Duration {
 		w.log.Debug("engine slots", "slots", next, "was", slots, "seats", seats, "running", load.Running, "waiting", load.Waiting, "used", used)
 	}
 	w.slots.SetLimit(next, seats)
-	w.cfg.Metrics.EngineSlots(w.cfg.Role, w.engine.URL(), next)
+	w.cfg.EngineMetrics.EngineSlots(w.cfg.Role, w.engine.URL(), next)
 	if next > slots {
 		// Growing, from few slots under a burst: the next doubling is
 		// soon, so that requests do not queue behind slots the engine

@@ -79,8 +79,10 @@ type Config struct {
 	// ModelsRefresh is how often the worker re-reads the engine's
 	// /v1/models (config.ModelsRefresh).
 	ModelsRefresh time.Duration
-	// Metrics counts dead letters and KV releases; nil counts nothing.
-	Metrics *stage.Metrics
+	// Metrics are the stage loops' series, EngineMetrics the engine's
+	// (its breaker and slots); nil counts nothing.
+	Metrics       *stage.Metrics
+	EngineMetrics *Metrics
 	// LocalReplies are the gateways in this process (pdq up), which take
 	// replies without NATS; nil sends them all over NATS.
 	LocalReplies *reply.LocalReplies
@@ -152,7 +154,7 @@ func New(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *slog.Logger) (*
 		lonely: make(map[string]bool),
 		log:    log.With(logging.KeyComponent, string(cfg.Role), "engine", engine.URL())}
 	w.id = dispatcher.NewWorkerID(cfg.Role)
-	w.breaker = newBreaker(cfg.BreakerFailures, engine, cfg.Role, cfg.Metrics, w.log)
+	w.breaker = newBreaker(cfg.BreakerFailures, engine, cfg.Role, cfg.EngineMetrics, w.log)
 	w.kvHost = cfg.KVHost
 	if w.kvHost == "" && !nixl.IsLocalHost(engine.Host()) {
 		w.kvHost = engine.Host()

@@ -10,6 +10,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/gateway"
+	"github.com/pdq-dev/pdq/workers"
 )
 
 // registered is a prometheus.Registerer that keeps the names of what is
@@ -51,6 +52,9 @@ func TestEveryProcessRegistersEveryMetric(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := stage.NewMetrics(&want, shared); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := workers.NewMetrics(&want); err != nil {
 		t.Fatal(err)
 	}
 	want = append(want, "pdq_build_info")

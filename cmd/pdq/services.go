@@ -219,7 +219,7 @@ func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, me
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
 		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,
-		Replicas: cfg.NATS.Replicas, Metrics: metrics.workers,
+		Replicas: cfg.NATS.Replicas, Metrics: metrics.workers, EngineMetrics: metrics.engines,
 	}
 }
 
@@ -328,12 +328,14 @@ func helpIsNoError(err error) error {
 }
 
 // metrics are pdq's series, each component's next to it (the gateway's,
-// the workers', and what both count in package dispatcher). Every process
+// the stage loops', the engines', and what both sides count in package
+// dispatcher). Every process
 // registers all of them, so that each exports the same series whatever
 // it runs.
 type metrics struct {
 	gateway *gateway.Metrics
 	workers *stage.Metrics
+	engines *workers.Metrics
 }
 
 // newMetrics registers pdq's metrics with reg, and pdq_build_info: which
@@ -351,6 +353,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	if err != nil {
 		return nil, err
 	}
+	e, err := workers.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
 	b := readBuildInfo()
 	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_build_info", Help: "1, labelled with the running build's module version, commit (empty without VCS information) and Go version.",
@@ -359,5 +365,5 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	info.WithLabelValues(b.version, b.revision, runtime.Version()).Set(1)
-	return &metrics{gateway: gw, workers: w}, nil
+	return &metrics{gateway: gw, workers: w, engines: e}, nil
 }

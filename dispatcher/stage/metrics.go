@@ -8,27 +8,21 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 )
 
-// Metrics are the workers' series: their jobs, queues, engines and
-// breakers. One set serves every loop of a process; a nil *Metrics counts
+// Metrics are the stage loops' series: their jobs, queues, retries and
+// handoffs (a worker's engines and breakers are package workers'). One set serves every loop of a process; a nil *Metrics counts
 // nothing.
 type Metrics struct {
 	// shared are the counters the gateway keeps too.
 	shared            *dispatcher.Metrics
 	kvReleased        *prometheus.CounterVec
 	handoffsWithoutKV *prometheus.CounterVec
-	breakerOpens      *prometheus.CounterVec
 	migrations        *prometheus.CounterVec
 	queueWait         *prometheus.HistogramVec
 	engineTime        *prometheus.HistogramVec
 	retries           *prometheus.CounterVec
 	inflight          *prometheus.GaugeVec
 	queueDepth        *prometheus.GaugeVec
-	engineUp          *prometheus.GaugeVec
-	// breakerState is each engine's breaker, one series per state.
-	breakerState *prometheus.GaugeVec
-	// engineSlots is each engine's slots now, wastedPrefills the handoffs
-	// sent back to prefill.
-	engineSlots    *prometheus.GaugeVec
+	// wastedPrefills are the handoffs sent back to prefill.
 	wastedPrefills *prometheus.CounterVec
 }
 
@@ -44,10 +38,6 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 			Name: "pdq_kv_params_missing_total",
 			Help: "Prefill answers (200) whose kv_transfer_params were missing or could not point a decode engine at the blocks; each was retried, never decoded as a recompute.",
 		}, []string{"pool"}),
-		breakerOpens: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "pdq_breaker_opens_total",
-			Help: "Times a worker's circuit breaker opened on its engine: it stopped pulling and probed /health.",
-		}, []string{"stage"}),
 		migrations: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdq_migrations_total",
 			Help: "Decodes that failed after output and continued on another decode engine.",
@@ -71,27 +61,17 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 	m.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "pdq_queue_depth", Help: "Jobs waiting in a pool's stage queue, not yet delivered (as its workers last saw it).",
 	}, []string{"stage", "pool"})
-	m.engineUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "pdq_engine_up", Help: "1 while a worker's engine takes jobs (its breaker closed), 0 while it does not (its breaker open, or half-open: one trial job at most); pdq_engine_breaker_state says which.",
-	}, []string{"stage", "engine"})
-	m.breakerState = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "pdq_engine_breaker_state", Help: "A worker's circuit breaker on its engine: 1 for its state (closed, half-open, open), 0 for the others.",
-	}, []string{"stage", "engine", "state"})
-	m.engineSlots = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "pdq_engine_slots", Help: "Jobs a worker gives its engine at once now: PDQ_ENGINE_SLOTS at most, fewer while the engine queues what it is given.",
-	}, []string{"stage", "engine"})
 	m.wastedPrefills = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "pdq_prefills_wasted_total",
 		Help: "Handoffs sent back to prefill (or failed, out of generations), their prefill's work lost, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (a redelivered handoff, whose KV an earlier delivery may have read), decode_failed, shutdown.",
 	}, []string{"reason"})
-	if err := dispatcher.Register(reg, m.kvReleased, m.handoffsWithoutKV, m.breakerOpens, m.migrations, m.queueWait, m.engineTime,
-		m.retries, m.inflight, m.queueDepth, m.engineUp, m.breakerState, m.engineSlots, m.wastedPrefills); err != nil {
+	if err := dispatcher.Register(reg, m.kvReleased, m.handoffsWithoutKV, m.migrations, m.queueWait, m.engineTime,
+		m.retries, m.inflight, m.queueDepth, m.wastedPrefills); err != nil {
 		return nil, err
 	}
 	// Zeros from the start, so that a dashboard sees the series before the
 	// first failure.
 	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
-		m.breakerOpens.WithLabelValues(string(stage))
 		m.inflight.WithLabelValues(string(stage))
 		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere", "ack_unconfirmed"} {
 			m.retries.WithLabelValues(string(stage), reason)
@@ -133,29 +113,6 @@ func (m *Metrics) released(pool string) {
 	}
 }
 
-// EngineUp records a worker's engine health: its breaker state. The
-// engine is up only while its breaker is closed: a half-open breaker lets
-// one trial job through, not the pool's share of the work, so it counts as
-// down, and pdq_engine_breaker_state tells half-open from open.
-func (m *Metrics) EngineUp(stage dispatcher.Stage, engine string, state dispatcher.BreakerState) {
-	if m == nil {
-		return
-	}
-	up := 0.0
-	if state == dispatcher.BreakerClosed {
-		up = 1
-	}
-	m.engineUp.WithLabelValues(string(stage), engine).Set(up)
-	// One series for each value of the state label.
-	for _, s := range [...]dispatcher.BreakerState{dispatcher.BreakerClosed, dispatcher.BreakerHalfOpen, dispatcher.BreakerOpen} {
-		v := 0.0
-		if s == state {
-			v = 1
-		}
-		m.breakerState.WithLabelValues(string(stage), engine, string(s)).Set(v)
-	}
-}
-
 // JobStarted counts a job a worker started, after waiting in its queue
 // for wait.
 func (m *Metrics) JobStarted(stage dispatcher.Stage, wait time.Duration) {
@@ -176,13 +133,6 @@ func (m *Metrics) JobEnded(stage dispatcher.Stage, engine time.Duration) {
 	m.inflight.WithLabelValues(string(stage)).Dec()
 	if engine > 0 {
 		m.engineTime.WithLabelValues(string(stage)).Observe(engine.Seconds())
-	}
-}
-
-// EngineSlots reports the slots a worker gives its engine now.
-func (m *Metrics) EngineSlots(stage dispatcher.Stage, engine string, n int) {
-	if m != nil {
-		m.engineSlots.WithLabelValues(string(stage), engine).Set(float64(n))
 	}
 }
 
@@ -212,13 +162,6 @@ func (m *Metrics) depth(stage dispatcher.Stage, pool string, n uint64) {
 func (m *Metrics) HandoffWithoutKV(pool string) {
 	if m != nil {
 		m.handoffsWithoutKV.WithLabelValues(pool).Inc()
-	}
-}
-
-// BreakerOpened counts a circuit breaker that opened.
-func (m *Metrics) BreakerOpened(stage dispatcher.Stage) {
-	if m != nil {
-		m.breakerOpens.WithLabelValues(string(stage)).Inc()
 	}
 }
 

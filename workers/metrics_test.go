@@ -1,4 +1,4 @@
-package stage
+package workers
 
 import (
 	"testing"
@@ -12,7 +12,7 @@ import (
 // closed, never a fraction, and pdq_engine_breaker_state has one series per
 // state, 1 for the breaker's.
 func TestEngineUpAndBreakerState(t *testing.T) {
-	m, err := NewMetrics(prometheus.NewRegistry(), nil)
+	m, err := NewMetrics(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
