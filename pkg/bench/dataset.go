@@ -25,7 +25,7 @@ type SampleRequest struct {
 // samples token ids and decodes them; pdq has no tokenizer, so a prompt is
 // words from a fixed vocabulary of short, common, lower-case English words,
 // joined by single spaces. Each word is one token for pdq sim (a run of
-// letters, see sim.CountTokens) and, with its leading space, one token for
+// letters, see tokenizer.CountTokens) and, with its leading space, one token for
 // most BPE tokenizers, so a real engine sees about the asked length (plus
 // the BOS token it adds).
 //

@@ -24,7 +24,7 @@ type Engine struct {
 	URL string
 }
 
-// FastConfig is sim.DefaultConfig with latencies cut to what keeps tests
+// FastConfig is simconfig.DefaultConfig with latencies cut to what keeps tests
 // quick and a side channel on a free loopback port.
 func FastConfig() simconfig.Config {
 	c := simconfig.DefaultConfig()

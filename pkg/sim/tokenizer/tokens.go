@@ -217,7 +217,7 @@ func TokenString(id int) (string, error) {
 			return "", nil
 		}
 	}
-	//lint:ignore ST1005 vLLM's own message, which clients see
+	// vLLM's own message, which clients see.
 	return "", fmt.Errorf("Token id %d is out of vocabulary", id)
 }
 
