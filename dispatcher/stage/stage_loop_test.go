@@ -1294,3 +1294,42 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) fl
 	t.Fatalf("no series %s{%q}", name, label)
 	return 0
 }
+
+// TestCancelHeardBeforePull: a cancel broadcast that reaches a worker
+// before it pulls the job (the gateway broadcasts as soon as its client
+// leaves, and writes the record after) stops the job before its engine
+// call, as the record would. Many clients leaving at once used to let a
+// worker start jobs whose records the gateway had not yet written.
+func TestCancelHeardBeforePull(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	var calls sync.Map
+	lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
+		calls.Store(d.Job.ID, true)
+		return nil
+	}})
+	lt.submit("cancel-warm")
+	dispatchertest.WaitFor(t, "the loop running", func() bool { _, ok := calls.Load("cancel-warm"); return ok })
+	if err := submit.Cancel(nc, "cancel-early", 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	lt.submit("cancel-early")
+	dispatchertest.WaitFor(t, "the job settled", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
+	if _, ran := calls.Load("cancel-early"); ran {
+		t.Error("the job of a request cancelled before it was pulled reached its engine")
+	}
+	if rec := lt.record("cancel-early"); rec.State != dispatcher.StateCancelled {
+		t.Errorf("record %s; want cancelled", rec.State)
+	}
+	// A cancel of another origin (a retry of the id runs) stops nothing.
+	if err := submit.Cancel(nc, "cancel-other", 7); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	lt.submit("cancel-other")
+	dispatchertest.WaitFor(t, "the other job run", func() bool { _, ok := calls.Load("cancel-other"); return ok })
+}
