@@ -199,9 +199,12 @@ func TestLifecycleQueuedWork(t *testing.T) {
 		r := lcStart(t, nil, decodeArgs, "PDQ_ENGINE_SLOTS=1")
 		outcomes := make([]string, n)
 		var wg sync.WaitGroup
+		// Every client leaves at the same moment: one that left later
+		// would still be there when a worker took its job.
+		leave := time.Now().Add(300 * time.Millisecond)
 		for i := range n {
 			wg.Go(func() {
-				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				ctx, cancel := context.WithDeadline(context.Background(), leave)
 				defer cancel()
 				s, err := lcPostStream(ctx, r.chat(), fmt.Sprintf("lc3b-%d", i), streamBody(i))
 				outcomes[i] = lcOutcome(s, err, openai.Chat)
