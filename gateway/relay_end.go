@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -179,13 +180,10 @@ func (h *handlers) failed(job *dispatcher.Job, r reply.Reply, log *slog.Logger) 
 	}()
 }
 
-// cancel ends a request the gateway gives up on. The cancel is broadcast
-// first: it reaches the workers within a moment, before they pull the
-// request's jobs still queued (they keep what they hear, see the stage
-// loop's onCancel), and it names the request's origin, so it stops none of
-// the work of a retry or a replay that took the id over. Then the record
-// says so durably, for workers that missed the broadcast; a record another
-// gateway or a replay has taken over is left alone.
+// cancel ends a request the gateway gives up on: its record says so
+// durably, for jobs still queued, and then the broadcast stops the running
+// ones. A record another gateway (a client's retry) or a replay has taken
+// over is left alone.
 func (h *handlers) cancel(job *dispatcher.Job, log *slog.Logger, state dispatcher.State, status int, why string) {
 	h.stop(job, log, state, status, why)
 	log.Info("request stopped: "+why, "state", string(state))
@@ -203,16 +201,21 @@ func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	// Lost while NATS is out of reach: the record, written once it is
-	// back, stops the work at its next beat.
-	if err := submit.Cancel(h.nc, job.ID, job.Origin); err != nil && !natsGone(err) {
-		log.Warn("could not publish the cancel", logging.Err(err))
-	}
+	// Not knowing, stop the work: it is ours unless the record says not.
+	var theirs atomic.Bool
 	h.ledger.write(ctx, job.ID, job.Submitted, func(r *dispatcher.Record) error {
 		if r.State.Ended() || r.Gateway != h.id {
+			theirs.Store(true)
 			return dispatcher.ErrNoChange
 		}
 		r.State, r.Error = state, &dispatcher.RecordError{Status: status, Message: why}
 		return nil
 	}, log)
+	if !theirs.Load() {
+		// Lost while NATS is out of reach: the record, written once it is
+		// back, stops the work at its next beat.
+		if err := submit.Cancel(h.nc, job.ID, job.Origin); err != nil && !natsGone(err) {
+			log.Warn("could not publish the cancel", logging.Err(err))
+		}
+	}
 }

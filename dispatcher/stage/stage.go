@@ -160,9 +160,6 @@ type Loop struct {
 	// mu guards the fields below.
 	mu      sync.Mutex
 	running map[*runningJob]struct{}
-	// heard are the cancels broadcast for jobs this loop was not running:
-	// a job pulled after its cancel came is stopped as it starts.
-	heard heardCancels
 	// reconnects and reconnectedAt track the connection's outages, for
 	// the running query's wait.
 	reconnects    uint64

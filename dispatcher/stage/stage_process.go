@@ -65,9 +65,6 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 		delivery: s.delivery, cancel: cancel}
 	l.mu.Lock()
 	l.running[r] = struct{}{}
-	if l.heard.stops(job.ID, job.Origin, time.Now()) {
-		cancel(errCancelled) // its cancel came before the job did
-	}
 	l.mu.Unlock()
 	defer func() {
 		l.mu.Lock()

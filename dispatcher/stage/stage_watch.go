@@ -12,73 +12,16 @@ import (
 // onCancel stops the running jobs of a cancelled request: those of its
 // origin (see Job.Origin). A cancel or a job without one (from a gateway
 // of an older build) matches by id alone.
-//
-// A cancel can come before its job is pulled: the gateway broadcasts it as
-// its client leaves, and writes the request's record after, so a worker
-// may pull the job before the record says so (many clients leaving at
-// once). Such a cancel is kept for a while (heardCancels), and stops the
-// job as it starts.
 func (l *Loop) onCancel(msg *nats.Msg) {
 	id := msg.Subject[len(dispatcher.CancelSubject("")):]
 	origin, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderOrigin))
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	stopped := false
 	for r := range l.running {
-		if r.id == id && sameOrigin(origin, r.origin) {
+		if r.id == id && (origin == 0 || r.origin == 0 || r.origin == origin) {
 			r.cancel(errCancelled)
-			stopped = true
 		}
 	}
-	if !stopped && origin != 0 {
-		// Kept only with its origin: by id alone, it would stop a
-		// retry of the id that comes after it.
-		l.heard.add(id, origin, time.Now())
-	}
-}
-
-// sameOrigin reports whether a cancel of origin a stops a job of origin
-// b. A cancel or a job without one (from a gateway of an older build)
-// matches by id alone.
-func sameOrigin(a, b int) bool { return a == 0 || b == 0 || a == b }
-
-// heardCancels are the cancels a loop heard for jobs it was not running,
-// for heardFor, at most heardMax of them (the oldest go first). The
-// loop's mu guards it.
-type heardCancels struct {
-	byID  map[string]heardCancel
-	order []string // ids, oldest first
-}
-
-type heardCancel struct {
-	origin int
-	at     time.Time
-}
-
-const (
-	heardFor = time.Minute
-	heardMax = 4096
-)
-
-func (h *heardCancels) add(id string, origin int, now time.Time) {
-	if h.byID == nil {
-		h.byID = make(map[string]heardCancel)
-	}
-	for len(h.order) > 0 && (len(h.order) >= heardMax || now.Sub(h.byID[h.order[0]].at) > heardFor) {
-		delete(h.byID, h.order[0])
-		h.order = h.order[1:]
-	}
-	if _, ok := h.byID[id]; !ok {
-		h.order = append(h.order, id)
-	}
-	h.byID[id] = heardCancel{origin: origin, at: now}
-}
-
-// stops reports whether a cancel heard within heardFor stops a job of id
-// and origin.
-func (h *heardCancels) stops(id string, origin int, now time.Time) bool {
-	c, ok := h.byID[id]
-	return ok && now.Sub(c.at) <= heardFor && c.origin == origin
 }
 
 // sampleDepth publishes how many jobs wait in this loop's queue, every
