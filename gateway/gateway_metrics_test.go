@@ -8,23 +8,9 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
-)
 
-// gaugeValue is the value of the gauge name in reg.
-func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() == name {
-			return f.GetMetric()[0].GetGauge().GetValue()
-		}
-	}
-	t.Fatalf("%s is not exported", name)
-	return 0
-}
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+)
 
 // TestInflightBytesGauge: pdq_gateway_inflight_bytes is what the byte
 // budget holds: a take that does not fit adds nothing, and what is given
@@ -42,12 +28,12 @@ func TestInflightBytesGauge(t *testing.T) {
 	if b.take(200) {
 		t.Fatal("1100 bytes of a 1000-byte budget fit")
 	}
-	if got := gaugeValue(t, reg, "pdq_gateway_inflight_bytes"); got != 900 {
+	if got := dispatchertest.Value(t, reg, "pdq_gateway_inflight_bytes"); got != 900 {
 		t.Errorf("900 bytes held: pdq_gateway_inflight_bytes = %v", got)
 	}
 	b.release(600)
 	b.Release(300)
-	if got := gaugeValue(t, reg, "pdq_gateway_inflight_bytes"); got != 0 {
+	if got := dispatchertest.Value(t, reg, "pdq_gateway_inflight_bytes"); got != 0 {
 		t.Errorf("all given back: pdq_gateway_inflight_bytes = %v", got)
 	}
 }
@@ -63,7 +49,7 @@ func TestInflightRequestsGauge(t *testing.T) {
 	h := &handlers{Server: &Server{cfg: Config{Counters: m}}}
 	var during float64
 	handler := h.track(func(c echo.Context) error {
-		during = gaugeValue(t, reg, "pdq_gateway_inflight_requests")
+		during = dispatchertest.Value(t, reg, "pdq_gateway_inflight_requests")
 		return c.NoContent(http.StatusUnauthorized)
 	})
 	e := echo.New()
@@ -74,7 +60,7 @@ func TestInflightRequestsGauge(t *testing.T) {
 	if during != 1 {
 		t.Errorf("while a request runs: pdq_gateway_inflight_requests = %v, want 1", during)
 	}
-	if got := gaugeValue(t, reg, "pdq_gateway_inflight_requests"); got != 0 {
+	if got := dispatchertest.Value(t, reg, "pdq_gateway_inflight_requests"); got != 0 {
 		t.Errorf("once it is answered: pdq_gateway_inflight_requests = %v, want 0", got)
 	}
 }

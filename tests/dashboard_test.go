@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
 	"github.com/pdq-dev/pdq/gateway"
 	"github.com/pdq-dev/pdq/workers"
@@ -27,7 +28,7 @@ import (
 // checks that a live pdq serves it).
 func metricLabels(t *testing.T) map[string][]string {
 	t.Helper()
-	var reg collectorList
+	var reg dispatchertest.Registered
 	shared, err := dispatcher.NewMetrics(&reg)
 	if err != nil {
 		t.Fatal(err)
@@ -41,38 +42,14 @@ func metricLabels(t *testing.T) map[string][]string {
 	if _, err := workers.NewMetrics(&reg); err != nil {
 		t.Fatal(err)
 	}
-	desc := regexp.MustCompile(`fqName: "([a-z0-9_]+)".*variableLabels: \{([a-z0-9_,]*)\}`)
 	metrics := map[string][]string{"pdq_build_info": {"version", "revision", "goversion"}}
-	ch := make(chan *prometheus.Desc, 64)
-	go func() {
-		for _, c := range reg {
-			c.Describe(ch)
-		}
-		close(ch)
-	}()
-	for d := range ch {
-		s := desc.FindStringSubmatch(d.String())
-		if s == nil {
-			t.Fatalf("cannot read the metric description %s", d)
-		}
-		if !strings.HasPrefix(s[1], "pdq_") {
-			continue // the Go runtime's and the process's own
-		}
-		metrics[s[1]] = []string{}
-		if s[2] != "" {
-			metrics[s[1]] = strings.Split(s[2], ",")
+	for name, labels := range reg.Labels(t) {
+		if strings.HasPrefix(name, "pdq_") { // not the Go runtime's and the process's own
+			metrics[name] = labels
 		}
 	}
 	return metrics
 }
-
-// collectorList is a prometheus.Registerer that keeps what is registered,
-// so that a test can describe every metric, even one with no series yet.
-type collectorList []prometheus.Collector
-
-func (l *collectorList) Register(c prometheus.Collector) error   { *l = append(*l, c); return nil }
-func (l *collectorList) MustRegister(cs ...prometheus.Collector) { *l = append(*l, cs...) }
-func (l *collectorList) Unregister(prometheus.Collector) bool    { return false }
 
 // dashboard is deploy/grafana/pdq-dashboard.json, as much as the tests
 // read of it.

@@ -974,10 +974,10 @@ func TestFullDLQ(t *testing.T) {
 		t.Fatalf("reply %+v %s, %v; want the 502 at once", r, r.Data, err)
 	}
 	dispatchertest.WaitFor(t, "the job gone", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
-	if got := counterValue(t, reg, "pdq_dead_letters_refused_total", "prefill"); got != 1 {
+	if got := dispatchertest.Value(t, reg, "pdq_dead_letters_refused_total", "prefill"); got != 1 {
 		t.Errorf("pdq_dead_letters_refused_total = %v, want 1", got)
 	}
-	if got := counterValue(t, reg, "pdq_dead_letters_total", "prefill"); got != 0 {
+	if got := dispatchertest.Value(t, reg, "pdq_dead_letters_total", "prefill"); got != 0 {
 		t.Errorf("pdq_dead_letters_total = %v, want 0", got)
 	}
 	info, err := st.Info(ctx)
@@ -1271,26 +1271,4 @@ func TestShutdownDropsNoPulledJob(t *testing.T) {
 				i, info.NumAckPending, info.NumPending, info.NumRedelivered, ran.Load())
 		}
 	}
-}
-
-// counterValue is the counter name's series whose one label is label, as
-// reg exports it.
-func counterValue(t *testing.T, reg *prometheus.Registry, name, label string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			if len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == label {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	t.Fatalf("no series %s{%q}", name, label)
-	return 0
 }
