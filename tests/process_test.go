@@ -184,6 +184,11 @@ func startSimProcess(t *testing.T, args ...string) (*process, *simtest.Engine) {
 	t.Helper()
 	args = append([]string{"sim", "--addr", "127.0.0.1:0", "--kv-host", "127.0.0.1", "--kv-port", "0",
 		"--prefill-overhead", "1ms", "--itl", "0s"}, args...)
+	if p := os.Getenv("PDQ_SIM_PROFILE"); p != "" {
+		// The suites on batched engines (vLLM's scheduler model), their
+		// costs scaled down a hundredfold, as simtest.FastConfig does.
+		args = append(args, "--profile", p, "--time-scale", "0.01")
+	}
 	p := startPDQ(t, nil, args...)
 	rec := p.waitLog(t, "simulated engine ready")
 	return p, &simtest.Engine{URL: "http://" + rec["addr"].(string)}

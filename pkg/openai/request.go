@@ -28,6 +28,9 @@ type Request struct {
 	N                   *int  `json:"n"`
 	IgnoreEOS           bool  `json:"ignore_eos"`
 	Echo                *bool `json:"echo"`
+	// Priority is vLLM's: under --scheduling-policy priority, lower runs
+	// first; other engines refuse any value but 0.
+	Priority int `json:"priority"`
 
 	// AddGenerationPrompt and ContinueFinalMessage are vLLM's chat template
 	// switches (defaults true and false): a partial assistant message is

@@ -7,6 +7,16 @@ type Usage struct {
 	PromptTokens     int `json:"prompt_tokens"`
 	CompletionTokens int `json:"completion_tokens"`
 	TotalTokens      int `json:"total_tokens"`
+	// PromptTokensDetails is set by vLLM with --enable-prompt-tokens-details
+	// when some prompt tokens were not computed.
+	PromptTokensDetails *PromptTokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+// PromptTokensDetails is vLLM's PromptTokenUsageInfo.
+type PromptTokensDetails struct {
+	// CachedTokens were found in the prefix cache or read from a prefill
+	// engine (vLLM's num_cached_tokens).
+	CachedTokens int `json:"cached_tokens"`
 }
 
 // NewUsage fills in the total.

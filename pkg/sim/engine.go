@@ -37,11 +37,14 @@ type Engine struct {
 	engineID string
 	compat   string
 
-	stats    counters
-	dead     atomic.Bool
-	kv       *kvstore.Store
-	faults   faultInjector
-	slots    chan struct{}
+	stats  counters
+	dead   atomic.Bool
+	kv     *kvstore.Store
+	faults faultInjector
+	slots  chan struct{}
+	// batch runs requests through the scheduler model (--profile); nil
+	// on an engine of fixed latencies.
+	batch    *batcher
 	kvPort   atomic.Int64
 	registry *prometheus.Registry
 	recorder *recorder
@@ -68,6 +71,13 @@ func New(cfg simconfig.Config, log *slog.Logger) (*Engine, error) {
 	sum := sha256.Sum256([]byte(fmt.Sprintf("pdq-sim|%s|%d|%s", cfg.Model, cfg.BlockSize, cfg.Protocol)))
 	e.compat = hex.EncodeToString(sum[:8])
 	e.kv = kvstore.New(e.log, &e.stats.kv, cfg.KVLease)
+	if cfg.Batched() {
+		scfg, perBlock, perRead := cfg.Sched()
+		var err error
+		if e.batch, err = newBatcher(scfg, perBlock, perRead, &e.stats); err != nil {
+			return nil, fmt.Errorf("sim config: %w", err)
+		}
+	}
 	e.faults = faultInjector{fault: cfg.Fault, rng: mrand.New(mrand.NewPCG(cfg.Seed, 0x5eed))}
 	e.kvPort.Store(int64(cfg.KVPort))
 	e.registry = e.newRegistry()
@@ -120,7 +130,7 @@ func (e *Engine) Serve(ctx context.Context, httpLn, kvLn net.Listener) error {
 		"addr", httpLn.Addr().String(), "kv", net.JoinHostPort(e.cfg.KVHost, strconv.Itoa(e.KVPort())),
 		"served_model_name", e.names.served, "runner", e.cfg.Runner,
 		"engine_id", e.engineID, "nixl_protocol", e.cfg.Protocol, "kv_load_failure", e.cfg.KVLoadFailure,
-		"max_num_seqs", e.cfg.MaxNumSeqs, "kv_lease", e.cfg.KVLease.String())
+		"max_num_seqs", e.cfg.MaxNumSeqs, "kv_lease", e.cfg.KVLease.String(), "profile", e.cfg.Profile)
 
 	var first error
 	pending := cap(errc)

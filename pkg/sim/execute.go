@@ -40,6 +40,8 @@ type outcome struct {
 	tokens   int
 	finish   string
 	kvParams json.RawMessage
+	// cached is the prompt tokens not computed (batched engines).
+	cached int
 }
 
 // execute runs a request through the engine: wait for a slot, get the KV
@@ -47,6 +49,9 @@ type outcome struct {
 // tokens at the ITL, handing each to emit. It returns ctx's error when the
 // client went away.
 func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token) error) (outcome, error) {
+	if e.batch != nil {
+		return e.executeBatched(ctx, j, noKV, emit)
+	}
 	defer j.markLoaded()
 	if j.loadAfter != nil {
 		select {
@@ -64,30 +69,13 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	digest := j.prompt.Digest
 	switch j.mode {
 	case modeDecode:
-		loaded, err := e.loadKV(ctx, j)
+		loaded, err := e.loadKV(ctx, j, time.Duration(len(j.remote.blockIDs))*e.cfg.KVTransferPerBlock)
 		j.markLoaded()
-		switch {
-		case err == nil:
-			if loaded != digest {
-				e.stats.kvMismatches.Add(1)
-				j.log.Warn("loaded KV cache belongs to another prompt; the output will be wrong", "kv_digest", loaded, "prompt_digest", digest)
-			}
-			digest = loaded
-			e.stats.kvReads.Add(1)
-		case ctx.Err() != nil:
-			return outcome{}, ctx.Err()
-		case e.cfg.Protocol == simconfig.ProtocolV1 && errors.Is(err, kvstore.ErrUnknownRequest):
-			e.stats.kvReadFailures.Add(1)
-			e.die(j.internalID, err)
-			return outcome{}, kvstore.ErrEngineDead
-		default:
-			e.stats.kvReadFailures.Add(1)
-			if e.cfg.KVLoadFailure == simconfig.LoadFailureFail {
-				j.log.Warn("KV load failed; failing the request (kv_load_failure_policy=fail)", logging.Err(err))
-				return outcome{}, &kvLoadError{err: err}
-			}
-			j.log.Warn("KV load failed; recomputing the prompt locally (kv_load_failure_policy=recompute)", logging.Err(err))
-			e.stats.recomputes.Add(1)
+		var recompute bool
+		if digest, recompute, err = e.judgeLoad(ctx, j, loaded, err); err != nil {
+			return outcome{}, err
+		}
+		if recompute {
 			if err := sleep.For(ctx, e.prefillTime(j)); err != nil {
 				return outcome{}, err
 			}
@@ -120,6 +108,13 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 		}
 	}
 
+	return e.finished(j, n, finish, noKV, nil)
+}
+
+// finished ends a request that said its n tokens: a length-capped prefill
+// holds its KV blocks for the decode (freed is called when they are
+// freed); the engine counts it.
+func (e *Engine) finished(j *job, n int, finish string, noKV bool, freed func()) (outcome, error) {
 	out := outcome{tokens: n, finish: finish}
 	switch j.mode {
 	case modePrefill:
@@ -132,22 +127,57 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 			// router that forgot max_tokens=1 gets null and no held blocks.
 			j.log.Warn("prefill stopped before max_tokens; no KV blocks held, kv_transfer_params is null", "tokens", n)
 		default:
-			blocks := e.kv.Hold(j.internalID, j.baseID, e.numBlocks(j.prompt.Tokens), j.prompt.Tokens, j.prompt.Digest)
+			blocks := e.kv.Hold(j.internalID, j.baseID, e.numBlocks(j.prompt.Tokens), j.prompt.Tokens, j.prompt.Digest, freed)
+			var err error
 			if out.kvParams, err = e.paramsFor(j, blocks); err != nil {
 				return outcome{}, err
 			}
 			e.stats.prefills.Add(1)
+			freed = nil
 		}
 	case modeDecode:
 		e.stats.decodes.Add(1)
 	default:
 		e.stats.local.Add(1)
 	}
+	if freed != nil {
+		freed() // no blocks held for a decode
+	}
 	e.stats.promptTokens.Add(int64(j.prompt.Tokens))
 	e.stats.generationTokens.Add(int64(n))
 	j.log.Debug("request finished", "prompt_tokens", j.prompt.Tokens, "tokens", n, "finish_reason", finish,
 		logging.Ms("duration_ms", time.Since(j.start)))
 	return out, nil
+}
+
+// judgeLoad is what a decode does after its KV load: go on from the KV it
+// read (another prompt's, if the blocks held another prompt), die (a v1
+// read of an id the prefill engine does not hold), fail the request, or
+// recompute the prompt, as --kv-load-failure says.
+func (e *Engine) judgeLoad(ctx context.Context, j *job, loaded string, err error) (digest string, recompute bool, _ error) {
+	switch {
+	case err == nil:
+		if loaded != j.prompt.Digest {
+			e.stats.kvMismatches.Add(1)
+			j.log.Warn("loaded KV cache belongs to another prompt; the output will be wrong", "kv_digest", loaded, "prompt_digest", j.prompt.Digest)
+		}
+		e.stats.kvReads.Add(1)
+		return loaded, false, nil
+	case ctx.Err() != nil:
+		return "", false, ctx.Err()
+	case e.cfg.Protocol == simconfig.ProtocolV1 && errors.Is(err, kvstore.ErrUnknownRequest):
+		e.stats.kvReadFailures.Add(1)
+		e.die(j.internalID, err)
+		return "", false, kvstore.ErrEngineDead
+	}
+	e.stats.kvReadFailures.Add(1)
+	if e.cfg.KVLoadFailure == simconfig.LoadFailureFail {
+		j.log.Warn("KV load failed; failing the request (kv_load_failure_policy=fail)", logging.Err(err))
+		return "", false, &kvLoadError{err: err}
+	}
+	j.log.Warn("KV load failed; recomputing the prompt locally (kv_load_failure_policy=recompute)", logging.Err(err))
+	e.stats.recomputes.Add(1)
+	return j.prompt.Digest, true, nil
 }
 
 // outputLength is how many tokens the request gets and why it stops: the
@@ -216,7 +246,7 @@ func (e *Engine) remoteID(j *job) string {
 // notifies the prefill engine, so the blocks are freed even if the client
 // goes away during the transfer; if the request is aborted before the read,
 // it notifies too.
-func (e *Engine) loadKV(ctx context.Context, j *job) (string, error) {
+func (e *Engine) loadKV(ctx context.Context, j *job, transfer time.Duration) (string, error) {
 	c, rd, err := e.readKV(ctx, j)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -225,7 +255,7 @@ func (e *Engine) loadKV(ctx context.Context, j *job) (string, error) {
 		return "", err
 	}
 	defer c.close()
-	transferErr := sleep.For(ctx, time.Duration(len(j.remote.blockIDs))*e.cfg.KVTransferPerBlock)
+	transferErr := sleep.For(ctx, transfer)
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
 	if _, err := c.call(nctx, kvRequest{Op: opNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize}); err != nil {

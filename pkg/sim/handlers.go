@@ -193,14 +193,19 @@ func (e *Engine) runBatch(ctx context.Context, jobs []*job, noKV bool, emit func
 }
 
 // sumUsage is the usage of a request: its prompts' tokens and all they
-// generated.
-func sumUsage(jobs []*job, outs []outcome) *openai.Usage {
+// generated, and with --enable-prompt-tokens-details those not computed.
+func (e *Engine) sumUsage(jobs []*job, outs []outcome) *openai.Usage {
 	u := &openai.Usage{}
+	cached := 0
 	for i, j := range jobs {
 		u.PromptTokens += j.prompt.Tokens
 		u.CompletionTokens += outs[i].tokens
+		cached += outs[i].cached
 	}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	if e.cfg.PromptTokensDetails && cached > 0 {
+		u.PromptTokensDetails = &openai.PromptTokensDetails{CachedTokens: cached}
+	}
 	return u
 }
 
@@ -232,7 +237,7 @@ func (e *Engine) respond(ctx context.Context, w http.ResponseWriter, jobs []*job
 			return
 		}
 	}
-	usage := sumUsage(jobs, outs)
+	usage := e.sumUsage(jobs, outs)
 	var resp any
 	switch first.endpoint {
 	case openai.Chat:
@@ -318,7 +323,7 @@ func (e *Engine) stream(ctx context.Context, w http.ResponseWriter, jobs []*job,
 		return
 	}
 	if withUsage {
-		usage := sumUsage(jobs, outs)
+		usage := e.sumUsage(jobs, outs)
 		var chunk any = openai.ChatChunk{ID: first.respID, Object: openai.ObjectChatCompletionChunk, Created: first.created, Model: first.target.name, Choices: []openai.ChatChunkChoice{}, Usage: usage}
 		if first.endpoint == openai.Completions {
 			chunk = openai.CompletionChunk{ID: first.respID, Object: openai.ObjectTextCompletion, Created: first.created, Model: first.target.name, Choices: []openai.CompletionChoice{}, Usage: usage}

@@ -14,6 +14,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/jsonobj"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
+	"github.com/pdq-dev/pdq/pkg/sim/sched"
 	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 	"github.com/pdq-dev/pdq/pkg/sim/tokenizer"
 )
@@ -66,9 +67,11 @@ type job struct {
 	// completions), plus a random suffix in v2, as vLLM 0.14+ adds one.
 	internalID string
 	// target is the model or adapter that answers; gen says its words.
-	target    target
-	gen       tokenizer.Model
-	prompt    tokenizer.Prompt
+	target target
+	gen    tokenizer.Model
+	prompt tokenizer.Prompt
+	// hashes name the prompt's full KV blocks (batched engines only).
+	hashes    []uint64
 	maxTokens int
 	minTokens int
 	mode      mode
@@ -115,7 +118,12 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 	if req.N != nil && *req.N > 1 {
 		return nil, openai.NewError(http.StatusBadRequest, "pdq sim supports n=1 only, got n=%d", *req.N).WithParam("n")
 	}
+	if req.Priority != 0 && e.cfg.SchedulingPolicy != sched.Priority {
+		// vLLM's processor refuses it so (a ValueError: 400).
+		return nil, openai.NewError(http.StatusBadRequest, "Got priority %d but Priority scheduling is not enabled.", req.Priority).WithParam("priority")
+	}
 	var prompts []tokenizer.Prompt
+	var ids [][]int // each prompt's token ids, for the block hashes
 	switch endpoint {
 	case openai.Chat:
 		tmpl := tokenizer.ChatTemplate{AddGenerationPrompt: req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
@@ -133,13 +141,18 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 		if err != nil {
 			return nil, openai.NewError(http.StatusBadRequest, "%v", err).WithParam("messages")
 		}
-		prompts = append(prompts, tokenizer.PromptOf(text.IDs(e.cfg.MMTokens), tgt.adapter, text.MidWord()))
+		promptIDs := text.IDs(e.cfg.MMTokens)
+		ids = append(ids, promptIDs)
+		prompts = append(prompts, tokenizer.PromptOf(promptIDs, tgt.adapter, text.MidWord()))
 	case openai.Completions:
 		for _, p := range req.Prompts() { // parsed, and judged, by DecodeRequest
 			if p.Tokens != nil {
+				ids = append(ids, p.Tokens)
 				prompts = append(prompts, tokenizer.PromptOf(p.Tokens, tgt.adapter, false))
 			} else {
-				prompts = append(prompts, tokenizer.PromptOf(tokenizer.TextIDs(p.Text), tgt.adapter, tokenizer.EndsMidWord(p.Text)))
+				promptIDs := tokenizer.TextIDs(p.Text)
+				ids = append(ids, promptIDs)
+				prompts = append(prompts, tokenizer.PromptOf(promptIDs, tgt.adapter, tokenizer.EndsMidWord(p.Text)))
 			}
 		}
 	}
@@ -222,6 +235,9 @@ func (e *Engine) parse(endpoint openai.Endpoint, r *http.Request, body []byte) (
 			if i > 0 {
 				j.loadAfter = jobs[i-1].loaded
 			}
+		}
+		if e.batch != nil {
+			j.hashes = tokenizer.BlockHashes(ids[i], tgt.adapter, e.cfg.BlockSize)
 		}
 		j.log = e.log.With(logging.KeyRequestID, j.internalID, "mode", md.String())
 		if tgt.adapter != "" {

@@ -4,6 +4,7 @@ import (
 	"sync/atomic"
 
 	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
+	"github.com/pdq-dev/pdq/pkg/sim/sched"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -60,6 +61,16 @@ type Stats struct {
 	GenerationTokens int64 `json:"generation_tokens"`
 	// EngineDead is set once the engine has died (v1 request-id mismatch).
 	EngineDead bool `json:"engine_dead"`
+
+	// The scheduler's figures, on a batched engine (--profile): KV blocks
+	// in use (held prefill blocks too) of all, prompt tokens looked up in
+	// the prefix cache and found there, preemptions and engine steps.
+	KVBlocksUsed      int   `json:"kv_blocks_used,omitempty"`
+	KVBlocks          int   `json:"kv_blocks,omitempty"`
+	PrefixQueryTokens int64 `json:"prefix_query_tokens,omitempty"`
+	PrefixHitTokens   int64 `json:"prefix_hit_tokens,omitempty"`
+	Preemptions       int64 `json:"preemptions,omitempty"`
+	Steps             int64 `json:"steps,omitempty"`
 }
 
 type counters struct {
@@ -74,7 +85,10 @@ type counters struct {
 
 func (e *Engine) snapshot() Stats {
 	c := &e.stats
+	sc := e.schedStats()
 	return Stats{
+		KVBlocksUsed: sc.UsedBlocks, KVBlocks: sc.NumBlocks, PrefixQueryTokens: sc.PrefixQueries,
+		PrefixHitTokens: sc.PrefixHits, Preemptions: sc.Preemptions, Steps: sc.Steps,
 		Requests: c.requests.Load(), Prefills: c.prefills.Load(), Decodes: c.decodes.Load(), Local: c.local.Load(),
 		KVReads: c.kvReads.Load(), KVReadFailures: c.kvReadFailures.Load(), KVMismatches: c.kvMismatches.Load(),
 		Recomputes: c.recomputes.Load(), KVServed: c.kvServed.Load(), BlocksHeld: c.kv.BlocksHeld.Load(),
@@ -85,6 +99,15 @@ func (e *Engine) snapshot() Stats {
 		PromptTokens: c.promptTokens.Load(), GenerationTokens: c.generationTokens.Load(),
 		EngineDead: e.dead.Load(),
 	}
+}
+
+// schedStats are the scheduler's figures; zero on an engine of fixed
+// latencies.
+func (e *Engine) schedStats() sched.Stats {
+	if e.batch == nil {
+		return sched.Stats{}
+	}
+	return e.batch.stepStats()
 }
 
 // newRegistry exposes the counters as Prometheus metrics: vLLM's names for
@@ -123,6 +146,14 @@ func (e *Engine) newRegistry() *prometheus.Registry {
 		counter("pdq_sim_aborts_total", "Requests aborted by their client.", &c.aborts),
 		counter("pdq_sim_faults_total", "Injected faults.", &c.faults),
 		counter("pdq_sim_errors_total", "Requests answered with an error.", &c.errors),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "vllm:kv_cache_usage_perc", Help: "KV-cache usage. 1 means 100 percent usage.", ConstLabels: labels},
+			func() float64 { return e.schedStats().KVUsage() }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "vllm:prefix_cache_queries_total", Help: "Prefix cache queries, in terms of number of queried tokens.", ConstLabels: labels},
+			func() float64 { return float64(e.schedStats().PrefixQueries) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "vllm:prefix_cache_hits_total", Help: "Prefix cache hits, in terms of number of cached tokens.", ConstLabels: labels},
+			func() float64 { return float64(e.schedStats().PrefixHits) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "vllm:num_preemptions_total", Help: "Cumulative number of preemption from the engine.", ConstLabels: labels},
+			func() float64 { return float64(e.schedStats().Preemptions) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "pdq_sim_engine_dead", Help: "1 once the engine has died.", ConstLabels: labels},
 			func() float64 {
 				if e.dead.Load() {

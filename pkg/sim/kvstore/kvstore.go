@@ -46,6 +46,7 @@ type hold struct {
 	NumTokens  int
 	expires    time.Time
 	timer      *time.Timer
+	freed      func()
 }
 
 // New is a store whose holds last lease unless read; it counts in stats.
@@ -54,7 +55,10 @@ func New(log *slog.Logger, stats *Counters, lease time.Duration) *Store {
 }
 
 // Hold allocates blocks for a finished prefill and holds them under id.
-func (s *Store) Hold(id, externalID string, numBlocks, numTokens int, digest string) []int {
+// freed, if not nil, is called when they are freed (read and released,
+// expired, replaced or closed), with the store's lock held: it must not
+// call the store.
+func (s *Store) Hold(id, externalID string, numBlocks, numTokens int, digest string, freed func()) []int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	blocks := make([]int, numBlocks)
@@ -66,7 +70,7 @@ func (s *Store) Hold(id, externalID string, numBlocks, numTokens int, digest str
 			s.next++
 		}
 	}
-	h := &hold{ExternalID: externalID, blocks: blocks, Digest: digest, NumTokens: numTokens, expires: time.Now().Add(s.lease)}
+	h := &hold{ExternalID: externalID, blocks: blocks, Digest: digest, NumTokens: numTokens, expires: time.Now().Add(s.lease), freed: freed}
 	h.timer = time.AfterFunc(s.lease, func() { s.expire(id, h) })
 	if old, ok := s.holds[id]; ok {
 		// An id reused while its blocks are still held: vLLM would corrupt
@@ -145,6 +149,9 @@ func (s *Store) dropLocked(id string, h *hold) {
 	delete(s.holds, id)
 	s.free = append(s.free, h.blocks...)
 	s.stats.BlocksHeld.Add(-int64(len(h.blocks)))
+	if h.freed != nil {
+		h.freed()
+	}
 }
 
 // Close stops the lease timers; held blocks are dropped with the engine.

@@ -3,6 +3,7 @@ package kvstore
 import (
 	"errors"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,8 +15,8 @@ func TestKVStore(t *testing.T) {
 		var c Counters
 		s := New(logging.Discard(), &c, time.Hour)
 		defer s.Close()
-		a := s.Hold("a", "ext-a", 3, 40, "da")
-		b := s.Hold("b", "ext-b", 2, 20, "db")
+		a := s.Hold("a", "ext-a", 3, 40, "da", nil)
+		b := s.Hold("b", "ext-b", 2, 20, "db", nil)
 		if len(a) != 3 || len(b) != 2 || slices.ContainsFunc(b, func(x int) bool { return slices.Contains(a, x) }) {
 			t.Fatalf("blocks a=%v b=%v overlap or have the wrong size", a, b)
 		}
@@ -38,7 +39,7 @@ func TestKVStore(t *testing.T) {
 		if c.BlocksHeld.Load() != 2 {
 			t.Errorf("blocksHeld = %d after release", c.BlocksHeld.Load())
 		}
-		again := s.Hold("c", "", 3, 48, "dc")
+		again := s.Hold("c", "", 3, 48, "dc", nil)
 		slices.Sort(again)
 		slices.Sort(a)
 		if !slices.Equal(again, a) {
@@ -46,12 +47,37 @@ func TestKVStore(t *testing.T) {
 		}
 	})
 
+	t.Run("freed is called once, however the blocks go", func(t *testing.T) {
+		var c Counters
+		s := New(logging.Discard(), &c, 50*time.Millisecond)
+		freed := map[string]int{}
+		var mu sync.Mutex
+		hold := func(id string) {
+			s.Hold(id, "", 1, 16, "d", func() { mu.Lock(); freed[id]++; mu.Unlock() })
+		}
+		hold("read")
+		hold("expired")
+		hold("replaced")
+		s.Release("read")
+		hold("replaced")
+		time.Sleep(200 * time.Millisecond) // "expired" and the second "replaced" expire
+		hold("closed")
+		s.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for id, want := range map[string]int{"read": 1, "expired": 1, "replaced": 2, "closed": 1} {
+			if freed[id] != want {
+				t.Errorf("%s: freed called %d times, want %d", id, freed[id], want)
+			}
+		}
+	})
+
 	t.Run("lease expiry and extension", func(t *testing.T) {
 		var c Counters
 		s := New(logging.Discard(), &c, 80*time.Millisecond)
 		defer s.Close()
-		s.Hold("old", "", 2, 20, "d1")
-		s.Hold("kept", "", 1, 10, "d2")
+		s.Hold("old", "", 2, 20, "d1", nil)
+		s.Hold("kept", "", 1, 10, "d2", nil)
 		stop := time.After(300 * time.Millisecond)
 		tick := time.NewTicker(20 * time.Millisecond)
 		defer tick.Stop()
@@ -81,8 +107,8 @@ func TestKVStore(t *testing.T) {
 		var c Counters
 		s := New(logging.Discard(), &c, time.Hour)
 		defer s.Close()
-		s.Hold("x", "", 2, 20, "d1")
-		b := s.Hold("x", "", 1, 10, "d2")
+		s.Hold("x", "", 2, 20, "d1", nil)
+		b := s.Hold("x", "", 1, 10, "d2", nil)
 		if c.BlocksHeld.Load() != 1 {
 			t.Errorf("blocksHeld = %d", c.BlocksHeld.Load())
 		}

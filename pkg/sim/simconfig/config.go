@@ -5,8 +5,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
+
+	"github.com/pdq-dev/pdq/pkg/sim/sched"
 )
 
 // Protocol is the NIXL connector protocol the engine speaks.
@@ -198,6 +201,55 @@ type Config struct {
 
 	// Fault is the fault injected from the start; POST /sim/faults changes it.
 	Fault Fault
+
+	// Profile, when set, names a calibrated engine (sched.Profiles) and
+	// runs requests through vLLM's scheduler in steps, with continuous
+	// batching, KV capacity and prefix caching, instead of the fixed
+	// latencies above (PrefillOverhead, PrefillPerToken, ITL,
+	// KVTransferPerBlock), which it replaces.
+	Profile string
+	// TimeScale multiplies the profile's costs: 0.1 runs ten times faster.
+	TimeScale float64
+	// NumGPUBlocks overrides the profile's KV capacity in blocks (vLLM's
+	// --num-gpu-blocks-override); 0 keeps it.
+	NumGPUBlocks int
+	// MaxNumBatchedTokens overrides the profile's token budget of a step;
+	// 0 keeps it.
+	MaxNumBatchedTokens int
+	// NoPrefixCaching turns automatic prefix caching off (vLLM's
+	// --no-enable-prefix-caching).
+	NoPrefixCaching bool
+	// SchedulingPolicy is vLLM's --scheduling-policy: fcfs or priority. A
+	// request with a priority other than 0 is refused under fcfs, as vLLM
+	// refuses it.
+	SchedulingPolicy sched.Policy
+	// PromptTokensDetails reports usage.prompt_tokens_details.cached_tokens
+	// when some prompt tokens were not computed (vLLM's
+	// --enable-prompt-tokens-details).
+	PromptTokensDetails bool
+}
+
+// Batched says requests run through the scheduler model.
+func (c Config) Batched() bool { return c.Profile != "" }
+
+// Sched is the scheduler of a batched engine: the profile with the
+// overrides, its costs scaled, and the cost of a KV read per block and
+// per read.
+func (c Config) Sched() (cfg sched.Config, perBlock, perRead time.Duration) {
+	p := sched.Profiles()[c.Profile]
+	cfg = p.Config
+	cfg.BlockSize, cfg.MaxNumSeqs, cfg.Policy = c.BlockSize, c.MaxNumSeqs, c.SchedulingPolicy
+	cfg.PrefixCaching = !c.NoPrefixCaching
+	if c.NumGPUBlocks > 0 {
+		cfg.NumBlocks = c.NumGPUBlocks
+	}
+	if c.MaxNumBatchedTokens > 0 {
+		cfg.MaxNumBatchedTokens = c.MaxNumBatchedTokens
+	}
+	scale := func(d time.Duration) time.Duration { return time.Duration(float64(d) * c.TimeScale) }
+	cfg.Cost = sched.Cost{Base: scale(cfg.Cost.Base), PerPrefillToken: scale(cfg.Cost.PerPrefillToken),
+		PerDecodeSeq: scale(cfg.Cost.PerDecodeSeq), PerContextToken: scale(cfg.Cost.PerContextToken)}
+	return cfg, scale(p.TransferPerBlock), scale(p.TransferBase)
 }
 
 // DefaultConfig returns the defaults: small, realistic latencies for an
@@ -226,6 +278,8 @@ func DefaultConfig() Config {
 		ITL:                10 * time.Millisecond,
 		MaxNumSeqs:         256,
 		Fault:              Fault{Delay: Duration(2 * time.Second)},
+		TimeScale:          1,
+		SchedulingPolicy:   sched.FCFS,
 	}
 }
 
@@ -289,6 +343,25 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.Func("fault-delay", "how late the first byte comes with --fault-kind slow, and the answer with late (default 2s)", func(s string) error {
 		return c.Fault.Delay.Set(s)
 	})
+	fs.StringVar(&c.Profile, "profile", c.Profile, "calibrated engine to model with vLLM's scheduler: "+profileList()+" (empty: fixed latencies)")
+	fs.Float64Var(&c.TimeScale, "time-scale", c.TimeScale, "multiplies the profile's step and transfer costs: 0.1 runs ten times faster")
+	fs.IntVar(&c.NumGPUBlocks, "num-gpu-blocks-override", c.NumGPUBlocks, "KV capacity in blocks, with --profile (0: the profile's)")
+	fs.IntVar(&c.MaxNumBatchedTokens, "max-num-batched-tokens", c.MaxNumBatchedTokens, "token budget of a step, with --profile (0: the profile's)")
+	fs.BoolVar(&c.NoPrefixCaching, "no-enable-prefix-caching", c.NoPrefixCaching, "turn automatic prefix caching off, with --profile")
+	fs.Func("scheduling-policy", "order of waiting requests: fcfs or priority (default fcfs); priority other than 0 needs priority", func(s string) error {
+		c.SchedulingPolicy = sched.Policy(s)
+		return nil
+	})
+	fs.BoolVar(&c.PromptTokensDetails, "enable-prompt-tokens-details", c.PromptTokensDetails, "report usage.prompt_tokens_details.cached_tokens")
+}
+
+func profileList() string {
+	var names []string
+	for name := range sched.Profiles() {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	return strings.Join(names, ", ")
 }
 
 // ServedNames are the names the base model answers to.
@@ -367,6 +440,24 @@ func (c Config) Validate() error {
 	}
 	if err := c.Fault.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if c.SchedulingPolicy != sched.FCFS && c.SchedulingPolicy != sched.Priority {
+		bad("scheduling-policy must be fcfs or priority, got %q", c.SchedulingPolicy)
+	}
+	if c.Profile != "" {
+		if _, ok := sched.Profiles()[c.Profile]; !ok {
+			bad("unknown profile %q (want one of %s)", c.Profile, profileList())
+		} else if cfg, _, _ := c.Sched(); c.TimeScale > 0 {
+			if err := cfg.Validate(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	if c.TimeScale <= 0 {
+		bad("time-scale must be positive, got %v", c.TimeScale)
+	}
+	if c.NumGPUBlocks < 0 || c.MaxNumBatchedTokens < 0 {
+		bad("num-gpu-blocks-override and max-num-batched-tokens must not be negative")
 	}
 	return errors.Join(errs...)
 }

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"testing"
 	"time"
 
@@ -35,6 +36,11 @@ func FastConfig() simconfig.Config {
 	c.PrefillPerToken = 0
 	c.KVTransferPerBlock = 0
 	c.ITL = 0
+	// PDQ_SIM_PROFILE runs the suites on batched engines instead, their
+	// costs scaled down a hundredfold.
+	if p := os.Getenv("PDQ_SIM_PROFILE"); p != "" {
+		c.Profile, c.TimeScale = p, 0.01
+	}
 	return c
 }
 
