@@ -25,6 +25,31 @@ type Result struct {
 	File string
 	// Outputs are the requests' outputs, in the dataset's order.
 	Outputs []Output
+	// Groups are the figures of each tenant and each priority.
+	Groups []Group
+}
+
+// sample makes the run's requests from its dataset, with their tenants and
+// priorities.
+func sample(cfg Config, s settings) ([]SampleRequest, error) {
+	var reqs []SampleRequest
+	var err error
+	switch cfg.DatasetName {
+	case "prefix_repetition":
+		reqs, err = PrefixRepetitionDataset{PrefixLen: cfg.PrefixRepetitionPrefixLen, SuffixLen: cfg.PrefixRepetitionSuffixLen,
+			NumPrefixes: cfg.PrefixRepetitionNumPrefixes, OutputLen: cfg.PrefixRepetitionOutputLen, Seed: uint64(cfg.Seed)}.
+			Sample(cfg.NumPrompts, cfg.RequestIDPrefix)
+	default:
+		reqs, err = RandomDataset{InputLen: cfg.RandomInputLen, OutputLen: cfg.RandomOutputLen, PrefixLen: cfg.RandomPrefixLen,
+			RangeRatio: cfg.RandomRangeRatio, Seed: uint64(cfg.Seed)}.Sample(cfg.NumPrompts, cfg.RequestIDPrefix)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := applyMixes(reqs, s.tenants, s.priorities, uint64(cfg.Seed)); err != nil {
+		return nil, err
+	}
+	return reqs, nil
 }
 
 // MarshalJSON writes the result file's JSON: Python's json.dump of vLLM's
@@ -79,14 +104,7 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 		fmt.Fprintf(stdout, "First model name: %s, first model id: %s\n", modelName, modelID)
 	}
 
-	ds := RandomDataset{
-		InputLen:   cfg.RandomInputLen,
-		OutputLen:  cfg.RandomOutputLen,
-		PrefixLen:  cfg.RandomPrefixLen,
-		RangeRatio: cfg.RandomRangeRatio,
-		Seed:       uint64(cfg.Seed),
-	}
-	reqs, err := ds.Sample(cfg.NumPrompts, cfg.RequestIDPrefix)
+	reqs, err := sample(cfg, s)
 	if err != nil {
 		return nil, err
 	}
@@ -204,8 +222,12 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 	if err := rep.WriteBlock(stdout); err != nil {
 		return nil, err
 	}
+	gs := groups(reqs, outputs, dur, s.goodput)
+	if err := writeExtras(stdout, outputs, gs, s.goodput.set()); err != nil {
+		return nil, err
+	}
 
-	res := &Result{Report: rep, Outputs: outputs}
+	res := &Result{Report: rep, Outputs: outputs, Groups: gs}
 	res.JSON = resultJSON(cfg, modelID, time.Now(), &rep, outputs)
 	if !cfg.SaveDetailed {
 		for _, k := range []string{"input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"} {

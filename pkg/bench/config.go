@@ -31,12 +31,19 @@ type Config struct {
 	// Model is the model name sent; empty means the first model of the
 	// server's /v1/models.
 	Model string
-	// DatasetName must be random.
+	// DatasetName is random or prefix_repetition.
 	DatasetName      string
 	RandomInputLen   int
 	RandomOutputLen  int
 	RandomRangeRatio float64
 	RandomPrefixLen  int
+	// The prefix_repetition dataset's: prefixes shared by the requests.
+	PrefixRepetitionPrefixLen, PrefixRepetitionSuffixLen   int
+	PrefixRepetitionNumPrefixes, PrefixRepetitionOutputLen int
+	// Tenants is "name:weight,...": each request's "user"; Priorities is
+	// "priority:weight,...": each request's vLLM "priority". The result
+	// block is followed by each tenant's and each priority's figures.
+	Tenants, Priorities string
 	// InputLen and OutputLen are vLLM's general lengths: when set (not
 	// 0), they are the dataset's (--random-input-len, --random-output-len).
 	InputLen   int
@@ -86,19 +93,23 @@ func DefaultConfig() Config {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	return Config{
-		Host:                 "127.0.0.1",
-		Port:                 8000,
-		Backend:              "openai",
-		DatasetName:          "random",
-		RandomInputLen:       1024,
-		RandomOutputLen:      128,
-		NumPrompts:           1000,
-		ReadyCheckTimeoutSec: 600,
-		RequestRate:          math.Inf(1),
-		Burstiness:           1.0,
-		PercentileMetrics:    "ttft,tpot,itl",
-		MetricPercentiles:    "99",
-		RequestIDPrefix:      "bench-" + hex.EncodeToString(b[:]) + "-",
+		Host:                        "127.0.0.1",
+		Port:                        8000,
+		Backend:                     "openai",
+		DatasetName:                 "random",
+		RandomInputLen:              1024,
+		RandomOutputLen:             128,
+		PrefixRepetitionPrefixLen:   256,
+		PrefixRepetitionSuffixLen:   256,
+		PrefixRepetitionNumPrefixes: 10,
+		PrefixRepetitionOutputLen:   128,
+		NumPrompts:                  1000,
+		ReadyCheckTimeoutSec:        600,
+		RequestRate:                 math.Inf(1),
+		Burstiness:                  1.0,
+		PercentileMetrics:           "ttft,tpot,itl",
+		MetricPercentiles:           "99",
+		RequestIDPrefix:             "bench-" + hex.EncodeToString(b[:]) + "-",
 	}
 }
 
@@ -112,11 +123,17 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Endpoint, "endpoint", c.Endpoint, "API endpoint (default /v1/completions for openai, /v1/chat/completions for openai-chat)")
 	fs.StringVar(&c.Backend, "backend", c.Backend, "openai (completions) or openai-chat")
 	fs.StringVar(&c.Model, "model", c.Model, "model name (default: the first model of the server's /v1/models)")
-	fs.StringVar(&c.DatasetName, "dataset-name", c.DatasetName, "dataset; only random")
+	fs.StringVar(&c.DatasetName, "dataset-name", c.DatasetName, "dataset: random, or prefix_repetition (prompts that share one of a few prefixes)")
 	fs.IntVar(&c.RandomInputLen, "random-input-len", c.RandomInputLen, "input tokens per request")
 	fs.IntVar(&c.RandomOutputLen, "random-output-len", c.RandomOutputLen, "output tokens per request")
 	fs.Float64Var(&c.RandomRangeRatio, "random-range-ratio", c.RandomRangeRatio, "range ratio r in [0, 1): lengths drawn uniformly from [len*(1-r), len*(1+r)]")
 	fs.IntVar(&c.RandomPrefixLen, "random-prefix-len", c.RandomPrefixLen, "tokens of a fixed prefix before the random part of every prompt")
+	fs.IntVar(&c.PrefixRepetitionPrefixLen, "prefix-repetition-prefix-len", c.PrefixRepetitionPrefixLen, "prefix_repetition: tokens of each shared prefix")
+	fs.IntVar(&c.PrefixRepetitionSuffixLen, "prefix-repetition-suffix-len", c.PrefixRepetitionSuffixLen, "prefix_repetition: tokens after the prefix, different for each request")
+	fs.IntVar(&c.PrefixRepetitionNumPrefixes, "prefix-repetition-num-prefixes", c.PrefixRepetitionNumPrefixes, "prefix_repetition: number of prefixes; each request uses one")
+	fs.IntVar(&c.PrefixRepetitionOutputLen, "prefix-repetition-output-len", c.PrefixRepetitionOutputLen, "prefix_repetition: output tokens per request")
+	fs.StringVar(&c.Tenants, "tenants", c.Tenants, "tenant mix name:weight,... (as a:9,b:1): each request's \"user\"; figures per tenant follow the result block")
+	fs.StringVar(&c.Priorities, "priorities", c.Priorities, "priority mix priority:weight,... (as 0:1,1:9): each request's vLLM \"priority\" (lower first); figures per priority follow the result block")
 	fs.IntVar(&c.InputLen, "input-len", c.InputLen, "input tokens per request: the dataset's (--random-input-len), when set")
 	fs.IntVar(&c.OutputLen, "output-len", c.OutputLen, "output tokens per request: the dataset's (--random-output-len), when set")
 	fs.IntVar(&c.NumPrompts, "num-prompts", c.NumPrompts, "number of prompts to process")
@@ -196,6 +213,7 @@ type settings struct {
 	percentileMetrics           []string
 	percentiles                 []float64
 	goodput                     Goodput
+	tenants, priorities         Mix
 }
 
 // check validates c and works out its derived values.
@@ -211,8 +229,20 @@ func (c *Config) check() (settings, error) {
 	default:
 		return bad("--backend must be openai or openai-chat, got %q", c.Backend)
 	}
-	if c.DatasetName != "random" {
-		return bad("pdq bench has only --dataset-name random, got %q", c.DatasetName)
+	if c.DatasetName != "random" && c.DatasetName != "prefix_repetition" {
+		return bad("--dataset-name must be random or prefix_repetition, got %q", c.DatasetName)
+	}
+	var err error
+	if s.tenants, err = ParseMix("--tenants", c.Tenants); err != nil {
+		return settings{}, err
+	}
+	if s.priorities, err = ParseMix("--priorities", c.Priorities); err != nil {
+		return settings{}, err
+	}
+	for _, p := range s.priorities.Names {
+		if _, err := strconv.Atoi(p); err != nil {
+			return bad("--priorities: %q is not an integer priority", p)
+		}
 	}
 	if c.InputLen < 0 || c.OutputLen < 0 || c.NumWarmups < 0 || c.ReadyCheckTimeoutSec < 0 {
 		return bad("--input-len, --output-len, --num-warmups and --ready-check-timeout-sec must not be negative")

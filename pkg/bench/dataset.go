@@ -19,6 +19,10 @@ type SampleRequest struct {
 	OutputLen int
 	// RequestID is the X-Request-Id sent: the prefix and the index.
 	RequestID string
+	// Tenant, if set, is sent as the body's "user"; Priority, if set, as
+	// vLLM's "priority".
+	Tenant   string
+	Priority *int
 }
 
 // RandomDataset is vLLM's "random" dataset without a tokenizer. vLLM

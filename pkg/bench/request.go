@@ -39,6 +39,10 @@ type Output struct {
 	// ClientQueueTime is how long the request waited for a
 	// --max-concurrency slot.
 	ClientQueueTime float64
+	// CachedTokens is usage.prompt_tokens_details.cached_tokens;
+	// CachedReported says the server sent prompt_tokens_details.
+	CachedTokens   int
+	CachedReported bool
 }
 
 // client sends the requests of a run.
@@ -65,6 +69,8 @@ type completionsBody struct {
 	Stream            bool          `json:"stream"`
 	StreamOptions     streamOptions `json:"stream_options"`
 	IgnoreEOS         bool          `json:"ignore_eos"` // always set: see Config's --ignore-eos
+	User              string        `json:"user,omitempty"`
+	Priority          *int          `json:"priority,omitempty"`
 }
 
 // chatBody is vLLM's async_request_openai_chat_completions payload.
@@ -75,6 +81,8 @@ type chatBody struct {
 	Stream              bool          `json:"stream"`
 	StreamOptions       streamOptions `json:"stream_options"`
 	IgnoreEOS           bool          `json:"ignore_eos"`
+	User                string        `json:"user,omitempty"`
+	Priority            *int          `json:"priority,omitempty"`
 }
 
 type streamOptions struct {
@@ -101,6 +109,8 @@ func (c *client) body(req SampleRequest) ([]byte, error) {
 			Stream:              true,
 			StreamOptions:       streamOptions{IncludeUsage: true},
 			IgnoreEOS:           true,
+			User:                req.Tenant,
+			Priority:            req.Priority,
 		})
 	}
 	return json.Marshal(completionsBody{
@@ -111,6 +121,8 @@ func (c *client) body(req SampleRequest) ([]byte, error) {
 		Stream:            true,
 		StreamOptions:     streamOptions{IncludeUsage: true},
 		IgnoreEOS:         true,
+		User:              req.Tenant,
+		Priority:          req.Priority,
 	})
 }
 
@@ -258,6 +270,12 @@ func (c *client) message(line []byte, st time.Time, last *time.Time, first *bool
 		}
 		if json.Unmarshal(ch.Usage["prompt_tokens"], &n) == nil && n != nil {
 			out.PromptLen = *n
+		}
+		var details struct {
+			CachedTokens int `json:"cached_tokens"`
+		}
+		if d := ch.Usage["prompt_tokens_details"]; len(d) > 0 && string(d) != "null" && json.Unmarshal(d, &details) == nil {
+			out.CachedTokens, out.CachedReported = details.CachedTokens, true
 		}
 	}
 	return nil
