@@ -35,6 +35,9 @@ func sample(cfg Config, s settings) ([]SampleRequest, error) {
 	var reqs []SampleRequest
 	var err error
 	switch cfg.DatasetName {
+	case "multi_turn":
+		reqs, err = MultiTurnDataset{Turns: cfg.MultiTurnTurns, CommonPrefixLen: cfg.MultiTurnCommonPrefixLen, PrefixLen: cfg.MultiTurnPrefixLen,
+			UserLen: cfg.MultiTurnUserLen, OutputLen: cfg.MultiTurnOutputLen, Seed: uint64(cfg.Seed)}.Sample(cfg.NumPrompts, cfg.RequestIDPrefix)
 	case "prefix_repetition":
 		reqs, err = PrefixRepetitionDataset{PrefixLen: cfg.PrefixRepetitionPrefixLen, SuffixLen: cfg.PrefixRepetitionSuffixLen,
 			NumPrefixes: cfg.PrefixRepetitionNumPrefixes, OutputLen: cfg.PrefixRepetitionOutputLen, Seed: uint64(cfg.Seed)}.
@@ -108,7 +111,11 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 	if err != nil {
 		return nil, err
 	}
-	delays := Delays(len(reqs), cfg.RequestRate, cfg.Burstiness, uint32(cfg.Seed))
+	arrivals := len(reqs) // requests, or conversations that start
+	if cfg.DatasetName == "multi_turn" {
+		arrivals = cfg.NumPrompts
+	}
+	delays := Delays(arrivals, cfg.RequestRate, cfg.Burstiness, uint32(cfg.Seed))
 	if cfg.Tokenizer != "" {
 		fmt.Fprintf(stdout, "pdq bench loads no tokenizer (--tokenizer %s): prompts are made of words, and output tokens are the server's usage.\n", cfg.Tokenizer)
 	}
@@ -150,29 +157,42 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 		sem = make(chan struct{}, cfg.MaxConcurrency)
 	}
 	outputs := make([]Output, len(reqs))
-	var wg sync.WaitGroup
-	for i, req := range reqs {
-		if err := sleepUntil(ctx, start.Add(time.Duration(delays[i]*float64(time.Second)))); err != nil {
-			break
-		}
-		arrival := time.Now()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if sem != nil {
-				select {
-				case sem <- struct{}{}:
-					defer func() { <-sem }()
-				case <-ctx.Done():
-					outputs[i] = Output{PromptLen: req.PromptLen, Error: ctx.Err().Error()}
-					return
-				}
+	// send sends request i, which arrived at arrival, once a
+	// --max-concurrency slot is free, and says whether it succeeded.
+	send := func(i int, req SampleRequest, arrival time.Time) bool {
+		if sem != nil {
+			select {
+			case sem <- struct{}{}:
+				defer func() { <-sem }()
+			case <-ctx.Done():
+				outputs[i] = Output{PromptLen: req.PromptLen, Error: ctx.Err().Error()}
+				return false
 			}
-			out := c.do(ctx, req)
-			out.ClientQueueTime = out.StartTime - arrival.Sub(start).Seconds()
-			outputs[i] = out
-			bar.inc()
-		}()
+		}
+		out := c.do(ctx, req)
+		out.ClientQueueTime = out.StartTime - arrival.Sub(start).Seconds()
+		outputs[i] = out
+		bar.inc()
+		return out.Success
+	}
+	var wg sync.WaitGroup
+	if cfg.DatasetName == "multi_turn" {
+		turns := cfg.MultiTurnTurns
+		think := time.Duration(cfg.MultiTurnThinkTime * float64(time.Second))
+		for conv := range arrivals {
+			if err := sleepUntil(ctx, start.Add(time.Duration(delays[conv]*float64(time.Second)))); err != nil {
+				break
+			}
+			wg.Go(func() { converse(ctx, reqs[conv*turns:(conv+1)*turns], conv*turns, think, outputs, send, bar) })
+		}
+	} else {
+		for i, req := range reqs {
+			if err := sleepUntil(ctx, start.Add(time.Duration(delays[i]*float64(time.Second)))); err != nil {
+				break
+			}
+			arrival := time.Now()
+			wg.Go(func() { send(i, req, arrival) })
+		}
 	}
 	wg.Wait()
 	bar.close()
@@ -344,6 +364,28 @@ func nilIfEmpty(s string) any {
 		return nil
 	}
 	return s
+}
+
+// converse runs one conversation's turns in order, each with the history
+// before it, think after the previous answer. Turns after a failed one
+// are not sent: they fail too.
+func converse(ctx context.Context, turns []SampleRequest, first int, think time.Duration, outputs []Output,
+	send func(int, SampleRequest, time.Time) bool, bar *progress) {
+	var history []Message
+	for k, req := range turns {
+		if k > 0 && sleepUntil(ctx, time.Now().Add(think)) != nil {
+			return
+		}
+		req.History = history
+		if !send(first+k, req, time.Now()) {
+			for rest := k + 1; rest < len(turns); rest++ {
+				outputs[first+rest] = Output{PromptLen: turns[rest].PromptLen, Error: "not sent: an earlier turn of its conversation failed"}
+				bar.inc()
+			}
+			return
+		}
+		history = append(history, Message{Role: "user", Text: req.Prompt}, Message{Role: "assistant", Text: outputs[first+k].GeneratedText})
+	}
 }
 
 // sleepUntil waits for t or for ctx to end.

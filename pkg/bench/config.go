@@ -40,6 +40,12 @@ type Config struct {
 	// The prefix_repetition dataset's: prefixes shared by the requests.
 	PrefixRepetitionPrefixLen, PrefixRepetitionSuffixLen   int
 	PrefixRepetitionNumPrefixes, PrefixRepetitionOutputLen int
+	// The multi_turn dataset's: conversations of MultiTurnTurns user
+	// messages, each turn sent MultiTurnThinkTime seconds after the
+	// previous answer.
+	MultiTurnTurns, MultiTurnCommonPrefixLen, MultiTurnPrefixLen int
+	MultiTurnUserLen, MultiTurnOutputLen                         int
+	MultiTurnThinkTime                                           float64
 	// Tenants is "name:weight,...": each request's "user"; Priorities is
 	// "priority:weight,...": each request's vLLM "priority". The result
 	// block is followed by each tenant's and each priority's figures.
@@ -103,6 +109,12 @@ func DefaultConfig() Config {
 		PrefixRepetitionSuffixLen:   256,
 		PrefixRepetitionNumPrefixes: 10,
 		PrefixRepetitionOutputLen:   128,
+		MultiTurnTurns:              6,
+		MultiTurnCommonPrefixLen:    500,
+		MultiTurnPrefixLen:          1000,
+		MultiTurnUserLen:            140,
+		MultiTurnOutputLen:          100,
+		MultiTurnThinkTime:          1,
 		NumPrompts:                  1000,
 		ReadyCheckTimeoutSec:        600,
 		RequestRate:                 math.Inf(1),
@@ -123,7 +135,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Endpoint, "endpoint", c.Endpoint, "API endpoint (default /v1/completions for openai, /v1/chat/completions for openai-chat)")
 	fs.StringVar(&c.Backend, "backend", c.Backend, "openai (completions) or openai-chat")
 	fs.StringVar(&c.Model, "model", c.Model, "model name (default: the first model of the server's /v1/models)")
-	fs.StringVar(&c.DatasetName, "dataset-name", c.DatasetName, "dataset: random, or prefix_repetition (prompts that share one of a few prefixes)")
+	fs.StringVar(&c.DatasetName, "dataset-name", c.DatasetName, "dataset: random, prefix_repetition (prompts that share one of a few prefixes), or multi_turn (conversations: --num-prompts of them, started at --request-rate; openai-chat only)")
 	fs.IntVar(&c.RandomInputLen, "random-input-len", c.RandomInputLen, "input tokens per request")
 	fs.IntVar(&c.RandomOutputLen, "random-output-len", c.RandomOutputLen, "output tokens per request")
 	fs.Float64Var(&c.RandomRangeRatio, "random-range-ratio", c.RandomRangeRatio, "range ratio r in [0, 1): lengths drawn uniformly from [len*(1-r), len*(1+r)]")
@@ -132,6 +144,12 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.PrefixRepetitionSuffixLen, "prefix-repetition-suffix-len", c.PrefixRepetitionSuffixLen, "prefix_repetition: tokens after the prefix, different for each request")
 	fs.IntVar(&c.PrefixRepetitionNumPrefixes, "prefix-repetition-num-prefixes", c.PrefixRepetitionNumPrefixes, "prefix_repetition: number of prefixes; each request uses one")
 	fs.IntVar(&c.PrefixRepetitionOutputLen, "prefix-repetition-output-len", c.PrefixRepetitionOutputLen, "prefix_repetition: output tokens per request")
+	fs.IntVar(&c.MultiTurnTurns, "multi-turn-turns", c.MultiTurnTurns, "multi_turn: user turns per conversation")
+	fs.IntVar(&c.MultiTurnCommonPrefixLen, "multi-turn-common-prefix-len", c.MultiTurnCommonPrefixLen, "multi_turn: tokens every conversation's first message starts with")
+	fs.IntVar(&c.MultiTurnPrefixLen, "multi-turn-prefix-len", c.MultiTurnPrefixLen, "multi_turn: tokens of a conversation's own prefix in its first message")
+	fs.IntVar(&c.MultiTurnUserLen, "multi-turn-user-len", c.MultiTurnUserLen, "multi_turn: tokens of each user message")
+	fs.IntVar(&c.MultiTurnOutputLen, "multi-turn-output-len", c.MultiTurnOutputLen, "multi_turn: output tokens of each answer")
+	fs.Float64Var(&c.MultiTurnThinkTime, "multi-turn-think-time", c.MultiTurnThinkTime, "multi_turn: seconds between an answer and the next turn")
 	fs.StringVar(&c.Tenants, "tenants", c.Tenants, "tenant mix name:weight,... (as a:9,b:1): each request's \"user\"; figures per tenant follow the result block")
 	fs.StringVar(&c.Priorities, "priorities", c.Priorities, "priority mix priority:weight,... (as 0:1,1:9): each request's vLLM \"priority\" (lower first); figures per priority follow the result block")
 	fs.IntVar(&c.InputLen, "input-len", c.InputLen, "input tokens per request: the dataset's (--random-input-len), when set")
@@ -229,8 +247,17 @@ func (c *Config) check() (settings, error) {
 	default:
 		return bad("--backend must be openai or openai-chat, got %q", c.Backend)
 	}
-	if c.DatasetName != "random" && c.DatasetName != "prefix_repetition" {
-		return bad("--dataset-name must be random or prefix_repetition, got %q", c.DatasetName)
+	switch c.DatasetName {
+	case "random", "prefix_repetition":
+	case "multi_turn":
+		if !s.chat {
+			return bad("--dataset-name multi_turn needs --backend openai-chat: a conversation is chat messages")
+		}
+		if !(c.MultiTurnThinkTime >= 0) {
+			return bad("--multi-turn-think-time must not be negative, got %v", c.MultiTurnThinkTime)
+		}
+	default:
+		return bad("--dataset-name must be random, prefix_repetition or multi_turn, got %q", c.DatasetName)
 	}
 	var err error
 	if s.tenants, err = ParseMix("--tenants", c.Tenants); err != nil {

@@ -23,6 +23,10 @@ type SampleRequest struct {
 	// vLLM's "priority".
 	Tenant   string
 	Priority *int
+	// Conversation and Turn place a multi-turn request; History is the
+	// conversation before it, set when the turn is sent.
+	Conversation, Turn int
+	History            []Message
 }
 
 // RandomDataset is vLLM's "random" dataset without a tokenizer. vLLM

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"errors"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -75,10 +76,10 @@ func TestRandomDatasetSeeded(t *testing.T) {
 	a, _ := RandomDataset{InputLen: 20, OutputLen: 5, RangeRatio: 0.5, Seed: 3}.Sample(10, "")
 	b, _ := RandomDataset{InputLen: 20, OutputLen: 5, RangeRatio: 0.5, Seed: 3}.Sample(10, "")
 	c, _ := RandomDataset{InputLen: 20, OutputLen: 5, RangeRatio: 0.5, Seed: 4}.Sample(10, "")
-	if !slices.Equal(a, b) {
+	if !reflect.DeepEqual(a, b) {
 		t.Error("one seed gave two datasets")
 	}
-	if slices.Equal(a, c) {
+	if reflect.DeepEqual(a, c) {
 		t.Error("two seeds gave one dataset")
 	}
 }

@@ -102,9 +102,13 @@ type chatPart struct {
 // body is the request's JSON.
 func (c *client) body(req SampleRequest) ([]byte, error) {
 	if c.chat {
+		msgs := make([]chatMessage, 0, len(req.History)+1)
+		for _, m := range req.History {
+			msgs = append(msgs, chatMessage{Role: m.Role, Content: []chatPart{{Type: "text", Text: m.Text}}})
+		}
 		return json.Marshal(chatBody{
 			Model:               c.model,
-			Messages:            []chatMessage{{Role: "user", Content: []chatPart{{Type: "text", Text: req.Prompt}}}},
+			Messages:            append(msgs, chatMessage{Role: "user", Content: []chatPart{{Type: "text", Text: req.Prompt}}}),
 			MaxCompletionTokens: req.OutputLen,
 			Stream:              true,
 			StreamOptions:       streamOptions{IncludeUsage: true},

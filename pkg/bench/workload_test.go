@@ -2,7 +2,9 @@ package bench_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -128,5 +130,65 @@ func TestWorkloadsAgainstSim(t *testing.T) {
 	recs := batched.Requests(t, "wl-3")
 	if len(recs) != 1 || !strings.Contains(string(recs[0].Body), `"user":"`) || !strings.Contains(string(recs[0].Body), `"priority":`) {
 		t.Errorf("request wl-3 reached the engine as %+v, want a user and a priority", recs)
+	}
+}
+
+// TestMultiTurnAgainstSim runs conversations against a batched engine:
+// each turn carries the conversation so far, the engine's own answers
+// included, so the engine finds the earlier turns in its prefix cache.
+func TestMultiTurnAgainstSim(t *testing.T) {
+	engine := simtest.Start(t, func() simconfig.Config {
+		c := simtest.FastConfig()
+		c.Profile, c.TimeScale, c.PromptTokensDetails = "seed", 0.01, true
+		return c
+	}())
+	cfg := bench.DefaultConfig()
+	cfg.BaseURL, cfg.Backend = engine.URL, "openai-chat"
+	cfg.DatasetName = "multi_turn"
+	cfg.NumPrompts, cfg.MultiTurnTurns = 3, 3
+	cfg.MultiTurnCommonPrefixLen, cfg.MultiTurnPrefixLen, cfg.MultiTurnUserLen, cfg.MultiTurnOutputLen = 32, 64, 20, 8
+	cfg.MultiTurnThinkTime = 0.01
+	cfg.RequestIDPrefix = "mt-"
+	var out strings.Builder
+	res, err := bench.Run(context.Background(), cfg, &out, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Report.Metrics.Completed != 9 {
+		t.Fatalf("%d of 9 turns completed:\n%s", res.Report.Metrics.Completed, out.String())
+	}
+	for c := range 3 {
+		var prevPrompt int
+		for k := range 3 {
+			o := res.Outputs[c*3+k]
+			recs := engine.Requests(t, fmt.Sprintf("mt-%d-%d", c, k))
+			if len(recs) != 1 {
+				t.Fatalf("turn %d-%d reached the engine %d times", c, k, len(recs))
+			}
+			var body struct {
+				Messages []struct {
+					Role    string `json:"role"`
+					Content []struct {
+						Text string `json:"text"`
+					} `json:"content"`
+				} `json:"messages"`
+			}
+			if err := json.Unmarshal(recs[0].Body, &body); err != nil {
+				t.Fatal(err)
+			}
+			if len(body.Messages) != 2*k+1 {
+				t.Errorf("turn %d-%d carries %d messages, want %d", c, k, len(body.Messages), 2*k+1)
+			}
+			if k > 0 {
+				prev := res.Outputs[c*3+k-1]
+				if got := body.Messages[2*k-1]; got.Role != "assistant" || got.Content[0].Text != prev.GeneratedText {
+					t.Errorf("turn %d-%d: the previous answer is %+v, want the engine's %q", c, k, got, prev.GeneratedText)
+				}
+				if o.CachedTokens < prevPrompt/16*16-16 {
+					t.Errorf("turn %d-%d: %d cached tokens, want about the previous prompt's %d", c, k, o.CachedTokens, prevPrompt)
+				}
+			}
+			prevPrompt = o.PromptLen
+		}
 	}
 }
