@@ -214,11 +214,13 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 		}
 		return 0, err
 	}
+	// The dead letter may be gone already: the replayed generation, failed
+	// again, put its own in its place.
 	st, err := rp.js.Stream(ctx, dispatcher.StreamDLQ)
 	if err == nil {
-		err = st.DeleteMsg(ctx, dl.seq)
+		err = dispatcher.DeleteMsg(ctx, st, dl.seq)
 	}
-	if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+	if err != nil {
 		return job.Generation, fmt.Errorf("queued, but the dead letter stays: %w", err)
 	}
 	return job.Generation, nil

@@ -94,7 +94,7 @@ func (s *settle) storeGeneration(ctx context.Context, next *dispatcher.Job, stag
 	}
 	if !moved && seq > 0 {
 		if st, err := l.js.Stream(ctx, dispatcher.StageStream(stage)); err == nil {
-			if err := st.DeleteMsg(ctx, seq); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+			if err := dispatcher.DeleteMsg(ctx, st, seq); err != nil {
 				s.log.Warn("could not delete the "+what+"'s job; its pull will drop it", logging.Err(err))
 			}
 		}

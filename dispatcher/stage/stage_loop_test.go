@@ -1050,6 +1050,44 @@ func TestReplay(t *testing.T) {
 	}
 }
 
+// TestReplayOfAReplacedDeadLetter: a replayed request that fails again
+// before the replay removes its dead letter replaces it (one dead letter
+// a request): the replay has still done its work, and says so.
+func TestReplayOfAReplacedDeadLetter(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
+		return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
+	}})
+	lt.submit("again")
+	dispatchertest.WaitFor(t, "the dead letter", func() bool { return lt.deadLetter("again") != nil })
+	rp, err := admin.NewReplayer(ctx, js, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dl, err := rp.Find(ctx, "again")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another failure of the request lands in its place, as the replayed
+	// generation's does when it fails faster than the replay deletes.
+	old := lt.deadLetter("again")
+	job, err := dispatcher.ParseJob(old.Header, old.Data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	job.Generation++
+	if err := dispatcher.DeadLetterJob(ctx, js, job, dispatcher.StagePrefill, 502, "failed again", nil); err != nil {
+		t.Fatal(err)
+	}
+	if m := lt.deadLetter("again"); m == nil || m.Sequence == old.Sequence {
+		t.Fatalf("the dead letter was not replaced: %+v", m)
+	}
+	if gen, err := rp.Replay(ctx, dl); err != nil {
+		t.Errorf("replay of a dead letter replaced meanwhile: generation %d, %v; want no error", gen, err)
+	}
+}
+
 // TestHandBack: a job handed back (its worker's engine failing) runs again
 // as a first delivery of the same generation, under a new message id, and
 // after too many hand-backs is retried as any failure is.
