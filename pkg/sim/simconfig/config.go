@@ -450,6 +450,9 @@ func (c Config) Validate() error {
 		} else if cfg, _, _ := c.Sched(); c.TimeScale > 0 {
 			if err := cfg.Validate(); err != nil {
 				errs = append(errs, err)
+			} else if room := cfg.NumBlocks * cfg.BlockSize; c.MaxModelLen > room {
+				// vLLM refuses to start so (vllm/v1/core/kv_cache_utils.py).
+				bad("The model's max seq len (%d) is larger than the maximum number of tokens that can be stored in KV cache (%d). Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.", c.MaxModelLen, room)
 			}
 		}
 	}

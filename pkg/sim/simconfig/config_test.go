@@ -4,7 +4,32 @@ import (
 	"flag"
 	"slices"
 	"testing"
+	"time"
 )
+
+func TestBatchedFlags(t *testing.T) {
+	c := DefaultConfig()
+	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
+	c.RegisterFlags(fs)
+	if err := fs.Parse([]string{"--profile", "seed", "--time-scale", "0.5", "--num-gpu-blocks-override", "1000",
+		"--max-num-batched-tokens", "2048", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+		"--enable-prompt-tokens-details", "--max-num-seqs", "64"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	sc, perBlock, perRead := c.Sched()
+	if sc.NumBlocks != 1000 || sc.MaxNumBatchedTokens != 2048 || sc.PrefixCaching || sc.Policy != "priority" || sc.MaxNumSeqs != 64 || sc.BlockSize != 16 {
+		t.Errorf("scheduler config %+v", sc)
+	}
+	if sc.Cost.Base != 3*time.Millisecond || perBlock != 420*time.Microsecond || perRead != time.Millisecond {
+		t.Errorf("costs at time scale 0.5: base %v, per block %v, per read %v; want the seed's halved", sc.Cost.Base, perBlock, perRead)
+	}
+	if !c.Batched() || !c.PromptTokensDetails {
+		t.Errorf("config %+v", c)
+	}
+}
 
 func TestFlags(t *testing.T) {
 	c := DefaultConfig()
@@ -46,6 +71,13 @@ func TestFlags(t *testing.T) {
 		"mm tokens":         func(c *Config) { c.MMTokens = 0 },
 		"embedding dim":     func(c *Config) { c.EmbeddingDim = 0 },
 		"empty served name": func(c *Config) { c.ServedModelNames = []string{" "} },
+		"unknown profile":   func(c *Config) { c.Profile = "h100-70b" },
+		"policy":            func(c *Config) { c.SchedulingPolicy = "lifo" },
+		"time scale":        func(c *Config) { c.Profile, c.TimeScale = "seed", 0 },
+		"budget":            func(c *Config) { c.Profile, c.MaxNumBatchedTokens = "seed", -1 },
+		"max-model-len beyond the KV cache, as vLLM refuses it": func(c *Config) {
+			c.Profile, c.NumGPUBlocks, c.MaxModelLen = "seed", 100, 1601
+		},
 	} {
 		c := DefaultConfig()
 		mutate(&c)
