@@ -1,0 +1,61 @@
+package affinity
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// Key is the token that names the engine at url in job subjects: short,
+// and the same in every process that knows the url.
+func Key(url string) string {
+	sum := sha256.Sum256([]byte(url))
+	return "e" + hex.EncodeToString(sum[:5])
+}
+
+// PromptHashes are the chunk hashes of a request's prompt: a chat's
+// messages, each its role and its parts in order (a part other than text
+// as the client sent it, so an image is part of the prefix), or a
+// completions request's first prompt (a batch's first: the others share
+// their job). Text past MaxChunks chunks is not read.
+func PromptHashes(endpoint openai.Endpoint, req *openai.Request) []uint64 {
+	var c Chunker
+	switch endpoint {
+	case openai.Chat:
+		for _, m := range req.Messages {
+			if !c.WriteString(m.Role) || !c.Write([]byte{0}) {
+				break
+			}
+			parts, err := m.Parts()
+			if err != nil {
+				break
+			}
+			for _, p := range parts {
+				if p.Type == "text" {
+					c.WriteString(p.Text)
+				} else {
+					c.Write(p.Raw)
+				}
+			}
+			if !c.Write([]byte{0}) {
+				break
+			}
+		}
+	default:
+		if ps := req.Prompts(); len(ps) > 0 {
+			if ps[0].Tokens != nil {
+				var buf [4]byte
+				for _, t := range ps[0].Tokens {
+					buf[0], buf[1], buf[2], buf[3] = byte(t), byte(t>>8), byte(t>>16), byte(t>>24)
+					if !c.Write(buf[:]) {
+						break
+					}
+				}
+			} else {
+				c.WriteString(ps[0].Text)
+			}
+		}
+	}
+	return c.Hashes()
+}
