@@ -147,6 +147,42 @@ func KeepEnsured(ctx context.Context, js jetstream.JetStream, opts ...EnsureOpti
 	}
 }
 
+// errCodeClusterNotAvailable is JetStream's "JetStream system temporarily
+// unavailable": a cluster, or a stream's or consumer's group, without a
+// leader for longer than the servers wait before saying so.
+const errCodeClusterNotAvailable = 10008
+
+// Unanswered reports whether a JetStream call failed for want of an answer
+// ([NoAnswer]) or was put off by a cluster without a leader, rather than
+// refused: asked again, it may succeed.
+func Unanswered(err error) bool {
+	var apiErr *jetstream.APIError
+	return NoAnswer(err) || errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeClusterNotAvailable
+}
+
+// UntilAnswered runs op, the JetStream look-ups a process needs before it
+// can serve, until it succeeds, is refused or ctx ends; an attempt that is
+// [Unanswered] is logged with what and tried again, 250 ms later, then
+// twice as long each time up to 5 s. Waiting is right: a server drops, with
+// no answer, a request for a stream or consumer whose group is electing its
+// leader, as every new one does, and two workers of a pool starting
+// together meet this (one creates their consumer while the other asks for
+// its info, which went unanswered for 5 s and ended the worker). When ctx
+// ends it returns op's last error.
+func UntilAnswered(ctx context.Context, log *slog.Logger, what string, op func(context.Context) error) error {
+	for wait := 250 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
+		err := op(ctx)
+		if err == nil || !Unanswered(err) || ctx.Err() != nil {
+			return err
+		}
+		log.Warn("JetStream did not answer; retrying (a stream or consumer may be electing its leader)", "for", what,
+			logging.Err(err), "retry_in", wait.String())
+		if sleep.For(ctx, wait) != nil {
+			return err
+		}
+	}
+}
+
 // streamConfigs are pdq's streams, each with replicas copies.
 func streamConfigs(replicas int) []jetstream.StreamConfig {
 	return []jetstream.StreamConfig{

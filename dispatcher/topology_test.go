@@ -10,6 +10,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // logRecords is a logger whose records a test reads back.
@@ -139,4 +142,79 @@ func TestEnsureOneOwner(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestUntilAnswered: a look-up that JetStream leaves unanswered, as a
+// server does while a new consumer's group elects its leader, or puts off
+// (10008), is asked again until it is answered; a refusal is returned at
+// once. The requests pass through the test, which answers for JetStream.
+func TestUntilAnswered(t *testing.T) {
+	nc, _ := startJetStream(t)
+	var mu sync.Mutex
+	var replies []string // what the test does with the next consumer info requests: "drop", or an answer
+	asked := 0
+	sub, err := nc.Subscribe("proxy.API.>", func(m *nats.Msg) {
+		mu.Lock()
+		var reply string
+		if strings.HasPrefix(m.Subject, "proxy.API.CONSUMER.INFO.") {
+			asked++
+			if len(replies) > 0 {
+				reply, replies = replies[0], replies[1:]
+			}
+		}
+		mu.Unlock()
+		switch reply {
+		case "drop":
+			return
+		case "":
+			resp, err := nc.Request("$JS.API."+strings.TrimPrefix(m.Subject, "proxy.API."), m.Data, 2*time.Second)
+			if err == nil {
+				m.RespondMsg(&nats.Msg{Header: resp.Header, Data: resp.Data})
+			}
+		default:
+			m.Respond([]byte(reply))
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	js, err := jetstream.NewWithAPIPrefix(nc, "proxy.API", jetstream.WithDefaultTimeout(300*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const (
+		unavailable = `{"type":"io.nats.jetstream.api.v1.consumer_info_response","error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}`
+		refused     = `{"type":"io.nats.jetstream.api.v1.consumer_info_response","error":{"code":503,"err_code":10039,"description":"jetstream not enabled for account"}}`
+	)
+	for _, tc := range []struct {
+		name    string
+		replies []string
+		ok      bool
+		asked   int
+	}{
+		{"unanswered twice", []string{"drop", "drop"}, true, 3},
+		{"temporarily unavailable", []string{unavailable}, true, 2},
+		{"refused", []string{refused}, false, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mu.Lock()
+			replies, asked = tc.replies, 0
+			mu.Unlock()
+			var logs logRecords
+			err := UntilAnswered(t.Context(), logs.logger(), "the consumer", func(ctx context.Context) error {
+				_, err := EnsureConsumer(ctx, js, StagePrefill, "until-answered", time.Second)
+				return err
+			})
+			mu.Lock()
+			n := asked
+			mu.Unlock()
+			if (err == nil) != tc.ok || n != tc.asked {
+				t.Errorf("err %v after %d consumer info requests; want ok %v after %d", err, n, tc.ok, tc.asked)
+			}
+			if w := logs.warnings(); len(w) != tc.asked-1 || (len(w) > 0 && w[0]["for"] != "the consumer") {
+				t.Errorf("warnings %v; want one for each retry, saying what for", w)
+			}
+		})
+	}
 }

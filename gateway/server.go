@@ -133,7 +133,13 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	if err := reg.WaitSynced(ctx); err != nil {
 		return fmt.Errorf("gateway: read the worker registry: %w", err)
 	}
-	records, err := dispatcher.OpenRecords(ctx, s.js)
+	// Waited for while JetStream does not answer, as a bucket's group
+	// elects its leader in a cluster's first seconds.
+	var records *dispatcher.Records
+	err = dispatcher.UntilAnswered(ctx, s.log, "the request records", func(ctx context.Context) (err error) {
+		records, err = dispatcher.OpenRecords(ctx, s.js)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("gateway: %w", err)
 	}

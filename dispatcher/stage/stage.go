@@ -281,7 +281,23 @@ func (l *Loop) Released() int64 { return l.released.Load() }
 // Run pulls and runs jobs until ctx ends, then lets running jobs finish
 // within the grace period and hands the rest back.
 func (l *Loop) Run(ctx context.Context) error {
-	cons, err := dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log))
+	// Its consumer and buckets, waited for while JetStream does not answer
+	// (the pool's other workers may be creating the consumer); a refusal
+	// ends the loop.
+	var cons jetstream.Consumer
+	err := dispatcher.UntilAnswered(ctx, l.log, "the stage loop's consumer and buckets", func(ctx context.Context) error {
+		var err error
+		if cons, err = dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log)); err != nil {
+			return err
+		}
+		if l.records, err = dispatcher.OpenRecords(ctx, l.js); err != nil {
+			return err
+		}
+		if l.cfg.Stage == dispatcher.StageDecode {
+			l.kvReads, err = dispatcher.OpenKVReads(ctx, l.js)
+		}
+		return err
+	})
 	if err != nil {
 		return err
 	}
@@ -289,14 +305,6 @@ func (l *Loop) Run(ctx context.Context) error {
 	// creator's): running jobs signal progress by it.
 	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
 		l.cfg.AckWait = aw
-	}
-	if l.records, err = dispatcher.OpenRecords(ctx, l.js); err != nil {
-		return err
-	}
-	if l.cfg.Stage == dispatcher.StageDecode {
-		if l.kvReads, err = dispatcher.OpenKVReads(ctx, l.js); err != nil {
-			return err
-		}
 	}
 	var gate *pull.DecodeGate
 	if l.cfg.Stage == dispatcher.StagePrefill {
