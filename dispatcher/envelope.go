@@ -109,6 +109,13 @@ type Job struct {
 	// engine failing, or a continuation's engine the one it broke on);
 	// each copy has its own message id.
 	HandBacks int
+	// Prefer is the key (affinity.Key) of the prefill engine whose prefix
+	// cache likely holds the prompt's start: its worker is offered the
+	// job first, on a subject of its own (see PreferredSubject), and any
+	// other worker of the pool takes it when that one has no room or is
+	// gone. Empty: any worker. Only a prefill job is published so; a copy
+	// published again (a retry, a hand-back) goes to any worker.
+	Prefer string
 	// RecordRevision is the revision its request's record had when this
 	// generation was queued, when that is known (0 otherwise). While the
 	// record is still at it, nothing has ended, retried or moved the
@@ -204,7 +211,11 @@ func (j *Job) MsgID(stage Stage) string {
 
 // Msg is the job as a message for stage's subject.
 func (j *Job) Msg(stage Stage) *nats.Msg {
-	m := nats.NewMsg(JobSubject(stage, j.Pool, j.ID))
+	subject := JobSubject(stage, j.Pool, j.ID)
+	if j.Prefer != "" && stage == StagePrefill {
+		subject = PreferredSubject(stage, j.Pool, j.ID, j.Prefer)
+	}
+	m := nats.NewMsg(subject)
 	h := m.Header
 	h[HeaderVersion] = versionBody
 	h[HeaderID] = []string{j.ID}
@@ -240,6 +251,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	if j.HandBacks > 0 {
 		h[HeaderHandBacks] = []string{strconv.Itoa(j.HandBacks)}
+	}
+	if j.Prefer != "" && stage == StagePrefill {
+		h[HeaderPrefer] = []string{j.Prefer}
 	}
 	if j.ReplyBatch {
 		h[HeaderReplyBatch] = []string{"1"}
@@ -346,7 +360,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j := &Job{
 		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
 		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Owner: h.Get(HeaderOwner),
-		ClientID: h.Get(HeaderClientID), Body: data,
+		ClientID: h.Get(HeaderClientID), Body: data, Prefer: h.Get(HeaderPrefer),
 		Rebuilt: h.Get(HeaderRebuilt) != "",
 	}
 	switch v := h.Get(HeaderVersion); v {

@@ -31,6 +31,9 @@ const (
 	HeaderResume = "Pdq-Resume"
 	// HeaderHandBacks counts a job's hand-backs.
 	HeaderHandBacks = "Pdq-Hand-Backs"
+	// HeaderPrefer names the prefill engine that should take the job
+	// first (Job.Prefer).
+	HeaderPrefer = "Pdq-Prefer"
 	// HeaderReplyBatch is set on jobs whose gateway reads batched replies.
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.

@@ -398,14 +398,16 @@ func readRecord(ctx context.Context, js jetstream.StreamManager, rs *Records, id
 		if err != nil {
 			return nil, fmt.Errorf("read stream %s: %w", StageStream(stage), err)
 		}
-		if _, err := st.GetLastMsgForSubject(ctx, JobSubject(stage, r.Pool, id)); err == nil {
-			r.State = StatePrefilling
-			if stage == StageDecode {
-				r.State = StateDecoding
+		for _, subject := range JobSubjects(stage, r.Pool, id) {
+			if _, err := st.GetLastMsgForSubject(ctx, subject); err == nil {
+				r.State = StatePrefilling
+				if stage == StageDecode {
+					r.State = StateDecoding
+				}
+				return r, nil
+			} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
+				return nil, fmt.Errorf("read stream %s: %w", StageStream(stage), err)
 			}
-			return r, nil
-		} else if !errors.Is(err, jetstream.ErrMsgNotFound) {
-			return nil, fmt.Errorf("read stream %s: %w", StageStream(stage), err)
 		}
 	}
 	return r, nil

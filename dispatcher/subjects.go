@@ -43,9 +43,39 @@ const (
 	subjectGateway    = "pdq.gateway"
 )
 
-// JobSubject is where a job for stage, pool and request id is published.
+// JobSubject is where a job for stage, pool and request id is published
+// for any worker of the pool.
 func JobSubject(stage Stage, pool, id string) string {
 	return StageSubject(stage) + "." + pool + "." + id
+}
+
+// PreferredSubject is where a job that prefers the engine keyed engine
+// (see Job.Prefer) is published: one token more than JobSubject, so that
+// the pool's shared consumer (<pool>.*) and the engine's own
+// (<pool>.*.<engine>) never both take it.
+func PreferredSubject(stage Stage, pool, id, engine string) string {
+	return JobSubject(stage, pool, id) + "." + engine
+}
+
+// JobSubjects matches every subject a job of stage, pool and request id
+// may have: for any worker, or preferring an engine.
+func JobSubjects(stage Stage, pool, id string) []string {
+	s := JobSubject(stage, pool, id)
+	return []string{s, s + ".*"}
+}
+
+// EngineKey is the token that names the engine at url in job subjects
+// and consumer names: short, and the same in every process that knows the
+// url (the gateway from the registry, the worker from its config).
+func EngineKey(url string) string {
+	sum := sha256.Sum256([]byte(url))
+	return "e" + hex.EncodeToString(sum[:5])
+}
+
+// EngineConsumerName is the durable consumer of the jobs that prefer the
+// engine keyed engine, in stage and pool.
+func EngineConsumerName(stage Stage, pool, engine string) string {
+	return ConsumerName(stage, pool) + "-" + engine
 }
 
 func StageSubject(stage Stage) string {

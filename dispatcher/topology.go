@@ -397,17 +397,31 @@ func EnsureConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, po
 	if ackWait <= 0 {
 		return nil, fmt.Errorf("%w: an ack wait must be positive, got %s", ErrInvalidOption, ackWait)
 	}
-	return ensureConsumer(ctx, js, StageStream(stage), jetstream.ConsumerConfig{
+	cfg := jetstream.ConsumerConfig{
 		Durable:       ConsumerName(stage, pool),
 		Description:   fmt.Sprintf("%s workers of pool %s", stage, pool),
-		FilterSubject: StageSubject(stage) + "." + pool + ".>",
+		FilterSubject: StageSubject(stage) + "." + pool + ".*", // not the jobs that prefer an engine: see PreferredSubject
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       ackWait,
 		MaxDeliver:    -1, // counted by the stage loop: see stage.Config.MaxDeliver
 		MaxAckPending: maxAckPending,
 		MaxWaiting:    maxWaitingPulls,
 		DeliverPolicy: jetstream.DeliverAllPolicy,
-	}, opts...)
+	}
+	c, err := ensureConsumer(ctx, js, StageStream(stage), cfg, opts...)
+	if err == nil && c.CachedInfo().Config.FilterSubject == StageSubject(stage)+"."+pool+".>" {
+		// Made by a build before prefix-cache affinity: its filter would
+		// overlap the engines' consumers, which a work queue refuses.
+		if c, err = js.UpdateConsumer(ctx, StageStream(stage), withFilter(c.CachedInfo().Config, cfg.FilterSubject)); err != nil {
+			err = fmt.Errorf("narrow the filter of consumer %s: %w", cfg.Durable, err)
+		}
+	}
+	return c, err
+}
+
+func withFilter(cfg jetstream.ConsumerConfig, filter string) jetstream.ConsumerConfig {
+	cfg.FilterSubject = filter
+	return cfg
 }
 
 // EnsureReleaseConsumer returns the durable consumer of pool's release

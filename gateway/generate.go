@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/affinity"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
@@ -131,6 +132,11 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	if clientID != id {
 		job.ClientID = clientID
 	}
+	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
+		var placed func()
+		job.Prefer, placed = h.placer.place(affinity.PromptHashes(endpoint, req), h.registry.Engines(stage, job.Pool))
+		context.AfterFunc(c.Request().Context(), placed) // the request's context ends with its handler
+	}
 	slots := func() int { return h.registry.Slots(stage, job.Pool) }
 	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, slots); err != nil {
 		replies.Close()
@@ -144,7 +150,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	}
 	replies.Start(job.Generation)
 	log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
-		"prompt_tokens_estimate", promptTokens, "generation", job.Generation)
+		"prompt_tokens_estimate", promptTokens, "generation", job.Generation, "prefer", job.Prefer)
 	switch {
 	case fallback:
 		h.cfg.Counters.Shared().Fallback(job.Pool, "gateway")

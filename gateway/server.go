@@ -51,7 +51,10 @@ type Config struct {
 	// PrefillFallback is decode (long prompts go decode-only while the
 	// pool has no healthy prefill worker) or fail (they get a 503).
 	PrefillFallback string
-	Grace           time.Duration
+	// Affinity prefers, for each prefill, the engine whose prefix cache
+	// likely holds its prompt's start (PDQ_AFFINITY; see placer).
+	Affinity bool
+	Grace    time.Duration
 	// RequestTimeout is every request's deadline, carried by its jobs.
 	RequestTimeout time.Duration
 	// BodyTimeout bounds the read of a request body (PDQ_BODY_TIMEOUT): a
@@ -178,6 +181,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		submitter: submit.NewSubmitter(s.js, records, registry.NewLiveness(s.nc)),
 		budget:    budget,
 		admission: submit.NewAdmission(s.js, s.cfg.MaxQueue)}
+	if s.cfg.Affinity {
+		h.placer = newPlacer()
+	}
 	srv := &http.Server{
 		Handler:           h.routes(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -229,6 +235,8 @@ type handlers struct {
 	submitter *submit.Submitter
 	budget    *byteBudget
 	admission *submit.Admission
+	// placer picks prefill jobs' preferred engines; nil with affinity off.
+	placer *placer
 	// fallingBack holds the pools whose long prompts go decode-only for
 	// want of a healthy prefill worker, to log each change once.
 	fallingBack sync.Map

@@ -69,6 +69,9 @@ type Config struct {
 	// worker whose engine is down forwards its jobs decode-only while no
 	// other prefill worker of its pool is healthy.
 	PrefillFallback string
+	// Affinity takes the prefill jobs that prefer this worker's engine
+	// from its own queue, beside the pool's (PDQ_AFFINITY).
+	Affinity bool
 	// MigrationLimit bounds how many times a decode that fails after
 	// output moves to another engine (PDQ_MIGRATION_LIMIT); 0 ends such a
 	// stream with an error.
@@ -232,6 +235,7 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) stage.Config {
 		Pool:           dispatcher.PoolName(m.ID),
 		Slots:          w.cfg.Slots,
 		EngineSlots:    w.slots,
+		Affinity:       w.cfg.Affinity,
 		Handler:        w.observed(handler),
 		Ready:          func(ctx context.Context) (stage.Permit, error) { return w.breaker.wait(ctx, alone) },
 		Health:         w.breaker.Health,

@@ -208,6 +208,7 @@ func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *metrics)
 		MaxBodyBytes:   config.MaxBodyBytes,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
 		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics.gateway,
+		Affinity: cfg.Affinity,
 	}
 }
 
@@ -218,7 +219,7 @@ func workerConfig(cfg config.Config, role dispatcher.Stage, engineURL string, me
 		KVHost: cfg.KVHost, Grace: cfg.ShutdownGrace, RetryBase: config.RetryBase, ModelsRefresh: config.ModelsRefresh,
 		KVTTL: cfg.KVTTL, MaxGenerations: cfg.MaxGenerations, AckWait: cfg.AckWait, MaxDeliver: cfg.MaxDeliver,
 		PrefillTimeout: cfg.PrefillTimeout, StallTimeout: cfg.StallTimeout, BreakerFailures: cfg.BreakerFailures,
-		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit,
+		PrefillFallback: cfg.PrefillFallback, MigrationLimit: cfg.MigrationLimit, Affinity: cfg.Affinity,
 		Replicas: cfg.NATS.Replicas, Metrics: metrics.workers, EngineMetrics: metrics.engines,
 	}
 }

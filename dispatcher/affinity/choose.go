@@ -4,7 +4,7 @@ import (
 	"hash/fnv"
 )
 
-// Engine is an engine a job may go to: its key (see Key), how many jobs
+// Engine is an engine a job may go to: its key (dispatcher.EngineKey), how many jobs
 // it runs at once, and how many it has now.
 type Engine struct {
 	Key   string

@@ -1,18 +1,8 @@
 package affinity
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
-
-// Key is the token that names the engine at url in job subjects: short,
-// and the same in every process that knows the url.
-func Key(url string) string {
-	sum := sha256.Sum256([]byte(url))
-	return "e" + hex.EncodeToString(sum[:5])
-}
 
 // PromptHashes are the chunk hashes of a request's prompt: a chat's
 // messages, each its role and its parts in order (a part other than text

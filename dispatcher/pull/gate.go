@@ -37,8 +37,8 @@ const gateFresh = 50 * time.Millisecond
 // half the TTL, a new one would wait at least as long, and the gate stays
 // closed whatever the reports say.
 //
-// Only the pull goroutine of a prefill stage loop calls wait: mu is
-// never contended, and guards the fields below all the same.
+// The pull goroutines of a prefill stage loop call Wait and Took (one, or
+// one a consumer with affinity); mu guards the fields below.
 type DecodeGate struct {
 	// Set by NewDecodeGate, read without a lock.
 	js       jetstream.JetStream
@@ -84,6 +84,16 @@ func (g *DecodeGate) Wait(ctx context.Context) error {
 	return nil
 }
 
+// Took counts a prefill let through by the gate: a pull that Wait let go
+// brought a job. Only jobs count: a pull that comes back empty (and a
+// loop may have several pulls waiting, one on each of its consumers)
+// adds no handoff.
+func (g *DecodeGate) Took() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.since++
+}
+
 // isOpen decides on a look at the decode backlog at most gateFresh old,
 // with the prefills let through since counted as waiting handoffs: a
 // stale "open" would let a burst of fast prefills through before their
@@ -104,9 +114,6 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	was, waiting := g.open, g.pending+g.since
 	slots, avg := g.registry.DecodeCapacity(g.pool)
 	g.open = g.headAge < g.ttl/2 && decodeRoom(waiting, g.idle, slots, avg, g.ttl)
-	if g.open {
-		g.since++
-	}
 	if g.open != was {
 		g.log.Debug("decode backlog gate", "open", g.open, "handoffs_waiting", waiting,
 			"idle_decode_slots", g.idle, "decode_slots", slots, logging.Ms("avg_decode_ms", avg),

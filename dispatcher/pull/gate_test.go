@@ -33,6 +33,10 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 	if !g.isOpen(ctx) {
 		t.Fatal("an empty decode backlog: the gate is closed")
 	}
+	if !g.isOpen(ctx) {
+		t.Fatal("no prefill was taken: the gate closed all the same")
+	}
+	g.Took()
 	if g.isOpen(ctx) {
 		t.Fatal("a second prefill within one look, for one decode slot: the gate is open")
 	}
@@ -40,8 +44,9 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 	if !g.isOpen(ctx) {
 		t.Fatal("a fresh look at an empty backlog: the gate is closed")
 	}
+	g.Took()
 	if g.pending != 0 || g.since != 1 {
-		t.Errorf("after a fresh look: %d waiting, %d let through; want 0 and 1", g.pending, g.since)
+		t.Errorf("after a fresh look and a prefill: %d waiting, %d let through; want 0 and 1", g.pending, g.since)
 	}
 }
 

@@ -24,6 +24,8 @@ type Metrics struct {
 	queueDepth        *prometheus.GaugeVec
 	// wastedPrefills are the handoffs sent back to prefill.
 	wastedPrefills *prometheus.CounterVec
+	// pulled counts jobs by where the worker took them from.
+	pulled *prometheus.CounterVec
 }
 
 // NewMetrics registers the workers' series with reg; shared are the
@@ -65,14 +67,21 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 		Name: "pdq_prefills_wasted_total",
 		Help: "Handoffs sent back to prefill (or failed, out of generations), their prefill's work lost, by reason: kv_ttl (the handoff waited past PDQ_KV_TTL), redelivered (a redelivered handoff, whose KV an earlier delivery may have read), decode_failed, shutdown.",
 	}, []string{"reason"})
+	m.pulled = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_jobs_pulled_total",
+		Help: "Jobs workers took, by stage and where from: shared (the pool's queue), preferred (those that preferred the worker's engine, prefix-cache affinity), taken_over (those that preferred another engine, which was full or gone).",
+	}, []string{"stage", "from"})
 	if err := dispatcher.Register(reg, m.kvReleased, m.handoffsWithoutKV, m.migrations, m.queueWait, m.engineTime,
-		m.retries, m.inflight, m.queueDepth, m.wastedPrefills); err != nil {
+		m.retries, m.inflight, m.queueDepth, m.wastedPrefills, m.pulled); err != nil {
 		return nil, err
 	}
 	// Zeros from the start, so that a dashboard sees the series before the
 	// first failure.
 	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
 		m.inflight.WithLabelValues(string(stage))
+		for _, from := range []string{pulledShared, pulledPreferred, pulledTakenOver} {
+			m.pulled.WithLabelValues(string(stage), from)
+		}
 		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere", "ack_unconfirmed"} {
 			m.retries.WithLabelValues(string(stage), reason)
 		}
@@ -147,6 +156,20 @@ func (m *Metrics) wasted(reason waste) {
 func (m *Metrics) retry(stage dispatcher.Stage, reason string) {
 	if m != nil {
 		m.retries.WithLabelValues(string(stage), reason).Inc()
+	}
+}
+
+// Where a job was pulled from, for pdq_jobs_pulled_total.
+const (
+	pulledShared    = "shared"
+	pulledPreferred = "preferred"
+	pulledTakenOver = "taken_over"
+)
+
+// pulledFrom counts a job pulled from a source.
+func (m *Metrics) pulledFrom(stage dispatcher.Stage, from string) {
+	if m != nil {
+		m.pulled.WithLabelValues(string(stage), from).Inc()
 	}
 }
 

@@ -20,6 +20,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 	s.unclaimKV(ctx) // unread: the next delivery claims it
 	next := *s.job
 	next.HandBacks++
+	next.Prefer = "" // this worker's engine may be the trouble: any worker
 	if _, _, err := s.publishRetry(ctx, next.Msg(s.l.cfg.Stage), "hand-back"); err != nil {
 		s.log.Warn("could not hand the job back; retrying it later", logging.Err(err))
 		if nerr := s.msg.NakWithDelay(retryDelay(s.l.cfg.RetryBase, s.attempt)); nerr != nil {
@@ -77,6 +78,7 @@ func (s *settle) regenerate(ctx context.Context, reason waste, why string, relea
 func (s *settle) storeGeneration(ctx context.Context, next *dispatcher.Job, stage dispatcher.Stage, what string) (bool, error) {
 	l, job := s.l, s.job
 	next.RecordRevision = 0 // the record is written after the job
+	next.Prefer = ""        // a new generation goes to any worker
 	seq, _, err := s.publishRetry(ctx, next.Msg(stage), what)
 	if err != nil {
 		return false, err

@@ -16,8 +16,6 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher/pull"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
-	"github.com/pdq-dev/pdq/internal/sleep"
-	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
 // retryDelay is the NakWithDelay back-off, capped at 10s. A plain Nak would
@@ -73,6 +71,11 @@ type Config struct {
 	// RetryBase is the delay before the first retry of a failed job; each
 	// next one is 4 times longer.
 	RetryBase time.Duration
+	// Affinity, on a prefill loop, takes the jobs that prefer its engine
+	// (dispatcher.Job.Prefer) from the engine's own consumer beside the
+	// pool's, and takes over those that wait for other engines which
+	// cannot take them (see takeOver).
+	Affinity bool
 	// PullWait is how long a pull waits on the server for a job; under
 	// 10 ms is refused. A loop that stops waits for its pull to end (this
 	// long at most while its server answers, pullSilence more when it does
@@ -334,13 +337,29 @@ func (l *Loop) Run(ctx context.Context) error {
 		defer sub.Unsubscribe()
 	}
 
+	var own *pullSource
+	if l.affinity() {
+		if own, err = l.ownSource(ctx); err != nil {
+			return err
+		}
+	}
+
 	keep := pull.NewKeeper(l.js, l.cfg.Stage, l.cfg.KeepEvery, l.log)
 	var bg sync.WaitGroup
 	bg.Go(func() { keep.Run(ctx) })
 	bg.Go(func() { l.heartbeat(ctx) })
 	bg.Go(func() { l.watchGateways(ctx) })
 	bg.Go(func() { l.sampleDepth(ctx) })
-	slots := make(chan struct{}, l.cfg.Slots)
+	// With affinity, the engine's own consumer is pulled beside the
+	// pool's: each needs a pull waiting whenever the engine has room, so
+	// the own one has a slot of its own. Two jobs that come at once for
+	// the engine's last seat: the second waits for it in process (see
+	// EngineSlots).
+	extra := 0
+	if own != nil {
+		extra = 1
+	}
+	slots := make(chan struct{}, l.cfg.Slots+extra)
 	l.cfg.Metrics.pool(l.cfg.Stage, l.cfg.Pool)
 	if l.cfg.Stage == dispatcher.StageDecode && l.cfg.Release != nil {
 		bg.Go(func() { l.releaseLoop(ctx, slots) })
@@ -351,67 +370,29 @@ func (l *Loop) Run(ctx context.Context) error {
 	jobCtx, stopJobs := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopJobs()
 	var wg sync.WaitGroup
-	pulls := pull.NewPuller(ctx, l.nc, l.js, l.cfg.PullWait) // stopped below, after the loop
-	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool))
-pull:
-	for {
-		select {
-		case slots <- struct{}{}:
-		case <-ctx.Done():
-			break pull
-		}
-		var permit Permit
-		if l.cfg.Ready != nil {
-			if permit, err = l.cfg.Ready(ctx); err != nil {
-				break pull
-			}
-		}
-		if gate != nil && gate.Wait(ctx) != nil {
-			permit.release()
-			break pull
-		}
-		if l.cfg.EngineSlots != nil && l.cfg.EngineSlots.WaitFree(ctx) != nil {
-			permit.release()
-			break pull
-		}
-		msg, err := pulls.Next(ctx, cons)
-		if err != nil {
-			permit.release()
-			<-slots
-			if ctx.Err() != nil {
-				break pull
-			}
-			if errors.Is(err, nats.ErrTimeout) || errors.Is(err, jetstream.ErrNoMessages) {
-				continue
-			}
-			l.log.Warn("pull failed; retrying in 1s", logging.Err(err))
-			if sleep.For(ctx, time.Second) != nil {
-				break pull
-			}
-			if c, err := dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log)); err == nil {
-				cons = c
-			}
-			continue
-		}
-		keep.TookJob()
-		// The engine slot is taken at once, so that the next turn of the
-		// loop sees it gone; losing a race for the last one, the job waits
-		// for it in process.
-		held := l.cfg.EngineSlots != nil && l.cfg.EngineSlots.TryAcquire()
-		l.inFlight.Add(1)
-		wg.Go(func() {
-			defer func() {
-				l.inFlight.Add(-1)
-				<-slots
-			}()
-			l.process(ctx, jobCtx, msg, permit, held)
-		})
+	l.log.Info("stage worker pulling", "slots", l.cfg.Slots, "consumer", dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool),
+		"affinity", l.affinity())
+	src := &pullSource{from: pulledShared, pulls: pull.NewPuller(ctx, l.nc, l.js, l.cfg.PullWait), cons: cons, ensure: func(ctx context.Context) (jetstream.Consumer, error) {
+		return dispatcher.EnsureConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, dispatcher.WithLogger(l.log))
+	}}
+	sources := []*pullSource{src}
+	var pullers sync.WaitGroup
+	if own != nil {
+		// The jobs that prefer this engine, pulled beside the pool's; and
+		// those waiting for other engines that cannot take them.
+		sources = append(sources, own)
+		pullers.Go(func() { l.pullLoop(ctx, jobCtx, own, slots, gate, keep, &wg) })
+		pullers.Go(func() { l.takeOver(ctx, jobCtx, slots, gate, keep, &wg) })
 	}
+	l.pullLoop(ctx, jobCtx, src, slots, gate, keep, &wg)
+	pullers.Wait()
 
 	// A job that came as the loop stopped goes back at once, for another
 	// worker, rather than waiting out its ack wait here; within the grace.
-	for _, msg := range pulls.Stop() {
-		wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
+	for _, s := range sources {
+		for _, msg := range s.pulls.Stop() {
+			wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
+		}
 	}
 	done := make(chan struct{})
 	go func() {

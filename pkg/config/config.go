@@ -113,6 +113,11 @@ type Config struct {
 	// pool has no healthy prefill worker: decode (the decode engine
 	// prefills it itself) or fail (503).
 	PrefillFallback string `envconfig:"PDQ_PREFILL_FALLBACK" default:"decode"`
+	// Affinity routes each prefill to the engine whose prefix cache likely
+	// holds its prompt's start (docs/scheduling.md): the gateway prefers
+	// an engine, that engine's worker takes the job first, and any other
+	// takes it when that one has no room or is gone. Off: any worker.
+	Affinity bool `envconfig:"PDQ_AFFINITY" default:"true"`
 	// MigrationLimit bounds how many times one request's decode moves to
 	// another engine after output was sent; 0 ends such a stream with an
 	// error.

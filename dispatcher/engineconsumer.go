@@ -1,0 +1,60 @@
+package dispatcher
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// EnsureEngineConsumer returns the durable consumer of the jobs of stage
+// and pool that prefer the engine keyed engine (see Job.Prefer), creating
+// it when it is missing. Its engine's worker pulls from it before the
+// pool's shared consumer; the pool's other workers take from it what
+// waits there unpulled (see stage.Loop). It is removed after an hour
+// without a pull or a job, as its engine is gone by then and its jobs
+// taken by others.
+func EnsureEngineConsumer(ctx context.Context, js jetstream.JetStream, stage Stage, pool, engine string, ackWait time.Duration, opts ...EnsureOption) (jetstream.Consumer, error) {
+	if ackWait <= 0 {
+		return nil, fmt.Errorf("%w: an ack wait must be positive, got %s", ErrInvalidOption, ackWait)
+	}
+	return ensureConsumer(ctx, js, StageStream(stage), jetstream.ConsumerConfig{
+		Durable:           EngineConsumerName(stage, pool, engine),
+		Description:       fmt.Sprintf("%s jobs of pool %s that prefer engine %s", stage, pool, engine),
+		FilterSubject:     StageSubject(stage) + "." + pool + ".*." + engine,
+		AckPolicy:         jetstream.AckExplicitPolicy,
+		AckWait:           ackWait,
+		MaxDeliver:        -1, // counted by the stage loop, as the shared consumer's
+		MaxAckPending:     maxAckPending,
+		MaxWaiting:        maxWaitingPulls,
+		DeliverPolicy:     jetstream.DeliverAllPolicy,
+		InactiveThreshold: engineConsumerIdle,
+	}, opts...)
+}
+
+// engineConsumerIdle is how long an engine's consumer lives without a
+// pull or a job.
+const engineConsumerIdle = time.Hour
+
+// EngineConsumers lists the engine consumers of stage and pool, with
+// their state, for the pool's workers to take over what waits in them.
+func EngineConsumers(ctx context.Context, js jetstream.JetStream, stage Stage, pool string) ([]*jetstream.ConsumerInfo, error) {
+	st, err := js.Stream(ctx, StageStream(stage))
+	if err != nil {
+		return nil, err
+	}
+	prefix := ConsumerName(stage, pool) + "-"
+	var out []*jetstream.ConsumerInfo
+	list := st.ListConsumers(ctx)
+	for info := range list.Info() {
+		if strings.HasPrefix(info.Name, prefix) {
+			out = append(out, info)
+		}
+	}
+	if err := list.Err(); err != nil {
+		return nil, fmt.Errorf("list consumers of %s: %w", StageStream(stage), err)
+	}
+	return out, nil
+}

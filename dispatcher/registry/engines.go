@@ -1,0 +1,29 @@
+package registry
+
+import (
+	"slices"
+	"strings"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// Engines lists the live workers of stage and pool whose engines take jobs
+// (breaker not open), one per engine, in engine order: where a job of the
+// pool may be placed.
+func (r *Registry) Engines(stage dispatcher.Stage, pool string) []dispatcher.WorkerInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	var out []dispatcher.WorkerInfo
+	for _, e := range r.workers {
+		if e.info.Role != stage || e.info.Pool != pool || !e.info.Healthy() || !r.live(e.at, now) {
+			continue
+		}
+		if i := slices.IndexFunc(out, func(w dispatcher.WorkerInfo) bool { return w.Engine == e.info.Engine }); i >= 0 {
+			continue // two loops of one engine in one pool: one place
+		}
+		out = append(out, e.info)
+	}
+	slices.SortFunc(out, func(a, b dispatcher.WorkerInfo) int { return strings.Compare(a.Engine, b.Engine) })
+	return out
+}

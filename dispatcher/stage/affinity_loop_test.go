@@ -1,0 +1,137 @@
+package stage
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/pull"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// affinityPool runs prefill loops of one pool with affinity on, one per
+// engine URL, each with slots slots; a job's handler notes which engine ran
+// it, and holds while block is set for that engine.
+type affinityPool struct {
+	lt    map[string]*loopTest
+	mu    sync.Mutex
+	ran   map[string]string // job id → engine
+	hold  map[string]chan struct{}
+	order []string
+}
+
+func startAffinityPool(t *testing.T, slots map[string]int) *affinityPool {
+	t.Helper()
+	nc, js := dispatchertest.JetStream(t)
+	p := &affinityPool{lt: map[string]*loopTest{}, ran: map[string]string{}, hold: map[string]chan struct{}{}}
+	pool := dispatcher.PoolName(t.Name())
+	for engine, n := range slots {
+		p.hold[engine] = make(chan struct{})
+		close(p.hold[engine]) // not held
+		p.lt[engine] = startLoopOn(t, nc, js, pool, Config{Slots: n, Affinity: true, EngineSlots: pull.NewEngineSlots(n),
+			Worker: dispatcher.WorkerInfo{Engine: engine, Slots: n},
+			Handler: func(ctx context.Context, d *Delivery) error {
+				p.mu.Lock()
+				p.ran[d.Job.ID] = engine
+				p.order = append(p.order, d.Job.ID)
+				hold := p.hold[engine]
+				p.mu.Unlock()
+				select {
+				case <-hold:
+				case <-ctx.Done():
+				}
+				return nil
+			}})
+	}
+	return p
+}
+
+// block makes engine's jobs wait until the returned function is called.
+func (p *affinityPool) block(engine string) (release func()) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ch := make(chan struct{})
+	p.hold[engine] = ch
+	var once sync.Once
+	return func() { once.Do(func() { close(ch) }) }
+}
+
+func (p *affinityPool) submit(t *testing.T, any *loopTest, id, prefer string) {
+	t.Helper()
+	s, err := any.replies.Open(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	any.submitJob(&dispatcher.Job{ID: id, Model: "m", Pool: any.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+		ReplyTo: any.replies.Subject(id), Deadline: time.Now().Add(time.Minute), Prefer: prefer})
+}
+
+func (p *affinityPool) ranOn(id string) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.ran[id]
+}
+
+func (p *affinityPool) waitRan(t *testing.T, id string) string {
+	t.Helper()
+	dispatchertest.WaitFor(t, id+" run", func() bool { return p.ranOn(id) != "" })
+	return p.ranOn(id)
+}
+
+// TestAffinityPreferredEngine: a job that prefers an engine with room runs
+// there, every time, though another engine is idle too.
+func TestAffinityPreferredEngine(t *testing.T) {
+	p := startAffinityPool(t, map[string]int{"http://a": 2, "http://b": 2})
+	key := dispatcher.EngineKey("http://a")
+	for i := range 12 {
+		id := fmt.Sprintf("pref-%d", i)
+		p.submit(t, p.lt["http://b"], id, key)
+		if got := p.waitRan(t, id); got != "http://a" {
+			t.Fatalf("%s preferred http://a, which had room, and ran on %s", id, got)
+		}
+	}
+	// A job that prefers nobody runs anywhere: the shared queue.
+	p.submit(t, p.lt["http://a"], "anyone", "")
+	p.waitRan(t, "anyone")
+}
+
+// TestAffinityTakeOver: a job that prefers an engine whose slots are all
+// busy, or an engine that is gone, is taken by another, within the
+// take-over bound; so no engine idles while a job waits for another.
+func TestAffinityTakeOver(t *testing.T) {
+	p := startAffinityPool(t, map[string]int{"http://a": 1, "http://b": 4})
+	a := dispatcher.EngineKey("http://a")
+	release := p.block("http://a")
+	defer release()
+	p.submit(t, p.lt["http://b"], "first", a)
+	if got := p.waitRan(t, "first"); got != "http://a" {
+		t.Fatalf("first ran on %s, want http://a (it had room)", got)
+	}
+	// a is full now: the next jobs that prefer it go to b, while a is
+	// still busy with the first.
+	start := time.Now()
+	for i := range 4 {
+		p.submit(t, p.lt["http://b"], fmt.Sprintf("busy-%d", i), a)
+	}
+	for i := range 4 {
+		if got := p.waitRan(t, fmt.Sprintf("busy-%d", i)); got != "http://b" {
+			t.Errorf("busy-%d ran on %s while http://a was full, want http://b", i, got)
+		}
+	}
+	t.Logf("4 jobs taken over from a full engine in %v", time.Since(start).Round(time.Millisecond))
+
+	// An engine with no worker at all (gone): its jobs run elsewhere.
+	p.submit(t, p.lt["http://b"], "orphan", dispatcher.EngineKey("http://gone"))
+	if got := p.waitRan(t, "orphan"); got != "http://b" {
+		t.Errorf("the job of a gone engine ran on %s, want http://b (a is full)", got)
+	}
+	if n := p.lt["http://a"].loop.InFlight(); n != 1 {
+		t.Errorf("a runs %d jobs, want its 1 slot's", n)
+	}
+	release()
+}

@@ -1,0 +1,64 @@
+package gateway
+
+import (
+	"sync"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/affinity"
+)
+
+// placementIndexChunks bounds the prefix index: 64k chunks of 256 bytes
+// stand for 16 MiB of prompt text, more than a pool's prefix caches hold
+// of distinct prefixes at the seed profile's 262k tokens an engine.
+const placementIndexChunks = 1 << 16
+
+// placer picks the prefill engine each job should go to first: the one
+// whose prefix cache likely holds the most of its prompt, weighed against
+// how busy each engine is (see dispatcher/affinity). An engine's load is
+// the requests this gateway placed there that have not ended, beyond the
+// least loaded engine's: known at once, unlike the workers' heartbeats,
+// and fair between engines although it counts each request's decode too.
+type placer struct {
+	index *affinity.Index
+	mu    sync.Mutex
+	busy  map[string]int // engine key → requests placed there, not ended
+}
+
+func newPlacer() *placer {
+	return &placer{index: affinity.NewIndex(placementIndexChunks), busy: make(map[string]int)}
+}
+
+// place returns the key of the engine a job whose prompt has hashes should
+// prefer among workers (one per engine), and notes it; "" when there is
+// nothing to choose between. done is to be called when the request ends.
+func (p *placer) place(hashes []uint64, workers []dispatcher.WorkerInfo) (engine string, done func()) {
+	if len(workers) < 2 || len(hashes) == 0 {
+		return "", func() {}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	least := -1
+	for _, w := range workers {
+		if b := p.busy[dispatcher.EngineKey(w.Engine)]; least < 0 || b < least {
+			least = b
+		}
+	}
+	engines := make([]affinity.Engine, len(workers))
+	for i, w := range workers {
+		key := dispatcher.EngineKey(w.Engine)
+		engines[i] = affinity.Engine{Key: key, Slots: w.Capacity(), Busy: p.busy[key] - least}
+	}
+	c := affinity.Choose(p.index, hashes, engines)
+	p.index.Record(hashes, c.Engine)
+	p.busy[c.Engine]++
+	var once sync.Once
+	return c.Engine, func() {
+		once.Do(func() {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			if p.busy[c.Engine]--; p.busy[c.Engine] <= 0 {
+				delete(p.busy, c.Engine)
+			}
+		})
+	}
+}
