@@ -6,7 +6,7 @@ BIN       := bin/pdq
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 .DEFAULT_GOAL := help
-.PHONY: help build run test faults bench microbench openai-client fmt-check vet lint fuzz clean
+.PHONY: help build run test faults bench bench-cluster microbench openai-client fmt-check vet lint fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -31,6 +31,9 @@ faults: ## run the fault suite alone and print its table (docs/reliability.md)
 
 bench: ## side by side: engine alone, the floor, a plain P/D proxy, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines; then HEAD and the proxy against the targets
 	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))
+
+bench-cluster: ## scheduling side by side: pdq, pdq with affinity off, a round-robin and a least-loaded P/D proxy in front of 4+4 simulated engines (seed profile), five workloads over a sweep of rates; then the targets of issue 27 and a plot a workload in bin/bench-cluster (ARGS="-quick" for one rate each)
+	$(GO) run ./tools/benchcluster $(ARGS)
 
 microbench: ## go test -bench of the hot pieces, with allocations, and the durable path alone
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/jsonobj ./pkg/openai ./pkg/nixl ./dispatcher/... ./workers
