@@ -19,6 +19,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/pdq-dev/pdq/tools/internal/proc"
 )
 
 func main() {
@@ -124,11 +126,11 @@ func run() error {
 	defer os.RemoveAll(o.work)
 
 	head := filepath.Join(o.work, "pdq-head")
-	if err := goBuild(".", "./cmd/pdq", head); err != nil {
+	if err := proc.Build(".", "./cmd/pdq", head); err != nil {
 		return err
 	}
 	proxy := filepath.Join(o.work, "pdproxy")
-	if err := goBuild(".", "./tools/pdproxy", proxy); err != nil {
+	if err := proc.Build(".", "./tools/pdproxy", proxy); err != nil {
 		return err
 	}
 	base, err := buildBase(o)

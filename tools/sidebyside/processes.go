@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/pdq-dev/pdq/tools/internal/proc"
 )
 
 // buildBase builds pdq at the baseline commit, in a worktree of its own.
@@ -22,16 +24,7 @@ func buildBase(o options) (string, error) {
 	}
 	defer exec.Command("git", "worktree", "remove", "--force", dir).Run()
 	bin := filepath.Join(o.work, "pdq-base")
-	return bin, goBuild(dir, "./cmd/pdq", bin)
-}
-
-func goBuild(dir, pkg, out string) error {
-	cmd := exec.Command("go", "build", "-o", out, pkg)
-	cmd.Dir = dir
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("go build in %s: %w\n%s", dir, err, b)
-	}
-	return nil
+	return bin, proc.Build(dir, "./cmd/pdq", bin)
 }
 
 // startSim runs pdq sim on free loopback ports and returns its URL and
@@ -77,7 +70,7 @@ func startUp(ctx context.Context, bin, work, prefill, decode string, env []strin
 		return nil, "", err
 	}
 	url := "http://127.0.0.1:" + strconv.Itoa(port)
-	if err := waitServing(url); err != nil {
+	if err := proc.WaitServing(ctx, url, 30*time.Second); err != nil {
 		stop(cmd)
 		return nil, "", err
 	}
@@ -97,31 +90,11 @@ func startProxy(ctx context.Context, bin, prefill, decode string) (*exec.Cmd, st
 	if err := cmd.Start(); err != nil {
 		return nil, "", err
 	}
-	if err := waitServing(url); err != nil {
+	if err := proc.WaitServing(ctx, url, 30*time.Second); err != nil {
 		stop(cmd)
 		return nil, "", err
 	}
 	return cmd, url, nil
-}
-
-// waitServing waits until a router (pdq up, the plain proxy) answers a
-// request through both legs.
-func waitServing(url string) error {
-	deadline := time.Now().Add(30 * time.Second)
-	body := `{"model":"pdq-sim","prompt":"` + strings.Repeat("word ", 64) + `","max_tokens":1}`
-	client := &http.Client{Timeout: 5 * time.Second}
-	for time.Now().Before(deadline) {
-		resp, err := client.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
-		if err == nil {
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return fmt.Errorf("%s did not serve within 30 s", url)
 }
 
 func waitHTTP(url string) error {
