@@ -32,7 +32,7 @@ func ClientErrors() []ClientError {
 		{Status: http.StatusRequestTimeout, Message: "the request body did not arrive within %v", When: "the body did not arrive within PDQ_BODY_TIMEOUT"},
 		{Status: http.StatusConflict, Message: "a request with this X-Request-Id is in flight or has been answered; use a new id", When: "a request with this X-Request-Id is in flight or has been answered"},
 		{Status: http.StatusRequestEntityTooLarge, Message: "request body is larger than %d bytes", When: "the body is over the limit (7 MiB)"},
-		{Status: http.StatusTooManyRequests, Message: "the queue is full; retry in %d s", When: "the pool's queue is full or the gateway holds PDQ_MAX_INFLIGHT_BYTES; with Retry-After"},
+		{Status: http.StatusTooManyRequests, Message: "the queue is full; retry in %d s", When: "the pool's queue is full, or the tenant holds its share of it (PDQ_FAIR_QUEUE), or the gateway holds PDQ_MAX_INFLIGHT_BYTES; with Retry-After"},
 		{Status: http.StatusInternalServerError, Message: "pdq's %s worker failed on this request", When: "pdq met a bug: a worker's handler panicked, a job could not be read; kept for replay"},
 		{Status: http.StatusBadGateway, Message: "%s engine failed: %s", When: "an engine kept failing, or a stream broke after output and could not be moved; kept for replay"},
 		{Status: http.StatusServiceUnavailable, Message: "pdq cannot reach its queue (NATS); retry", When: "no workers for the model, NATS out of reach or its disk full, a gateway shutting down; with Retry-After where a retry helps"},

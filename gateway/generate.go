@@ -82,6 +82,16 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			log.Debug("refused: a stream does not store", "stream", bad.Stream)
 			return h.unavailable(c, "pdq's queue cannot store (stream %s: its disk may be full); retry", bad.Stream)
 		}
+		if h.cfg.FairQueue {
+			done, apiErr := h.waitTurn(c, endpoint, in, log)
+			switch {
+			case apiErr != nil:
+				return writeError(c, apiErr)
+			case done == nil:
+				return nil // the client left
+			}
+			defer done()
+		}
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, clientID, id, in, pool, log)
 		}

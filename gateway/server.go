@@ -54,7 +54,12 @@ type Config struct {
 	// Affinity prefers, for each prefill, the engine whose prefix cache
 	// likely holds its prompt's start (PDQ_AFFINITY; see placer).
 	Affinity bool
-	Grace    time.Duration
+	// FairQueue holds what a pool cannot run yet in the gateway, in
+	// priority and tenant order (PDQ_FAIR_QUEUE; see fairQueue), with
+	// TenantWeights (PDQ_TENANT_WEIGHTS).
+	FairQueue     bool
+	TenantWeights map[string]float64
+	Grace         time.Duration
 	// RequestTimeout is every request's deadline, carried by its jobs.
 	RequestTimeout time.Duration
 	// BodyTimeout bounds the read of a request body (PDQ_BODY_TIMEOUT): a
@@ -237,6 +242,9 @@ type handlers struct {
 	admission *submit.Admission
 	// placer picks prefill jobs' preferred engines; nil with affinity off.
 	placer *placer
+	// queues are the pools' fair queues (pool name → *fairQueue), made
+	// as pools are first asked for; none with PDQ_FAIR_QUEUE off.
+	queues sync.Map
 	// fallingBack holds the pools whose long prompts go decode-only for
 	// want of a healthy prefill worker, to log each change once.
 	fallingBack sync.Map

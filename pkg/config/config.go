@@ -7,6 +7,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net/url"
 	"os"
 	"slices"
@@ -118,6 +119,16 @@ type Config struct {
 	// an engine, that engine's worker takes the job first, and any other
 	// takes it when that one has no room or is gone. Off: any worker.
 	Affinity bool `envconfig:"PDQ_AFFINITY" default:"true"`
+	// FairQueue holds the requests a pool cannot run yet in the gateway,
+	// letting them in by priority, then by tenant in proportion to their
+	// weights (docs/scheduling.md); a tenant over its share of PDQ_MAX_QUEUE
+	// is refused. Off: requests queue in JetStream, first come first served.
+	FairQueue bool `envconfig:"PDQ_FAIR_QUEUE" default:"true"`
+	// TenantWeights are the tenants' weights in the fair queue, as
+	// "name:weight,name:weight"; a tenant not named weighs 1. A tenant is
+	// the request's API key (its owner, as records show it) when the
+	// gateway takes keys, else the body's "user".
+	TenantWeights map[string]float64 `envconfig:"PDQ_TENANT_WEIGHTS"`
 	// MigrationLimit bounds how many times one request's decode moves to
 	// another engine after output was sent; 0 ends such a stream with an
 	// error.
@@ -258,6 +269,11 @@ func (c Config) Validate() error {
 	case FallbackDecode, FallbackFail:
 	default:
 		errs = append(errs, fmt.Errorf("%w: PDQ_PREFILL_FALLBACK: %q is not decode or fail", ErrInvalid, c.PrefillFallback))
+	}
+	for name, w := range c.TenantWeights {
+		if !(w > 0) || math.IsInf(w, 0) {
+			errs = append(errs, fmt.Errorf("%w: PDQ_TENANT_WEIGHTS: the weight of %q must be a positive number, got %v", ErrInvalid, name, w))
+		}
 	}
 	if c.MigrationLimit < 0 {
 		errs = append(errs, fmt.Errorf("%w: PDQ_MIGRATION_LIMIT must not be negative, got %d", ErrInvalid, c.MigrationLimit))

@@ -31,6 +31,9 @@ type Request struct {
 	// Priority is vLLM's: under --scheduling-policy priority, lower runs
 	// first; other engines refuse any value but 0.
 	Priority int `json:"priority"`
+	// User is OpenAI's end-user id; pdq's gateway takes it as the tenant
+	// when it takes no API keys.
+	User string `json:"user"`
 
 	// AddGenerationPrompt and ContinueFinalMessage are vLLM's chat template
 	// switches (defaults true and false): a partial assistant message is

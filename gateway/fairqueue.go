@@ -1,0 +1,197 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"math"
+	"slices"
+	"sync"
+)
+
+// errTenantFull refuses a request whose tenant holds its share of the
+// queue already.
+var errTenantFull = errors.New("the tenant's share of the queue is full")
+
+// fairQueue decides, per pool, which request goes into the queue next
+// when the pool runs all it can: vLLM's priority first (lower first),
+// then each tenant in turn, in proportion to its weight and the work its
+// requests ask for (start-time fair queueing: a request's tags are where
+// its tenant's work so far ends). Requests wait here, in the gateway, not
+// in JetStream, whose queue is first in first out: one tenant's burst
+// would sit in front of everyone's requests there. A pool is full when it
+// runs as many requests as its workers have seats (the limit); from
+// then on each request that ends lets the next in.
+//
+// A tenant's waiting requests are bounded by its share of maxQueue
+// (its weight among the tenants with requests here): a tenant that floods
+// is refused (429) before anyone else is.
+type fairQueue struct {
+	maxQueue int
+	weight   func(tenant string) float64
+	limit    func() int
+
+	mu       sync.Mutex
+	running  int
+	waiting  []*waiter
+	vtime    float64
+	tenants  map[string]*tenantState
+	arrivals uint64
+}
+
+type tenantState struct {
+	finish  float64 // where the tenant's work so far ends, in virtual time
+	waiting int
+	running int
+}
+
+type waiter struct {
+	tenant        string
+	priority      int
+	seq           uint64
+	start, finish float64
+	admitted      chan struct{}
+}
+
+func newFairQueue(maxQueue int, weight func(string) float64, limit func() int) *fairQueue {
+	return &fairQueue{maxQueue: maxQueue, weight: weight, limit: limit, tenants: make(map[string]*tenantState)}
+}
+
+// enter waits until the request may go into the queue, and returns the
+// function to call when it ends. cost is its work (prompt and output
+// tokens). It fails with errTenantFull when the tenant's share of the
+// queue is taken, or with ctx's error.
+func (q *fairQueue) enter(ctx context.Context, tenant string, priority, cost int) (done func(), err error) {
+	q.mu.Lock()
+	t := q.tenants[tenant]
+	if t == nil {
+		t = &tenantState{}
+		q.tenants[tenant] = t
+	}
+	w := &waiter{tenant: tenant, priority: priority, seq: q.arrivals, admitted: make(chan struct{})}
+	q.arrivals++
+	w.start = math.Max(q.vtime, t.finish)
+	w.finish = w.start + float64(max(cost, 1))/q.weightOf(tenant)
+	if len(q.waiting) == 0 && q.running < q.limit() {
+		t.finish = w.finish
+		q.vtime = w.start
+		q.admitLocked(w, t)
+		q.mu.Unlock()
+		return q.doneFunc(tenant), nil
+	}
+	if t.waiting >= q.shareLocked(tenant) {
+		q.dropIfIdleLocked(tenant, t)
+		q.mu.Unlock()
+		return nil, errTenantFull
+	}
+	t.finish = w.finish
+	t.waiting++
+	q.waiting = append(q.waiting, w)
+	q.mu.Unlock()
+
+	select {
+	case <-w.admitted:
+		return q.doneFunc(tenant), nil
+	case <-ctx.Done():
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	select {
+	case <-w.admitted: // let in as it gave up: it ends at once
+		q.endLocked(tenant)
+	default:
+		q.waiting = slices.DeleteFunc(q.waiting, func(x *waiter) bool { return x == w })
+		t.waiting--
+		q.dropIfIdleLocked(tenant, t)
+	}
+	return nil, ctx.Err()
+}
+
+func (q *fairQueue) doneFunc(tenant string) func() {
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			q.mu.Lock()
+			defer q.mu.Unlock()
+			q.endLocked(tenant)
+		})
+	}
+}
+
+// endLocked ends a running request and lets the next ones in.
+func (q *fairQueue) endLocked(tenant string) {
+	q.running--
+	t := q.tenants[tenant]
+	t.running--
+	q.dropIfIdleLocked(tenant, t)
+	q.dispatchLocked()
+}
+
+// dispatchLocked lets waiting requests in while the pool has room: the
+// lowest priority value, then the smallest start tag, then the earliest.
+func (q *fairQueue) dispatchLocked() {
+	for len(q.waiting) > 0 && q.running < q.limit() {
+		i := 0
+		for j, w := range q.waiting[1:] {
+			if before(w, q.waiting[i]) {
+				i = j + 1
+			}
+		}
+		w := q.waiting[i]
+		q.waiting = slices.Delete(q.waiting, i, i+1)
+		t := q.tenants[w.tenant]
+		t.waiting--
+		q.vtime = math.Max(q.vtime, w.start)
+		q.admitLocked(w, t)
+	}
+}
+
+func before(a, b *waiter) bool {
+	if a.priority != b.priority {
+		return a.priority < b.priority
+	}
+	if a.start != b.start {
+		return a.start < b.start
+	}
+	return a.seq < b.seq
+}
+
+func (q *fairQueue) admitLocked(w *waiter, t *tenantState) {
+	q.running++
+	t.running++
+	close(w.admitted)
+}
+
+// shareLocked is how many requests tenant may have waiting: its weight's
+// share of maxQueue among the tenants with requests here (itself
+// included), at least 1.
+func (q *fairQueue) shareLocked(tenant string) int {
+	total := 0.0
+	for name, t := range q.tenants {
+		if name == tenant || t.waiting > 0 || t.running > 0 {
+			total += q.weightOf(name)
+		}
+	}
+	return max(1, int(float64(q.maxQueue)*q.weightOf(tenant)/total))
+}
+
+func (q *fairQueue) weightOf(tenant string) float64 {
+	if w := q.weight(tenant); w > 0 {
+		return w
+	}
+	return 1
+}
+
+// dropIfIdleLocked forgets a tenant with nothing here; its finish tag is
+// behind the virtual time by then, or will be, so it starts afresh.
+func (q *fairQueue) dropIfIdleLocked(tenant string, t *tenantState) {
+	if t.waiting == 0 && t.running == 0 && t.finish <= q.vtime {
+		delete(q.tenants, tenant)
+	}
+}
+
+// stats are the requests running and waiting, for tests and metrics.
+func (q *fairQueue) stats() (running, waiting int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.running, len(q.waiting)
+}

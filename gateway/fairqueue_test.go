@@ -1,0 +1,182 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+)
+
+// queueRun drives a fairQueue with a limit of one running request: it
+// enters requests one by one, in order, and records the order in which
+// they are let in once the first one ends.
+type queueRun struct {
+	q     *fairQueue
+	mu    sync.Mutex
+	order []string
+	dones map[string]func()
+	wg    sync.WaitGroup
+}
+
+func newQueueRun(maxQueue int, weights map[string]float64) *queueRun {
+	return &queueRun{q: newFairQueue(maxQueue, func(t string) float64 { return weights[t] }, func() int { return 1 }),
+		dones: map[string]func(){}}
+}
+
+// add enters a request and waits until it waits in the queue (or is in).
+func (r *queueRun) add(t *testing.T, name, tenant string, priority, cost int) error {
+	t.Helper()
+	_, before := r.q.stats()
+	errc := make(chan error, 1)
+	r.wg.Go(func() {
+		done, err := r.q.enter(context.Background(), tenant, priority, cost)
+		if err != nil {
+			errc <- err
+			return
+		}
+		r.mu.Lock()
+		r.order = append(r.order, name)
+		r.dones[name] = done
+		r.mu.Unlock()
+		errc <- nil
+	})
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case err := <-errc:
+			return err
+		default:
+		}
+		if _, waiting := r.q.stats(); waiting > before {
+			return nil
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Fatalf("%s neither entered nor waits", name)
+	return nil
+}
+
+// drain ends the running requests one at a time until all have run, and
+// returns the order they ran in.
+func (r *queueRun) drain(t *testing.T, n int) []string {
+	t.Helper()
+	for i := 0; i < n; i++ {
+		var name string
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			r.mu.Lock()
+			if len(r.order) > i {
+				name = r.order[i]
+			}
+			r.mu.Unlock()
+			if name != "" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("only %d of %d let in", i, n)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		r.mu.Lock()
+		done := r.dones[name]
+		r.mu.Unlock()
+		done()
+	}
+	r.wg.Wait()
+	return r.order
+}
+
+func TestFairQueueOrder(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		weights map[string]float64
+		adds    [][4]string // name, tenant, priority, cost
+		want    string
+	}{
+		{"one tenant: first come first served", nil,
+			[][4]string{{"a1", "a", "0", "1"}, {"a2", "a", "0", "1"}, {"a3", "a", "0", "1"}}, "a1 a2 a3"},
+		{"a flood does not hold the small tenant back", nil,
+			[][4]string{{"a1", "a", "0", "1"}, {"a2", "a", "0", "1"}, {"a3", "a", "0", "1"}, {"a4", "a", "0", "1"}, {"b1", "b", "0", "1"}},
+			"a1 b1 a2 a3 a4"},
+		// a's four after its first take three turns to b's one.
+		{"weights share the turns", map[string]float64{"a": 3},
+			[][4]string{{"a0", "a", "0", "1"}, {"a1", "a", "0", "1"}, {"a2", "a", "0", "1"}, {"a3", "a", "0", "1"}, {"a4", "a", "0", "1"},
+				{"b1", "b", "0", "1"}, {"b2", "b", "0", "1"}},
+			"a0 b1 a1 a2 a3 b2 a4"},
+		// big asks for ten times the work: a3 waits for b's two.
+		{"work, not requests, is shared", nil,
+			[][4]string{{"a1", "a", "0", "1"}, {"big", "a", "0", "10"}, {"a3", "a", "0", "1"}, {"b1", "b", "0", "1"}, {"b2", "b", "0", "1"}},
+			"a1 b1 big b2 a3"},
+		{"priority first, lower first", nil,
+			[][4]string{{"run", "a", "0", "1"}, {"p1", "a", "1", "1"}, {"p5", "b", "5", "1"}, {"p0", "b", "0", "1"}, {"n1", "c", "-1", "1"}},
+			"run n1 p0 p1 p5"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newQueueRun(100, tc.weights)
+			for _, a := range tc.adds {
+				var prio, cost int
+				fmt.Sscan(a[2], &prio)
+				fmt.Sscan(a[3], &cost)
+				if err := r.add(t, a[0], a[1], prio, cost); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if got := fmt.Sprint(r.drain(t, len(tc.adds))); got != "["+tc.want+"]" {
+				t.Errorf("order %s, want [%s]", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestFairQueueShare: a tenant's waiting requests are bounded by its share
+// of the queue among the tenants present, so a flood is refused before
+// another tenant's request is.
+func TestFairQueueShare(t *testing.T) {
+	r := newQueueRun(10, nil)
+	if err := r.add(t, "running", "a", 0, 1); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10 {
+		if err := r.add(t, fmt.Sprintf("a%d", i), "a", 0, 1); err != nil {
+			t.Fatalf("a%d: %v; a alone may queue 10", i, err)
+		}
+	}
+	if err := r.add(t, "a-over", "a", 0, 1); !errors.Is(err, errTenantFull) {
+		t.Fatalf("an 11th of a's: %v, want errTenantFull", err)
+	}
+	for i := range 5 {
+		if err := r.add(t, fmt.Sprintf("b%d", i), "b", 0, 1); err != nil {
+			t.Fatalf("b%d refused while a floods: %v; b's share is 5", i, err)
+		}
+	}
+	if err := r.add(t, "b-over", "b", 0, 1); !errors.Is(err, errTenantFull) {
+		t.Errorf("a 6th of b's: %v, want errTenantFull", err)
+	}
+	r.drain(t, 16)
+	if running, waiting := r.q.stats(); running != 0 || waiting != 0 {
+		t.Errorf("running %d, waiting %d after all ended", running, waiting)
+	}
+}
+
+func TestFairQueueGivesUp(t *testing.T) {
+	q := newFairQueue(10, func(string) float64 { return 1 }, func() int { return 1 })
+	done, err := q.enter(context.Background(), "a", 0, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if _, err := q.enter(ctx, "b", 0, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a wait past its deadline: %v", err)
+	}
+	if _, waiting := q.stats(); waiting != 0 {
+		t.Errorf("%d waiting after the only waiter gave up", waiting)
+	}
+	done()
+	done() // twice: counted once
+	if running, _ := q.stats(); running != 0 {
+		t.Errorf("%d running after the only request ended", running)
+	}
+}

@@ -1,0 +1,76 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strconv"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/openai"
+)
+
+// fairRetryAfter is the Retry-After, in seconds, of a request refused for
+// its tenant's share of the queue: its tenant's requests wait already.
+const fairRetryAfter = 5
+
+// waitTurn holds a request in its pool's fair queue until the pool has
+// room for it; done is to be called when the request ends. A tenant over
+// its share gets a 429, a request whose deadline passes while it waits a
+// 504; a client that leaves while it waits gets nothing (done and apiErr
+// both nil).
+func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incoming, log *slog.Logger) (done func(), apiErr *openai.Error) {
+	pool := dispatcher.PoolName(in.req.Model)
+	q := h.fairQueue(pool)
+	ctx, cancel := context.WithTimeout(c.Request().Context(), h.cfg.RequestTimeout)
+	defer cancel()
+	cost := in.promptTokens
+	for _, n := range in.batchTokens {
+		cost += n
+	}
+	if n, ok := in.req.OutputLimit(endpoint); ok {
+		cost += n
+	}
+	tenant := tenantOf(c, in.req)
+	done, err := q.enter(ctx, tenant, in.req.Priority, cost)
+	switch {
+	case err == nil:
+		return done, nil
+	case errors.Is(err, errTenantFull):
+		log.Debug("refused: the tenant's share of the queue is full", "tenant", tenant)
+		c.Response().Header().Set("Retry-After", strconv.Itoa(fairRetryAfter))
+		return nil, openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", fairRetryAfter)
+	case c.Request().Context().Err() != nil:
+		log.Debug("the client left while its request waited for its turn")
+		return nil, nil
+	}
+	return nil, openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", "while it waited for its turn")
+}
+
+// fairQueue is pool's fair queue. Its limit is what the pool's workers
+// run at once, prefill and decode: beyond that, a request would only wait
+// in JetStream's queue, first come first served.
+func (h *handlers) fairQueue(pool string) *fairQueue {
+	if q, ok := h.queues.Load(pool); ok {
+		return q.(*fairQueue)
+	}
+	q, _ := h.queues.LoadOrStore(pool, newFairQueue(h.cfg.MaxQueue,
+		func(tenant string) float64 { return h.cfg.TenantWeights[tenant] },
+		func() int {
+			return max(1, h.registry.Slots(dispatcher.StagePrefill, pool)+h.registry.Slots(dispatcher.StageDecode, pool))
+		}))
+	return q.(*fairQueue)
+}
+
+// tenantOf is who a request is for, in the fair queue: its API key's
+// owner on a gateway that takes keys, else the body's "user" ("" for
+// none).
+func tenantOf(c echo.Context, req *openai.Request) string {
+	if owner := callerOf(c).owner; owner != "" {
+		return owner
+	}
+	return req.User
+}

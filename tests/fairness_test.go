@@ -1,0 +1,104 @@
+package tests
+
+import (
+	"fmt"
+	"net/http"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+)
+
+// TestFairQueue runs pdq up with one prefill and one decode engine of one
+// seat each (the pool runs two requests at once), and floods it from one
+// tenant: another tenant's request, and a request of a better priority,
+// go in ahead of the flood, and a tenant over its share of the queue is
+// refused before the other tenant is.
+func TestFairQueue(t *testing.T) {
+	type result struct {
+		name   string
+		status int
+		retry  string
+		at     time.Time
+	}
+	run := func(t *testing.T, env []string, flood int, floodBody body, late string, lateBody body) map[string]result {
+		t.Helper()
+		_, pe := startSimProcess(t, "--scheduling-policy", "priority")
+		_, de := startSimProcess(t, "--scheduling-policy", "priority", "--itl", "10ms")
+		_, url := startUp(t, append([]string{"PDQ_ENGINE_SLOTS=1", "PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, env...)...)
+		var mu sync.Mutex
+		out := map[string]result{}
+		var wg sync.WaitGroup
+		send := func(name string, b body) {
+			r, err := tryPost(url+"/v1/completions", name, b)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+				return
+			}
+			out[name] = result{name: name, status: r.status, retry: r.header.Get("Retry-After"), at: time.Now()}
+		}
+		for i := range flood {
+			wg.Go(func() { send(fmt.Sprintf("flood-%d", i), floodBody) })
+		}
+		time.Sleep(300 * time.Millisecond) // the flood is in: two run, the rest wait
+		wg.Go(func() { send(late, lateBody) })
+		wg.Wait()
+		return out
+	}
+	// rank is where name finished among the requests that were answered.
+	rank := func(out map[string]result, name string) int {
+		var ok []result
+		for _, r := range out {
+			if r.status == http.StatusOK {
+				ok = append(ok, r)
+			}
+		}
+		sort.Slice(ok, func(i, j int) bool { return ok[i].at.Before(ok[j].at) })
+		for i, r := range ok {
+			if r.name == name {
+				return i + 1
+			}
+		}
+		return -1
+	}
+	req := func(extra body) body {
+		b := completionBody(model, longPrompt, body{"max_tokens": 20, "ignore_eos": true})
+		for k, v := range extra {
+			b[k] = v
+		}
+		return b
+	}
+
+	t.Run("another tenant goes in ahead of a flood", func(t *testing.T) {
+		out := run(t, nil, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		if r := rank(out, "small"); r < 1 || r > 4 {
+			t.Errorf("the small tenant's request finished %d of %d; want within the first 4 (it waited for at most two turns)", r, len(out))
+		}
+	})
+	t.Run("a better priority goes in ahead", func(t *testing.T) {
+		out := run(t, nil, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0}))
+		if r := rank(out, "urgent"); r < 1 || r > 4 {
+			t.Errorf("the priority 0 request finished %d of %d; want within the first 4", r, len(out))
+		}
+	})
+	t.Run("the flooding tenant is refused first", func(t *testing.T) {
+		out := run(t, []string{"PDQ_MAX_QUEUE=4"}, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		refused := 0
+		for _, r := range out {
+			if r.status == http.StatusTooManyRequests {
+				refused++
+				if r.retry == "" {
+					t.Errorf("%s: 429 without Retry-After", r.name)
+				}
+			}
+		}
+		if refused == 0 {
+			t.Errorf("no request of the flood refused with a queue of 4: %+v", out)
+		}
+		if out["small"].status != http.StatusOK {
+			t.Errorf("the other tenant's request: %d, want 200 while the flood is refused", out["small"].status)
+		}
+	})
+}
