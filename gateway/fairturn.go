@@ -50,9 +50,11 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 	return nil, openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", "while it waited for its turn")
 }
 
-// fairQueue is pool's fair queue. Its limit is what the pool's workers
-// run at once, prefill and decode: beyond that, a request would only wait
-// in JetStream's queue, first come first served.
+// fairQueue is pool's fair queue. Its limit is the most the pool's
+// workers take at once, prefill and decode (their PDQ_ENGINE_SLOTS):
+// beyond that, a request would only wait in JetStream's queue, first come
+// first served. Not their engines' seats as seen so far, which grow only
+// with jobs beyond them.
 func (h *handlers) fairQueue(pool string) *fairQueue {
 	if q, ok := h.queues.Load(pool); ok {
 		return q.(*fairQueue)
@@ -60,7 +62,7 @@ func (h *handlers) fairQueue(pool string) *fairQueue {
 	q, _ := h.queues.LoadOrStore(pool, newFairQueue(h.cfg.MaxQueue,
 		func(tenant string) float64 { return h.cfg.TenantWeights[tenant] },
 		func() int {
-			return max(1, h.registry.Slots(dispatcher.StagePrefill, pool)+h.registry.Slots(dispatcher.StageDecode, pool))
+			return max(1, h.registry.MostSlots(dispatcher.StagePrefill, pool)+h.registry.MostSlots(dispatcher.StageDecode, pool))
 		}))
 	return q.(*fairQueue)
 }

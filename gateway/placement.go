@@ -46,7 +46,7 @@ func (p *placer) place(hashes []uint64, workers []dispatcher.WorkerInfo) (engine
 	engines := make([]affinity.Engine, len(workers))
 	for i, w := range workers {
 		key := dispatcher.EngineKey(w.Engine)
-		engines[i] = affinity.Engine{Key: key, Slots: w.Capacity(), Busy: p.busy[key] - least}
+		engines[i] = affinity.Engine{Key: key, Slots: w.Slots, Busy: p.busy[key] - least}
 	}
 	c := affinity.Choose(p.index, hashes, engines)
 	p.index.Record(hashes, c.Engine)

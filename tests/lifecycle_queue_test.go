@@ -141,10 +141,13 @@ func TestLifecycleCrashedDeliveriesAnswered(t *testing.T) {
 	}
 }
 
-// TestLifecyclePoolQueueBound checks PDQ_MAX_QUEUE: past the bound a pool's
-// requests get a 429 with a Retry-After, and nothing queued is dropped.
+// TestLifecyclePoolQueueBound checks PDQ_MAX_QUEUE on a stage's queue in
+// JetStream: past the bound a pool's requests get a 429 with a
+// Retry-After, and nothing queued is dropped. Without the fair queue,
+// which would hold them in the gateway (its bound: tests/fairness_test.go);
+// the JetStream bound is what several gateways share.
 func TestLifecyclePoolQueueBound(t *testing.T) {
-	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "1500ms"}, env: []string{"PDQ_MAX_QUEUE=2"}})
+	c := startCluster(t, clusterOptions{prefillSim: []string{"--prefill-overhead", "1500ms"}, env: []string{"PDQ_MAX_QUEUE=2", "PDQ_FAIR_QUEUE=false"}})
 	c.worker(dispatcher.StagePrefill, 1)
 	c.worker(dispatcher.StageDecode, 2)
 	c.ready()

@@ -27,3 +27,21 @@ func (r *Registry) Engines(stage dispatcher.Stage, pool string) []dispatcher.Wor
 	slices.SortFunc(out, func(a, b dispatcher.WorkerInfo) int { return strings.Compare(a.Engine, b.Engine) })
 	return out
 }
+
+// MostSlots sums the slots of pool's live workers of stage: the most jobs
+// they take at once (PDQ_ENGINE_SLOTS), whatever their engines run now.
+// What a gateway lets in must not be bounded by Slots (their engines'
+// seats as seen so far): the workers learn more seats only from jobs
+// beyond those.
+func (r *Registry) MostSlots(stage dispatcher.Stage, pool string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	n := 0
+	for _, e := range r.workers {
+		if e.info.Role == stage && e.info.Pool == pool && r.live(e.at, now) {
+			n += e.info.Slots
+		}
+	}
+	return n
+}
