@@ -96,10 +96,19 @@ func (c *cluster) startEngines(ctx context.Context, priority bool) (*engines, er
 	return e, nil
 }
 
+// pids are the engines' processes.
+func (e *engines) pids() []int {
+	var out []int
+	for _, p := range e.procs {
+		out = append(out, p.Pid())
+	}
+	return out
+}
+
 // startRouter starts r in front of the engines and returns its URL, once
-// it serves a request through both legs, what stops it, and a note on how
-// it runs (pdq's settings that this pdq does not know).
-func (c *cluster) startRouter(ctx context.Context, r router, e *engines) (string, func(), string, error) {
+// it serves a request through both legs, its process, what stops it, and
+// a note on how it runs (pdq's settings that this pdq does not know).
+func (c *cluster) startRouter(ctx context.Context, r router, e *engines) (string, *proc.Proc, func(), string, error) {
 	var cmd *exec.Cmd
 	var ready func(string) bool
 	var url func(string) string
@@ -124,7 +133,7 @@ func (c *cluster) startRouter(ctx context.Context, r router, e *engines) (string
 	}
 	p, err := proc.Start(cmd)
 	if err != nil {
-		return "", nil, "", err
+		return "", nil, nil, "", err
 	}
 	stop := func() {
 		p.Stop()
@@ -135,14 +144,14 @@ func (c *cluster) startRouter(ctx context.Context, r router, e *engines) (string
 	lines, err := p.WaitLines(30*time.Second, 1, ready)
 	if err != nil {
 		stop()
-		return "", nil, "", err
+		return "", nil, nil, "", err
 	}
 	u := url(lines[0])
 	if err := proc.WaitServing(ctx, u, 30*time.Second); err != nil {
 		stop()
-		return "", nil, "", fmt.Errorf("%s: %w\n%s", r.name, err, p.Tail(20))
+		return "", nil, nil, "", fmt.Errorf("%s: %w\n%s", r.name, err, p.Tail(20))
 	}
-	return u, stop, unknownSettings(p.Lines(), r.pdqEnv), nil
+	return u, p, stop, unknownSettings(p.Lines(), r.pdqEnv), nil
 }
 
 // unknownSettings names the settings of env that pdq's log calls unknown

@@ -212,6 +212,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 		byKey[p.w.key] = p
 	}
 	printTargets(stdout, targets(rs, byKey))
+	printMachine(stdout, rs)
 	fmt.Fprintln(stdout)
 	for _, p := range ps {
 		path, err := plotWorkload(o.out, p, rs, o.routers)
@@ -279,9 +280,9 @@ func sweep(o options, model engineModel, ps []plan, stdout, stderr io.Writer) ([
 		if s.variant != "" {
 			what = s.variant
 		}
-		fmt.Fprintf(stderr, "[%d/%d, %s, at %s] %s %s, %s: goodput %.1f req/s (%s of %d), TTFT p99 %s ms, failed %d, prefix hits %s\n",
+		fmt.Fprintf(stderr, "[%d/%d, %s, at %s] %s %s, %s: goodput %.1f req/s (%s of %d), TTFT p99 %s ms, failed %d, prefix hits %s; others' CPU %s\n",
 			i+1, len(all), elapsed(t), elapsed(start), s.plan.w.key, what, s.router.name, r.Goodput, pct(num(r.goodShare())), r.Requests,
-			ms(r.TTFT99), r.Failed, pct(r.HitShare))
+			ms(r.TTFT99), r.Failed, pct(r.HitShare), cpus(r.OtherCPU))
 		if err := saveResults(filepath.Join(o.out, "results.jsonl"), rs); err != nil {
 			return rs, err
 		}

@@ -200,7 +200,8 @@ func TestFailures(t *testing.T) {
 // res is a sweep run with figures for the targets.
 func res(w, router string, rate, goodput float64, good, requests int) result {
 	return result{Workload: w, Router: router, Rate: rate, Goodput: goodput, Good: good, Requests: requests, Completed: requests,
-		TTFT50: num(math.NaN()), TTFT99: num(math.NaN()), TPOT99: num(math.NaN()), HitShare: num(math.NaN()), IdealShare: num(math.NaN())}
+		TTFT50: num(math.NaN()), TTFT99: num(math.NaN()), TPOT99: num(math.NaN()), HitShare: num(math.NaN()), IdealShare: num(math.NaN()),
+		OtherCPU: num(math.NaN())}
 }
 
 func TestTargets(t *testing.T) {
@@ -360,7 +361,7 @@ func TestPlotAndResults(t *testing.T) {
 	}
 	var out bytes.Buffer
 	printWorkload(&out, p, rs, allRouters)
-	if !strings.Contains(out.String(), "| 10 | pdq | 100 | 0 | 30.0 | 100 % | – | 900 | – | – (–) |") {
+	if !strings.Contains(out.String(), "| 10 | pdq | 100 | 0 | 30.0 | 100 % | – | 900 | – | – (–) | – |") {
 		t.Errorf("table:\n%s", out.String())
 	}
 }
@@ -404,5 +405,38 @@ func TestSmoke(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(dir, "bench-cluster-"+w+".png")); err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+func TestCPU(t *testing.T) {
+	stat := "cpu  100 5 50 1000 20 3 2 1 40 0\ncpu0 50 2 25 500 10 1 1 0 20 0\n"
+	if busy, ok := machineBusy(stat); !ok || busy != 161 {
+		t.Errorf("machineBusy = %v, %v; want 161 (user, nice, system, irq, softirq, steal)", busy, ok)
+	}
+	if _, ok := machineBusy("intr 1 2 3"); ok {
+		t.Error("not a cpu line")
+	}
+	// The command name may hold spaces and parentheses.
+	stat = "1234 (pdq (sim) x) S 1 1234 1234 0 -1 4194304 100 0 0 0 250 70 0 0 20 0 12 0 100"
+	if ticks, ok := processTicks(stat); !ok || ticks != 320 {
+		t.Errorf("processTicks = %v, %v; want 320", ticks, ok)
+	}
+	// 2 s: the machine busy 300 ticks, the benchmark 200: half a CPU
+	// elsewhere.
+	if got := otherCPU(cpuSample{busy: 1000, ours: 500, ok: true}, cpuSample{busy: 1300, ours: 700, ok: true}, 2); got != 0.5 {
+		t.Errorf("otherCPU = %v, want 0.5", got)
+	}
+	if otherCPU(cpuSample{}, cpuSample{ok: true}, 2).known() {
+		t.Error("a sample that failed gives no figure")
+	}
+	if s := sampleCPU(nil); !s.ok || s.ours <= 0 && s.busy <= 0 {
+		t.Errorf("sampleCPU of this process: %+v", s)
+	}
+	var out bytes.Buffer
+	a, b := res("random", "pdq", 20, 1, 1, 1), res("random", "rr", 20, 1, 1, 1)
+	a.OtherCPU, b.OtherCPU = 0.05, 0.9
+	printMachine(&out, []result{a, b})
+	if !strings.Contains(out.String(), "during 1 of 2 runs: random at 20 through round-robin proxy (0.90)") {
+		t.Errorf("printMachine: %s", out.String())
 	}
 }

@@ -72,9 +72,9 @@ func printWorkload(w io.Writer, p plan, rs []result, routers []router) {
 	case "priority":
 		extra = " TTFT p99 prio 0 / 1 |"
 	}
-	fmt.Fprintf(w, "\n| rate (%s) | router | requests | failed | goodput (req/s) | good | TTFT p50 | TTFT p99 | TPOT p99 | prefix hits (ideal) |%s\n",
+	fmt.Fprintf(w, "\n| rate (%s) | router | requests | failed | goodput (req/s) | good | TTFT p50 | TTFT p99 | TPOT p99 | prefix hits (ideal) |%s others' CPU |\n",
 		wl.unit(), extra)
-	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|%s\n", strings.Repeat("---|", strings.Count(extra, "|")))
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|%s---|\n", strings.Repeat("---|", strings.Count(extra, "|")))
 	for _, rate := range sweepRates(rs, wl.key) {
 		for _, r := range routers {
 			x, ok := find(rs, wl.key, "", r.key, rate)
@@ -94,7 +94,7 @@ func printWorkload(w io.Writer, p plan, rs []result, routers []router) {
 				p1, _ := x.group("priority", "1")
 				fmt.Fprintf(w, " %s / %s |", ms(p0.TTFT99), ms(p1.TTFT99))
 			}
-			fmt.Fprintln(w)
+			fmt.Fprintf(w, " %s |\n", cpus(x.OtherCPU))
 		}
 	}
 	var extras []string
@@ -125,6 +125,46 @@ func printWorkload(w io.Writer, p plan, rs []result, routers []router) {
 	for _, n := range notes {
 		fmt.Fprintln(w, "\nNote:", n)
 	}
+}
+
+// cpus is a number of CPUs kept busy.
+func cpus(v num) string {
+	if !v.known() {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f", float64(v))
+}
+
+// busyThreshold is the CPU the rest of the machine may use during a run
+// before the run counts as disturbed.
+const busyThreshold = 0.2
+
+// printMachine says how many runs shared the machine with other work.
+func printMachine(w io.Writer, rs []result) {
+	var busy []string
+	known := 0
+	for _, x := range rs {
+		if !x.OtherCPU.known() {
+			continue
+		}
+		known++
+		if float64(x.OtherCPU) > busyThreshold {
+			what := fmt.Sprintf("%s at %g", x.Workload, x.Rate)
+			if x.Variant != "" {
+				what = x.Workload + " " + x.Variant
+			}
+			busy = append(busy, fmt.Sprintf("%s through %s (%s)", what, routerName(x.Router), cpus(x.OtherCPU)))
+		}
+	}
+	if known == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\nThe rest of the machine (processes other than the benchmark's, and the hypervisor's steal) kept more than %.1f CPU busy during %d of %d runs", busyThreshold, len(busy), known)
+	if len(busy) == 0 {
+		fmt.Fprintln(w, ".")
+		return
+	}
+	fmt.Fprintf(w, ": %s. Their figures are less trustworthy.\n", strings.Join(busy, ", "))
 }
 
 func joinFloats(fs []float64) string {

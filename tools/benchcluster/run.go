@@ -56,6 +56,9 @@ type result struct {
 	// Groups are the figures of each tenant or priority.
 	Groups []group `json:"groups,omitempty"`
 	Note   string  `json:"note,omitempty"`
+	// OtherCPU is how many CPUs the rest of the machine (all but the
+	// benchmark's processes) kept busy during the load, on average.
+	OtherCPU num `json:"other_cpu"`
 }
 
 // group is one tenant's or priority's figures.
@@ -105,7 +108,7 @@ func runOne(ctx context.Context, c *cluster, o options, s runSpec, log io.Writer
 		return result{}, err
 	}
 	defer e.stop()
-	url, stop, note, err := c.startRouter(ctx, s.router, e)
+	url, rp, stop, note, err := c.startRouter(ctx, s.router, e)
 	if err != nil {
 		return result{}, err
 	}
@@ -136,8 +139,11 @@ func runOne(ctx context.Context, c *cluster, o options, s runSpec, log io.Writer
 	if err != nil {
 		return result{}, err
 	}
+	pids := append(e.pids(), rp.Pid())
+	cpu0, t0 := sampleCPU(pids), time.Now()
 	var out bytes.Buffer
 	res, err := pdqbench.Run(ctx, cfg, &out, nil)
+	cpu1, t1 := sampleCPU(pids), time.Now()
 	if log != nil {
 		fmt.Fprintf(log, "\n### %s, %s, rate %g %s, %s\n%s", w.key, s.router.name, s.rate, w.unit(), s.variant, out.Bytes())
 	}
@@ -160,7 +166,7 @@ func runOne(ctx context.Context, c *cluster, o options, s runSpec, log io.Writer
 		Goodput: m.RequestGoodput, Good: int(math.Round(m.RequestGoodput * res.Report.Duration)), Throughput: m.RequestThroughput,
 		TTFT50: percentile(m.TTFT, 50), TTFT99: percentile(m.TTFT, 99), TPOT99: percentile(m.TPOT, 99),
 		HitShare: share(h1-h0, q1-q0), DecodeHitShare: share(dh1-dh0, dq1-dq0), IdealShare: num(math.NaN()),
-		Failures: failures(res.Outputs), Note: note,
+		Failures: failures(res.Outputs), Note: note, OtherCPU: otherCPU(cpu0, cpu1, t1.Sub(t0).Seconds()),
 	}
 	for _, g := range res.Groups {
 		r.Groups = append(r.Groups, group{Key: g.Key, Name: g.Name, Completed: g.Metrics.Completed, Failed: g.Metrics.Failed,
@@ -194,6 +200,8 @@ func idealShare(model engineModel, w workload, cfg pdqbench.Config, outputs []pd
 	s, _, err := cacheShare(model, ok)
 	return s, err
 }
+
+func nan() float64 { return math.NaN() }
 
 // num is a figure that may not be known (NaN), which JSON has as null.
 type num float64
