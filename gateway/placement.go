@@ -37,6 +37,14 @@ func (p *placer) place(hashes []uint64, workers []dispatcher.WorkerInfo) (engine
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	for _, w := range workers {
+		// An engine whose breaker is half-open waits for a trial job to
+		// close it: it gets one whenever it has none of this gateway's,
+		// or affinity might keep every job away from it for good.
+		if key := dispatcher.EngineKey(w.Engine); w.Breaker == dispatcher.BreakerHalfOpen && p.busy[key] == 0 {
+			return p.choose(key, hashes)
+		}
+	}
 	least := -1
 	for _, w := range workers {
 		if b := p.busy[dispatcher.EngineKey(w.Engine)]; least < 0 || b < least {
@@ -48,16 +56,21 @@ func (p *placer) place(hashes []uint64, workers []dispatcher.WorkerInfo) (engine
 		key := dispatcher.EngineKey(w.Engine)
 		engines[i] = affinity.Engine{Key: key, Slots: w.Slots, Busy: p.busy[key] - least}
 	}
-	c := affinity.Choose(p.index, hashes, engines)
-	p.index.Record(hashes, c.Engine)
-	p.busy[c.Engine]++
+	return p.choose(affinity.Choose(p.index, hashes, engines).Engine, hashes)
+}
+
+// choose notes that a job whose prompt has hashes goes to engine, and
+// returns what place returns. p.mu is held.
+func (p *placer) choose(engine string, hashes []uint64) (string, func()) {
+	p.index.Record(hashes, engine)
+	p.busy[engine]++
 	var once sync.Once
-	return c.Engine, func() {
+	return engine, func() {
 		once.Do(func() {
 			p.mu.Lock()
 			defer p.mu.Unlock()
-			if p.busy[c.Engine]--; p.busy[c.Engine] <= 0 {
-				delete(p.busy, c.Engine)
+			if p.busy[engine]--; p.busy[engine] <= 0 {
+				delete(p.busy, engine)
 			}
 		})
 	}

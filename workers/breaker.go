@@ -50,6 +50,9 @@ type breaker struct {
 	// hang every request.
 	retrials int
 	changed  chan struct{} // closed and replaced at every change of state
+	// freed is closed and replaced when a trial is given back unused, so
+	// that the loop's other pulls waiting for it look at once.
+	freed chan struct{}
 	// epoch counts the changes of state. A job's outcome counts only in the
 	// state it started in: a job that began before the breaker opened says
 	// nothing of a trial, which alone decides a half-open breaker.
@@ -59,7 +62,7 @@ type breaker struct {
 func newBreaker(threshold int, engine *vllm.Client, stage dispatcher.Stage, metrics *Metrics, log *slog.Logger) *breaker {
 	metrics.EngineUp(stage, engine.URL(), dispatcher.BreakerClosed)
 	return &breaker{threshold: threshold, engine: engine, stage: stage, metrics: metrics, log: log,
-		state: dispatcher.BreakerClosed, changed: make(chan struct{}), life: context.Background()}
+		state: dispatcher.BreakerClosed, changed: make(chan struct{}), freed: make(chan struct{}), life: context.Background()}
 }
 
 // State is the breaker's state, for the registry.
@@ -260,7 +263,7 @@ func (b *breaker) probe(ctx context.Context, wait time.Duration) {
 func (b *breaker) wait(ctx context.Context, bypass func() bool) (stage.Permit, error) {
 	for {
 		b.mu.Lock()
-		state, changed, epoch := b.state, b.changed, b.epoch
+		state, changed, freed, epoch := b.state, b.changed, b.freed, b.epoch
 		switch {
 		case state == dispatcher.BreakerClosed:
 			b.mu.Unlock()
@@ -282,6 +285,7 @@ func (b *breaker) wait(ctx context.Context, bypass func() bool) (stage.Permit, e
 		t := time.NewTimer(500 * time.Millisecond)
 		select {
 		case <-changed:
+		case <-freed:
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
@@ -295,7 +299,9 @@ func (b *breaker) wait(ctx context.Context, bypass func() bool) (stage.Permit, e
 func (b *breaker) unclaim(epoch uint64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.epoch == epoch && b.state == dispatcher.BreakerHalfOpen {
+	if b.epoch == epoch && b.state == dispatcher.BreakerHalfOpen && b.trial {
 		b.trial = false
+		close(b.freed)
+		b.freed = make(chan struct{})
 	}
 }

@@ -171,3 +171,40 @@ func TestBreakerTrialDroppedUnrun(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestBreakerTrialGivenBackWakes: a half-open breaker's trial given back
+// unused (its pull brought no job) goes to a pull that waits for it at
+// once, not at its next look half a second later: with affinity a loop
+// pulls two consumers, and the trial job may come to the other.
+func TestBreakerTrialGivenBackWakes(t *testing.T) {
+	engine := simtest.Start(t, simtest.FastConfig())
+	client, err := vllm.New(engine.URL, 1, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	b := newBreaker(1, client, dispatcher.StagePrefill, nil, logging.Discard())
+	b.failed(ctx, permitToken(b.Epoch(), false), false, errors.New("engine answered 500"))
+	waitState(t, b, dispatcher.BreakerHalfOpen)
+	first, err := b.wait(ctx, nil)
+	if err != nil || first.Release == nil {
+		t.Fatalf("the first pull got %+v, %v; want the trial", first, err)
+	}
+	got := make(chan time.Time, 1)
+	go func() {
+		if p, err := b.wait(ctx, nil); err == nil && p.Release != nil {
+			got <- time.Now()
+		}
+	}()
+	time.Sleep(50 * time.Millisecond) // the second pull waits
+	given := time.Now()
+	first.Release()
+	select {
+	case at := <-got:
+		if d := at.Sub(given); d > 250*time.Millisecond {
+			t.Errorf("the trial reached the waiting pull %v after it was given back; want at once", d)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the trial given back never reached the waiting pull")
+	}
+}

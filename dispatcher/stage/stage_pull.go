@@ -33,6 +33,12 @@ const (
 // another engine's consumer would compete with that engine for its next.
 const takeOverWait = 20 * time.Millisecond
 
+// trialYield is how long a pull whose half-open trial came back empty waits
+// before it asks for the trial again, so that the loop's pull on another
+// consumer gets it: with affinity a loop pulls two, and the trial job may
+// come to either.
+const trialYield = 20 * time.Millisecond
+
 // orphanLookEvery is how many take-over looks apart a loop looks for jobs
 // that prefer an engine without a consumer (see adoptOrphans).
 const orphanLookEvery = 20
@@ -111,6 +117,11 @@ func (l *Loop) pullOne(ctx, jobCtx context.Context, src *pullSource, slots chan 
 			return false, true
 		}
 		if errors.Is(err, nats.ErrTimeout) || errors.Is(err, jetstream.ErrNoMessages) {
+			if permit.Release != nil && sleep.For(ctx, trialYield) != nil {
+				// A half-open breaker's one trial, given back unused: the
+				// loop's other pulls (another consumer) take it first.
+				return false, true
+			}
 			return false, false
 		}
 		l.log.Warn("pull failed; retrying in 1s", "consumer", src.cons.CachedInfo().Name, logging.Err(err))
