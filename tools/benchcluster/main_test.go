@@ -439,4 +439,15 @@ func TestCPU(t *testing.T) {
 	if !strings.Contains(out.String(), "during 1 of 2 runs: random at 20 through round-robin proxy (0.90)") {
 		t.Errorf("printMachine: %s", out.String())
 	}
+	var many []result
+	for i := range 12 {
+		r := res("random", "pdq", float64(i), 1, 1, 1)
+		r.OtherCPU = num(float64(i) / 10)
+		many = append(many, r)
+	}
+	out.Reset()
+	printMachine(&out, many)
+	if !strings.Contains(out.String(), "during 9 of 12 runs (a median of 0.60 CPU over all runs, at most 1.10)") {
+		t.Errorf("printMachine: %s", out.String())
+	}
 }

@@ -139,15 +139,17 @@ func cpus(v num) string {
 // before the run counts as disturbed.
 const busyThreshold = 0.2
 
-// printMachine says how many runs shared the machine with other work.
+// printMachine says how many runs shared the machine with other work:
+// each of them when they are few, else how much CPU the rest of the
+// machine took.
 func printMachine(w io.Writer, rs []result) {
 	var busy []string
-	known := 0
+	var all []float64
 	for _, x := range rs {
 		if !x.OtherCPU.known() {
 			continue
 		}
-		known++
+		all = append(all, float64(x.OtherCPU))
 		if float64(x.OtherCPU) > busyThreshold {
 			what := fmt.Sprintf("%s at %g", x.Workload, x.Rate)
 			if x.Variant != "" {
@@ -156,15 +158,21 @@ func printMachine(w io.Writer, rs []result) {
 			busy = append(busy, fmt.Sprintf("%s through %s (%s)", what, routerName(x.Router), cpus(x.OtherCPU)))
 		}
 	}
-	if known == 0 {
+	if len(all) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "\nThe rest of the machine (processes other than the benchmark's, and the hypervisor's steal) kept more than %.1f CPU busy during %d of %d runs", busyThreshold, len(busy), known)
-	if len(busy) == 0 {
+	slices.Sort(all)
+	fmt.Fprintf(w, "\nThe rest of the machine (processes other than the benchmark's, and the hypervisor's steal) kept more than %.1f CPU busy during %d of %d runs",
+		busyThreshold, len(busy), len(all))
+	switch {
+	case len(busy) == 0:
 		fmt.Fprintln(w, ".")
-		return
+	case len(busy) <= 8:
+		fmt.Fprintf(w, ": %s. Their figures are less trustworthy.\n", strings.Join(busy, ", "))
+	default:
+		fmt.Fprintf(w, " (a median of %.2f CPU over all runs, at most %.2f): the figures of this run are less trustworthy than a quiet machine's.\n",
+			all[len(all)/2], all[len(all)-1])
 	}
-	fmt.Fprintf(w, ": %s. Their figures are less trustworthy.\n", strings.Join(busy, ", "))
 }
 
 func joinFloats(fs []float64) string {
