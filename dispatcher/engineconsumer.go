@@ -40,16 +40,37 @@ const engineConsumerIdle = time.Hour
 
 // EngineConsumers lists the engine consumers of stage and pool, with
 // their state, for the pool's workers to take over what waits in them.
-func EngineConsumers(ctx context.Context, js jetstream.JetStream, stage Stage, pool string) ([]*jetstream.ConsumerInfo, error) {
+func EngineConsumers(ctx context.Context, js jetstream.StreamManager, stage Stage, pool string) ([]*jetstream.ConsumerInfo, error) {
+	all, err := PoolConsumers(ctx, js, stage, pool)
+	if err != nil {
+		return nil, err
+	}
+	shared := ConsumerName(stage, pool)
+	out := all[:0]
+	for _, info := range all {
+		if info.Name != shared {
+			out = append(out, info)
+		}
+	}
+	return out, nil
+}
+
+// PoolConsumers lists the consumers that hold pool's jobs of stage: the
+// shared one and the engines' (with affinity, most prefill jobs wait in
+// the latter), one list request. An engine consumer counts only if its
+// name and filter are exactly an engine's of this pool: pool "pdq"'s
+// prefix also starts the names of pool "pdq-sim"'s consumers.
+func PoolConsumers(ctx context.Context, js jetstream.StreamManager, stage Stage, pool string) ([]*jetstream.ConsumerInfo, error) {
 	st, err := js.Stream(ctx, StageStream(stage))
 	if err != nil {
 		return nil, err
 	}
-	prefix := ConsumerName(stage, pool) + "-"
+	shared := ConsumerName(stage, pool)
 	var out []*jetstream.ConsumerInfo
 	list := st.ListConsumers(ctx)
 	for info := range list.Info() {
-		if strings.HasPrefix(info.Name, prefix) {
+		engine, ok := strings.CutPrefix(info.Name, shared+"-")
+		if info.Name == shared || ok && IsEngineKey(engine) && info.Config.FilterSubject == StageSubject(stage)+"."+pool+".*."+engine {
 			out = append(out, info)
 		}
 	}
@@ -57,4 +78,31 @@ func EngineConsumers(ctx context.Context, js jetstream.JetStream, stage Stage, p
 		return nil, fmt.Errorf("list consumers of %s: %w", StageStream(stage), err)
 	}
 	return out, nil
+}
+
+// QueueDepth is how many of pool's jobs of stage wait undelivered, in its
+// shared consumer and its engines'.
+func QueueDepth(ctx context.Context, js jetstream.StreamManager, stage Stage, pool string) (int, error) {
+	infos, err := PoolConsumers(ctx, js, stage, pool)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, info := range infos {
+		n += int(info.NumPending)
+	}
+	return n, nil
+}
+
+// IsEngineKey says whether s is an EngineKey: "e" and ten hex digits.
+func IsEngineKey(s string) bool {
+	if len(s) != 11 || s[0] != 'e' {
+		return false
+	}
+	for _, c := range s[1:] {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }

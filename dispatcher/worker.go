@@ -35,6 +35,10 @@ type WorkerInfo struct {
 	// AvgJobMs is how long this worker's jobs have taken of late (an
 	// exponential average), for the prefill stage's decode gate.
 	AvgJobMs float64 `json:"avg_job_ms,omitempty"`
+	// Affinity says the worker takes the jobs that prefer its engine
+	// (PDQ_AFFINITY): a gateway prefers only such engines, as no one else
+	// pulls a job that prefers one whose worker does not.
+	Affinity bool `json:"affinity,omitempty"`
 	// Breaker is the state of the worker's circuit breaker on its engine:
 	// closed (healthy), open (the engine keeps failing; the worker probes
 	// it and pulls nothing) or half-open (one trial job).

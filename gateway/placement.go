@@ -31,7 +31,15 @@ func newPlacer() *placer {
 // place returns the key of the engine a job whose prompt has hashes should
 // prefer among workers (one per engine), and notes it; "" when there is
 // nothing to choose between. done is to be called when the request ends.
-func (p *placer) place(hashes []uint64, workers []dispatcher.WorkerInfo) (engine string, done func()) {
+func (p *placer) place(hashes []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
+	// Only engines whose workers take the jobs that prefer them: a worker
+	// of another build, or with PDQ_AFFINITY off, does not.
+	var workers []dispatcher.WorkerInfo
+	for _, w := range all {
+		if w.Affinity {
+			workers = append(workers, w)
+		}
+	}
 	if len(workers) < 2 || len(hashes) == 0 {
 		return "", func() {}
 	}

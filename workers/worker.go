@@ -254,6 +254,7 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) stage.Config {
 		LocalReplies:   w.cfg.LocalReplies,
 		Worker: dispatcher.WorkerInfo{
 			ID: entry, Worker: w.id, Model: m.ID, Engine: w.engine.URL(), Started: time.Now(),
+			Affinity:    w.cfg.Affinity && w.cfg.Role == dispatcher.StagePrefill,
 			MaxModelLen: m.MaxModelLen, Card: m.Card,
 		},
 	}

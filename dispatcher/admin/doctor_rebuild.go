@@ -232,7 +232,7 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 		}
 		switch k {
 		case keepAll:
-			if floor, ok := acked[jobFilter(m.Subject)]; !ok || seq > floor {
+			if floor, ok := ackFloorOf(acked, m.Subject); !ok || seq > floor {
 				kept = append(kept, m)
 			}
 		case keepLatest:
@@ -245,7 +245,7 @@ func (d *StoreDoctor) collect(ctx context.Context, st jetstream.Stream, info *je
 				kept = append(kept, m)
 			}
 		case keepLiveJobs:
-			if floor, ok := acked[jobFilter(m.Subject)]; ok && seq <= floor {
+			if floor, ok := ackFloorOf(acked, m.Subject); ok && seq <= floor {
 				continue // acked: its removal is what the store failed to write
 			}
 			if d.live(ctx, m) {
@@ -276,13 +276,26 @@ func ackFloors(ctx context.Context, st jetstream.Stream) (map[string]uint64, err
 	return floors, nil
 }
 
-// jobFilter is the consumer filter a job's subject falls under:
-// pdq.<stage>.<pool>.> for pdq.<stage>.<pool>.<id>.
-func jobFilter(subject string) string {
-	if i := strings.LastIndexByte(subject, '.'); i > 0 {
-		return subject[:i] + ".>"
+// ackFloorOf is the ack floor of the consumer whose filter a job's subject
+// falls under: pdq.<stage>.<pool>.* for pdq.<stage>.<pool>.<id> (the
+// pool's shared consumer), pdq.<stage>.<pool>.*.<engine> for a job that
+// prefers an engine (the engine's), or pdq.<stage>.<pool>.> (a consumer
+// of a build before affinity, not narrowed yet).
+func ackFloorOf(floors map[string]uint64, subject string) (uint64, bool) {
+	tokens := strings.Split(subject, ".")
+	if len(tokens) < 4 {
+		return 0, false
 	}
-	return subject
+	pool := strings.Join(tokens[:3], ".")
+	filter := pool + ".*"
+	if len(tokens) == 5 {
+		filter += "." + tokens[4]
+	}
+	if floor, ok := floors[filter]; ok {
+		return floor, true
+	}
+	floor, ok := floors[pool+".>"]
+	return floor, ok
 }
 
 // live reports whether a stored job's request is still live at the job's

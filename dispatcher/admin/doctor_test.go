@@ -160,3 +160,25 @@ func TestRebuildKeepsWhatMatters(t *testing.T) {
 		t.Errorf("a record never written: %v", err)
 	}
 }
+
+// TestAckFloorOf: a job's ack floor is its consumer's: the pool's shared
+// one, its preferred engine's, or an old consumer's not yet narrowed.
+func TestAckFloorOf(t *testing.T) {
+	floors := map[string]uint64{"pdq.prefill.m.*": 7, "pdq.prefill.m.*.e0123456789": 9, "pdq.decode.m.>": 3}
+	for _, tc := range []struct {
+		subject string
+		floor   uint64
+		ok      bool
+	}{
+		{"pdq.prefill.m.req-1", 7, true},
+		{"pdq.prefill.m.req-1.e0123456789", 9, true},
+		{"pdq.prefill.m.req-1.e9999999999", 0, false},
+		{"pdq.decode.m.req-1", 3, true},
+		{"pdq.prefill.other.req-1", 0, false},
+		{"pdq.prefill", 0, false},
+	} {
+		if floor, ok := ackFloorOf(floors, tc.subject); floor != tc.floor || ok != tc.ok {
+			t.Errorf("%s: %d, %v; want %d, %v", tc.subject, floor, ok, tc.floor, tc.ok)
+		}
+	}
+}

@@ -47,6 +47,18 @@ func Queues(ctx context.Context, js jetstream.JetStream, pool string) ([]QueueSt
 		if info.NumPending > 0 {
 			q.OldestSeconds = oldestWaiting(ctx, js, stage, pool, info.Delivered.Stream+1)
 		}
+		// With affinity, jobs wait in the engines' consumers too: counted,
+		// though the oldest is the shared queue's.
+		engines, err := dispatcher.EngineConsumers(ctx, js, stage, pool)
+		if err != nil {
+			return nil, fmt.Errorf("%s queue of pool %s: %w", stage, pool, err)
+		}
+		for _, e := range engines {
+			q.Waiting += e.NumPending
+			q.Running += e.NumAckPending
+			q.IdlePulls += e.NumWaiting
+			q.Redelivered += e.NumRedelivered
+		}
 		out = append(out, q)
 	}
 	return out, nil

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/dispatcher/pull"
@@ -134,4 +136,30 @@ func TestAffinityTakeOver(t *testing.T) {
 		t.Errorf("a runs %d jobs, want its 1 slot's", n)
 	}
 	release()
+}
+
+// TestAffinityTakeOverRedelivery: a job that its preferred engine's worker
+// took and never acked (killed mid-prefill) is delivered again from that
+// engine's consumer; with the worker gone, another takes it over once its
+// ack wait has run out (NumPending does not count it: it is ack-pending).
+func TestAffinityTakeOverRedelivery(t *testing.T) {
+	p := startAffinityPool(t, map[string]int{"http://b": 2})
+	b := p.lt["http://b"]
+	a := dispatcher.EngineKey("http://a")
+	ctx := context.Background()
+	cons, err := dispatcher.EnsureEngineConsumer(ctx, b.js, dispatcher.StagePrefill, b.pool, a, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.submit(t, b, "killed", a)
+	// a's worker takes it, and dies before it acks.
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range batch.Messages() {
+	}
+	if got := p.waitRan(t, "killed"); got != "http://b" {
+		t.Errorf("the job of a dead worker ran on %s, want http://b", got)
+	}
 }

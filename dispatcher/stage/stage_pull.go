@@ -18,13 +18,15 @@ import (
 
 // takeOverEvery is how often a prefill loop with a free engine slot looks
 // for jobs waiting for other engines that cannot take them. A consumer is
-// taken from when two looks in a row find jobs pending in it, no pull
+// taken from when two looks in a row find jobs in it (never delivered, or
+// delivered and not acked: a redelivery waits among those), no pull
 // waiting on it, and nothing delivered from it for takeOverAfter: its
 // engine is busy with all it can run, or gone. An engine briefly without
 // a pull waiting (its decode gate closed for a look, gateFresh, after a
-// job it just took) is not taken from.
+// job it just took) is not taken from. A take-over pull that finds only
+// running jobs comes back empty after takeOverWait.
 const (
-	takeOverEvery = 50 * time.Millisecond
+	takeOverEvery = 100 * time.Millisecond
 	takeOverAfter = 100 * time.Millisecond
 )
 
@@ -41,7 +43,7 @@ const trialYield = 20 * time.Millisecond
 
 // orphanLookEvery is how many take-over looks apart a loop looks for jobs
 // that prefer an engine without a consumer (see adoptOrphans).
-const orphanLookEvery = 20
+const orphanLookEvery = 10
 
 // pullSource is a consumer a loop pulls from, with its own puller (a
 // puller serves one goroutine), and how to find the consumer again after
@@ -202,7 +204,7 @@ func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *
 			}
 			src.cons = cons
 			src.ensure = func(context.Context) (jetstream.Consumer, error) { return cons, nil }
-			for n := uint64(0); n < info.NumPending; n++ {
+			for n := 0; n < int(info.NumPending)+info.NumAckPending; n++ {
 				took, stop := l.pullOne(ctx, jobCtx, src, slots, gate, keep, wg)
 				if stop {
 					return
@@ -240,6 +242,9 @@ func (l *Loop) adoptOrphans(ctx context.Context) {
 	}
 	for subject := range info.State.Subjects {
 		engine := subject[strings.LastIndexByte(subject, '.')+1:]
+		if !dispatcher.IsEngineKey(engine) {
+			continue
+		}
 		if name := dispatcher.EngineConsumerName(l.cfg.Stage, l.cfg.Pool, engine); !have[name] {
 			if _, err := dispatcher.EnsureEngineConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, engine, l.cfg.AckWait, dispatcher.WithLogger(l.log)); err == nil {
 				have[name] = true
@@ -250,10 +255,12 @@ func (l *Loop) adoptOrphans(ctx context.Context) {
 }
 
 // stuckConsumer says whether an engine's consumer has jobs that its engine
-// does not take: pending, with no pull waiting and nothing delivered for
-// takeOverAfter (by the server's clock).
+// does not take: pending, or delivered and not acked (NumPending does not
+// count a job nak'd, or whose ack wait ran out, to be delivered again),
+// with no pull waiting and nothing delivered for takeOverAfter (by the
+// server's clock).
 func stuckConsumer(info *jetstream.ConsumerInfo) bool {
-	if info.NumPending == 0 || info.NumWaiting > 0 {
+	if info.NumPending == 0 && info.NumAckPending == 0 || info.NumWaiting > 0 {
 		return false
 	}
 	last := info.Created

@@ -35,10 +35,10 @@ func (l *Loop) sampleDepth(ctx context.Context) {
 	defer t.Stop()
 	for {
 		qctx, cancel := context.WithTimeout(ctx, time.Second)
-		cons, err := l.js.Consumer(qctx, dispatcher.StageStream(l.cfg.Stage), dispatcher.ConsumerName(l.cfg.Stage, l.cfg.Pool))
+		n, err := dispatcher.QueueDepth(qctx, l.js, l.cfg.Stage, l.cfg.Pool) // the engines' consumers too (affinity)
 		cancel()
-		if err == nil { // else no consumer yet, or NATS away: the last value stands
-			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, cons.CachedInfo().NumPending)
+		if err == nil { // else NATS away: the last value stands
+			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, uint64(n))
 		}
 		select {
 		case <-ctx.Done():

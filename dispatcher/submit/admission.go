@@ -46,7 +46,7 @@ func (e *QueueFullError) Unwrap() error { return dispatcher.ErrQueueFull }
 // the caller.
 type Admission struct {
 	// Set by NewAdmission (now is a test's clock), read without a lock.
-	js  jetstream.StreamConsumerManager
+	js  jetstream.StreamManager
 	max int
 	now func() time.Time
 
@@ -62,7 +62,7 @@ type depthLook struct {
 }
 
 // NewAdmission bounds each pool's stage queue at max jobs.
-func NewAdmission(js jetstream.StreamConsumerManager, max int) *Admission {
+func NewAdmission(js jetstream.StreamManager, max int) *Admission {
 	return &Admission{js: js, max: max, now: time.Now, depth: make(map[string]depthLook)}
 }
 
@@ -104,13 +104,13 @@ func (a *Admission) read(ctx context.Context, stage dispatcher.Stage, pool strin
 // is the last one read, or 0 (admit: the stream's own bound still holds).
 func (a *Admission) look(ctx context.Context, key string, stage dispatcher.Stage, pool string) int {
 	at := a.now()
-	cons, err := a.js.Consumer(ctx, dispatcher.StageStream(stage), dispatcher.ConsumerName(stage, pool))
+	depth, err := dispatcher.QueueDepth(ctx, a.js, stage, pool) // the engines' consumers too (affinity)
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	kept := a.depth[key]
 	n := kept.n
 	if err == nil {
-		n = int(cons.CachedInfo().NumPending) // fresh: Consumer just fetched it
+		n = depth
 	}
 	if kept.at.After(at) {
 		return n // a later look is kept: this one is only the caller's
