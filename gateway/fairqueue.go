@@ -181,12 +181,21 @@ func (q *fairQueue) weightOf(tenant string) float64 {
 	return 1
 }
 
-// dropIfIdleLocked forgets a tenant with nothing here; its finish tag is
-// behind the virtual time by then, or will be, so it starts afresh.
+// dropIfIdleLocked forgets a tenant with nothing here, so that the tenants
+// kept are those present (the body's user names as many as clients like).
+// Back, it starts level with the others, as start-time fair queueing
+// starts a tenant that was idle.
 func (q *fairQueue) dropIfIdleLocked(tenant string, t *tenantState) {
-	if t.waiting == 0 && t.running == 0 && t.finish <= q.vtime {
+	if t.waiting == 0 && t.running == 0 {
 		delete(q.tenants, tenant)
 	}
+}
+
+// tenantsKept is how many tenants the queue remembers, for tests.
+func (q *fairQueue) tenantsKept() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.tenants)
 }
 
 // stats are the requests running and waiting, for tests and metrics.

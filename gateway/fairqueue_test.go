@@ -179,4 +179,16 @@ func TestFairQueueGivesUp(t *testing.T) {
 	if running, _ := q.stats(); running != 0 {
 		t.Errorf("%d running after the only request ended", running)
 	}
+	// Tenants come and go (the body's user is the client's to name): the
+	// queue keeps only those present.
+	for i := range 100 {
+		done, err := q.enter(context.Background(), fmt.Sprintf("tenant-%d", i), 0, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		done()
+	}
+	if n := q.tenantsKept(); n != 0 {
+		t.Errorf("%d tenants kept after all left, want 0", n)
+	}
 }

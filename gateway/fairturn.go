@@ -6,12 +6,17 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
+
+// deadlineKey holds, in a request's echo context, its deadline as set when
+// it began to wait for its turn.
+const deadlineKey = "pdq.deadline"
 
 // fairRetryAfter is the Retry-After, in seconds, of a request refused for
 // its tenant's share of the queue: its tenant's requests wait already.
@@ -25,7 +30,11 @@ const fairRetryAfter = 5
 func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incoming, log *slog.Logger) (done func(), apiErr *openai.Error) {
 	pool := dispatcher.PoolName(in.req.Model)
 	q := h.fairQueue(pool)
-	ctx, cancel := context.WithTimeout(c.Request().Context(), h.cfg.RequestTimeout)
+	// The request's deadline runs from now: its jobs carry what is left of
+	// it, not a fresh one from when it goes in (see submit).
+	deadline := time.Now().Add(h.cfg.RequestTimeout)
+	c.Set(deadlineKey, deadline)
+	ctx, cancel := context.WithDeadline(c.Request().Context(), deadline)
 	defer cancel()
 	cost := in.promptTokens
 	for _, n := range in.batchTokens {

@@ -139,6 +139,9 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		Owner:     callerOf(c).owner,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
+	if d, ok := c.Get(deadlineKey).(time.Time); ok && d.Before(job.Deadline) {
+		job.Deadline = d // set as it began to wait for its turn (waitTurn)
+	}
 	if clientID != id {
 		job.ClientID = clientID
 	}
