@@ -32,9 +32,11 @@ type seat struct {
 	load chan struct{}
 	// tick says tokens or done changed; it holds at most one signal.
 	tick chan struct{}
-	// tokens and done are guarded by the batcher's lock.
+	// tokens and done are guarded by the batcher's lock; kept is set once
+	// a finished prefill's blocks are the KV store's to free (see close).
 	tokens int
 	done   bool
+	kept   bool
 }
 
 func newBatcher(cfg sched.Config, perBlock, perRead time.Duration, stats *counters) (*batcher, error) {
@@ -68,6 +70,14 @@ func (b *batcher) loaded(st *seat, ok bool, n int) {
 	b.kickLocked()
 }
 
+// keep says a finished request's blocks are freed from now on by its
+// KV hold (or at once, when there is none): finished's freed callback.
+func (b *batcher) keep(st *seat) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	st.kept = true
+}
+
 // release frees a finished prefill's held blocks.
 func (b *batcher) release(r *sched.Request) {
 	b.mu.Lock()
@@ -81,8 +91,14 @@ func (b *batcher) release(r *sched.Request) {
 func (b *batcher) close(st *seat) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if !st.done {
+	switch {
+	case !st.done:
 		b.s.Abort(st.r)
+		b.kickLocked()
+	case !st.kept:
+		// Its handler failed after the last token: no hold will free a
+		// finished prefill's blocks.
+		b.s.Release(st.r)
 		b.kickLocked()
 	}
 	delete(b.seats, st.r)
@@ -145,6 +161,12 @@ func (b *batcher) loop() {
 		}
 		b.gaugesLocked()
 		if p.Empty() {
+			if len(p.Preempted) > 0 && b.s.Busy() {
+				// A step that only preempted admits nothing, as vLLM's;
+				// the next step does.
+				b.mu.Unlock()
+				continue
+			}
 			b.looping = false
 			b.mu.Unlock()
 			return
@@ -242,6 +264,7 @@ func (e *Engine) executeBatched(ctx context.Context, j *job, noKV bool, emit fun
 			return outcome{}, fmt.Errorf("sim: scheduler ended %s after %d of %d tokens", j.internalID, i, n)
 		}
 	}
+	e.batch.keep(st)
 	out, err := e.finished(j, n, finish, noKV, func() { e.batch.release(r) })
 	out.cached = r.CachedTokens()
 	return out, err

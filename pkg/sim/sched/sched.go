@@ -102,7 +102,9 @@ const (
 )
 
 // Request is one engine request. The caller sets the exported fields
-// before Add and does not change them after.
+// before Add and does not change them after, but for MaxTokens, which may
+// be lowered until the request's first token (a remote decode learns its
+// answer's length when it has read its KV).
 type Request struct {
 	// ID names the request in errors.
 	ID   string
