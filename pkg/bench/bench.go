@@ -49,7 +49,7 @@ func sample(cfg Config, s settings) ([]SampleRequest, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := applyMixes(reqs, s.tenants, s.priorities, uint64(cfg.Seed)); err != nil {
+	if err := applyMixes(reqs, s.tenants, s.priorities, uint64(cfg.Seed), cfg.DatasetName == "multi_turn"); err != nil {
 		return nil, err
 	}
 	return reqs, nil

@@ -116,18 +116,32 @@ func (m Mix) assign(n int, rng *rand.Rand) []string {
 }
 
 // applyMixes gives the requests their tenant (sent as the body's "user")
-// and their priority (vLLM's "priority"), seeded.
-func applyMixes(reqs []SampleRequest, tenants, priorities Mix, seed uint64) error {
+// and their priority (vLLM's "priority"), seeded: per conversation for
+// multi-turn requests (every turn of one conversation is one tenant's, of
+// one priority), else per request.
+func applyMixes(reqs []SampleRequest, tenants, priorities Mix, seed uint64, conversations bool) error {
 	rng := rand.New(rand.NewPCG(seed, 0x74656e616e74)) // "tenant"
-	for i, t := range tenants.assign(len(reqs), rng) {
-		reqs[i].Tenant = t
-	}
-	for i, p := range priorities.assign(len(reqs), rng) {
-		v, err := strconv.Atoi(p)
-		if err != nil {
-			return fmt.Errorf("%w: --priorities: %q is not an integer priority", ErrInvalid, p)
+	unit := func(i int) int { return i }
+	n := len(reqs)
+	if conversations {
+		unit = func(i int) int { return reqs[i].Conversation }
+		n = 0
+		for _, r := range reqs {
+			n = max(n, r.Conversation+1)
 		}
-		reqs[i].Priority = &v
+	}
+	ts, ps := tenants.assign(n, rng), priorities.assign(n, rng)
+	for i := range reqs {
+		if ts != nil {
+			reqs[i].Tenant = ts[unit(i)]
+		}
+		if ps != nil {
+			v, err := strconv.Atoi(ps[unit(i)])
+			if err != nil {
+				return fmt.Errorf("%w: --priorities: %q is not an integer priority", ErrInvalid, ps[unit(i)])
+			}
+			reqs[i].Priority = &v
+		}
 	}
 	return nil
 }

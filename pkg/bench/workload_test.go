@@ -149,6 +149,7 @@ func TestMultiTurnAgainstSim(t *testing.T) {
 	cfg.MultiTurnCommonPrefixLen, cfg.MultiTurnPrefixLen, cfg.MultiTurnUserLen, cfg.MultiTurnOutputLen = 32, 64, 20, 8
 	cfg.MultiTurnThinkTime = 0.01
 	cfg.RequestIDPrefix = "mt-"
+	cfg.Tenants = "a:2,b:1" // by conversation: every turn of one is one tenant's
 	var out strings.Builder
 	res, err := bench.Run(context.Background(), cfg, &out, nil)
 	if err != nil {
@@ -159,6 +160,7 @@ func TestMultiTurnAgainstSim(t *testing.T) {
 	}
 	for c := range 3 {
 		var prevPrompt int
+		tenant := ""
 		for k := range 3 {
 			o := res.Outputs[c*3+k]
 			recs := engine.Requests(t, fmt.Sprintf("mt-%d-%d", c, k))
@@ -166,6 +168,7 @@ func TestMultiTurnAgainstSim(t *testing.T) {
 				t.Fatalf("turn %d-%d reached the engine %d times", c, k, len(recs))
 			}
 			var body struct {
+				User     string `json:"user"`
 				Messages []struct {
 					Role    string `json:"role"`
 					Content []struct {
@@ -175,6 +178,11 @@ func TestMultiTurnAgainstSim(t *testing.T) {
 			}
 			if err := json.Unmarshal(recs[0].Body, &body); err != nil {
 				t.Fatal(err)
+			}
+			if k == 0 {
+				tenant = body.User
+			} else if body.User != tenant || tenant == "" {
+				t.Errorf("turn %d-%d is tenant %q's, turn %d-0 %q's: want one tenant a conversation", c, k, body.User, c, tenant)
 			}
 			if len(body.Messages) != 2*k+1 {
 				t.Errorf("turn %d-%d carries %d messages, want %d", c, k, len(body.Messages), 2*k+1)
