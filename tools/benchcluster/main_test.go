@@ -167,6 +167,20 @@ func TestCacheShareMatchesTheEngine(t *testing.T) {
 	}
 }
 
+func TestRatioText(t *testing.T) {
+	for _, tc := range []struct {
+		k, bound float64
+		want     string
+	}{
+		{1.4996, 1.5, "1.4996"}, {1.49999, 1.5, "1.49999"}, {1.5, 1.5, "1.50"}, {1.23, 1.5, "1.23"},
+		{89.6, 90, "89.60"}, {89.996, 90, "89.996"}, {1.2049, 1.2, "1.205"},
+	} {
+		if got := ratioText(tc.k, tc.bound); got != tc.want {
+			t.Errorf("ratioText(%v, %v) = %q, want %q", tc.k, tc.bound, got, tc.want)
+		}
+	}
+}
+
 func TestFailures(t *testing.T) {
 	for err, want := range map[string]string{
 		`Too Many Requests: {"error":{"message":"the queue is full; retry in 5 s"}}`:                                  failure429Retry,
@@ -248,7 +262,7 @@ func TestTargets(t *testing.T) {
 	want := []string{
 		"multi-turn chat | pdq's goodput ≥ 1.5× the round-robin proxy's | at 10 conv/s: 30.0 against 20.0 req/s, 1.50× | true | ",
 		"multi-turn chat | pdq's goodput ≥ 1.2× the least-loaded proxy's | at 10 conv/s: 30.0 against 25.0 req/s, 1.20× | true | ",
-		"multi-turn chat | prefix-cache hit share ≥ 90 % of a perfectly affine router's | at 10 conv/s: 72 % of the prefill engines' lookups hit, the ideal 80 %: 90 % | true | round-robin proxy 40 % (50 % of ideal)",
+		"multi-turn chat | prefix-cache hit share ≥ 90 % of a perfectly affine router's | at 10 conv/s: 72 % of the prefill engines' lookups hit, the ideal 80 %: 90.00 % | true | round-robin proxy 40 % (50 % of ideal)",
 		"prefix_repetition | pdq's goodput ≥ 1.5× the round-robin proxy's | at 20 req/s: 30.0 against 20.0 req/s, 1.50× | true | ",
 		"prefix_repetition | pdq's goodput ≥ 1.2× the least-loaded proxy's | at 20 req/s: 30.0 against 25.2 req/s, 1.19× | false | ",
 		"random (no shared prefixes) | goodput at the highest rate where the round-robin proxy meets the SLO on half its requests | the round-robin proxy met the SLO on half its requests at no rate of the sweep: no reference rate | false | ",

@@ -5,6 +5,7 @@ import (
 	"io"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -202,6 +203,19 @@ const (
 	minGoodShareOfRoundRobin = 0.5
 )
 
+// ratioText prints a ratio with two decimals, or more where two would
+// print it equal to its bound without being equal: 89.96, not 90.00,
+// when 90 is the bound.
+func ratioText(k, bound float64) string {
+	for _, prec := range []int{2, 3, 4} {
+		t := strconv.FormatFloat(k, 'f', prec, 64)
+		if t != strconv.FormatFloat(bound, 'f', prec, 64) || atLeast(k, bound) && atLeast(bound, k) {
+			return t
+		}
+	}
+	return strconv.FormatFloat(k, 'g', -1, 64)
+}
+
 // atLeast reports whether a ≥ b, but for rounding: figures printed as
 // equal to a bound meet it.
 func atLeast(a, b float64) bool { return a >= b*(1-1e-9) }
@@ -249,7 +263,7 @@ func targets(rs []result, plans map[string]plan) []verdict {
 		if vsRR && okP && okR {
 			k := ratio(pdq.Goodput, rr.Goodput)
 			out = append(out, verdict{workload: title, target: fmt.Sprintf("pdq's goodput ≥ %g× the round-robin proxy's", minGoodputVsRoundRobin),
-				figures: fmt.Sprintf("%s: %.1f against %.1f req/s, %.2f×", at, pdq.Goodput, rr.Goodput, k), met: atLeast(k, minGoodputVsRoundRobin)})
+				figures: fmt.Sprintf("%s: %.1f against %.1f req/s, %s×", at, pdq.Goodput, rr.Goodput, ratioText(k, minGoodputVsRoundRobin)), met: atLeast(k, minGoodputVsRoundRobin)})
 		}
 		if vsLL && okP && okL {
 			k := ratio(pdq.Goodput, ll.Goodput)
@@ -259,7 +273,7 @@ func targets(rs []result, plans map[string]plan) []verdict {
 				want, target = 1, "pdq's goodput ≥ the least-loaded proxy's"
 			}
 			out = append(out, verdict{workload: title, target: target,
-				figures: fmt.Sprintf("%s: %.1f against %.1f req/s, %.2f×", at, pdq.Goodput, ll.Goodput, k), met: atLeast(k, want)})
+				figures: fmt.Sprintf("%s: %.1f against %.1f req/s, %s×", at, pdq.Goodput, ll.Goodput, ratioText(k, want)), met: atLeast(k, want)})
 		}
 		if !okP {
 			out = append(out, verdict{workload: title, target: "pdq's goodput", figures: at + ": pdq did not run"})
@@ -277,7 +291,7 @@ func targets(rs []result, plans map[string]plan) []verdict {
 					}
 				}
 				out = append(out, verdict{workload: "multi-turn chat", target: fmt.Sprintf("prefix-cache hit share ≥ %.0f %% of a perfectly affine router's", 100*minShareOfIdealHits),
-					figures: fmt.Sprintf("at %g conv/s: %s of the prefill engines' lookups hit, the ideal %s: %.0f %%", rate, pct(pdq.HitShare), pct(pdq.IdealShare), 100*k),
+					figures: fmt.Sprintf("at %g conv/s: %s of the prefill engines' lookups hit, the ideal %s: %s %%", rate, pct(pdq.HitShare), pct(pdq.IdealShare), ratioText(100*k, 100*minShareOfIdealHits)),
 					others:  strings.Join(others, ", "), met: atLeast(k, minShareOfIdealHits)})
 			}
 		}
@@ -303,7 +317,7 @@ func targets(rs []result, plans map[string]plan) []verdict {
 				return fmt.Sprintf("TTFT p99 %s ms in the mix, %s ms alone", ms(b.TTFT99), ms(a.TTFT99)), false, true
 			}
 			k := float64(b.TTFT99) / float64(a.TTFT99)
-			return fmt.Sprintf("%s ms in the mix, %s ms alone: %.2f×", ms(b.TTFT99), ms(a.TTFT99), k), atLeast(maxSmallTenantVsAlone, k), true
+			return fmt.Sprintf("%s ms in the mix, %s ms alone: %s×", ms(b.TTFT99), ms(a.TTFT99), ratioText(k, maxSmallTenantVsAlone)), atLeast(maxSmallTenantVsAlone, k), true
 		}
 		if fig, met, ok := check("pdq"); ok {
 			out = append(out, verdict{workload: "tenants 10:1, overload", target: fmt.Sprintf("the small tenant's TTFT p99 ≤ %g× its TTFT p99 alone at the same rate", maxSmallTenantVsAlone),
@@ -323,7 +337,7 @@ func targets(rs []result, plans map[string]plan) []verdict {
 				return fmt.Sprintf("TTFT p99 of priority 0 %s ms, idle %s ms", ms(p0.TTFT99), ms(idle.TTFT99)), false, true
 			}
 			k := float64(p0.TTFT99) / float64(idle.TTFT99)
-			return fmt.Sprintf("%s ms, idle %s ms: %.2f×", ms(p0.TTFT99), ms(idle.TTFT99), k), atLeast(maxPriorityZeroVsIdle, k), true
+			return fmt.Sprintf("%s ms, idle %s ms: %s×", ms(p0.TTFT99), ms(idle.TTFT99), ratioText(k, maxPriorityZeroVsIdle)), atLeast(maxPriorityZeroVsIdle, k), true
 		}
 		if fig, met, ok := check("pdq"); ok {
 			out = append(out, verdict{workload: "priority 0 among priority 1, overload", target: fmt.Sprintf("TTFT p99 of priority 0 ≤ %g× the idle TTFT (p99 of one request at a time)", maxPriorityZeroVsIdle),
