@@ -34,14 +34,5 @@ func (r *Registry) Engines(stage dispatcher.Stage, pool string) []dispatcher.Wor
 // seats as seen so far): the workers learn more seats only from jobs
 // beyond those.
 func (r *Registry) MostSlots(stage dispatcher.Stage, pool string) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	now := r.now()
-	n := 0
-	for _, e := range r.workers {
-		if e.info.Role == stage && e.info.Pool == pool && r.live(e.at, now) {
-			n += e.info.Slots
-		}
-	}
-	return n
+	return r.sumLive(stage, pool, func(w dispatcher.WorkerInfo) int { return w.Slots })
 }

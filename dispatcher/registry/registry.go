@@ -351,13 +351,18 @@ func (r *Registry) DecodeCapacity(pool string) (slots int, avg time.Duration) {
 
 // Slots sums the capacity (seats) of pool's live workers of stage.
 func (r *Registry) Slots(stage dispatcher.Stage, pool string) int {
+	return r.sumLive(stage, pool, dispatcher.WorkerInfo.Capacity)
+}
+
+// sumLive sums f over pool's live workers of stage.
+func (r *Registry) sumLive(stage dispatcher.Stage, pool string, f func(dispatcher.WorkerInfo) int) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
 	n := 0
 	for _, e := range r.workers {
 		if e.info.Role == stage && e.info.Pool == pool && r.live(e.at, now) {
-			n += e.info.Capacity()
+			n += f(e.info)
 		}
 	}
 	return n
