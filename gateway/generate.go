@@ -147,7 +147,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	}
 	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
 		var placed func()
-		job.Prefer, placed = h.placer.place(affinity.PromptHashes(endpoint, req), h.registry.Engines(stage, job.Pool))
+		job.Prefer, placed = h.placer.place(func() []uint64 { return affinity.PromptHashes(endpoint, req) }, h.registry.Engines(stage, job.Pool))
 		context.AfterFunc(c.Request().Context(), placed) // the request's context ends with its handler
 	}
 	slots := func() int { return h.registry.Slots(stage, job.Pool) }

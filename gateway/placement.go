@@ -28,10 +28,12 @@ func newPlacer() *placer {
 	return &placer{index: affinity.NewIndex(placementIndexChunks), busy: make(map[string]int)}
 }
 
-// place returns the key of the engine a job whose prompt has hashes should
-// prefer among workers (one per engine), and notes it; "" when there is
-// nothing to choose between. done is to be called when the request ends.
-func (p *placer) place(hashes []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
+// place returns the key of the engine a job should prefer among workers
+// (one per engine), and notes it; "" when there is nothing to choose
+// between. prompt gives the prompt's chunk hashes; it is called only then,
+// as hashing reads the prompt's text. done is to be called when the
+// request ends.
+func (p *placer) place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
 	// Only engines whose workers take the jobs that prefer them: a worker
 	// of another build, or with PDQ_AFFINITY off, does not.
 	var workers []dispatcher.WorkerInfo
@@ -40,29 +42,36 @@ func (p *placer) place(hashes []uint64, all []dispatcher.WorkerInfo) (engine str
 			workers = append(workers, w)
 		}
 	}
-	if len(workers) < 2 || len(hashes) == 0 {
+	if len(workers) < 2 {
 		return "", func() {}
+	}
+	hashes := prompt()
+	if len(hashes) == 0 {
+		return "", func() {}
+	}
+	keys := make([]string, len(workers))
+	for i, w := range workers {
+		keys[i] = dispatcher.EngineKey(w.Engine)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, w := range workers {
+	for i, w := range workers {
 		// An engine whose breaker is half-open waits for a trial job to
 		// close it: it gets one whenever it has none of this gateway's,
 		// or affinity might keep every job away from it for good.
-		if key := dispatcher.EngineKey(w.Engine); w.Breaker == dispatcher.BreakerHalfOpen && p.busy[key] == 0 {
-			return p.choose(key, hashes)
+		if w.Breaker == dispatcher.BreakerHalfOpen && p.busy[keys[i]] == 0 {
+			return p.choose(keys[i], hashes)
 		}
 	}
 	least := -1
-	for _, w := range workers {
-		if b := p.busy[dispatcher.EngineKey(w.Engine)]; least < 0 || b < least {
+	for _, key := range keys {
+		if b := p.busy[key]; least < 0 || b < least {
 			least = b
 		}
 	}
 	engines := make([]affinity.Engine, len(workers))
 	for i, w := range workers {
-		key := dispatcher.EngineKey(w.Engine)
-		engines[i] = affinity.Engine{Key: key, Slots: w.Slots, Busy: p.busy[key] - least}
+		engines[i] = affinity.Engine{Key: keys[i], Slots: w.Slots, Busy: p.busy[keys[i]] - least}
 	}
 	return p.choose(affinity.Choose(p.index, hashes, engines).Engine, hashes)
 }
