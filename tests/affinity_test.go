@@ -5,7 +5,10 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
@@ -59,4 +62,44 @@ func TestAffinityThroughUp(t *testing.T) {
 	}
 	hits := p1.Stats(t).PrefixHitTokens + p2.Stats(t).PrefixHitTokens
 	t.Logf("documents per engine %v; prefix-cache hits on the prefill engines: %d tokens", used, hits)
+}
+
+// TestAffinityKilledWorker: kill -9 of a prefill worker while jobs that
+// prefer its engine run there, or wait in its engine's consumer: the
+// other engine's worker takes them over once their ack wait has run out
+// (1 s here), and every request is answered.
+func TestAffinityKilledWorker(t *testing.T) {
+	slow := []string{"--prefill-overhead", "1500ms"}
+	c := startCluster(t, clusterOptions{prefillSim: slow})
+	_, second := startSimProcess(t, slow...)
+	doomed := c.worker(dispatcher.StagePrefill, 2)
+	c.workerFor(second, dispatcher.StagePrefill, 2)
+	c.worker(dispatcher.StageDecode, 8)
+	c.ready()
+	// Four documents: the gateway spreads them over both engines, two
+	// each, so the doomed worker's run (delivered, not acked), with none
+	// left undelivered in its consumer.
+	outs := make(chan []outcome, 1)
+	go func() {
+		outs <- c.load(4, "killed", 0, func(i int) body {
+			doc := strings.Repeat(fmt.Sprintf("document %d, which its engine keeps. ", i), 20)
+			return completionBody(model, doc, body{"max_tokens": 4})
+		})
+	}()
+	c.prefill.WaitStats(t, 10*time.Second, "prefills running on the doomed worker's engine", func(s sim.Stats) bool { return s.Running >= 2 })
+	kill9(t, doomed)
+	var served int
+	for _, o := range <-outs {
+		if o.ok {
+			served++
+		} else {
+			t.Errorf("a request after the kill: %+v", o)
+		}
+	}
+	if served != 4 {
+		t.Errorf("%d of 4 served", served)
+	}
+	if s := second.Stats(t); s.Prefills < 4 {
+		t.Errorf("the surviving engine ran %d prefills; want its own and the killed worker's", s.Prefills)
+	}
 }
