@@ -156,7 +156,7 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 		}
 		if _, err := b.claim.Transition(ctx, h.records, done); err != nil {
 			log.Debug("could not record the delivered answer yet; kept until NATS answers", logging.Err(err))
-			h.ledger.keep(b.rec.ID, b.rec.Created, done)
+			h.ledger.Keep(b.rec.ID, b.rec.Created, done)
 		}
 		return
 	}
@@ -164,7 +164,7 @@ func (h *handlers) endBatch(c echo.Context, b *batchRecord, log *slog.Logger) {
 		b.end(dispatcher.StateCancelled, 499, "client went away")
 	}
 	b.end(dispatcher.StateFailed, http.StatusBadGateway, "the batch ended without an answer")
-	h.ledger.write(ctx, b.rec.ID, b.rec.Created, func(r *dispatcher.Record) error {
+	h.ledger.Write(ctx, b.rec.ID, b.rec.Created, func(r *dispatcher.Record) error {
 		if r.Generation > b.rec.Generation || r.State.Ended() {
 			return dispatcher.ErrNoChange
 		}

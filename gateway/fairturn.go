@@ -11,6 +11,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/fair"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -44,11 +45,11 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 		cost += n
 	}
 	tenant := tenantOf(c, in.req)
-	done, err := q.enter(ctx, tenant, in.req.Priority, cost)
+	done, err := q.Enter(ctx, tenant, in.req.Priority, cost)
 	switch {
 	case err == nil:
 		return done, nil
-	case errors.Is(err, errTenantFull):
+	case errors.Is(err, fair.ErrTenantFull):
 		log.Debug("refused: the tenant's share of the queue is full", "tenant", tenant)
 		c.Response().Header().Set("Retry-After", strconv.Itoa(fairRetryAfter))
 		return nil, openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", fairRetryAfter)
@@ -64,16 +65,16 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 // beyond that, a request would only wait in JetStream's queue, first come
 // first served. Not their engines' seats as seen so far, which grow only
 // with jobs beyond them.
-func (h *handlers) fairQueue(pool string) *fairQueue {
+func (h *handlers) fairQueue(pool string) *fair.Queue {
 	if q, ok := h.queues.Load(pool); ok {
-		return q.(*fairQueue)
+		return q.(*fair.Queue)
 	}
-	q, _ := h.queues.LoadOrStore(pool, newFairQueue(h.cfg.MaxQueue,
+	q, _ := h.queues.LoadOrStore(pool, fair.New(h.cfg.MaxQueue,
 		func(tenant string) float64 { return h.cfg.TenantWeights[tenant] },
 		func() int {
 			return max(1, h.registry.MostSlots(dispatcher.StagePrefill, pool)+h.registry.MostSlots(dispatcher.StageDecode, pool))
 		}))
-	return q.(*fairQueue)
+	return q.(*fair.Queue)
 }
 
 // tenantOf is who a request is for, in the fair queue: its API key's

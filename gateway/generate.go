@@ -147,7 +147,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	}
 	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
 		var placed func()
-		job.Prefer, placed = h.placer.place(func() []uint64 { return affinity.PromptHashes(endpoint, req) }, h.registry.Engines(stage, job.Pool))
+		job.Prefer, placed = h.placer.Place(func() []uint64 { return affinity.PromptHashes(endpoint, req) }, h.registry.Engines(stage, job.Pool))
 		context.AfterFunc(c.Request().Context(), placed) // the request's context ends with its handler
 	}
 	slots := func() int { return h.registry.Slots(stage, job.Pool) }
@@ -200,8 +200,8 @@ func (h *handlers) natsUp(ctx context.Context, id string) bool {
 			return false
 		}
 	}
-	if h.ledger.len() > 0 {
-		h.ledger.flushFor(ctx, id)
+	if h.ledger.Len() > 0 {
+		h.ledger.FlushFor(ctx, id)
 	}
 	return true
 }
@@ -213,7 +213,7 @@ func (h *handlers) unclaim(id string, created time.Time, err error) {
 	if errors.Is(err, dispatcher.ErrDuplicate) || errors.Is(err, dispatcher.ErrQueueFull) {
 		return
 	}
-	h.ledger.keep(id, created, func(r *dispatcher.Record) error {
+	h.ledger.Keep(id, created, func(r *dispatcher.Record) error {
 		if r.State.Ended() || r.Gateway != h.id {
 			return dispatcher.ErrNoChange
 		}

@@ -82,7 +82,7 @@ func (h *handlers) delivered(job *dispatcher.Job, claim *submit.Claim, done repl
 	}
 	if _, err := claim.Transition(ctx, h.records, change); err != nil {
 		log.Debug("could not record the delivered answer yet; kept until NATS answers", logging.Err(err))
-		h.ledger.keep(job.ID, job.Submitted, change)
+		h.ledger.Keep(job.ID, job.Submitted, change)
 	}
 }
 
@@ -170,7 +170,7 @@ func (h *handlers) failed(job *dispatcher.Job, r reply.Reply, log *slog.Logger) 
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		h.ledger.write(ctx, job.ID, job.Submitted, func(rec *dispatcher.Record) error {
+		h.ledger.Write(ctx, job.ID, job.Submitted, func(rec *dispatcher.Record) error {
 			if rec.State.Ended() || rec.Gateway != h.id {
 				return dispatcher.ErrNoChange
 			}
@@ -203,7 +203,7 @@ func (h *handlers) stop(job *dispatcher.Job, log *slog.Logger, state dispatcher.
 	defer cancel()
 	// Not knowing, stop the work: it is ours unless the record says not.
 	var theirs atomic.Bool
-	h.ledger.write(ctx, job.ID, job.Submitted, func(r *dispatcher.Record) error {
+	h.ledger.Write(ctx, job.ID, job.Submitted, func(r *dispatcher.Record) error {
 		if r.State.Ended() || r.Gateway != h.id {
 			theirs.Store(true)
 			return dispatcher.ErrNoChange

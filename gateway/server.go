@@ -18,6 +18,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/admin"
+	"github.com/pdq-dev/pdq/dispatcher/affinity"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
@@ -52,10 +53,10 @@ type Config struct {
 	// pool has no healthy prefill worker) or fail (they get a 503).
 	PrefillFallback string
 	// Affinity prefers, for each prefill, the engine whose prefix cache
-	// likely holds its prompt's start (PDQ_AFFINITY; see placer).
+	// likely holds its prompt's start (PDQ_AFFINITY; see affinity.Placer).
 	Affinity bool
 	// FairQueue holds what a pool cannot run yet in the gateway, in
-	// priority and tenant order (PDQ_FAIR_QUEUE; see fairQueue), with
+	// priority and tenant order (PDQ_FAIR_QUEUE; see package fair), with
 	// TenantWeights (PDQ_TENANT_WEIGHTS).
 	FairQueue     bool
 	TenantWeights map[string]float64
@@ -172,8 +173,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	// written after their relays stop.
 	ledgerCtx, stopLedger := context.WithCancel(context.Background())
 	ledgerDone := make(chan struct{})
-	led := newLedger(s.nc, records, s.log)
-	go func() { led.run(ledgerCtx); close(ledgerDone) }()
+	led := submit.NewLedger(s.nc, records, lastWords, s.log)
+	go func() { led.Run(ledgerCtx); close(ledgerDone) }()
 	defer func() { stopLedger(); <-ledgerDone }()
 	// The store doctor rebuilds a stream whose store stopped writing (a
 	// full disk), once it can write again.
@@ -187,7 +188,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		budget:    budget,
 		admission: submit.NewAdmission(s.js, s.cfg.MaxQueue)}
 	if s.cfg.Affinity {
-		h.placer = newPlacer()
+		h.placer = affinity.NewPlacer()
 	}
 	srv := &http.Server{
 		Handler:           h.routes(),
@@ -221,7 +222,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 }
 
 // lastWords bounds the wait, once the grace period is over, for the
-// running requests to record their end and write their error.
+// running requests to record their end and write their error, and the
+// ledger's last writes.
 const lastWords = 3 * time.Second
 
 // handlers hold what the routes share once the gateway is serving.
@@ -234,15 +236,15 @@ type handlers struct {
 	replies  *reply.Replies
 	records  *dispatcher.Records
 	// ledger keeps the record writes NATS did not take, until it does.
-	ledger *ledger
+	ledger *submit.Ledger
 	// doctor knows which streams do not store.
 	doctor    *admin.StoreDoctor
 	submitter *submit.Submitter
 	budget    *byteBudget
 	admission *submit.Admission
 	// placer picks prefill jobs' preferred engines; nil with affinity off.
-	placer *placer
-	// queues are the pools' fair queues (pool name → *fairQueue), made
+	placer *affinity.Placer
+	// queues are the pools' fair queues (pool name → *fair.Queue), made
 	// as pools are first asked for; none with PDQ_FAIR_QUEUE off.
 	queues sync.Map
 	// fallingBack holds the pools whose long prompts go decode-only for

@@ -1,4 +1,4 @@
-package gateway
+package fair
 
 import (
 	"context"
@@ -8,11 +8,11 @@ import (
 	"sync"
 )
 
-// errTenantFull refuses a request whose tenant holds its share of the
+// ErrTenantFull refuses a request whose tenant holds its share of the
 // queue already.
-var errTenantFull = errors.New("the tenant's share of the queue is full")
+var ErrTenantFull = errors.New("the tenant's share of the queue is full")
 
-// fairQueue decides, per pool, which request goes into the queue next
+// Queue decides, for one pool, which request goes into the queue next
 // when the pool runs all it can: vLLM's priority first (lower first),
 // then each tenant in turn, in proportion to its weight and the work its
 // requests ask for (start-time fair queueing: a request's tags are where
@@ -25,11 +25,18 @@ var errTenantFull = errors.New("the tenant's share of the queue is full")
 // A tenant's waiting requests are bounded by its share of maxQueue
 // (its weight among the tenants with requests here): a tenant that floods
 // is refused (429) before anyone else is.
-type fairQueue struct {
+//
+// Enter is called from any number of request goroutines at once; done
+// functions from others.
+type Queue struct {
+	// Set by New, read without a lock. weight and limit are called with
+	// mu held: they must not call back into the queue.
 	maxQueue int
 	weight   func(tenant string) float64
 	limit    func() int
 
+	// mu guards the fields below; a waiter's admitted channel is closed
+	// under it.
 	mu       sync.Mutex
 	running  int
 	waiting  []*waiter
@@ -52,15 +59,19 @@ type waiter struct {
 	admitted      chan struct{}
 }
 
-func newFairQueue(maxQueue int, weight func(string) float64, limit func() int) *fairQueue {
-	return &fairQueue{maxQueue: maxQueue, weight: weight, limit: limit, tenants: make(map[string]*tenantState)}
+// New makes a pool's queue. maxQueue bounds the requests waiting in it,
+// weight gives a tenant's weight (0 for the default, 1), and limit how
+// many requests the pool runs at once; both are called with the queue's
+// lock held.
+func New(maxQueue int, weight func(string) float64, limit func() int) *Queue {
+	return &Queue{maxQueue: maxQueue, weight: weight, limit: limit, tenants: make(map[string]*tenantState)}
 }
 
-// enter waits until the request may go into the queue, and returns the
+// Enter waits until the request may go into the queue, and returns the
 // function to call when it ends. cost is its work (prompt and output
-// tokens). It fails with errTenantFull when the tenant's share of the
+// tokens). It fails with ErrTenantFull when the tenant's share of the
 // queue is taken, or with ctx's error.
-func (q *fairQueue) enter(ctx context.Context, tenant string, priority, cost int) (done func(), err error) {
+func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost int) (done func(), err error) {
 	q.mu.Lock()
 	t := q.tenants[tenant]
 	if t == nil {
@@ -81,7 +92,7 @@ func (q *fairQueue) enter(ctx context.Context, tenant string, priority, cost int
 	if t.waiting >= q.shareLocked(tenant) {
 		q.dropIfIdleLocked(tenant, t)
 		q.mu.Unlock()
-		return nil, errTenantFull
+		return nil, ErrTenantFull
 	}
 	t.finish = w.finish
 	t.waiting++
@@ -106,7 +117,7 @@ func (q *fairQueue) enter(ctx context.Context, tenant string, priority, cost int
 	return nil, ctx.Err()
 }
 
-func (q *fairQueue) doneFunc(tenant string) func() {
+func (q *Queue) doneFunc(tenant string) func() {
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -118,7 +129,7 @@ func (q *fairQueue) doneFunc(tenant string) func() {
 }
 
 // endLocked ends a running request and lets the next ones in.
-func (q *fairQueue) endLocked(tenant string) {
+func (q *Queue) endLocked(tenant string) {
 	q.running--
 	t := q.tenants[tenant]
 	t.running--
@@ -128,7 +139,7 @@ func (q *fairQueue) endLocked(tenant string) {
 
 // dispatchLocked lets waiting requests in while the pool has room: the
 // lowest priority value, then the smallest start tag, then the earliest.
-func (q *fairQueue) dispatchLocked() {
+func (q *Queue) dispatchLocked() {
 	for len(q.waiting) > 0 && q.running < q.limit() {
 		i := 0
 		for j, w := range q.waiting[1:] {
@@ -155,7 +166,7 @@ func before(a, b *waiter) bool {
 	return a.seq < b.seq
 }
 
-func (q *fairQueue) admitLocked(w *waiter, t *tenantState) {
+func (q *Queue) admitLocked(w *waiter, t *tenantState) {
 	q.running++
 	t.running++
 	close(w.admitted)
@@ -164,7 +175,7 @@ func (q *fairQueue) admitLocked(w *waiter, t *tenantState) {
 // shareLocked is how many requests tenant may have waiting: its weight's
 // share of maxQueue among the tenants with requests here (itself
 // included), at least 1.
-func (q *fairQueue) shareLocked(tenant string) int {
+func (q *Queue) shareLocked(tenant string) int {
 	total := 0.0
 	for name, t := range q.tenants {
 		if name == tenant || t.waiting > 0 || t.running > 0 {
@@ -174,7 +185,7 @@ func (q *fairQueue) shareLocked(tenant string) int {
 	return max(1, int(float64(q.maxQueue)*q.weightOf(tenant)/total))
 }
 
-func (q *fairQueue) weightOf(tenant string) float64 {
+func (q *Queue) weightOf(tenant string) float64 {
 	if w := q.weight(tenant); w > 0 {
 		return w
 	}
@@ -185,21 +196,21 @@ func (q *fairQueue) weightOf(tenant string) float64 {
 // kept are those present (the body's user names as many as clients like).
 // Back, it starts level with the others, as start-time fair queueing
 // starts a tenant that was idle.
-func (q *fairQueue) dropIfIdleLocked(tenant string, t *tenantState) {
+func (q *Queue) dropIfIdleLocked(tenant string, t *tenantState) {
 	if t.waiting == 0 && t.running == 0 {
 		delete(q.tenants, tenant)
 	}
 }
 
 // tenantsKept is how many tenants the queue remembers, for tests.
-func (q *fairQueue) tenantsKept() int {
+func (q *Queue) tenantsKept() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return len(q.tenants)
 }
 
 // stats are the requests running and waiting, for tests and metrics.
-func (q *fairQueue) stats() (running, waiting int) {
+func (q *Queue) stats() (running, waiting int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.running, len(q.waiting)

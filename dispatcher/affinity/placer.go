@@ -1,10 +1,9 @@
-package gateway
+package affinity
 
 import (
 	"sync"
 
 	"github.com/pdq-dev/pdq/dispatcher"
-	"github.com/pdq-dev/pdq/dispatcher/affinity"
 )
 
 // placementIndexChunks bounds the prefix index: 64k chunks of 256 bytes
@@ -12,28 +11,34 @@ import (
 // of distinct prefixes at the seed profile's 262k tokens an engine.
 const placementIndexChunks = 1 << 16
 
-// placer picks the prefill engine each job should go to first: the one
+// Placer picks the prefill engine each job should go to first: the one
 // whose prefix cache likely holds the most of its prompt, weighed against
-// how busy each engine is (see dispatcher/affinity). An engine's load is
-// the requests this gateway placed there that have not ended, beyond the
-// least loaded engine's: known at once, unlike the workers' heartbeats,
-// and fair between engines although it counts each request's decode too.
-type placer struct {
-	index *affinity.Index
+// how busy each engine is (see Choose). An engine's load is the requests
+// this Placer placed there that have not ended, beyond the least loaded
+// engine's: known at once, unlike the workers' heartbeats, and fair
+// between engines although it counts each request's decode too. A gateway
+// keeps one.
+//
+// Place, and the functions it returns, are called from any number of
+// request goroutines at once.
+type Placer struct {
+	// mu guards index and busy.
 	mu    sync.Mutex
+	index *Index
 	busy  map[string]int // engine key → requests placed there, not ended
 }
 
-func newPlacer() *placer {
-	return &placer{index: affinity.NewIndex(placementIndexChunks), busy: make(map[string]int)}
+// NewPlacer makes a gateway's Placer.
+func NewPlacer() *Placer {
+	return &Placer{index: NewIndex(placementIndexChunks), busy: make(map[string]int)}
 }
 
-// place returns the key of the engine a job should prefer among workers
+// Place returns the key of the engine a job should prefer among workers
 // (one per engine), and notes it; "" when there is nothing to choose
 // between. prompt gives the prompt's chunk hashes; it is called only then,
 // as hashing reads the prompt's text. done is to be called when the
 // request ends.
-func (p *placer) place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
+func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
 	// Only engines whose workers take the jobs that prefer them: a worker
 	// of another build, or with PDQ_AFFINITY off, does not.
 	var workers []dispatcher.WorkerInfo
@@ -69,16 +74,16 @@ func (p *placer) place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 			least = b
 		}
 	}
-	engines := make([]affinity.Engine, len(workers))
+	engines := make([]Engine, len(workers))
 	for i, w := range workers {
-		engines[i] = affinity.Engine{Key: keys[i], Slots: w.Slots, Busy: p.busy[keys[i]] - least}
+		engines[i] = Engine{Key: keys[i], Slots: w.Slots, Busy: p.busy[keys[i]] - least}
 	}
-	return p.choose(affinity.Choose(p.index, hashes, engines).Engine, hashes)
+	return p.choose(Choose(p.index, hashes, engines).Engine, hashes)
 }
 
 // choose notes that a job whose prompt has hashes goes to engine, and
-// returns what place returns. p.mu is held.
-func (p *placer) choose(engine string, hashes []uint64) (string, func()) {
+// returns what Place returns. p.mu is held.
+func (p *Placer) choose(engine string, hashes []uint64) (string, func()) {
 	p.index.Record(hashes, engine)
 	p.busy[engine]++
 	var once sync.Once

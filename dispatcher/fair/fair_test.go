@@ -1,4 +1,4 @@
-package gateway
+package fair
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 // enters requests one by one, in order, and records the order in which
 // they are let in once the first one ends.
 type queueRun struct {
-	q     *fairQueue
+	q     *Queue
 	mu    sync.Mutex
 	order []string
 	dones map[string]func()
@@ -21,7 +21,7 @@ type queueRun struct {
 }
 
 func newQueueRun(maxQueue int, weights map[string]float64) *queueRun {
-	return &queueRun{q: newFairQueue(maxQueue, func(t string) float64 { return weights[t] }, func() int { return 1 }),
+	return &queueRun{q: New(maxQueue, func(t string) float64 { return weights[t] }, func() int { return 1 }),
 		dones: map[string]func(){}}
 }
 
@@ -31,7 +31,7 @@ func (r *queueRun) add(t *testing.T, name, tenant string, priority, cost int) er
 	_, before := r.q.stats()
 	errc := make(chan error, 1)
 	r.wg.Go(func() {
-		done, err := r.q.enter(context.Background(), tenant, priority, cost)
+		done, err := r.q.Enter(context.Background(), tenant, priority, cost)
 		if err != nil {
 			errc <- err
 			return
@@ -143,16 +143,16 @@ func TestFairQueueShare(t *testing.T) {
 			t.Fatalf("a%d: %v; a alone may queue 10", i, err)
 		}
 	}
-	if err := r.add(t, "a-over", "a", 0, 1); !errors.Is(err, errTenantFull) {
-		t.Fatalf("an 11th of a's: %v, want errTenantFull", err)
+	if err := r.add(t, "a-over", "a", 0, 1); !errors.Is(err, ErrTenantFull) {
+		t.Fatalf("an 11th of a's: %v, want ErrTenantFull", err)
 	}
 	for i := range 5 {
 		if err := r.add(t, fmt.Sprintf("b%d", i), "b", 0, 1); err != nil {
 			t.Fatalf("b%d refused while a floods: %v; b's share is 5", i, err)
 		}
 	}
-	if err := r.add(t, "b-over", "b", 0, 1); !errors.Is(err, errTenantFull) {
-		t.Errorf("a 6th of b's: %v, want errTenantFull", err)
+	if err := r.add(t, "b-over", "b", 0, 1); !errors.Is(err, ErrTenantFull) {
+		t.Errorf("a 6th of b's: %v, want ErrTenantFull", err)
 	}
 	r.drain(t, 16)
 	if running, waiting := r.q.stats(); running != 0 || waiting != 0 {
@@ -161,14 +161,14 @@ func TestFairQueueShare(t *testing.T) {
 }
 
 func TestFairQueueGivesUp(t *testing.T) {
-	q := newFairQueue(10, func(string) float64 { return 1 }, func() int { return 1 })
-	done, err := q.enter(context.Background(), "a", 0, 1)
+	q := New(10, func(string) float64 { return 1 }, func() int { return 1 })
+	done, err := q.Enter(context.Background(), "a", 0, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	if _, err := q.enter(ctx, "b", 0, 1); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := q.Enter(ctx, "b", 0, 1); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("a wait past its deadline: %v", err)
 	}
 	if _, waiting := q.stats(); waiting != 0 {
@@ -182,7 +182,7 @@ func TestFairQueueGivesUp(t *testing.T) {
 	// Tenants come and go (the body's user is the client's to name): the
 	// queue keeps only those present.
 	for i := range 100 {
-		done, err := q.enter(context.Background(), fmt.Sprintf("tenant-%d", i), 0, 10)
+		done, err := q.Enter(context.Background(), fmt.Sprintf("tenant-%d", i), 0, 10)
 		if err != nil {
 			t.Fatal(err)
 		}

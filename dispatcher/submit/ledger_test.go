@@ -1,4 +1,4 @@
-package gateway
+package submit
 
 import (
 	"context"
@@ -9,7 +9,6 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
-	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
@@ -32,7 +31,7 @@ func TestLedger(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	submitter := submit.NewSubmitter(js, records, registry.NewLiveness(nc))
+	submitter := NewSubmitter(js, records, registry.NewLiveness(nc))
 	claim := func(id string) time.Time {
 		now := time.Now()
 		rec := &dispatcher.Record{ID: id, State: dispatcher.StateQueued, Generation: 1, Model: "m", Pool: dispatcher.PoolName("m"),
@@ -54,13 +53,13 @@ func TestLedger(t *testing.T) {
 		return rec.State
 	}
 
-	l := newLedger(nc, records, logging.Discard())
+	l := NewLedger(nc, records, 3*time.Second, logging.Discard())
 	ours, retried := claim("ours"), claim("retried")
-	l.keep("ours", ours, fail)
-	l.keep("retried", retried.Add(-time.Second), fail) // an earlier claim's write
-	l.keep("never-stored", time.Now(), fail)
-	if !l.has("ours") || l.len() != 3 {
-		t.Fatalf("%d writes kept, want 3", l.len())
+	l.Keep("ours", ours, fail)
+	l.Keep("retried", retried.Add(-time.Second), fail) // an earlier claim's write
+	l.Keep("never-stored", time.Now(), fail)
+	if !l.Has("ours") || l.Len() != 3 {
+		t.Fatalf("%d writes kept, want 3", l.Len())
 	}
 	l.flush(ctx)
 	if got := state("ours"); got != dispatcher.StateFailed {
@@ -69,18 +68,18 @@ func TestLedger(t *testing.T) {
 	if got := state("retried"); got != dispatcher.StateQueued {
 		t.Errorf("a write for an earlier claim of the id: record %s, want the retry's queued left alone", got)
 	}
-	if n := l.len(); n != 0 {
+	if n := l.Len(); n != 0 {
 		t.Errorf("%d writes still kept after a flush with NATS up, want 0", n)
 	}
 
 	// Out of reach: a write is kept, not tried, and not lost.
 	later := claim("later")
 	nc.Close()
-	if l.write(ctx, "later", later, fail, logging.Discard()) {
+	if l.Write(ctx, "later", later, fail, logging.Discard()) {
 		t.Error("a write made with NATS closed")
 	}
 	l.flush(ctx)
-	if !l.has("later") {
+	if !l.Has("later") {
 		t.Error("a write kept while NATS is out of reach was dropped")
 	}
 }

@@ -1,4 +1,4 @@
-package gateway
+package submit
 
 import (
 	"context"
@@ -15,7 +15,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
-// ledger keeps the record writes the gateway could not make while NATS was
+// Ledger keeps the record writes the gateway could not make while NATS was
 // out of reach (a request's end: done, failed, cancelled, expired) and makes
 // them once it is back. A record left queued would keep its id unusable
 // until its deadline, hide the failure from pdq requests --failed, and let
@@ -25,17 +25,18 @@ import (
 // claim (the same Created). A retry that has claimed the id since is left
 // alone.
 //
-// Request handlers call write, keep, flushFor, has and len, any number at
-// once. run has a goroutine of its own (the gateway's Run starts it), and
+// Request handlers call Write, Keep, FlushFor, Has and Len, any number at
+// once. Run has a goroutine of its own (the gateway's Run starts it), and
 // each flush makes its writes from flushWorkers goroutines. A write's
-// change may so run on a flush worker after write has returned: whatever
+// change may so run on a flush worker after Write has returned: whatever
 // it sets for its caller must be safe to read from another goroutine (see
-// handlers.stop).
-type ledger struct {
+// the gateway's handlers.stop).
+type Ledger struct {
 	// Set by newLedger, read without a lock.
 	nc      *nats.Conn
 	records *dispatcher.Records
 	log     *slog.Logger
+	lastTry time.Duration // bounds the writes made at shutdown
 
 	// mu guards the fields below. No NATS call is made under it: apply
 	// runs with mu free.
@@ -56,15 +57,17 @@ type pendingWrite struct {
 // (its record ends at its deadline instead), with a warning.
 const maxPending = 100_000
 
-func newLedger(nc *nats.Conn, records *dispatcher.Records, log *slog.Logger) *ledger {
-	return &ledger{nc: nc, records: records, log: log, pending: make(map[string]pendingWrite)}
+// NewLedger makes a gateway's ledger; the gateway runs its Run. lastTry
+// bounds the last flush as Run ends, and each write made after it.
+func NewLedger(nc *nats.Conn, records *dispatcher.Records, lastTry time.Duration, log *slog.Logger) *Ledger {
+	return &Ledger{nc: nc, records: records, log: log, lastTry: lastTry, pending: make(map[string]pendingWrite)}
 }
 
-// write applies change to the record of id that a claim wrote at created,
+// Write applies change to the record of id that a claim wrote at created,
 // now if NATS answers, or else once it is back. A change that returns
 // dispatcher.ErrNoChange leaves the record alone, as in a Transition.
 // It reports whether the write was made now.
-func (l *ledger) write(ctx context.Context, id string, created time.Time, change func(*dispatcher.Record) error, log *slog.Logger) bool {
+func (l *Ledger) Write(ctx context.Context, id string, created time.Time, change func(*dispatcher.Record) error, log *slog.Logger) bool {
 	w := pendingWrite{created: created, change: change}
 	if l.nc.IsConnected() {
 		err := l.apply(ctx, id, w)
@@ -73,20 +76,20 @@ func (l *ledger) write(ctx context.Context, id string, created time.Time, change
 		}
 		log.Debug("could not write the request's record; keeping the write until NATS answers", logging.Err(err))
 	}
-	l.keep(id, created, change) // the latest write for a request stands
+	l.Keep(id, created, change) // the latest write for a request stands
 	return false
 }
 
-// keep holds a write for later, without trying it now: its caller has just
+// Keep holds a write for later, without trying it now: its caller has just
 // tried it.
-func (l *ledger) keep(id string, created time.Time, change func(*dispatcher.Record) error) {
+func (l *Ledger) Keep(id string, created time.Time, change func(*dispatcher.Record) error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.stopped {
 		// A request that ended after the last flush, at shutdown: one try.
 		l.mu.Unlock()
 		defer l.mu.Lock()
-		ctx, cancel := context.WithTimeout(context.Background(), lastWords)
+		ctx, cancel := context.WithTimeout(context.Background(), l.lastTry)
 		defer cancel()
 		if err := l.apply(ctx, id, pendingWrite{created: created, change: change}); err != nil {
 			l.log.Warn("could not write a request's end at shutdown: its record ends at its deadline", logging.KeyRequestID, id, logging.Err(err))
@@ -103,7 +106,7 @@ func (l *ledger) keep(id string, created time.Time, change func(*dispatcher.Reco
 
 // apply makes one write. A record gone from the bucket, or one another
 // request has claimed since, needs none.
-func (l *ledger) apply(ctx context.Context, id string, w pendingWrite) error {
+func (l *Ledger) apply(ctx context.Context, id string, w pendingWrite) error {
 	_, err := l.records.Transition(ctx, id, func(r *dispatcher.Record) error {
 		if !r.Created.Equal(w.created) {
 			return dispatcher.ErrNoChange
@@ -116,38 +119,38 @@ func (l *ledger) apply(ctx context.Context, id string, w pendingWrite) error {
 	return err
 }
 
-// has reports whether a write for id waits.
-func (l *ledger) has(id string) bool {
+// Has reports whether a write for id waits.
+func (l *Ledger) Has(id string) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	_, ok := l.pending[id]
 	return ok
 }
 
-// len is the number of writes waiting.
-func (l *ledger) len() int {
+// Len is the number of writes waiting.
+func (l *Ledger) Len() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.pending)
 }
 
-// run makes the waiting writes while NATS is connected, looking four times
+// Run makes the waiting writes while NATS is connected, looking four times
 // a second: a request the outage ended must be recorded so before the
 // workers, reconnecting too, pull its jobs. It makes a last try as ctx
 // ends.
-func (l *ledger) run(ctx context.Context) {
+func (l *Ledger) Run(ctx context.Context) {
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
-			fctx, cancel := context.WithTimeout(context.Background(), lastWords)
+			fctx, cancel := context.WithTimeout(context.Background(), l.lastTry)
 			l.flush(fctx)
 			cancel()
 			l.mu.Lock()
 			l.stopped = true
 			l.mu.Unlock()
-			if n := l.len(); n > 0 {
+			if n := l.Len(); n > 0 {
 				l.log.Warn("record writes still waited for NATS at shutdown: those records end at their deadline", "writes", n)
 			}
 			return
@@ -158,7 +161,7 @@ func (l *ledger) run(ctx context.Context) {
 }
 
 // flush tries every waiting write once, while NATS is connected.
-func (l *ledger) flush(ctx context.Context) {
+func (l *Ledger) flush(ctx context.Context) {
 	l.mu.Lock()
 	ids := make([]string, 0, len(l.pending))
 	for id := range l.pending {
@@ -191,17 +194,17 @@ func (l *ledger) flush(ctx context.Context) {
 	close(work)
 	wg.Wait()
 	if n := written.Load(); n > 0 {
-		l.log.Info("wrote the records that waited for NATS", "writes", n, "still_waiting", l.len())
+		l.log.Info("wrote the records that waited for NATS", "writes", n, "still_waiting", l.Len())
 	}
 }
 
 // flushWorkers is how many waiting writes a flush makes at once.
 const flushWorkers = 8
 
-// flushFor makes the writes waiting for id, and for the prompts of a batch
+// FlushFor makes the writes waiting for id, and for the prompts of a batch
 // under id (<id>-<i>), before a request under id is taken: a retry finds
 // its earlier request ended.
-func (l *ledger) flushFor(ctx context.Context, id string) {
+func (l *Ledger) FlushFor(ctx context.Context, id string) {
 	l.mu.Lock()
 	var ids []string
 	for k := range l.pending {
@@ -225,7 +228,7 @@ func isDigits(s string) bool {
 }
 
 // flushOne makes the write waiting for id, and reports whether it did.
-func (l *ledger) flushOne(ctx context.Context, id string) bool {
+func (l *Ledger) flushOne(ctx context.Context, id string) bool {
 	l.mu.Lock()
 	w, ok := l.pending[id]
 	l.mu.Unlock()
