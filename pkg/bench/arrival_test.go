@@ -3,6 +3,8 @@ package bench
 import (
 	"math"
 	"testing"
+
+	"github.com/pdq-dev/pdq/pkg/bench/pyfmt"
 )
 
 // closeTo allows for the C library's log and pow differing from Go's in
@@ -89,7 +91,7 @@ func TestGammaGapMoments(t *testing.T) {
 		for i := range gaps {
 			gaps[i] = rs.gamma(b, 1/(rate*b))
 		}
-		mean, sd := Mean(gaps), Std(gaps)
+		mean, sd := pyfmt.Mean(gaps), pyfmt.Std(gaps)
 		if math.Abs(mean-1/rate)/(1/rate) > 0.02 {
 			t.Errorf("burstiness %v: mean gap %v, want about %v", b, mean, 1/rate)
 		}

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/pdq-dev/pdq/pkg/bench/pyfmt"
 )
 
 // Result is what a run gave.
@@ -20,7 +22,7 @@ type Result struct {
 	Report Report
 	// JSON is the result as vLLM's --save-result writes it (before the
 	// per-request lists are dropped without --save-detailed).
-	JSON object
+	JSON pyfmt.Object
 	// File is where the result was saved, "" if it was not.
 	File string
 	// Outputs are the requests' outputs, in the dataset's order.
@@ -58,7 +60,7 @@ func sample(cfg Config, s settings) ([]SampleRequest, error) {
 // MarshalJSON writes the result file's JSON: Python's json.dump of vLLM's
 // result dict.
 func (r *Result) MarshalJSON() ([]byte, error) {
-	s, err := pyDumps(r.JSON)
+	s, err := pyfmt.Dumps(r.JSON)
 	return []byte(s), err
 }
 
@@ -134,12 +136,12 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 	}
 
 	fmt.Fprintln(stdout, "Starting main benchmark run...")
-	fmt.Fprintf(stdout, "Traffic request rate: %s\n", pyRepr(cfg.RequestRate))
+	fmt.Fprintf(stdout, "Traffic request rate: %s\n", pyfmt.Repr(cfg.RequestRate))
 	distribution := "Gamma distribution"
 	if cfg.Burstiness == 1.0 {
 		distribution = "Poisson process"
 	}
-	fmt.Fprintf(stdout, "Burstiness factor: %s (%s)\n", pyRepr(cfg.Burstiness), distribution)
+	fmt.Fprintf(stdout, "Burstiness factor: %s (%s)\n", pyfmt.Repr(cfg.Burstiness), distribution)
 	maxConc := "None"
 	if cfg.MaxConcurrency > 0 {
 		maxConc = strconv.Itoa(cfg.MaxConcurrency)
@@ -251,7 +253,7 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 	res.JSON = resultJSON(cfg, modelID, time.Now(), &rep, outputs)
 	if !cfg.SaveDetailed {
 		for _, k := range []string{"input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"} {
-			res.JSON.del(k)
+			res.JSON.Del(k)
 		}
 	}
 	if cfg.SaveResult {
@@ -276,41 +278,41 @@ func Run(ctx context.Context, cfg Config, stdout, progressTo io.Writer) (*Result
 
 // resultJSON is vLLM's result_json: the run's settings, then benchmark()'s
 // result dict, then the printed metrics' statistics.
-func resultJSON(cfg Config, modelID string, now time.Time, rep *Report, outputs []Output) object {
-	var r object
-	r.set("date", now.Format("20060102-150405"))
-	r.set("endpoint_type", cfg.Backend)
-	r.set("backend", cfg.Backend)
-	r.set("label", nilIfEmpty(cfg.Label))
-	r.set("model_id", modelID)
-	r.set("tokenizer_id", nil) // pdq bench has no tokenizer
-	r.set("num_prompts", cfg.NumPrompts)
+func resultJSON(cfg Config, modelID string, now time.Time, rep *Report, outputs []Output) pyfmt.Object {
+	var r pyfmt.Object
+	r.Set("date", now.Format("20060102-150405"))
+	r.Set("endpoint_type", cfg.Backend)
+	r.Set("backend", cfg.Backend)
+	r.Set("label", nilIfEmpty(cfg.Label))
+	r.Set("model_id", modelID)
+	r.Set("tokenizer_id", nil) // pdq bench has no tokenizer
+	r.Set("num_prompts", cfg.NumPrompts)
 	if math.IsInf(cfg.RequestRate, 1) {
-		r.set("request_rate", "inf")
+		r.Set("request_rate", "inf")
 	} else {
-		r.set("request_rate", cfg.RequestRate)
+		r.Set("request_rate", cfg.RequestRate)
 	}
-	r.set("burstiness", cfg.Burstiness)
+	r.Set("burstiness", cfg.Burstiness)
 	if cfg.MaxConcurrency > 0 {
-		r.set("max_concurrency", cfg.MaxConcurrency)
+		r.Set("max_concurrency", cfg.MaxConcurrency)
 	} else {
-		r.set("max_concurrency", nil)
+		r.Set("max_concurrency", nil)
 	}
 
 	m := &rep.Metrics
-	r.set("duration", rep.Duration)
-	r.set("completed", m.Completed)
-	r.set("failed", m.Failed)
-	r.set("total_input_tokens", m.TotalInput)
-	r.set("total_output_tokens", m.TotalOutput)
-	r.set("request_throughput", m.RequestThroughput)
+	r.Set("duration", rep.Duration)
+	r.Set("completed", m.Completed)
+	r.Set("failed", m.Failed)
+	r.Set("total_input_tokens", m.TotalInput)
+	r.Set("total_output_tokens", m.TotalOutput)
+	r.Set("request_throughput", m.RequestThroughput)
 	if rep.Goodput {
-		r.set("request_goodput", m.RequestGoodput)
+		r.Set("request_goodput", m.RequestGoodput)
 	} else {
-		r.set("request_goodput", nil)
+		r.Set("request_goodput", nil)
 	}
-	r.set("output_throughput", m.OutputThroughput)
-	r.set("total_token_throughput", m.TotalTokenThroughput)
+	r.Set("output_throughput", m.OutputThroughput)
+	r.Set("total_token_throughput", m.TotalTokenThroughput)
 	n := len(outputs)
 	inputLens, ttfts, latencies := make([]int, n), make([]float64, n), make([]float64, n)
 	starts, queues := make([]float64, n), make([]float64, n)
@@ -323,18 +325,18 @@ func resultJSON(cfg Config, modelID string, now time.Time, rep *Report, outputs 
 			itls[i] = []float64{}
 		}
 	}
-	r.set("input_lens", inputLens)
-	r.set("output_lens", m.OutputLens)
-	r.set("ttfts", ttfts)
-	r.set("itls", itls)
-	r.set("latencies", latencies)
-	r.set("start_times", starts)
-	r.set("queue_times", queues)
-	r.set("generated_texts", texts)
-	r.set("errors", errs)
-	r.set("max_output_tokens_per_s", m.MaxOutputTokensPerS)
-	r.set("max_concurrent_requests", m.MaxConcurrentRequests)
-	r.set("rtfx", 0.0)
+	r.Set("input_lens", inputLens)
+	r.Set("output_lens", m.OutputLens)
+	r.Set("ttfts", ttfts)
+	r.Set("itls", itls)
+	r.Set("latencies", latencies)
+	r.Set("start_times", starts)
+	r.Set("queue_times", queues)
+	r.Set("generated_texts", texts)
+	r.Set("errors", errs)
+	r.Set("max_output_tokens_per_s", m.MaxOutputTokensPerS)
+	r.Set("max_concurrent_requests", m.MaxConcurrentRequests)
+	r.Set("rtfx", 0.0)
 	rep.addStats(&r)
 	return r
 }
@@ -342,7 +344,7 @@ func resultJSON(cfg Config, modelID string, now time.Time, rep *Report, outputs 
 // resultFilename is vLLM's compute_result_filename without a ramp-up:
 // {label}-{request_rate}qps[-concurrency{n}]-{model}-{date}.json, or
 // --result-filename.
-func resultFilename(cfg Config, modelID string, res object) string {
+func resultFilename(cfg Config, modelID string, res pyfmt.Object) string {
 	if cfg.ResultFilename != "" {
 		return cfg.ResultFilename
 	}
@@ -354,9 +356,9 @@ func resultFilename(cfg Config, modelID string, res object) string {
 	if cfg.MaxConcurrency > 0 {
 		conc = "-concurrency" + strconv.Itoa(cfg.MaxConcurrency)
 	}
-	date, _ := res.get("date")
+	date, _ := res.Get("date")
 	base := modelID[strings.LastIndex(modelID, "/")+1:]
-	return fmt.Sprintf("%s-%sqps%s-%s-%s.json", label, pyRepr(cfg.RequestRate), conc, base, date)
+	return fmt.Sprintf("%s-%sqps%s-%s-%s.json", label, pyfmt.Repr(cfg.RequestRate), conc, base, date)
 }
 
 func nilIfEmpty(s string) any {

@@ -25,9 +25,9 @@
 //     input tokens, as current vLLM reads them; success is status 200 and
 //     at least one choice.
 //   - Statistics: numpy's mean, median, population std and default
-//     (linear) percentile, to the last bit (see [Mean], [Std], [Median],
-//     [Percentile]), in milliseconds; goodput; peak output tokens per second
-//     and peak concurrency.
+//     (linear) percentile, to the last bit (see package
+//     [github.com/pdq-dev/pdq/pkg/bench/pyfmt]), in milliseconds; goodput;
+//     peak output tokens per second and peak concurrency.
 //   - Arrivals: [Delays], with numpy's legacy RandomState, so a seed gives
 //     vLLM's schedule; --max-concurrency as a semaphore.
 //   - The printed block ([Report.WriteBlock]) and the result file.

@@ -3,6 +3,8 @@ package bench
 import (
 	"math"
 	"slices"
+
+	"github.com/pdq-dev/pdq/pkg/bench/pyfmt"
 )
 
 // Goodput holds the service-level objectives of --goodput, in
@@ -43,12 +45,12 @@ type Metrics struct {
 // does: numpy's statistics of the seconds, times 1000.
 func stat(values []float64, percentiles []float64) Stat {
 	s := Stat{
-		Mean:   Mean(values) * 1000,
-		Median: Median(values) * 1000,
-		Std:    Std(values) * 1000,
+		Mean:   pyfmt.Mean(values) * 1000,
+		Median: pyfmt.Median(values) * 1000,
+		Std:    pyfmt.Std(values) * 1000,
 	}
 	for _, p := range percentiles {
-		s.Percentiles = append(s.Percentiles, [2]float64{p, Percentile(values, p) * 1000})
+		s.Percentiles = append(s.Percentiles, [2]float64{p, pyfmt.Percentile(values, p) * 1000})
 	}
 	return s
 }

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/pdq-dev/pdq/pkg/bench/pyfmt"
 )
 
 // Report is what the result block is printed from: the metrics and the
@@ -79,7 +81,7 @@ func floatLine(label string, v float64) string {
 // pyFixed2 is Python's "{:.2f}": Go's %.2f but for "inf", "-inf", "nan".
 func pyFixed2(v float64) string {
 	if math.IsNaN(v) || math.IsInf(v, 0) {
-		return pyRepr(v)
+		return pyfmt.Repr(v)
 	}
 	return strconv.FormatFloat(v, 'f', 2, 64)
 }
@@ -89,7 +91,7 @@ func percentileWord(p float64) string {
 	if p == math.Trunc(p) && math.Abs(p) < 1e15 {
 		return strconv.FormatInt(int64(p), 10)
 	}
-	return pyRepr(p)
+	return pyfmt.Repr(p)
 }
 
 // stats returns the statistics of section key, and whether the block has
@@ -171,17 +173,17 @@ func (r *Report) WriteBlock(w io.Writer) error {
 
 // addStats adds the printed metrics' statistics to the result, as vLLM's
 // process_one_metric does: mean_X_ms, median_X_ms, std_X_ms, pN_X_ms.
-func (r *Report) addStats(res *object) {
+func (r *Report) addStats(res *pyfmt.Object) {
 	for _, s := range sections {
 		st, ok := r.stats(s.key)
 		if !ok {
 			continue
 		}
-		res.set("mean_"+s.key+"_ms", st.Mean)
-		res.set("median_"+s.key+"_ms", st.Median)
-		res.set("std_"+s.key+"_ms", st.Std)
+		res.Set("mean_"+s.key+"_ms", st.Mean)
+		res.Set("median_"+s.key+"_ms", st.Median)
+		res.Set("std_"+s.key+"_ms", st.Std)
 		for _, p := range st.Percentiles {
-			res.set("p"+percentileWord(p[0])+"_"+s.key+"_ms", p[1])
+			res.Set("p"+percentileWord(p[0])+"_"+s.key+"_ms", p[1])
 		}
 	}
 }

@@ -1,4 +1,4 @@
-package bench
+package pyfmt
 
 import (
 	"fmt"
@@ -13,19 +13,20 @@ import (
 // (1.0, not 1; NaN and Infinity as Python writes them), and every
 // non-ASCII character escaped (ensure_ascii).
 
-// member is one key and value of an [object].
+// member is one key and value of an [Object].
 type member struct {
 	key   string
 	value any
 }
 
-// object is a JSON object whose members keep their order, like a Python
-// dict.
-type object []member
+// Object is a JSON object whose members keep their order, like a Python
+// dict, because vLLM's result file lists its keys in the order serve.py
+// assigns them and a file that reads like vLLM's must too.
+type Object []member
 
-// set replaces the value of key, or appends key, as assigning to a Python
-// dict does.
-func (o *object) set(key string, value any) {
+// Set replaces the value of key, or appends key, as assigning to a Python
+// dict does, so a key set again keeps its first place.
+func (o *Object) Set(key string, value any) {
 	for i := range *o {
 		if (*o)[i].key == key {
 			(*o)[i].value = value
@@ -35,8 +36,10 @@ func (o *object) set(key string, value any) {
 	*o = append(*o, member{key, value})
 }
 
-// del removes key.
-func (o *object) del(key string) {
+// Del removes key, as Python's del does, keeping the order of the keys
+// after it: vLLM drops the per-request lists from its result dict this
+// way when --save-detailed is not given.
+func (o *Object) Del(key string) {
 	for i := range *o {
 		if (*o)[i].key == key {
 			*o = append((*o)[:i], (*o)[i+1:]...)
@@ -45,8 +48,9 @@ func (o *object) del(key string) {
 	}
 }
 
-// get returns the value of key.
-func (o object) get(key string) (any, bool) {
+// Get returns the value of key, and whether it is there, as dict.get
+// does: vLLM names a result file after the date its result holds.
+func (o Object) Get(key string) (any, bool) {
 	for _, m := range o {
 		if m.key == key {
 			return m.value, true
@@ -55,10 +59,11 @@ func (o object) get(key string) (any, bool) {
 	return nil, false
 }
 
-// pyDumps is json.dumps(v) for the values a result holds: nil, bool, int,
+// Dumps is json.dumps(v) for the values a result holds: nil, bool, int,
 // float64, string, []int, []float64, [][]float64, []string, []any and
-// object.
-func pyDumps(v any) (string, error) {
+// [Object]; encoding/json would write 1 for 1.0, refuse NaN and leave
+// non-ASCII text unescaped, where vLLM's files do otherwise.
+func Dumps(v any) (string, error) {
 	var b strings.Builder
 	if err := pyWrite(&b, v); err != nil {
 		return "", err
@@ -92,7 +97,7 @@ func pyWrite(b *strings.Builder, v any) error {
 		return pyList(b, len(v), func(i int) any { return v[i] })
 	case []any:
 		return pyList(b, len(v), func(i int) any { return v[i] })
-	case object:
+	case Object:
 		b.WriteByte('{')
 		for i, m := range v {
 			if i > 0 {
@@ -136,14 +141,15 @@ func pyJSONFloat(f float64) string {
 	case math.IsInf(f, -1):
 		return "-Infinity"
 	}
-	return pyRepr(f)
+	return Repr(f)
 }
 
-// pyRepr is Python's repr (and str) of a float: the shortest digits that
+// Repr is Python's repr (and str) of a float: the shortest digits that
 // read back as f, in positional notation from 1e-4 up to 1e16 with at least
 // one decimal, else in exponent notation ("1e-05", "1.5e+16"), and "inf",
-// "-inf", "nan".
-func pyRepr(f float64) string {
+// "-inf", "nan". vLLM prints its request rate and names its result files
+// with it, where Go's %v would write 10.0 as "10".
+func Repr(f float64) string {
 	switch {
 	case math.IsNaN(f):
 		return "nan"
