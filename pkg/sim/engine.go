@@ -20,6 +20,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
+	"github.com/pdq-dev/pdq/pkg/sim/sched"
 	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
@@ -44,7 +45,7 @@ type Engine struct {
 	slots  chan struct{}
 	// batch runs requests through the scheduler model (--profile); nil
 	// on an engine of fixed latencies.
-	batch    *batcher
+	batch    *sched.Batcher
 	kvPort   atomic.Int64
 	registry *prometheus.Registry
 	recorder *recorder
@@ -74,7 +75,12 @@ func New(cfg simconfig.Config, log *slog.Logger) (*Engine, error) {
 	if cfg.Batched() {
 		scfg, perBlock, perRead := cfg.Sched()
 		var err error
-		if e.batch, err = newBatcher(scfg, perBlock, perRead, &e.stats); err != nil {
+		// The batcher sets the engine's running and waiting gauges.
+		e.batch, err = sched.NewBatcher(scfg, perBlock, perRead, func(running, waiting int) {
+			e.stats.running.Store(int64(running))
+			e.stats.waiting.Store(int64(waiting))
+		})
+		if err != nil {
 			return nil, fmt.Errorf("sim config: %w", err)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
+	"github.com/pdq-dev/pdq/pkg/sim/sched"
 	"github.com/pdq-dev/pdq/pkg/sim/simconfig"
 )
 
@@ -109,6 +110,86 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 	}
 
 	return e.finished(j, n, finish, noKV, nil)
+}
+
+// executeBatched is execute on a batched engine: the request waits in the
+// scheduler's queue, reads its KV when the scheduler gives it blocks (a
+// decode), and says each token as a step samples it.
+func (e *Engine) executeBatched(ctx context.Context, j *job, noKV bool, emit func(token) error) (outcome, error) {
+	defer j.markLoaded()
+	if j.loadAfter != nil {
+		select {
+		case <-j.loadAfter:
+		case <-ctx.Done():
+			return outcome{}, ctx.Err()
+		}
+	}
+	digest := j.prompt.Digest
+	n, finish := e.outputLength(j, digest)
+	r := &sched.Request{ID: j.internalID, Kind: sched.Local, PromptTokens: j.prompt.Tokens, Hashes: j.hashes,
+		MaxTokens: n, Priority: j.req.Priority}
+	switch j.mode {
+	case modePrefill:
+		r.Kind = sched.Prefill
+	case modeDecode:
+		// How many tokens it says depends on the KV it reads.
+		r.Kind, r.MaxTokens = sched.Decode, j.maxTokens
+	}
+	st, err := e.batch.Add(r)
+	if err != nil {
+		return outcome{}, err
+	}
+	defer e.batch.Close(st)
+
+	if j.mode == modeDecode {
+		stopHeartbeat := e.heartbeat(ctx, j)
+		select {
+		case <-st.Load():
+		case <-ctx.Done():
+		}
+		stopHeartbeat()
+		if ctx.Err() != nil {
+			e.releaseRemote(ctx, j)
+			return outcome{}, ctx.Err()
+		}
+		loaded, err := e.loadKV(ctx, j, e.batch.Transfer(st, e.cfg.BlockSize))
+		j.markLoaded()
+		var recompute bool
+		if digest, recompute, err = e.judgeLoad(ctx, j, loaded, err); err != nil {
+			return outcome{}, err
+		}
+		n, finish = e.outputLength(j, digest)
+		e.batch.Loaded(st, !recompute, n)
+	}
+
+	for i := 0; i < n; {
+		got, done, err := e.batch.Wait(ctx, st, i)
+		if err != nil {
+			return outcome{}, err
+		}
+		for ; i < min(got, n); i++ {
+			if e.dead.Load() {
+				return outcome{}, kvstore.ErrEngineDead
+			}
+			t := token{i: i, n: n, text: j.gen.Token(digest, i)}
+			if i == 0 && j.prompt.MidWord {
+				t.text = " " + t.text
+			}
+			if i == n-1 {
+				t.finish = finish
+			}
+			if err := emit(t); err != nil {
+				return outcome{}, err
+			}
+		}
+		if done && i < n {
+			return outcome{}, fmt.Errorf("sim: scheduler ended %s after %d of %d tokens", j.internalID, i, n)
+		}
+	}
+	e.batch.Keep(st)
+	out, err := e.finished(j, n, finish, noKV, func() { e.batch.Release(r) })
+	out.cached = r.CachedTokens()
+	return out, err
 }
 
 // finished ends a request that said its n tokens: a length-capped prefill

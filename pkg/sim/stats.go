@@ -107,7 +107,7 @@ func (e *Engine) schedStats() sched.Stats {
 	if e.batch == nil {
 		return sched.Stats{}
 	}
-	return e.batch.stepStats()
+	return e.batch.Stats()
 }
 
 // newRegistry exposes the counters as Prometheus metrics: vLLM's names for
