@@ -335,11 +335,11 @@ func (e *Engine) loadKV(ctx context.Context, j *job, transfer time.Duration) (st
 		}
 		return "", err
 	}
-	defer c.close()
+	defer c.Close()
 	transferErr := sleep.For(ctx, transfer)
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
-	if _, err := c.call(nctx, kvRequest{Op: opNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize}); err != nil {
+	if _, err := c.Call(nctx, kvstore.Request{Op: kvstore.OpNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize}); err != nil {
 		j.log.Warn("could not notify the prefill engine that its KV blocks are read; they stay held until the lease ends", logging.Err(err))
 	}
 	if transferErr != nil {
@@ -351,22 +351,22 @@ func (e *Engine) loadKV(ctx context.Context, j *job, transfer time.Duration) (st
 // readKV connects to the prefill engine, checks that it is the engine the
 // params name, and reads the request's blocks. On success the caller owns
 // the connection.
-func (e *Engine) readKV(ctx context.Context, j *job) (*kvConn, kvReply, error) {
-	c, err := dialKV(ctx, j.remote.addr())
+func (e *Engine) readKV(ctx context.Context, j *job) (*kvstore.Conn, kvstore.Reply, error) {
+	c, err := kvstore.Dial(ctx, j.remote.addr())
 	if err != nil {
-		return nil, kvReply{}, err
+		return nil, kvstore.Reply{}, err
 	}
-	hs, err := c.call(ctx, kvRequest{Op: opHandshake, EngineID: e.engineID, Compat: e.compat})
+	hs, err := c.Call(ctx, kvstore.Request{Op: kvstore.OpHandshake, EngineID: e.engineID, Compat: e.compat})
 	if err == nil && hs.EngineID != j.remote.engineID {
 		err = fmt.Errorf("handshake with %s: engine id is %q, kv_transfer_params say %q", j.remote.addr(), hs.EngineID, j.remote.engineID)
 	}
-	var rd kvReply
+	var rd kvstore.Reply
 	if err == nil {
-		rd, err = c.call(ctx, kvRequest{Op: opRead, EngineID: e.engineID, RequestID: e.remoteID(j), BlockIDs: j.remote.blockIDs, PeerRequestID: j.baseID})
+		rd, err = c.Call(ctx, kvstore.Request{Op: kvstore.OpRead, EngineID: e.engineID, RequestID: e.remoteID(j), BlockIDs: j.remote.blockIDs, PeerRequestID: j.baseID})
 	}
 	if err != nil {
-		c.close()
-		return nil, kvReply{}, err
+		c.Close()
+		return nil, kvstore.Reply{}, err
 	}
 	return c, rd, nil
 }
@@ -377,7 +377,7 @@ func (e *Engine) readKV(ctx context.Context, j *job) (*kvConn, kvReply, error) {
 func (e *Engine) releaseRemote(ctx context.Context, j *job) {
 	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), notifyTimeout)
 	defer cancel()
-	err := kvOneShot(nctx, j.remote.addr(), kvRequest{Op: opNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize})
+	err := kvstore.OneShot(nctx, j.remote.addr(), kvstore.Request{Op: kvstore.OpNotify, RequestID: e.remoteID(j), TPSize: j.remote.tpSize})
 	if err != nil {
 		j.log.Warn("could not release the prefill engine's KV blocks of an aborted request; they stay held until the lease ends", logging.Err(err))
 		return
@@ -398,7 +398,7 @@ func (e *Engine) heartbeat(ctx context.Context, j *job) (stop func()) {
 				return
 			case <-t.C:
 			}
-			if err := kvOneShot(hctx, j.remote.addr(), kvRequest{Op: opHeartbeat, RequestID: e.remoteID(j)}); err != nil && hctx.Err() == nil {
+			if err := kvstore.OneShot(hctx, j.remote.addr(), kvstore.Request{Op: kvstore.OpHeartbeat, RequestID: e.remoteID(j)}); err != nil && hctx.Err() == nil {
 				j.log.Warn("KV lease heartbeat failed", logging.Err(err))
 			}
 		}

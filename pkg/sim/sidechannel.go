@@ -14,53 +14,9 @@ import (
 	"github.com/pdq-dev/pdq/pkg/sim/kvstore"
 )
 
-// The side channel stands in for NIXL: a decode engine connects to the
-// prefill engine's remote_host:remote_port, checks that the two builds are
-// compatible (handshake), reads the blocks of one request (read), and tells
-// the prefill engine it may free them (notify). A decode request that waits
-// for a slot renews the prefill's lease (heartbeat). Messages are JSON lines,
-// one reply per request.
-
-// kvOp names a side-channel operation.
-type kvOp string
-
-const (
-	opHandshake kvOp = "handshake"
-	opRead      kvOp = "read"
-	opNotify    kvOp = "notify"
-	opHeartbeat kvOp = "heartbeat"
-)
-
-type kvRequest struct {
-	Op        kvOp   `json:"op"`
-	EngineID  string `json:"engine_id,omitempty"`
-	Compat    string `json:"compat,omitempty"`
-	RequestID string `json:"request_id,omitempty"`
-	BlockIDs  []int  `json:"block_ids,omitempty"`
-	TPSize    int    `json:"tp_size,omitempty"`
-	// PeerRequestID is the X-Request-Id the decode leg came with, so the
-	// prefill engine can count legs that did not share one.
-	PeerRequestID string `json:"peer_request_id,omitempty"`
-}
-
-// Codes of failed replies.
-const (
-	codeUnknownRequest = "unknown_request"
-	codeBlockMismatch  = "block_mismatch"
-	codeEngineDead     = "engine_dead"
-	codeIncompatible   = "incompatible"
-	codeBadRequest     = "bad_request"
-)
-
-type kvReply struct {
-	OK        bool   `json:"ok"`
-	Code      string `json:"code,omitempty"`
-	Error     string `json:"error,omitempty"`
-	EngineID  string `json:"engine_id,omitempty"`
-	Compat    string `json:"compat,omitempty"`
-	Digest    string `json:"digest,omitempty"`
-	NumTokens int    `json:"num_tokens,omitempty"`
-}
+// The side channel's server: a prefill engine answers decode engines'
+// handshakes, reads, notifications and heartbeats from its KV store. The
+// protocol (the NIXL stand-in) and its client side are in package kvstore.
 
 // kvIdleTimeout closes side-channel connections nobody uses.
 const kvIdleTimeout = time.Minute
@@ -112,7 +68,7 @@ func (e *Engine) serveKVConn(conn net.Conn) {
 		if err := conn.SetReadDeadline(time.Now().Add(kvIdleTimeout)); err != nil {
 			return
 		}
-		var req kvRequest
+		var req kvstore.Request
 		if err := dec.Decode(&req); err != nil {
 			return // peer closed, idle, or sent garbage: nothing to answer
 		}
@@ -122,25 +78,25 @@ func (e *Engine) serveKVConn(conn net.Conn) {
 	}
 }
 
-func (e *Engine) handleKV(req kvRequest) kvReply {
+func (e *Engine) handleKV(req kvstore.Request) kvstore.Reply {
 	if e.dead.Load() {
-		return kvReply{Code: codeEngineDead, Error: kvstore.ErrEngineDead.Error()}
+		return kvstore.Reply{Code: kvstore.CodeEngineDead, Error: kvstore.ErrEngineDead.Error()}
 	}
 	switch req.Op {
-	case opHandshake:
+	case kvstore.OpHandshake:
 		if req.Compat != e.compat {
-			return kvReply{Code: codeIncompatible, Error: fmt.Sprintf("incompatible engines: compatibility hash %q != %q (model, block size and protocol must match)", req.Compat, e.compat)}
+			return kvstore.Reply{Code: kvstore.CodeIncompatible, Error: fmt.Sprintf("incompatible engines: compatibility hash %q != %q (model, block size and protocol must match)", req.Compat, e.compat)}
 		}
-		return kvReply{OK: true, EngineID: e.engineID, Compat: e.compat}
-	case opRead:
+		return kvstore.Reply{OK: true, EngineID: e.engineID, Compat: e.compat}
+	case kvstore.OpRead:
 		h, err := e.kv.Read(req.RequestID, req.BlockIDs)
 		if err != nil {
-			code := codeUnknownRequest
+			code := kvstore.CodeUnknownRequest
 			if errors.Is(err, kvstore.ErrBlockMismatch) {
-				code = codeBlockMismatch
+				code = kvstore.CodeBlockMismatch
 			}
 			e.log.Warn("KV read refused", logging.KeyRequestID, req.RequestID, "peer", req.EngineID, logging.Err(err))
-			return kvReply{Code: code, Error: err.Error()}
+			return kvstore.Reply{Code: code, Error: err.Error()}
 		}
 		e.stats.kvServed.Add(1)
 		if req.PeerRequestID != "" && h.ExternalID != "" && req.PeerRequestID != h.ExternalID {
@@ -148,89 +104,20 @@ func (e *Engine) handleKV(req kvRequest) kvReply {
 			e.log.Warn("decode leg carried a different X-Request-Id than the prefill leg",
 				logging.KeyRequestID, req.RequestID, "prefill_x_request_id", h.ExternalID, "decode_x_request_id", req.PeerRequestID)
 		}
-		return kvReply{OK: true, Digest: h.Digest, NumTokens: h.NumTokens}
-	case opNotify:
+		return kvstore.Reply{OK: true, Digest: h.Digest, NumTokens: h.NumTokens}
+	case kvstore.OpNotify:
 		if !e.kv.Release(req.RequestID) {
 			e.stats.unknownNotifs.Add(1)
 			e.log.Warn("Potentially invalid KV blocks for unrecognized request; the blocks may have expired",
 				logging.KeyRequestID, req.RequestID)
-			return kvReply{Code: codeUnknownRequest, Error: kvstore.ErrUnknownRequest.Error()}
+			return kvstore.Reply{Code: kvstore.CodeUnknownRequest, Error: kvstore.ErrUnknownRequest.Error()}
 		}
-		return kvReply{OK: true}
-	case opHeartbeat:
+		return kvstore.Reply{OK: true}
+	case kvstore.OpHeartbeat:
 		if !e.kv.Extend(req.RequestID) {
-			return kvReply{Code: codeUnknownRequest, Error: kvstore.ErrUnknownRequest.Error()}
+			return kvstore.Reply{Code: kvstore.CodeUnknownRequest, Error: kvstore.ErrUnknownRequest.Error()}
 		}
-		return kvReply{OK: true}
+		return kvstore.Reply{OK: true}
 	}
-	return kvReply{Code: codeBadRequest, Error: fmt.Sprintf("unknown op %q", req.Op)}
-}
-
-// kvConn is a decode engine's connection to a prefill engine's side channel.
-type kvConn struct {
-	conn net.Conn
-	dec  *json.Decoder
-	enc  *json.Encoder
-}
-
-// dialKV connects to a side channel, bounded by ctx.
-func dialKV(ctx context.Context, addr string) (*kvConn, error) {
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("connect to kv side channel %s: %w", addr, err)
-	}
-	return &kvConn{conn: conn, dec: json.NewDecoder(bufio.NewReader(conn)), enc: json.NewEncoder(conn)}, nil
-}
-
-// call sends one request and reads its reply. A refusal comes back as an
-// error that wraps the matching sentinel.
-func (c *kvConn) call(ctx context.Context, req kvRequest) (kvReply, error) {
-	stop := context.AfterFunc(ctx, func() { c.conn.SetDeadline(time.Now()) })
-	defer stop()
-	if err := c.enc.Encode(req); err != nil {
-		return kvReply{}, fmt.Errorf("kv %s: send: %w", req.Op, ctxErr(ctx, err))
-	}
-	var rep kvReply
-	if err := c.dec.Decode(&rep); err != nil {
-		return kvReply{}, fmt.Errorf("kv %s: receive: %w", req.Op, ctxErr(ctx, err))
-	}
-	if !rep.OK {
-		var base error
-		switch rep.Code {
-		case codeUnknownRequest:
-			base = kvstore.ErrUnknownRequest
-		case codeBlockMismatch:
-			base = kvstore.ErrBlockMismatch
-		case codeEngineDead:
-			base = kvstore.ErrEngineDead
-		default:
-			base = errors.New(rep.Error)
-		}
-		return rep, fmt.Errorf("kv %s %s: %w", req.Op, req.RequestID, base)
-	}
-	return rep, nil
-}
-
-func (c *kvConn) close() { c.conn.Close() }
-
-// ctxErr prefers the context's error, so an abort reads as one and not as
-// the i/o timeout it caused.
-func ctxErr(ctx context.Context, err error) error {
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	return err
-}
-
-// kvOneShot dials, sends one request and hangs up: for notifications and
-// heartbeats, which need no handshake.
-func kvOneShot(ctx context.Context, addr string, req kvRequest) error {
-	c, err := dialKV(ctx, addr)
-	if err != nil {
-		return err
-	}
-	defer c.close()
-	_, err = c.call(ctx, req)
-	return err
+	return kvstore.Reply{Code: kvstore.CodeBadRequest, Error: fmt.Sprintf("unknown op %q", req.Op)}
 }
