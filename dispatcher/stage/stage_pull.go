@@ -3,7 +3,6 @@ package stage
 import (
 	"context"
 	"errors"
-	"strings"
 	"sync"
 	"time"
 
@@ -16,34 +15,11 @@ import (
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
-// takeOverEvery is how often a prefill loop with a free engine slot looks
-// for jobs waiting for other engines that cannot take them. A consumer is
-// taken from when two looks in a row find jobs in it (never delivered, or
-// delivered and not acked: a redelivery waits among those), no pull
-// waiting on it, and nothing delivered from it for takeOverAfter: its
-// engine is busy with all it can run, or gone. An engine briefly without
-// a pull waiting (its decode gate closed for a look, gateFresh, after a
-// job it just took) is not taken from. A take-over pull that finds only
-// running jobs comes back empty after takeOverWait.
-const (
-	takeOverEvery = 100 * time.Millisecond
-	takeOverAfter = 100 * time.Millisecond
-)
-
-// takeOverWait is a take-over pull's wait: the job seen waiting may have
-// been taken by its own engine meanwhile, and a pull left waiting on
-// another engine's consumer would compete with that engine for its next.
-const takeOverWait = 20 * time.Millisecond
-
 // trialYield is how long a pull whose half-open trial came back empty waits
 // before it asks for the trial again, so that the loop's pull on another
 // consumer gets it: with affinity a loop pulls two, and the trial job may
 // come to either.
 const trialYield = 20 * time.Millisecond
-
-// orphanLookEvery is how many take-over looks apart a loop looks for jobs
-// that prefer an engine without a consumer (see adoptOrphans).
-const orphanLookEvery = 10
 
 // pullSource is a consumer a loop pulls from, with its own puller (a
 // puller serves one goroutine), and how to find the consumer again after
@@ -156,55 +132,34 @@ func (l *Loop) pullOne(ctx, jobCtx context.Context, src *pullSource, slots chan 
 }
 
 // takeOver takes the jobs that wait for other engines of the pool which
-// cannot take them: an engine's consumer that has jobs pending and no
-// pull waiting, on two looks in a row, belongs to an engine whose slots
-// are all busy, or that is gone (stopped, its breaker open, its worker
+// cannot take them (see pull.TakeOver): their engines' slots are all busy,
+// or the engines are gone (stopped, their breaker open, their worker
 // dead). So affinity never leaves this engine idle while work waits.
 func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *pull.DecodeGate, keep *pull.Keeper, wg *sync.WaitGroup) {
-	own := dispatcher.EngineConsumerName(l.cfg.Stage, l.cfg.Pool, l.engineKey())
-	src := &pullSource{from: pulledTakenOver, pulls: pull.NewPuller(ctx, l.nc, l.js, takeOverWait)}
+	look := pull.NewTakeOver(l.js, l.cfg.Stage, l.cfg.Pool, l.engineKey(), l.cfg.AckWait, l.log)
+	src := &pullSource{from: pulledTakenOver, pulls: pull.NewPuller(ctx, l.nc, l.js, pull.TakeOverWait)}
 	defer func() {
 		for _, msg := range src.pulls.Stop() {
 			wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
 		}
 	}()
-	t := time.NewTicker(takeOverEvery)
+	t := time.NewTicker(pull.TakeOverEvery)
 	defer t.Stop()
-	stuck := map[string]bool{} // consumers that looked stuck last time
-	for tick := 0; ; tick++ {
+	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		if tick%orphanLookEvery == 0 {
-			l.adoptOrphans(ctx)
-		}
+		full := false
 		if l.cfg.EngineSlots != nil {
-			if used, limit, _ := l.cfg.EngineSlots.Load(); used >= limit {
-				clear(stuck) // nothing to take them with
-				continue
-			}
+			used, limit, _ := l.cfg.EngineSlots.Load()
+			full = used >= limit
 		}
-		infos, err := dispatcher.EngineConsumers(ctx, l.js, l.cfg.Stage, l.cfg.Pool)
-		if err != nil {
-			continue // NATS is away: the next look
-		}
-		next := map[string]bool{}
-		for _, info := range infos {
-			if info.Name == own || !stuckConsumer(info) {
-				continue
-			}
-			if next[info.Name] = true; !stuck[info.Name] {
-				continue
-			}
-			cons, err := l.js.Consumer(ctx, info.Stream, info.Name)
-			if err != nil {
-				continue
-			}
-			src.cons = cons
-			src.ensure = func(context.Context) (jetstream.Consumer, error) { return cons, nil }
-			for n := 0; n < int(info.NumPending)+info.NumAckPending; n++ {
+		for _, stuck := range look.Look(ctx, full) {
+			src.cons = stuck.Consumer
+			src.ensure = func(context.Context) (jetstream.Consumer, error) { return stuck.Consumer, nil }
+			for range stuck.Jobs {
 				took, stop := l.pullOne(ctx, jobCtx, src, slots, gate, keep, wg)
 				if stop {
 					return
@@ -214,58 +169,5 @@ func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *
 				}
 			}
 		}
-		stuck = next
 	}
-}
-
-// adoptOrphans gives a consumer to the jobs that prefer an engine which
-// has none: an engine that left before it ever pulled, or whose consumer
-// was removed as idle. Those jobs would otherwise wait for nobody; with a
-// consumer, takeOver takes them like any others of a gone engine.
-func (l *Loop) adoptOrphans(ctx context.Context) {
-	st, err := l.js.Stream(ctx, dispatcher.StageStream(l.cfg.Stage))
-	if err != nil {
-		return
-	}
-	prefix := dispatcher.StageSubject(l.cfg.Stage) + "." + l.cfg.Pool + "."
-	info, err := st.Info(ctx, jetstream.WithSubjectFilter(prefix+"*.*"))
-	if err != nil || len(info.State.Subjects) == 0 {
-		return
-	}
-	infos, err := dispatcher.EngineConsumers(ctx, l.js, l.cfg.Stage, l.cfg.Pool)
-	if err != nil {
-		return
-	}
-	have := map[string]bool{}
-	for _, c := range infos {
-		have[c.Name] = true
-	}
-	for subject := range info.State.Subjects {
-		engine := subject[strings.LastIndexByte(subject, '.')+1:]
-		if !dispatcher.IsEngineKey(engine) {
-			continue
-		}
-		if name := dispatcher.EngineConsumerName(l.cfg.Stage, l.cfg.Pool, engine); !have[name] {
-			if _, err := dispatcher.EnsureEngineConsumer(ctx, l.js, l.cfg.Stage, l.cfg.Pool, engine, l.cfg.AckWait, dispatcher.WithLogger(l.log)); err == nil {
-				have[name] = true
-				l.log.Info("jobs wait for an engine without a consumer; gave it one, to take them over", "engine", engine)
-			}
-		}
-	}
-}
-
-// stuckConsumer says whether an engine's consumer has jobs that its engine
-// does not take: pending, or delivered and not acked (NumPending does not
-// count a job nak'd, or whose ack wait ran out, to be delivered again),
-// with no pull waiting and nothing delivered for takeOverAfter (by the
-// server's clock).
-func stuckConsumer(info *jetstream.ConsumerInfo) bool {
-	if info.NumPending == 0 && info.NumAckPending == 0 || info.NumWaiting > 0 {
-		return false
-	}
-	last := info.Created
-	if info.Delivered.Last != nil {
-		last = *info.Delivered.Last
-	}
-	return info.TimeStamp.Sub(last) >= takeOverAfter
 }

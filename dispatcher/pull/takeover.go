@@ -1,0 +1,154 @@
+package pull
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+)
+
+// A prefill loop with affinity (see dispatcher.Job.Prefer) looks every
+// TakeOverEvery, while it has a free engine slot, for jobs waiting for
+// other engines that cannot take them. A consumer is taken from when two
+// looks in a row find jobs in it (never delivered, or delivered and not
+// acked: a redelivery waits among those), no pull waiting on it, and
+// nothing delivered from it for takeOverAfter: its engine is busy with
+// all it can run, or gone. An engine briefly without a pull waiting (its
+// decode gate closed for a look after a job it just took) is not taken
+// from. A take-over pull that finds only running jobs comes back empty
+// after TakeOverWait.
+const (
+	TakeOverEvery = 100 * time.Millisecond
+	takeOverAfter = 100 * time.Millisecond
+)
+
+// TakeOverWait is a take-over pull's wait: the job seen waiting may have
+// been taken by its own engine meanwhile, and a pull left waiting on
+// another engine's consumer would compete with that engine for its next.
+const TakeOverWait = 20 * time.Millisecond
+
+// orphanLookEvery is how many take-over looks apart a loop looks for jobs
+// that prefer an engine without a consumer (see adoptOrphans).
+const orphanLookEvery = 10
+
+// TakeOver finds, for one prefill loop, the engines' consumers it is to
+// take jobs from, so that affinity never leaves its engine idle while
+// work waits for another. Its loop calls it, one call at a time.
+type TakeOver struct {
+	js      jetstream.JetStream
+	stage   dispatcher.Stage
+	pool    string
+	own     string // the loop's own engine consumer, never taken from
+	ackWait time.Duration
+	log     *slog.Logger
+
+	looks int
+	stuck map[string]bool // consumers that looked stuck on the last look
+}
+
+// Stuck is a consumer to take jobs from, and how many it held.
+type Stuck struct {
+	Consumer jetstream.Consumer
+	Jobs     int
+}
+
+// NewTakeOver makes the take-over of the loop of stage and pool whose
+// engine's key is engine (see dispatcher.EngineKey). ackWait is the ack
+// wait of the consumers it makes for orphaned jobs.
+func NewTakeOver(js jetstream.JetStream, stage dispatcher.Stage, pool, engine string, ackWait time.Duration, log *slog.Logger) *TakeOver {
+	return &TakeOver{js: js, stage: stage, pool: pool, own: dispatcher.EngineConsumerName(stage, pool, engine),
+		ackWait: ackWait, log: log, stuck: map[string]bool{}}
+}
+
+// Look returns the consumers to take jobs from now: those stuck on this
+// look and the one before; none while the loop's engine has no slot free
+// (full), whose look forgets what was stuck, as there is nothing to take
+// it with. Every orphanLookEvery looks it first gives a consumer to jobs
+// whose engine has none. With NATS away it finds none.
+func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
+	if t.looks%orphanLookEvery == 0 {
+		t.adoptOrphans(ctx)
+	}
+	t.looks++
+	if full {
+		clear(t.stuck)
+		return nil
+	}
+	infos, err := dispatcher.EngineConsumers(ctx, t.js, t.stage, t.pool)
+	if err != nil {
+		return nil // the next look
+	}
+	next := map[string]bool{}
+	var take []Stuck
+	for _, info := range infos {
+		if info.Name == t.own || !stuckConsumer(info) {
+			continue
+		}
+		if next[info.Name] = true; !t.stuck[info.Name] {
+			continue
+		}
+		cons, err := t.js.Consumer(ctx, info.Stream, info.Name)
+		if err != nil {
+			continue
+		}
+		take = append(take, Stuck{Consumer: cons, Jobs: int(info.NumPending) + info.NumAckPending})
+	}
+	t.stuck = next
+	return take
+}
+
+// adoptOrphans gives a consumer to the jobs that prefer an engine which
+// has none: an engine that left before it ever pulled, or whose consumer
+// was removed as idle. Those jobs would otherwise wait for nobody; with a
+// consumer, they are taken over like any others of a gone engine.
+func (t *TakeOver) adoptOrphans(ctx context.Context) {
+	st, err := t.js.Stream(ctx, dispatcher.StageStream(t.stage))
+	if err != nil {
+		return
+	}
+	prefix := dispatcher.StageSubject(t.stage) + "." + t.pool + "."
+	info, err := st.Info(ctx, jetstream.WithSubjectFilter(prefix+"*.*"))
+	if err != nil || len(info.State.Subjects) == 0 {
+		return
+	}
+	infos, err := dispatcher.EngineConsumers(ctx, t.js, t.stage, t.pool)
+	if err != nil {
+		return
+	}
+	have := map[string]bool{}
+	for _, c := range infos {
+		have[c.Name] = true
+	}
+	for subject := range info.State.Subjects {
+		engine := subject[strings.LastIndexByte(subject, '.')+1:]
+		if !dispatcher.IsEngineKey(engine) {
+			continue
+		}
+		if name := dispatcher.EngineConsumerName(t.stage, t.pool, engine); !have[name] {
+			if _, err := dispatcher.EnsureEngineConsumer(ctx, t.js, t.stage, t.pool, engine, t.ackWait, dispatcher.WithLogger(t.log)); err == nil {
+				have[name] = true
+				t.log.Info("jobs wait for an engine without a consumer; gave it one, to take them over", "engine", engine)
+			}
+		}
+	}
+}
+
+// stuckConsumer says whether an engine's consumer has jobs that its engine
+// does not take: pending, or delivered and not acked (NumPending does not
+// count a job nak'd, or whose ack wait ran out, to be delivered again),
+// with no pull waiting and nothing delivered for takeOverAfter (by the
+// server's clock).
+func stuckConsumer(info *jetstream.ConsumerInfo) bool {
+	if info.NumPending == 0 && info.NumAckPending == 0 || info.NumWaiting > 0 {
+		return false
+	}
+	last := info.Created
+	if info.Delivered.Last != nil {
+		last = *info.Delivered.Last
+	}
+	return info.TimeStamp.Sub(last) >= takeOverAfter
+}
