@@ -258,7 +258,7 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 				e.cfg.MaxModelLen, len(ids)).WithParam("input_tokens"))
 			return
 		}
-		vec := e.embed(tokenizer.PromptOf(ids, tgt.adapter, false).Digest, dim)
+		vec := tokenizer.Model{Seed: e.cfg.Seed}.Embed(tokenizer.PromptOf(ids, tgt.adapter, false).Digest, dim)
 		// Floats as vLLM writes them: float32 values printed as doubles.
 		floats := make([]float64, len(vec))
 		for k, x := range vec {
@@ -286,22 +286,4 @@ func (e *Engine) embeddings(w http.ResponseWriter, r *http.Request) {
 	resp.ID = "embd-" + baseID
 	e.stats.promptTokens.Add(int64(resp.Usage.PromptTokens))
 	writeJSON(w, http.StatusOK, resp)
-}
-
-// embed is the unit vector of a prompt digest: dim hashed values in
-// [-1, 1), normalized.
-func (e *Engine) embed(digest string, dim int) []float32 {
-	m := tokenizer.Model{Seed: e.cfg.Seed}
-	raw := make([]float64, dim)
-	var norm float64
-	for k := range raw {
-		raw[k] = float64(m.Hash(digest, uint64(k)+1<<62)>>11)/(1<<52) - 1
-		norm += raw[k] * raw[k]
-	}
-	norm = math.Sqrt(norm)
-	vec := make([]float32, dim)
-	for k, x := range raw {
-		vec[k] = float32(x / norm)
-	}
-	return vec
 }

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
+	"math"
 	"strings"
 	"unicode"
 	"unicode/utf8"
@@ -297,6 +298,24 @@ func (m Model) Token(digest string, i int) string {
 // end-of-sequence token: 16 to 256, fixed per prompt.
 func (m Model) NaturalLength(digest string) int {
 	return 16 + int(m.Hash(digest, 1<<63)%241)
+}
+
+// Embed is the embedding of the prompt with digest, as an embedding
+// model's pooled output: the unit vector of dim hashed values in [-1, 1),
+// normalized, the same every time.
+func (m Model) Embed(digest string, dim int) []float32 {
+	raw := make([]float64, dim)
+	var norm float64
+	for k := range raw {
+		raw[k] = float64(m.Hash(digest, uint64(k)+1<<62)>>11)/(1<<52) - 1
+		norm += raw[k] * raw[k]
+	}
+	norm = math.Sqrt(norm)
+	vec := make([]float32, dim)
+	for k, x := range raw {
+		vec[k] = float32(x / norm)
+	}
+	return vec
 }
 
 // Mix is splitmix64's finalizer.
