@@ -8,11 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -41,7 +39,7 @@ type Engine struct {
 	stats  counters
 	dead   atomic.Bool
 	kv     *kvstore.Store
-	faults faultInjector
+	faults *simconfig.FaultInjector
 	slots  chan struct{}
 	// batch runs requests through the scheduler model (--profile); nil
 	// on an engine of fixed latencies.
@@ -84,7 +82,7 @@ func New(cfg simconfig.Config, log *slog.Logger) (*Engine, error) {
 			return nil, fmt.Errorf("sim config: %w", err)
 		}
 	}
-	e.faults = faultInjector{fault: cfg.Fault, rng: mrand.New(mrand.NewPCG(cfg.Seed, 0x5eed))}
+	e.faults = simconfig.NewFaultInjector(cfg.Fault, cfg.Seed)
 	e.kvPort.Store(int64(cfg.KVPort))
 	e.registry = e.newRegistry()
 	e.recorder = newRecorder()
@@ -172,7 +170,7 @@ func (e *Engine) SetFault(f simconfig.Fault) error {
 	if err := f.Validate(); err != nil {
 		return err
 	}
-	e.faults.set(f)
+	e.faults.Set(f)
 	return nil
 }
 
@@ -183,35 +181,6 @@ func (e *Engine) die(requestID string, cause error) {
 		e.log.Error("EngineCore died: KeyError in _update_from_kv_xfer_finished; the engine must be restarted",
 			logging.KeyRequestID, requestID, logging.Err(cause))
 	}
-}
-
-// faultInjector draws the fault of each request.
-type faultInjector struct {
-	mu    sync.Mutex
-	fault simconfig.Fault
-	rng   *mrand.Rand
-}
-
-func (f *faultInjector) set(v simconfig.Fault) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.fault = v
-}
-
-func (f *faultInjector) get() simconfig.Fault {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.fault
-}
-
-// draw picks the fault of one request: Kind with probability Rate.
-func (f *faultInjector) draw() (simconfig.FaultKind, time.Duration) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.fault.Rate <= 0 || (f.fault.Rate < 1 && f.rng.Float64() >= f.fault.Rate) {
-		return simconfig.FaultNone, 0
-	}
-	return f.fault.Kind, time.Duration(f.fault.Delay)
 }
 
 func randomHex(nbytes int) string {

@@ -117,7 +117,7 @@ func (e *Engine) generate(endpoint openai.Endpoint) http.HandlerFunc {
 			return
 		}
 		ctx := r.Context()
-		kind, delay := e.faults.draw()
+		kind, delay := e.faults.Draw()
 		switch kind {
 		case simconfig.Fault503:
 			e.stats.faults.Add(1)
@@ -416,7 +416,7 @@ func (e *Engine) getStats(w http.ResponseWriter, _ *http.Request) {
 }
 
 func (e *Engine) getFaults(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, e.faults.get())
+	writeJSON(w, http.StatusOK, e.faults.Get())
 }
 
 // setFaults replaces the injected fault: {"rate": 0..1, "kind": K}, with an
@@ -437,7 +437,7 @@ func (e *Engine) setFaults(w http.ResponseWriter, r *http.Request) {
 		openai.WriteError(w, openai.NewError(http.StatusBadRequest, "invalid fault: 'rate' is required").WithParam("rate"))
 		return
 	}
-	f := e.faults.get()
+	f := e.faults.Get()
 	f.Rate, f.Kind = *in.Rate, in.Kind
 	if in.Delay != nil {
 		f.Delay = *in.Delay

@@ -123,24 +123,3 @@ func TestDurationJSON(t *testing.T) {
 		t.Errorf("marshal = %s", out)
 	}
 }
-
-func TestFaultDraw(t *testing.T) {
-	f := faultInjector{fault: simconfig.Fault{Rate: 0.25, Kind: simconfig.Fault500}, rng: newTestEngine(t, nil).faults.rng}
-	hits := 0
-	for range 4000 {
-		if k, _ := f.draw(); k == simconfig.Fault500 {
-			hits++
-		}
-	}
-	if hits < 800 || hits > 1200 {
-		t.Errorf("%d of 4000 at rate 0.25", hits)
-	}
-	f.set(simconfig.Fault{Rate: 1, Kind: simconfig.FaultSlow, Delay: simconfig.Duration(3e9)})
-	if k, d := f.draw(); k != simconfig.FaultSlow || d != 3e9 {
-		t.Errorf("draw = %v %v", k, d)
-	}
-	f.set(simconfig.Fault{})
-	if k, _ := f.draw(); k != simconfig.FaultNone {
-		t.Errorf("rate 0 drew %v", k)
-	}
-}

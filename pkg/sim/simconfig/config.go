@@ -37,68 +37,6 @@ const (
 	LoadFailureRecompute LoadFailurePolicy = "recompute"
 )
 
-// FaultKind is a kind of injected failure.
-type FaultKind string
-
-// The fault kinds. See [Fault].
-const (
-	FaultNone FaultKind = ""
-	Fault503  FaultKind = "503"   // answer 503 at once
-	Fault500  FaultKind = "500"   // answer 500 at once
-	Fault429  FaultKind = "429"   // answer 429 at once, as a rate limiter in front of an engine does
-	FaultHang FaultKind = "hang"  // accept, never answer
-	FaultDrop FaultKind = "drop"  // close the connection mid-response
-	FaultNoKV FaultKind = "no-kv" // a prefill answers 200 without kv_transfer_params
-	FaultSlow FaultKind = "slow"  // the first byte comes Delay late
-	// FaultLate is a non-streamed answer that comes Delay late, after the
-	// work: a prefill's KV is held by then, and stays held for its lease
-	// if the client leaves before the answer, as vLLM's would.
-	FaultLate FaultKind = "late"
-)
-
-var faultKinds = []FaultKind{Fault503, Fault500, Fault429, FaultHang, FaultDrop, FaultNoKV, FaultSlow, FaultLate}
-
-// Fault injects failures into a share of the generation requests.
-type Fault struct {
-	// Rate is the probability, 0 to 1, that a request gets the fault.
-	Rate float64   `json:"rate"`
-	Kind FaultKind `json:"kind"`
-	// Delay is how late the first byte comes with FaultSlow, and the
-	// answer with FaultLate.
-	Delay Duration `json:"delay"`
-}
-
-// Validate checks the rate and kind.
-func (f Fault) Validate() error {
-	if f.Rate < 0 || f.Rate > 1 {
-		return fmt.Errorf("fault rate %v is not between 0 and 1", f.Rate)
-	}
-	if f.Rate > 0 && !knownFault(f.Kind) {
-		return fmt.Errorf("unknown fault kind %q (want one of %s)", f.Kind, faultKindList())
-	}
-	if f.Delay < 0 {
-		return errors.New("fault delay must not be negative")
-	}
-	return nil
-}
-
-func knownFault(k FaultKind) bool {
-	for _, f := range faultKinds {
-		if k == f {
-			return true
-		}
-	}
-	return false
-}
-
-func faultKindList() string {
-	s := make([]string, len(faultKinds))
-	for i, k := range faultKinds {
-		s[i] = string(k)
-	}
-	return strings.Join(s, ", ")
-}
-
 // Runner is the kind of model the engine runs, as vLLM's --runner.
 type Runner string
 
