@@ -12,8 +12,10 @@
 //   - registry: who is there: the workers' heartbeats and the gateways'
 //     liveness;
 //   - pull: how a worker takes jobs: pulls, the decode gate, engine slots;
-//   - stage: the worker runtime: the stage loop and how each delivery
-//     settles (settle_table.go);
+//   - verdict: the settle table: what becomes of a delivery once its
+//     handler returns;
+//   - stage: the worker runtime: the stage loop, which carries each
+//     delivery's verdict out;
 //   - enginecall: the gateway's direct calls to a worker's engine;
 //   - admin: replay, queue status, the store doctor.
 //
@@ -26,6 +28,6 @@
 // generation, and relays each SSE event as a numbered chunk on the
 // gateway's reply subject, ending with a terminal message.
 //
-// Read it after package gateway; then submit, reply, registry, pull and
-// stage, and package workers last.
+// Read it after package gateway; then submit, reply, registry, pull,
+// verdict and stage, and package workers last.
 package dispatcher

@@ -15,6 +15,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -142,11 +143,11 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 			return resp, err
 		case !errors.As(err, &refused) || !refused.surely(streamed):
 			if neverRan(err, streamed) {
-				return nil, stage.Unread(err)
+				return nil, verdict.Unread(err)
 			}
 			return nil, err
 		case refused.status != http.StatusTooManyRequests && job.HandBacks < blipHandBacks && w.healthyPeer(job.Model, w.engine.URL()):
-			return nil, stage.Unread(stage.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
+			return nil, verdict.Unread(verdict.HandBack(err, openai.NewError(http.StatusServiceUnavailable, "decode engine unavailable")))
 		}
 		if b == nil {
 			b = backoff.NewExponentialBackOff()
@@ -156,7 +157,7 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 		if job.Prefill == nil || time.Until(job.Prefill.Ended().Add(w.cfg.KVTTL)) < wait {
 			w.log.Warn("decode engine did not take the handoff within its KV TTL; sending it back to prefill",
 				logging.KeyRequestID, job.ID, logging.Err(err), "tries", waited+1)
-			return nil, stage.Unread(err)
+			return nil, verdict.Unread(err)
 		}
 		if waited == 0 {
 			w.log.Debug("decode engine did not take the handoff; waiting for it with the KV", logging.KeyRequestID, job.ID,
@@ -170,7 +171,7 @@ func (w *Worker) callDecode(ctx context.Context, job *dispatcher.Job, body [][]b
 			// Its client gone, or its deadline passed, while it waited:
 			// its engine never ran it, so its KV is released.
 			t.Stop()
-			return nil, stage.Unread(ctx.Err())
+			return nil, verdict.Unread(ctx.Err())
 		case <-t.C:
 		}
 		alive()
@@ -221,7 +222,7 @@ func (w *Worker) brokeAfterOutput(ctx context.Context, d *stage.Delivery, out *r
 		if rerr := out.Error(openai.NewError(http.StatusBadGateway, "the decode engine's stream broke off")); rerr != nil {
 			log.Warn("could not send the error to the gateway", logging.Err(rerr))
 		}
-		return stage.Reported(err)
+		return verdict.Reported(err)
 	}
 	if resume.Created == 0 {
 		resume.Created = tr.created
@@ -292,7 +293,7 @@ func (w *Worker) release(ctx context.Context, job *dispatcher.Job) error {
 	switch {
 	case err == nil:
 	case neverRan(err, true):
-		return stage.Unread(fmt.Errorf("release call: %w", err))
+		return verdict.Unread(fmt.Errorf("release call: %w", err))
 	default:
 		// A 4xx, which a retry would meet again, or a call cut off.
 		return fmt.Errorf("release call: %w", err)
@@ -328,7 +329,7 @@ func relayStream(ctx context.Context, body io.Reader, out *reply.Writer, hooks e
 			return nil
 		}
 		if err := out.Chunks(held); err != nil {
-			return stage.Retryable(err, nil)
+			return verdict.Retryable(err, nil)
 		}
 		for _, ev := range raw {
 			hooks.sent(ev)
@@ -368,7 +369,7 @@ func relayStream(ctx context.Context, body io.Reader, out *reply.Writer, hooks e
 					return err
 				}
 				if err := out.Chunk(data); err != nil {
-					return stage.Retryable(err, nil)
+					return verdict.Retryable(err, nil)
 				}
 				hooks.sent(ev.Data)
 			}
@@ -397,11 +398,11 @@ func relayBody(ctx context.Context, body io.Reader, out *reply.Writer) error {
 		return unreachable(ctx, dispatcher.StageDecode, fmt.Errorf("read decode response: %w", err))
 	}
 	if len(raw) > maxResponseBytes {
-		return stage.Permanent(fmt.Errorf("the decode engine's answer is larger than %d bytes", maxResponseBytes),
+		return verdict.Permanent(fmt.Errorf("the decode engine's answer is larger than %d bytes", maxResponseBytes),
 			openai.NewError(http.StatusBadGateway, "the answer is larger than %d MiB, the most pdq relays whole; stream it instead", maxResponseBytes>>20))
 	}
 	if err := out.Whole(raw); err != nil {
-		return stage.Retryable(err, nil)
+		return verdict.Retryable(err, nil)
 	}
 	return nil
 }

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher/reply"
-	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 )
 
 // TestRelayBodyLimit: a non-streamed answer over the most pdq relays whole
@@ -19,7 +19,7 @@ import (
 func TestRelayBodyLimit(t *testing.T) {
 	answer := io.MultiReader(io.LimitReader(zeros{}, maxResponseBytes), strings.NewReader("!"))
 	err := relayBody(context.Background(), answer, reply.NewWriter(nil, "", 1))
-	var f *stage.Failure
+	var f *verdict.Failure
 	if !errors.As(err, &f) || !f.Permanent || f.Client == nil || !strings.Contains(f.Client.Message, "larger than") {
 		t.Fatalf("relayBody of %d bytes = %v, want a permanent error that names the limit", maxResponseBytes+1, err)
 	}

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
-	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -101,12 +101,12 @@ func engineFailure(role dispatcher.Stage, status int, body []byte, wait time.Dur
 	err := fmt.Errorf("%s engine answered %d: %s", role, status, apiErr.Message)
 	switch {
 	case status == http.StatusTooManyRequests:
-		return stage.Retryable(&notRun{err: err, retryAfter: wait, status: status}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", role, apiErr.Message))
+		return verdict.Retryable(&notRun{err: err, retryAfter: wait, status: status}, openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", role, apiErr.Message))
 	case status == http.StatusServiceUnavailable:
-		return stage.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait, status: status}, status: status},
+		return verdict.Retryable(&engineFault{err: &notRun{err: err, retryAfter: wait, status: status}, status: status},
 			openai.NewError(http.StatusServiceUnavailable, "%s engine busy: %s", role, apiErr.Message))
 	case status >= 500:
-		return stage.Retryable(&engineFault{err: err, status: status}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", role, apiErr.Message))
+		return verdict.Retryable(&engineFault{err: err, status: status}, openai.NewError(http.StatusBadGateway, "%s engine failed: %s", role, apiErr.Message))
 	case status == http.StatusUnauthorized || status == http.StatusForbidden || status == http.StatusNotFound:
 		// Not the client's doing: the worker is set up wrong for its engine
 		// (a key, a route, a model). A prefill is retried, then kept for
@@ -114,14 +114,14 @@ func engineFailure(role dispatcher.Stage, status int, body []byte, wait time.Dur
 		// its KV released, since the engine refused before reading it.
 		e := openai.NewError(http.StatusBadGateway, "%s engine refused pdq (%d): %s", role, status, apiErr.Message)
 		if role == dispatcher.StageDecode {
-			return stage.Rejected(err, e)
+			return verdict.Rejected(err, e)
 		}
-		return stage.Retryable(err, e)
+		return verdict.Retryable(err, e)
 	case status >= 400:
 		apiErr.Code, apiErr.Type = status, openai.ErrorType(status)
-		return stage.Rejected(err, apiErr)
+		return verdict.Rejected(err, apiErr)
 	}
-	return stage.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", role, status))
+	return verdict.Retryable(err, openai.NewError(http.StatusBadGateway, "%s engine answered %d", role, status))
 }
 
 // errTimedOut is the cause of an engine call cut off by a role deadline.
@@ -130,7 +130,7 @@ var errTimedOut = errors.New("engine deadline passed")
 // timedOut is the failure of an engine call that took longer than its
 // role allows: retryable, on another engine if one is free.
 func timedOut(role dispatcher.Stage, what string, limit time.Duration) error {
-	return stage.Retryable(&engineFault{err: fmt.Errorf("%s engine: %s: no answer within %v", role, what, limit)},
+	return verdict.Retryable(&engineFault{err: fmt.Errorf("%s engine: %s: no answer within %v", role, what, limit)},
 		openai.NewError(http.StatusGatewayTimeout, "%s engine did not answer within %v", role, limit))
 }
 
@@ -139,7 +139,7 @@ func unreachable(ctx context.Context, role dispatcher.Stage, err error) error {
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	return stage.Retryable(&engineFault{err: err, unreachable: true}, openai.NewError(http.StatusBadGateway, "%s engine unreachable", role))
+	return verdict.Retryable(&engineFault{err: err, unreachable: true}, openai.NewError(http.StatusBadGateway, "%s engine unreachable", role))
 }
 
 // engineFault is an engine failure that counts against its health, for
@@ -159,7 +159,7 @@ var errBadEnvelope = errors.New("job body is not a JSON object")
 // badBody is the failure of a job whose body cannot be built into an
 // engine request: no attempt can fix it.
 func badBody(err error) error {
-	return stage.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
+	return verdict.Permanent(fmt.Errorf("%w: %w", errBadEnvelope, err), openai.NewError(http.StatusBadRequest, "request body: %v", err))
 }
 
 func truncate(s string, n int) string {

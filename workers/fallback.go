@@ -8,6 +8,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -26,7 +27,7 @@ func (w *Worker) observed(h stage.Handler) stage.Handler {
 				// other than a half-open breaker's trial): another worker's
 				// engine is healthy, so the job goes back without touching
 				// this one.
-				return stage.HandBack(errHandedBack,
+				return verdict.HandBack(errHandedBack,
 					openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
 			case w.canForward():
 				w.forward(d)
@@ -35,7 +36,7 @@ func (w *Worker) observed(h stage.Handler) stage.Handler {
 		}
 		if w.avoids(d.Job) {
 			w.breaker.neutral(tok)
-			return stage.HandBack(errAvoided,
+			return verdict.HandBack(errAvoided,
 				openai.NewError(http.StatusServiceUnavailable, "%s engine unavailable", w.cfg.Role))
 		}
 		err := h(ctx, d)
@@ -54,7 +55,7 @@ func (w *Worker) observed(h stage.Handler) stage.Handler {
 		default:
 			w.breaker.neutral(tok)
 		}
-		var f *stage.Failure
+		var f *verdict.Failure
 		if err != nil && ctx.Err() == nil && errors.As(err, &f) && !f.Permanent && w.breaker.Open() && w.alone(d.Job.Model) && w.canForward() {
 			w.forward(d)
 			return nil

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/nixl"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -30,7 +31,7 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	cctx, cancel := context.WithTimeoutCause(ctx, w.cfg.PrefillTimeout, errTimedOut)
 	defer cancel()
 	raw, err := w.prefillCall(cctx, job, body)
-	var f *stage.Failure
+	var f *verdict.Failure
 	switch {
 	case err == nil:
 	case ctx.Err() == nil && errors.Is(context.Cause(cctx), errTimedOut):
@@ -62,7 +63,7 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 			log.Error("prefill engine answered 200 without usable kv_transfer_params; not falling back to a recomputing decode",
 				logging.Err(err), "attempt", d.Attempt)
 		}
-		return stage.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no usable kv_transfer_params"))
+		return verdict.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned no usable kv_transfer_params"))
 	}
 	if fixed, ok := nixl.FixRemoteHost(params, w.kvHost); ok {
 		params = fixed
@@ -70,7 +71,7 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	}
 	params, err = dispatcher.CompactKV(params)
 	if err != nil {
-		return stage.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned unreadable kv_transfer_params"))
+		return verdict.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned unreadable kv_transfer_params"))
 	}
 	elapsed := time.Since(start)
 	d.HandOff(params, dispatcher.StageRecord{

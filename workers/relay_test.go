@@ -11,7 +11,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
-	"github.com/pdq-dev/pdq/dispatcher/stage"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/nats/embedded/embeddedtest"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -126,9 +126,9 @@ func TestEngineFailure(t *testing.T) {
 	} {
 		t.Run(fmt.Sprintf("%s %d", tc.stage, tc.status), func(t *testing.T) {
 			err := engineFailure(tc.stage, tc.status, refusal, 0)
-			var f *stage.Failure
+			var f *verdict.Failure
 			if !errors.As(err, &f) {
-				t.Fatalf("%v is not a stage.Failure", err)
+				t.Fatalf("%v is not a verdict.Failure", err)
 			}
 			var fault *engineFault
 			if f.Permanent != tc.permanent || errors.As(err, &fault) != tc.fault || f.Client == nil || f.Client.Status() != tc.client {

@@ -15,6 +15,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher/pull"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -93,7 +94,7 @@ func TestEngineSlotsReleaseAfterReject(t *testing.T) {
 	cfg := Config{Stage: dispatcher.StageDecode, Pool: dispatcher.PoolName("slots-r"), Slots: 1, PullWait: 100 * time.Millisecond, EngineSlots: e, KVTTL: 10 * time.Second,
 		AckWait: 2 * time.Second, Grace: time.Second,
 		Handler: func(context.Context, *Delivery) error {
-			return Rejected(errors.New("400"), openai.NewError(400, "bad"))
+			return verdict.Rejected(errors.New("400"), openai.NewError(400, "bad"))
 		},
 		Release: func(context.Context, *dispatcher.Job) error { usedAtRelease.Store(int32(e.InUse())); return nil }}
 	l, _ := NewLoop(nc, js, withSettings(cfg), logging.Discard())

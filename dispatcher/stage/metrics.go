@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 )
 
 // Metrics are the stage loops' series: their jobs, queues, retries and
@@ -86,7 +87,7 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 			m.retries.WithLabelValues(string(stage), reason)
 		}
 	}
-	for _, reason := range wasteReasons {
+	for _, reason := range verdict.WasteReasons {
 		m.wastedPrefills.WithLabelValues(string(reason))
 	}
 	return m, nil
@@ -146,7 +147,7 @@ func (m *Metrics) JobEnded(stage dispatcher.Stage, engine time.Duration) {
 }
 
 // wasted counts a handoff sent back to prefill, its KV unread.
-func (m *Metrics) wasted(reason waste) {
+func (m *Metrics) wasted(reason verdict.Waste) {
 	if m != nil {
 		m.wastedPrefills.WithLabelValues(string(reason)).Inc()
 	}
@@ -194,16 +195,3 @@ func (m *Metrics) Migrated(pool string) {
 		m.migrations.WithLabelValues(pool).Inc()
 	}
 }
-
-// waste is why a prefill's KV went unread: pdq_prefills_wasted_total's
-// reason.
-type waste string
-
-const (
-	wasteKVTTL        waste = "kv_ttl"
-	wasteRedelivered  waste = "redelivered"
-	wasteDecodeFailed waste = "decode_failed"
-	wasteShutdown     waste = "shutdown"
-)
-
-var wasteReasons = []waste{wasteKVTTL, wasteRedelivered, wasteDecodeFailed, wasteShutdown}

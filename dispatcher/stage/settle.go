@@ -13,6 +13,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/internal/sleep"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -151,11 +152,11 @@ func (s *settle) admit(ctx context.Context) bool {
 	if handoff && redelivered {
 		// An earlier delivery may have read the KV blocks, which a prefill
 		// engine serves once.
-		s.regenerate(ctx, wasteRedelivered, "a redelivered handoff's KV may have been read", false)
+		s.regenerate(ctx, verdict.WasteRedelivered, "a redelivered handoff's KV may have been read", false)
 		return false
 	}
 	if handoff && job.Prefill != nil && time.Since(job.Prefill.Ended()) > l.cfg.KVTTL {
-		s.regenerate(ctx, wasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
+		s.regenerate(ctx, verdict.WasteKVTTL, fmt.Sprintf("the handoff is older than the KV TTL (%s)", l.cfg.KVTTL), true)
 		return false
 	}
 	return true
@@ -295,49 +296,49 @@ func (s *settle) confirmAck(ctx context.Context) {
 
 // carry carries out v, the verdict on delivery d, whose handler
 // returned err with its job context's cause; took is how long it ran.
-func (s *settle) carry(ctx context.Context, v verdict, d *Delivery, err, cause error, took time.Duration) {
-	if v.note != "" {
-		s.log.Warn(v.note, logging.Err(err))
+func (s *settle) carry(ctx context.Context, v verdict.Verdict, d *Delivery, err, cause error, took time.Duration) {
+	if v.Note != "" {
+		s.log.Warn(v.Note, logging.Err(err))
 	}
-	switch v.act {
-	case actAck:
+	switch v.Act {
+	case verdict.ActAck:
 		s.succeeded(ctx, d, took)
-	case actMigrate:
+	case verdict.ActMigrate:
 		s.migrate(ctx, d.moved)
-	case actStop, actExpire:
-		if v.release {
+	case verdict.ActStop, verdict.ActExpire:
+		if v.Release {
 			s.queueRelease(ctx, d.handoff)
 		}
-		if v.act == actExpire {
+		if v.Act == verdict.ActExpire {
 			s.expired(ctx)
 		} else {
 			s.stopped(ctx, cause)
 		}
-	case actNothing:
+	case verdict.ActNothing:
 		s.log.Debug("job stopped: a later attempt of the request runs")
-	case actFail:
-		if v.release {
+	case verdict.ActFail:
+		if v.Release {
 			s.ran = false
 			s.release(ctx, "the decode engine refused the request")
 		}
-		if v.why != "" {
-			err = fmt.Errorf("%s: %w", v.why, err)
+		if v.Why != "" {
+			err = fmt.Errorf("%s: %w", v.Why, err)
 		}
-		s.failForGood(ctx, v.client, err, v.answer)
-	case actHandBack:
+		s.failForGood(ctx, v.Client, err, v.Answer)
+	case verdict.ActHandBack:
 		s.handBack(ctx, err)
-	case actRegenerate:
-		s.regenerate(ctx, v.waste, v.why, v.release)
-	case actRetry:
+	case verdict.ActRegenerate:
+		s.regenerate(ctx, v.Waste, v.Why, v.Release)
+	case verdict.ActRetry:
 		s.l.cfg.Metrics.retry(s.l.cfg.Stage, "retry")
 		delay := retryDelay(s.l.cfg.RetryBase, s.attempt)
 		s.log.Warn("job failed; retrying", logging.Err(err), "retry_in", delay.String())
 		if err := s.msg.NakWithDelay(delay); err != nil {
 			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))
 		}
-	case actUnrun:
-		s.unrun(ctx, fmt.Errorf("%s: %w", v.why, err))
-	case actNak:
+	case verdict.ActUnrun:
+		s.unrun(ctx, fmt.Errorf("%s: %w", v.Why, err))
+	case verdict.ActNak:
 		s.log.Warn("job interrupted by shutdown; handing it back", logging.Err(err))
 		if err := s.msg.Nak(); err != nil {
 			s.log.Warn("nak failed; the job will be redelivered after the ack wait", logging.Err(err))

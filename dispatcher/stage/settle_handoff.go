@@ -16,6 +16,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -239,7 +240,7 @@ func (s *settle) release(ctx context.Context, why string) bool {
 		defer e.Release()
 	}
 	if err := s.l.cfg.Release(rctx, s.job); err != nil {
-		var f *Failure
+		var f *verdict.Failure
 		if errors.As(err, &f) && f.Unread && ctx.Err() == nil && !s.direct {
 			// The engine did not run the call (it is down, or failing
 			// before it runs anything): the blocks are still held, and a

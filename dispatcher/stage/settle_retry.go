@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -39,7 +40,7 @@ func (s *settle) handBack(ctx context.Context, why error) {
 // new KV, new message ids; its prefill was wasted, for reason. release
 // says whether this handoff's KV was certainly never read, and so is
 // freed.
-func (s *settle) regenerate(ctx context.Context, reason waste, why string, release bool) {
+func (s *settle) regenerate(ctx context.Context, reason verdict.Waste, why string, release bool) {
 	l, job := s.l, s.job
 	l.cfg.Metrics.wasted(reason)
 	if release {

@@ -21,6 +21,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
@@ -201,7 +202,7 @@ func TestStageLoop(t *testing.T) {
 			attempts = append(attempts, d.Attempt)
 			mu.Unlock()
 			if d.Attempt < 3 {
-				return Retryable(errors.New("engine down"), nil)
+				return verdict.Retryable(errors.New("engine down"), nil)
 			}
 			d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
 			return nil
@@ -225,7 +226,7 @@ func TestStageLoop(t *testing.T) {
 		var calls atomic.Int32
 		lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
 			calls.Add(1)
-			return Permanent(errors.New("engine said 400"), openai.NewError(400, "prompt too long"))
+			return verdict.Permanent(errors.New("engine said 400"), openai.NewError(400, "prompt too long"))
 		}})
 		s := lt.submit("job-2")
 		r, err := s.Next(ctx, 10*time.Second)
@@ -803,14 +804,14 @@ func TestHandoffGenerations(t *testing.T) {
 		crashes     int
 		claimed     bool // its KV claimed by a delivery NATS has forgotten
 		wantRelease int32
-		wantWaste   waste // the wasted prefill's reason
+		wantWaste   verdict.Waste // the wasted prefill's reason
 	}{
-		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, wasteKVTTL},
-		{"older than the lease", 30 * time.Second, 0, false, 0, wasteKVTTL},
-		{"redelivered after a crash", 0, 1, false, 0, wasteRedelivered},
+		{"older than the KV TTL", 10400 * time.Millisecond, 0, false, 1, verdict.WasteKVTTL},
+		{"older than the lease", 30 * time.Second, 0, false, 0, verdict.WasteKVTTL},
+		{"redelivered after a crash", 0, 1, false, 0, verdict.WasteRedelivered},
 		// A restarted nats-server delivers it again as a first delivery.
-		{"delivered again as a first", 0, 0, true, 0, wasteRedelivered},
-		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, wasteRedelivered},
+		{"delivered again as a first", 0, 0, true, 0, verdict.WasteRedelivered},
+		{"older than the KV TTL and claimed", 10400 * time.Millisecond, 0, true, 0, verdict.WasteRedelivered},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool := dispatcher.PoolName(t.Name())
@@ -884,7 +885,7 @@ func TestHandoffGenerations(t *testing.T) {
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
 			}
-			for _, reason := range wasteReasons {
+			for _, reason := range verdict.WasteReasons {
 				want := 0.0
 				if reason == tc.wantWaste {
 					want = 1
@@ -966,7 +967,7 @@ func TestFullDLQ(t *testing.T) {
 		t.Fatal(err)
 	}
 	lt := startLoop(t, nc, js, Config{Metrics: m, Handler: func(context.Context, *Delivery) error {
-		return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
+		return verdict.Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
 	}})
 	s := lt.submit("dlq-full-1")
 	r, err := s.Next(ctx, 10*time.Second)
@@ -1005,7 +1006,7 @@ func TestReplay(t *testing.T) {
 	fail.Store(true)
 	lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
 		if fail.Load() {
-			return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
+			return verdict.Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
 		}
 		return nil
 	}})
@@ -1057,7 +1058,7 @@ func TestReplayOfAReplacedDeadLetter(t *testing.T) {
 	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
 	lt := startLoop(t, nc, js, Config{Handler: func(context.Context, *Delivery) error {
-		return Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
+		return verdict.Permanent(errors.New("engine exploded"), openai.NewError(502, "engine exploded"))
 	}})
 	lt.submit("again")
 	dispatchertest.WaitFor(t, "the dead letter", func() bool { return lt.deadLetter("again") != nil })
@@ -1100,7 +1101,7 @@ func TestHandBack(t *testing.T) {
 	lt := startLoop(t, nc, js, Config{Handler: func(_ context.Context, d *Delivery) error {
 		runs <- run{d.Attempt, d.Job.Generation, d.Job.HandBacks}
 		if handBack.Add(-1) >= 0 {
-			return HandBack(errors.New("breaker open"), openai.NewError(503, "engine unavailable"))
+			return verdict.HandBack(errors.New("breaker open"), openai.NewError(503, "engine unavailable"))
 		}
 		return nil
 	}})

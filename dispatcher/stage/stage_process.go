@@ -12,6 +12,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -133,7 +134,7 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	s.run.Ms = float64(time.Since(start).Microseconds()) / 1000
 	releaseEngine()
 	var took time.Duration
-	if f := (*Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {
+	if f := (*verdict.Failure)(nil); !d.Forwarded() && !(errors.As(err, &f) && f.HandBack) {
 		took = time.Since(start) // it reached the engine
 	}
 	l.cfg.Metrics.JobEnded(l.cfg.Stage, took)
@@ -141,25 +142,25 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	// A job whose engine never ran it (a decode that waited for its
 	// engine, say) counts as not run: a handoff's KV is unread, and is
 	// released however the job ends.
-	var unread *Failure
+	var unread *verdict.Failure
 	s.ran = !errors.As(err, &unread) || !unread.Unread
 	s.sent = d.sent()
 
 	cause := context.Cause(jctx)
 	handedOff := err == nil && d.handoff != nil
 	o := outcomeOf(err, cause, handedOff, pullCtx.Err() != nil && jobCtx.Err() != nil)
-	if o == outcomeOK {
+	if o == verdict.OK {
 		l.recordDuration(time.Since(start))
 	}
-	var failure *Failure
+	var failure *verdict.Failure
 	errors.As(err, &failure)
 	errText := ""
 	if err != nil {
 		errText = err.Error()
 	}
-	v := decide(facts{stage: l.cfg.Stage, handoff: len(job.KV) > 0, sent: s.sent > 0, ran: s.ran,
-		attempt: attempt, maxDeliver: l.cfg.MaxDeliver, handBacks: job.HandBacks < maxHandBacks,
-		handedOff: handedOff, moved: d.moved != nil, failure: failure}, o, errText)
+	v := verdict.Decide(verdict.Facts{Stage: l.cfg.Stage, Handoff: len(job.KV) > 0, Sent: s.sent > 0, Ran: s.ran,
+		Attempt: attempt, MaxDeliver: l.cfg.MaxDeliver, HandBacks: job.HandBacks < maxHandBacks,
+		HandedOff: handedOff, Moved: d.moved != nil, Failure: failure}, o, errText)
 	s.carry(sctx, v, d, err, cause, time.Since(start))
 }
 
@@ -172,7 +173,7 @@ func (l *Loop) handle(ctx context.Context, d *Delivery) (err error) {
 		if v := recover(); v != nil {
 			l.log.Error("the handler panicked: failing the job", logging.KeyRequestID, d.Job.ID,
 				"panic", fmt.Sprint(v), "stack", string(debug.Stack()))
-			err = Permanent(fmt.Errorf("%s handler panicked: %v", l.cfg.Stage, v),
+			err = verdict.Permanent(fmt.Errorf("%s handler panicked: %v", l.cfg.Stage, v),
 				openai.NewError(http.StatusInternalServerError, "pdq's %s worker failed on this request", l.cfg.Stage))
 		}
 	}()
