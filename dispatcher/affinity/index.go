@@ -14,6 +14,7 @@ const enginesPerChunk = 4
 // chunks, forgetting the least recently used first, as the engines' own
 // caches do. It is safe for concurrent use.
 type Index struct {
+	// mu guards chunks, lru and their entries; max is set by NewIndex.
 	mu     sync.Mutex
 	max    int
 	chunks map[uint64]*list.Element // of *entry

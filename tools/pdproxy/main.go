@@ -184,12 +184,17 @@ type least struct {
 	engines []*engineLoad
 	next    atomic.Uint64 // where the scan for ties starts
 	mu      sync.Mutex    // one pick at a time, so that sent counts are seen
+	// engines is set by newLeast; each engine's poller goroutine writes
+	// its reading under the engine's own lock, and a pick, holding mu,
+	// reads every engine's under theirs. next is only moved by a pick.
 }
 
 // engineLoad is an engine's last reading, and what the proxy sent it
 // since.
 type engineLoad struct {
-	url              string
+	url string
+	// mu guards the fields below: the poller writes them, picks read
+	// them and count what they send.
 	mu               sync.Mutex
 	waiting, running float64
 	sent             int // requests sent since the reading

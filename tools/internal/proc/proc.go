@@ -38,8 +38,10 @@ const maxLines = 10000
 type Proc struct {
 	cmd  *exec.Cmd
 	done chan struct{} // closed when it has exited
-	err  error         // its exit, once done
+	err  error         // its exit, once done: written by the waiting goroutine before done closes
 
+	// mu guards lines, which the output readers' goroutines append to and
+	// callers read.
 	mu    sync.Mutex
 	lines []string
 }
