@@ -1,8 +1,8 @@
 // Package sched models the scheduler and KV cache of one vLLM (V1) engine,
 // in steps and in virtual time: what runs in each engine step, what it
-// costs, and who waits. pdq sim drives it with real sleeps; tests and the
-// calibration drive it with a virtual clock, so that its figures are the
-// model's and not the machine's.
+// costs, and who waits. pdq sim drives it with real sleeps (Batcher);
+// tests and the calibration drive it with a virtual clock (PD), so that
+// its figures are the model's and not the machine's.
 //
 // The model follows vLLM's v1/core/sched/scheduler.py and
 // v1/core/kv_cache_manager.py, simplified where the difference does not
