@@ -7,11 +7,15 @@
 // packages below it, each one idea:
 //
 //   - submit: the gateway's side: claim a request's id, publish its job,
-//     refuse when the queue is full, cancel;
+//     refuse when the queue is full, cancel, and the ledger of record
+//     writes kept while NATS is away;
+//   - fair and affinity: the gateway's scheduling: which waiting request
+//     goes in next, and which prefill engine a job prefers;
 //   - reply: the protocol that carries tokens back, writer and reader;
 //   - registry: who is there: the workers' heartbeats and the gateways'
 //     liveness;
-//   - pull: how a worker takes jobs: pulls, the decode gate, engine slots;
+//   - pull: how a worker takes jobs: pulls, the decode gate, engine slots,
+//     the take-over of jobs waiting for an engine that cannot take them;
 //   - verdict: the settle table: what becomes of a delivery once its
 //     handler returns;
 //   - stage: the worker runtime: the stage loop, which carries each

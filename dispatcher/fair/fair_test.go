@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// queueRun drives a fairQueue with a limit of one running request: it
+// queueRun drives a Queue with a limit of one running request: it
 // enters requests one by one, in order, and records the order in which
 // they are let in once the first one ends.
 type queueRun struct {

@@ -87,7 +87,7 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 			m.retries.WithLabelValues(string(stage), reason)
 		}
 	}
-	for _, reason := range verdict.WasteReasons {
+	for _, reason := range verdict.WasteReasons() {
 		m.wastedPrefills.WithLabelValues(string(reason))
 	}
 	return m, nil

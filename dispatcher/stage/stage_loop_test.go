@@ -885,7 +885,7 @@ func TestHandoffGenerations(t *testing.T) {
 			if ran.Load() != 0 || released.Load() != tc.wantRelease {
 				t.Errorf("decode ran %d times and released %d; want 0 and %d", ran.Load(), released.Load(), tc.wantRelease)
 			}
-			for _, reason := range verdict.WasteReasons {
+			for _, reason := range verdict.WasteReasons() {
 				want := 0.0
 				if reason == tc.wantWaste {
 					want = 1

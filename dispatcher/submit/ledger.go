@@ -32,7 +32,7 @@ import (
 // it sets for its caller must be safe to read from another goroutine (see
 // the gateway's handlers.stop).
 type Ledger struct {
-	// Set by newLedger, read without a lock.
+	// Set by NewLedger, read without a lock.
 	nc      *nats.Conn
 	records *dispatcher.Records
 	log     *slog.Logger
@@ -43,7 +43,7 @@ type Ledger struct {
 	mu      sync.Mutex
 	pending map[string]pendingWrite
 	seq     uint64
-	stopped bool // run has ended: a write is made at once, or lost
+	stopped bool // Run has ended: a write is made at once, or lost
 }
 
 // pendingWrite is a record write waiting for NATS.

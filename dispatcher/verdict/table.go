@@ -79,22 +79,31 @@ type Verdict struct {
 type Waste string
 
 const (
-	WasteKVTTL        Waste = "kv_ttl"
-	WasteRedelivered  Waste = "redelivered"
-	WasteDecodeFailed Waste = "decode_failed"
-	WasteShutdown     Waste = "shutdown"
+	WasteKVTTL        Waste = "kv_ttl"        // the handoff waited past PDQ_KV_TTL
+	WasteRedelivered  Waste = "redelivered"   // an earlier delivery may have read its KV
+	WasteDecodeFailed Waste = "decode_failed" // its decode failed before output
+	WasteShutdown     Waste = "shutdown"      // its decode was interrupted by shutdown
 )
 
 // WasteReasons are every Waste, for the metric's series from the start.
-var WasteReasons = []Waste{WasteKVTTL, WasteRedelivered, WasteDecodeFailed, WasteShutdown}
+func WasteReasons() []Waste {
+	return []Waste{WasteKVTTL, WasteRedelivered, WasteDecodeFailed, WasteShutdown}
+}
 
 // Effect is what a verdict does to each party: the job's message, the
 // request's record, the client's answer, the handoff's KV and the dead
 // letter.
 type Effect struct{ Msg, Record, Client, KV, DLQ string }
 
-// Effects says what every verdict does, in one place. "-" is nothing.
-var Effects = map[Action]Effect{
+// Effects says what a verdict's action does; ok is false for an action
+// the table does not know.
+func Effects(a Action) (e Effect, ok bool) {
+	e, ok = effects[a]
+	return e, ok
+}
+
+// effects says what every verdict does, in one place. "-" is nothing.
+var effects = map[Action]Effect{
 	ActAck: {Msg: "ack (a prefill's handoff stored first; a batch prompt's ack confirmed)",
 		Record: "- (the gateway records done; a replay's result is kept in it; a handoff not stored: failed)",
 		Client: "had its answer (a handoff not stored: 503, or 429 when the decode queue is full)", KV: "a prefill's: handed to the decode", DLQ: "-"},

@@ -9,7 +9,7 @@ import (
 
 // TestSettleTable holds the settle table to the rows an operator asks
 // about: for each kind of delivery and each way its handler can end, the
-// verdict, and so (through effects) what becomes of the message, the
+// verdict, and so (through Effects) what becomes of the message, the
 // record, the client, the KV and the dead letter.
 func TestSettleTable(t *testing.T) {
 	prefill := Facts{Stage: dispatcher.StagePrefill, Attempt: 1, MaxDeliver: 3, HandBacks: true, Ran: true}
@@ -69,7 +69,7 @@ func TestSettleTable(t *testing.T) {
 		})
 	}
 	for _, a := range []Action{ActAck, ActMigrate, ActStop, ActExpire, ActNothing, ActFail, ActHandBack, ActRegenerate, ActRetry, ActUnrun, ActNak} {
-		if e, ok := Effects[a]; !ok || e.Msg == "" || e.Record == "" || e.Client == "" || e.KV == "" || e.DLQ == "" {
+		if e, ok := Effects(a); !ok || e.Msg == "" || e.Record == "" || e.Client == "" || e.KV == "" || e.DLQ == "" {
 			t.Errorf("the effects of %q are not all said: %+v", a, e)
 		}
 	}

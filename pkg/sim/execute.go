@@ -54,12 +54,8 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 		return e.executeBatched(ctx, j, noKV, emit)
 	}
 	defer j.markLoaded()
-	if j.loadAfter != nil {
-		select {
-		case <-j.loadAfter:
-		case <-ctx.Done():
-			return outcome{}, ctx.Err()
-		}
+	if err := j.waitLoadAfter(ctx); err != nil {
+		return outcome{}, err
 	}
 	release, err := e.admit(ctx, j)
 	if err != nil {
@@ -117,12 +113,8 @@ func (e *Engine) execute(ctx context.Context, j *job, noKV bool, emit func(token
 // decode), and says each token as a step samples it.
 func (e *Engine) executeBatched(ctx context.Context, j *job, noKV bool, emit func(token) error) (outcome, error) {
 	defer j.markLoaded()
-	if j.loadAfter != nil {
-		select {
-		case <-j.loadAfter:
-		case <-ctx.Done():
-			return outcome{}, ctx.Err()
-		}
+	if err := j.waitLoadAfter(ctx); err != nil {
+		return outcome{}, err
 	}
 	digest := j.prompt.Digest
 	n, finish := e.outputLength(j, digest)

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -93,6 +94,20 @@ type job struct {
 func (j *job) markLoaded() {
 	if j.loaded != nil {
 		j.loadedOnce.Do(func() { close(j.loaded) })
+	}
+}
+
+// waitLoadAfter waits until the previous prompt of a decode batch has
+// read its KV (at once for any other job), or ctx ends.
+func (j *job) waitLoadAfter(ctx context.Context) error {
+	if j.loadAfter == nil {
+		return nil
+	}
+	select {
+	case <-j.loadAfter:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 }
 
