@@ -105,6 +105,10 @@ type Job struct {
 	// payload, without NATS headers (see reply.Writer); a worker sends
 	// them with headers otherwise.
 	ReplyFramed bool
+	// ReplyStart says the gateway wants to hear at once that a decode of
+	// the job started: a beat as it starts (see reply.Writer.BeatAtOnce),
+	// not after the first interval. Its fair queue's turn ends then.
+	ReplyStart bool
 	// HandBacks counts the times a worker gave the job back unrun (its
 	// engine failing, or a continuation's engine the one it broke on);
 	// each copy has its own message id.
@@ -261,6 +265,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	if j.ReplyFramed {
 		h[HeaderReplyFrame] = []string{"1"}
 	}
+	if j.ReplyStart {
+		h[HeaderReplyStart] = []string{"1"}
+	}
 	if j.BatchPrompt {
 		h[HeaderBatchPrompt] = []string{"1"}
 	}
@@ -406,6 +413,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.RecordRevision, _ = strconv.ParseUint(h.Get(HeaderRecordRevision), 10, 64)
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
+	j.ReplyStart = h.Get(HeaderReplyStart) == "1"
 	j.BatchPrompt = h.Get(HeaderBatchPrompt) == "1"
 	if p := h.Get(HeaderPrefill); p != "" {
 		j.Prefill = new(StageRecord)

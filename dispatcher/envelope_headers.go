@@ -38,6 +38,9 @@ const (
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
 	HeaderReplyFrame = "Pdq-Reply-Frame"
+	// HeaderReplyStart is set on jobs whose gateway wants a beat as their
+	// decode starts.
+	HeaderReplyStart = "Pdq-Reply-Start"
 	// HeaderBatchPrompt is set on the jobs of a batched request's prompts.
 	HeaderBatchPrompt = "Pdq-Batch-Prompt"
 	// HeaderRecordRevision is the job's RecordRevision, when known.

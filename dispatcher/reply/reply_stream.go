@@ -129,11 +129,11 @@ func (r *Replies) deliver(msg *nats.Msg) delivery {
 //
 // A stream is used by one goroutine at a time: the request's handler,
 // which in a batch hands each prompt's stream to a reader goroutine of its
-// own and closes it once the readers are done. Start, Whole, OnIdle, Next,
-// Heard, Rearm, Generation and Close are that goroutine's; attempt, next,
-// moved, base, heard, stall, idle and pending are read and written by it
-// only, without a lock. Replies.deliver, on other goroutines, uses only
-// q, overflow and latest.
+// own and closes it once the readers are done. Start, Whole, OnIdle,
+// OnStarted, Next, Heard, Rearm, Generation and Close are that goroutine's;
+// attempt, next, moved, base, heard, stall, idle, onStarted and pending
+// are read and written by it only, without a lock. Replies.deliver, on
+// other goroutines, uses only q, overflow and latest.
 type Stream struct {
 	// Set by Open, read without a lock.
 	id    string
@@ -163,6 +163,8 @@ type Stream struct {
 	stall *time.Timer
 	// idle runs before Next waits (OnIdle).
 	idle func() error
+	// onStarted run as a decode is heard from (OnStarted).
+	onStarted []func()
 	// pending are the chunks of a batched message not returned yet.
 	pending [][]byte
 }
@@ -210,6 +212,17 @@ func (s *Stream) Heard() bool { return s.heard }
 // replies instead of once per reply. Next fails, wrapping ErrIdle, when f
 // does.
 func (s *Stream) OnIdle(f func() error) { s.idle = f }
+
+// OnStarted adds f to the functions called, on Next's goroutine, whenever
+// a decode of the request is first heard from (its first beat, chunk or
+// end; again after Rearm): it no longer waits in a queue.
+func (s *Stream) OnStarted(f func()) { s.onStarted = append(s.onStarted, f) }
+
+func (s *Stream) started() {
+	for _, f := range s.onStarted {
+		f()
+	}
+}
 
 // ErrIdle wraps the error of the OnIdle function.
 var ErrIdle = errors.New("writing the replies so far failed")
@@ -291,6 +304,9 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 		}
 		if !s.heard || kind == dispatcher.KindBeat || (kind == dispatcher.KindChunk && seq <= s.next && s.next < seq+count) {
 			owed = true // a sign of life, or progress
+		}
+		if !s.heard {
+			s.started()
 		}
 		s.heard = true
 		switch kind {

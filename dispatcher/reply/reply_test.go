@@ -241,6 +241,56 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		return r
 	}
 
+	t.Run("a writer that beats at once is heard as its decode starts", func(t *testing.T) {
+		s, _ := replies.Open(p + "rs")
+		defer s.Close()
+		started := make(chan struct{}, 4)
+		s.OnStarted(func() { started <- struct{}{} })
+		got := make(chan error, 1)
+		go func() {
+			r, err := next(s)
+			if err == nil && (r.Kind != dispatcher.KindChunk || string(r.Data) != "a") {
+				err = fmt.Errorf("got %+v; want chunk a", r)
+			}
+			got <- err
+		}()
+		w := newWriter(nc, replies.Subject(p+"rs"), 1)
+		w.BeatAtOnce()
+		stop := w.Beats(ctx, time.Hour) // no beat but the first
+		defer stop()
+		select {
+		case <-started:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the decode was not heard from before its first chunk")
+		}
+		w.Chunk([]byte("a"))
+		if err := <-got; err != nil {
+			t.Fatal(err)
+		}
+		end(t, w.Done)
+		wantKind(t, s, dispatcher.KindDone)
+		if len(started) != 0 {
+			t.Errorf("heard from %d more times; want once", len(started))
+		}
+	})
+
+	t.Run("a writer that does not beat at once is heard at its first chunk", func(t *testing.T) {
+		s, _ := replies.Open(p + "rs2")
+		defer s.Close()
+		started := 0
+		s.OnStarted(func() { started++ })
+		w := newWriter(nc, replies.Subject(p+"rs2"), 1)
+		stop := w.Beats(ctx, time.Hour)
+		defer stop()
+		w.Chunk([]byte("a"))
+		want(t, s, "a")
+		if started != 1 {
+			t.Errorf("heard from %d times at the first chunk; want once", started)
+		}
+		end(t, w.Done)
+		wantKind(t, s, dispatcher.KindDone)
+	})
+
 	t.Run("chunks in order, then done", func(t *testing.T) {
 		s, _ := replies.Open(p + "r1")
 		defer s.Close()

@@ -40,8 +40,8 @@ import (
 // from any goroutine.
 type Writer struct {
 	// Set before the writer is shared (by NewWriter, and Frame,
-	// Local, SetEndWait and Watch before Beats starts), read without a
-	// lock.
+	// Local, SetEndWait, BeatAtOnce and Watch before Beats starts), read
+	// without a lock.
 	nc      *nats.Conn
 	subject string
 	// local is the gateway of subject when it runs in this process: the
@@ -52,6 +52,8 @@ type Writer struct {
 	framed   bool
 	// endWait bounds the wait for the gateway's ack of the end.
 	endWait time.Duration
+	// beatAtOnce sends the first beat as Beats starts (BeatAtOnce).
+	beatAtOnce bool
 
 	// mu guards the fields below. A beat hands a local gateway its
 	// message under mu, so that it comes after the chunks it counts.
@@ -131,6 +133,11 @@ func (w *Writer) ContinueAt(n int) {
 	defer w.mu.Unlock()
 	w.seq, w.base, w.start = n, n, n
 }
+
+// BeatAtOnce makes Beats send its first beat at once, for a gateway that
+// wants to hear as a decode starts, before its first chunk (Job.ReplyStart:
+// its fair queue lets the next request in then, see Stream.OnStarted).
+func (w *Writer) BeatAtOnce() { w.beatAtOnce = true }
 
 // SetEndWait bounds the wait for the gateway's ack of the end.
 func (w *Writer) SetEndWait(d time.Duration) {

@@ -52,10 +52,10 @@ func (w *Writer) isGone(superseded bool) {
 
 // Beats sends a heartbeat every interval until stopped, so that the
 // gateway knows the decode runs and learns how many chunks it should have.
-// The first goes out after one interval, not at once: a decode that
-// streams is heard by its chunks, most end before a beat is due, and the
-// interval is well within the gateway's stall time-out (see beatEvery).
-// An immediate beat cost every request a round trip.
+// The first goes out after one interval, not at once (unless BeatAtOnce):
+// a decode that streams is heard by its chunks, most end before a beat is
+// due, and the interval is well within the gateway's stall time-out (see
+// beatEvery). An immediate beat cost every request a round trip.
 func (w *Writer) Beats(ctx context.Context, every time.Duration) (stop func()) {
 	if w.subject == "" {
 		return func() {}
@@ -66,6 +66,9 @@ func (w *Writer) Beats(ctx context.Context, every time.Duration) (stop func()) {
 		defer close(done)
 		t := time.NewTicker(every)
 		defer t.Stop()
+		if w.beatAtOnce {
+			w.beat(bctx)
+		}
 		for {
 			select {
 			case <-bctx.Done():

@@ -99,6 +99,9 @@ func (d *Delivery) Replies() *reply.Writer {
 		d.replies = d.loop.replies(d.Job, d.Attempt)
 		if d.loop.cfg.Stage == dispatcher.StageDecode && d.ctx != nil {
 			d.replies.Watch(d.stop, d.loop.wanted(d.Job))
+			if d.Job.ReplyStart {
+				d.replies.BeatAtOnce() // the gateway's fair queue waits for it
+			}
 			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
 		}
 	}
