@@ -16,19 +16,24 @@ import (
 )
 
 // deadlineKey holds, in a request's echo context, its deadline as set when
-// it began to wait for its turn.
-const deadlineKey = "pdq.deadline"
+// it began to wait for its turn; turnKey its turn, which the relay tells
+// when a decode of it is heard from.
+const (
+	deadlineKey = "pdq.deadline"
+	turnKey     = "pdq.turn"
+)
 
 // fairRetryAfter is the Retry-After, in seconds, of a request refused for
 // its tenant's share of the queue: its tenant's requests wait already.
 const fairRetryAfter = 5
 
 // waitTurn holds a request in its pool's fair queue until the pool has
-// room for it; done is to be called when the request ends. A tenant over
-// its share gets a 429, a request whose deadline passes while it waits a
-// 504; a client that leaves while it waits gets nothing (done and apiErr
-// both nil).
-func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incoming, log *slog.Logger) (done func(), apiErr *openai.Error) {
+// room for it; the turn's Done is to be called when the request ends (its
+// Started, the relay has called once a decode of it is heard from). A
+// tenant over its share gets a 429, a request whose deadline passes while
+// it waits a 504; a client that leaves while it waits gets nothing (turn
+// and apiErr both nil).
+func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incoming, log *slog.Logger) (turn *fair.Turn, apiErr *openai.Error) {
 	pool := dispatcher.PoolName(in.req.Model)
 	q := h.fairQueue(pool)
 	// The request's deadline runs from now: its jobs carry what is left of
@@ -37,18 +42,20 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 	c.Set(deadlineKey, deadline)
 	ctx, cancel := context.WithDeadline(c.Request().Context(), deadline)
 	defer cancel()
-	cost := in.promptTokens
+	prompt := in.promptTokens
 	for _, n := range in.batchTokens {
-		cost += n
+		prompt += n
 	}
+	cost := prompt
 	if n, ok := in.req.OutputLimit(endpoint); ok {
 		cost += n
 	}
 	tenant := tenantOf(c, in.req)
-	done, err := q.Enter(ctx, tenant, in.req.Priority, cost)
+	turn, err := q.Enter(ctx, tenant, in.req.Priority, cost, prompt)
 	switch {
 	case err == nil:
-		return done, nil
+		c.Set(turnKey, turn)
+		return turn, nil
 	case errors.Is(err, fair.ErrTenantFull):
 		log.Debug("refused: the tenant's share of the queue is full", "tenant", tenant)
 		c.Response().Header().Set("Retry-After", strconv.Itoa(fairRetryAfter))
@@ -60,19 +67,33 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 	return nil, openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", "while it waited for its turn")
 }
 
-// fairQueue is pool's fair queue. Its limit is the most the pool's
-// workers take at once, prefill and decode (their PDQ_ENGINE_SLOTS):
-// beyond that, a request would only wait in JetStream's queue, first come
-// first served. Not their engines' seats as seen so far, which grow only
-// with jobs beyond them.
+// fairQueue is pool's fair queue. A request holds its turn until a decode
+// of it starts (its worker beats at once, Job.ReplyStart): until then it
+// waits for a prefill, runs one, or waits for a decode, and more of them
+// in the engines or queues would only wait there, first come first
+// served, or slow each other's prefills alike in the engines' batches. The pool lets in, and not
+// started, one request an engine of its first stage (prefill, or decode in
+// a pool without prefill workers), or more while their prompts hold at
+// most FairLoad tokens an engine: about one prompt at a time an engine,
+// where a prefill's cost grows with its tokens, and small prompts batched,
+// up to twice the seats the workers saw their engines run (so that the
+// seats they learn can grow) within the workers' slots.
 func (h *handlers) fairQueue(pool string) *fair.Queue {
 	if q, ok := h.queues.Load(pool); ok {
 		return q.(*fair.Queue)
 	}
 	q, _ := h.queues.LoadOrStore(pool, fair.New(h.cfg.MaxQueue,
 		func(tenant string) float64 { return h.cfg.TenantWeights[tenant] },
-		func() int {
-			return max(1, h.registry.MostSlots(dispatcher.StagePrefill, pool)+h.registry.MostSlots(dispatcher.StageDecode, pool))
+		func() fair.Limit {
+			stage := dispatcher.StagePrefill
+			engines := len(h.registry.Engines(stage, pool))
+			if engines == 0 {
+				stage = dispatcher.StageDecode
+				engines = len(h.registry.Engines(stage, pool))
+			}
+			engines = max(engines, 1)
+			most := min(2*h.registry.SeatsSeen(stage, pool), h.registry.MostSlots(stage, pool))
+			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad}
 		}))
 	return q.(*fair.Queue)
 }

@@ -83,14 +83,14 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			return h.unavailable(c, "pdq's queue cannot store (stream %s: its disk may be full); retry", bad.Stream)
 		}
 		if h.cfg.FairQueue {
-			done, apiErr := h.waitTurn(c, endpoint, in, log)
+			turn, apiErr := h.waitTurn(c, endpoint, in, log)
 			switch {
 			case apiErr != nil:
 				return writeError(c, apiErr)
-			case done == nil:
+			case turn == nil:
 				return nil // the client left
 			}
-			defer done()
+			defer turn.Done()
 		}
 		if in.batch != nil {
 			return h.generateBatch(c, endpoint, clientID, id, in, pool, log)
@@ -135,7 +135,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	now := time.Now()
 	job := &dispatcher.Job{
 		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,
-		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, BatchPrompt: batch,
+		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, ReplyStart: h.cfg.FairQueue, BatchPrompt: batch,
 		Owner:     callerOf(c).owner,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}
@@ -148,7 +148,11 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
 		var placed func()
 		job.Prefer, placed = h.placer.Place(func() []uint64 { return affinity.PromptHashes(endpoint, req) }, h.registry.Engines(stage, job.Pool))
-		context.AfterFunc(c.Request().Context(), placed) // the request's context ends with its handler
+		// The engine is free of it once its decode starts (see
+		// affinity.Placer), or when the request ends: its context ends
+		// with its handler.
+		replies.OnStarted(placed)
+		context.AfterFunc(c.Request().Context(), placed)
 	}
 	slots := func() int { return h.registry.Slots(stage, job.Pool) }
 	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, slots); err != nil {

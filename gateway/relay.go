@@ -13,6 +13,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/fair"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -82,6 +83,13 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 	var sse *openai.SSEWriter
 	if stream {
 		sse = openai.NewSSEWriter(c.Response())
+	}
+	// The request's turn in the fair queue ends once a decode of it is
+	// heard from: it no longer waits for the pool (see fair.Queue).
+	if turn, ok := c.Get(turnKey).(*fair.Turn); ok {
+		for _, l := range legs {
+			l.replies.OnStarted(turn.Started)
+		}
 	}
 	next, wait := h.readLegs(ctx, legs, sse)
 	defer wait()

@@ -9,11 +9,12 @@ import (
 	"time"
 )
 
-// TestFairQueue runs pdq up with one prefill and one decode engine of one
-// seat each (the pool runs two requests at once), and floods it from one
-// tenant: another tenant's request, and a request of a better priority,
-// go in ahead of the flood, and a tenant over its share of the queue is
-// refused before the other tenant is.
+// TestFairQueue runs pdq up with one prefill and one decode engine, and
+// floods it from one tenant: another tenant's request, and a request of a
+// better priority, go in ahead of the flood, and a tenant over its share
+// of the queue is refused before the other tenant is. The flood waits in
+// the gateway, not in the workers or the engines, whatever slots the
+// workers have: a request holds its turn only until its prefill is done.
 func TestFairQueue(t *testing.T) {
 	type result struct {
 		name   string
@@ -21,11 +22,14 @@ func TestFairQueue(t *testing.T) {
 		retry  string
 		at     time.Time
 	}
+	// oneSeat gives each worker one engine slot: the pool runs two
+	// requests at once, one a stage.
+	oneSeat := []string{"PDQ_ENGINE_SLOTS=1"}
 	run := func(t *testing.T, env []string, flood int, floodBody body, late string, lateBody body) map[string]result {
 		t.Helper()
-		_, pe := startSimProcess(t, "--scheduling-policy", "priority")
+		_, pe := startSimProcess(t, "--scheduling-policy", "priority", "--max-num-seqs", "1", "--prefill-overhead", "100ms")
 		_, de := startSimProcess(t, "--scheduling-policy", "priority", "--itl", "10ms")
-		_, url := startUp(t, append([]string{"PDQ_ENGINE_SLOTS=1", "PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, env...)...)
+		_, url := startUp(t, append([]string{"PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, env...)...)
 		var mu sync.Mutex
 		out := map[string]result{}
 		var wg sync.WaitGroup
@@ -72,19 +76,29 @@ func TestFairQueue(t *testing.T) {
 	}
 
 	t.Run("another tenant goes in ahead of a flood", func(t *testing.T) {
-		out := run(t, nil, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		out := run(t, oneSeat, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
 		if r := rank(out, "small"); r < 1 || r > 4 {
 			t.Errorf("the small tenant's request finished %d of %d; want within the first 4 (it waited for at most two turns)", r, len(out))
 		}
 	})
+	t.Run("with the workers' default slots too", func(t *testing.T) {
+		// The workers would take the flood (8 prefill slots), to queue
+		// it in the engine, first come first served, behind one prefill
+		// at a time. Decodes run side by side here: the flood's first
+		// prefills finish before the small request's.
+		out := run(t, nil, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		if r := rank(out, "small"); r < 1 || r > 6 {
+			t.Errorf("the small tenant's request finished %d of %d; want within the first 6", r, len(out))
+		}
+	})
 	t.Run("a better priority goes in ahead", func(t *testing.T) {
-		out := run(t, nil, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0}))
+		out := run(t, oneSeat, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0}))
 		if r := rank(out, "urgent"); r < 1 || r > 4 {
 			t.Errorf("the priority 0 request finished %d of %d; want within the first 4", r, len(out))
 		}
 	})
 	t.Run("the flooding tenant is refused first", func(t *testing.T) {
-		out := run(t, []string{"PDQ_MAX_QUEUE=4"}, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		out := run(t, append(oneSeat, "PDQ_MAX_QUEUE=4"), 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
 		refused := 0
 		for _, r := range out {
 			if r.status == http.StatusTooManyRequests {

@@ -14,10 +14,9 @@ const placementIndexChunks = 1 << 16
 // Placer picks the prefill engine each job should go to first: the one
 // whose prefix cache likely holds the most of its prompt, weighed against
 // how busy each engine is (see Choose). An engine's load is the requests
-// this Placer placed there that have not ended, beyond the least loaded
-// engine's: known at once, unlike the workers' heartbeats, and fair
-// between engines although it counts each request's decode too. A gateway
-// keeps one.
+// this Placer placed there whose decode has not started, beyond the least
+// loaded engine's: known at once, unlike the workers' heartbeats. A
+// gateway keeps one.
 //
 // Place, and the functions it returns, are called from any number of
 // request goroutines at once.
@@ -36,8 +35,8 @@ func NewPlacer() *Placer {
 // Place returns the key of the engine a job should prefer among workers
 // (one per engine), and notes it; "" when there is nothing to choose
 // between. prompt gives the prompt's chunk hashes; it is called only then,
-// as hashing reads the prompt's text. done is to be called when the
-// request ends.
+// as hashing reads the prompt's text. done is to be called when its decode
+// starts, or the request ends (whichever comes first counts).
 func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
 	// Only engines whose workers take the jobs that prefer them: a worker
 	// of another build, or with PDQ_AFFINITY off, does not.

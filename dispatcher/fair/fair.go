@@ -18,9 +18,13 @@ var ErrTenantFull = errors.New("the tenant's share of the queue is full")
 // requests ask for (start-time fair queueing: a request's tags are where
 // its tenant's work so far ends). Requests wait here, in the gateway, not
 // in JetStream, whose queue is first in first out: one tenant's burst
-// would sit in front of everyone's requests there. A pool is full when it
-// runs as many requests as its workers have seats (the limit); from
-// then on each request that ends lets the next in.
+// would sit in front of everyone's requests there. A pool is full when as
+// many requests as the limit are let in and have not started (their first
+// answer has not come: they wait for a prefill, run one, or wait for a
+// decode's first step): from then on each request that starts, or ends
+// before it started, lets the next in. A request that has started holds
+// no turn, so that the limit bounds the work queued before the engines,
+// where waiting costs the time to first token, and not the decodes.
 //
 // A tenant's waiting requests are bounded by its share of maxQueue
 // (its weight among the tenants with requests here): a tenant that floods
@@ -33,12 +37,13 @@ type Queue struct {
 	// mu held: they must not call back into the queue.
 	maxQueue int
 	weight   func(tenant string) float64
-	limit    func() int
+	limit    func() Limit
 
 	// mu guards the fields below; a waiter's admitted channel is closed
 	// under it.
 	mu       sync.Mutex
-	running  int
+	running  int // let in, not started
+	load     int // the load of those
 	waiting  []*waiter
 	vtime    float64
 	tenants  map[string]*tenantState
@@ -48,46 +53,67 @@ type Queue struct {
 type tenantState struct {
 	finish  float64 // where the tenant's work so far ends, in virtual time
 	waiting int
-	running int
+	running int // let in, not ended
+}
+
+// Limit is what a pool may have let in and not started: a request goes in
+// while fewer than Requests are, or, while fewer than Most are, if the
+// load of those, with its own, is within Load (in the pool's unit: prompt
+// tokens, for the gateway). The load bound lets many small requests run
+// together, up to Most, the count a few large ones, each of which alone
+// passes the load bound.
+type Limit struct{ Requests, Most, Load int }
+
+// Turn is a request let in. Started and Done may be called from any
+// goroutine, each any number of times: the first call counts.
+type Turn struct {
+	q      *Queue
+	tenant string
+	load   int
+	// started and done are guarded by q.mu.
+	started, done bool
 }
 
 type waiter struct {
 	tenant        string
 	priority      int
+	load          int
 	seq           uint64
 	start, finish float64
 	admitted      chan struct{}
 }
 
 // New makes a pool's queue. maxQueue bounds the requests waiting in it,
-// weight gives a tenant's weight (0 for the default, 1), and limit how
-// many requests the pool runs at once; both are called with the queue's
-// lock held.
-func New(maxQueue int, weight func(string) float64, limit func() int) *Queue {
+// weight gives a tenant's weight (0 for the default, 1), and limit what
+// may be let in and not started; both are called with the queue's lock
+// held.
+func New(maxQueue int, weight func(string) float64, limit func() Limit) *Queue {
 	return &Queue{maxQueue: maxQueue, weight: weight, limit: limit, tenants: make(map[string]*tenantState)}
 }
 
-// Enter waits until the request may go into the queue, and returns the
-// function to call when it ends. cost is its work (prompt and output
-// tokens). It fails with ErrTenantFull when the tenant's share of the
-// queue is taken, or with ctx's error.
-func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost int) (done func(), err error) {
+// Enter waits until the request may go into the queue, and returns its
+// turn, to be told when the request starts and when it ends. cost is its
+// work, which its tenant's share counts (prompt and output tokens); load
+// what it holds of the pool's limit until it starts (its prompt tokens).
+// It fails with ErrTenantFull when the tenant's share of the queue is
+// taken, or with ctx's error.
+func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost, load int) (*Turn, error) {
 	q.mu.Lock()
 	t := q.tenants[tenant]
 	if t == nil {
 		t = &tenantState{}
 		q.tenants[tenant] = t
 	}
-	w := &waiter{tenant: tenant, priority: priority, seq: q.arrivals, admitted: make(chan struct{})}
+	w := &waiter{tenant: tenant, priority: priority, load: max(load, 1), seq: q.arrivals, admitted: make(chan struct{})}
 	q.arrivals++
 	w.start = math.Max(q.vtime, t.finish)
 	w.finish = w.start + float64(max(cost, 1))/q.weightOf(tenant)
-	if len(q.waiting) == 0 && q.running < q.limit() {
+	if len(q.waiting) == 0 && q.roomLocked(w.load) {
 		t.finish = w.finish
 		q.vtime = w.start
 		q.admitLocked(w, t)
 		q.mu.Unlock()
-		return q.doneFunc(tenant), nil
+		return &Turn{q: q, tenant: tenant, load: w.load}, nil
 	}
 	if t.waiting >= q.shareLocked(tenant) {
 		q.dropIfIdleLocked(tenant, t)
@@ -101,14 +127,14 @@ func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost int) (d
 
 	select {
 	case <-w.admitted:
-		return q.doneFunc(tenant), nil
+		return &Turn{q: q, tenant: tenant, load: w.load}, nil
 	case <-ctx.Done():
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	select {
 	case <-w.admitted: // let in as it gave up: it ends at once
-		q.endLocked(tenant)
+		(&Turn{q: q, tenant: tenant, load: w.load}).endLocked()
 	default:
 		q.waiting = slices.DeleteFunc(q.waiting, func(x *waiter) bool { return x == w })
 		t.waiting--
@@ -117,30 +143,46 @@ func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost int) (d
 	return nil, ctx.Err()
 }
 
-func (q *Queue) doneFunc(tenant string) func() {
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			q.mu.Lock()
-			defer q.mu.Unlock()
-			q.endLocked(tenant)
-		})
-	}
+// Started says the request's first answer came: it no longer holds a
+// turn, and the next request may go in.
+func (t *Turn) Started() {
+	t.q.mu.Lock()
+	defer t.q.mu.Unlock()
+	t.startLocked()
 }
 
-// endLocked ends a running request and lets the next ones in.
-func (q *Queue) endLocked(tenant string) {
-	q.running--
-	t := q.tenants[tenant]
-	t.running--
-	q.dropIfIdleLocked(tenant, t)
-	q.dispatchLocked()
+// Done says the request ended; one that had not started starts too.
+func (t *Turn) Done() {
+	t.q.mu.Lock()
+	defer t.q.mu.Unlock()
+	t.endLocked()
+}
+
+func (t *Turn) startLocked() {
+	if t.started {
+		return
+	}
+	t.started = true
+	t.q.running--
+	t.q.load -= t.load
+	t.q.dispatchLocked()
+}
+
+func (t *Turn) endLocked() {
+	if t.done {
+		return
+	}
+	t.done = true
+	t.startLocked()
+	ts := t.q.tenants[t.tenant]
+	ts.running--
+	t.q.dropIfIdleLocked(t.tenant, ts)
 }
 
 // dispatchLocked lets waiting requests in while the pool has room: the
 // lowest priority value, then the smallest start tag, then the earliest.
 func (q *Queue) dispatchLocked() {
-	for len(q.waiting) > 0 && q.running < q.limit() {
+	for len(q.waiting) > 0 {
 		i := 0
 		for j, w := range q.waiting[1:] {
 			if before(w, q.waiting[i]) {
@@ -148,6 +190,9 @@ func (q *Queue) dispatchLocked() {
 			}
 		}
 		w := q.waiting[i]
+		if !q.roomLocked(w.load) {
+			return // the next in order waits; none passes it
+		}
 		q.waiting = slices.Delete(q.waiting, i, i+1)
 		t := q.tenants[w.tenant]
 		t.waiting--
@@ -166,8 +211,15 @@ func before(a, b *waiter) bool {
 	return a.seq < b.seq
 }
 
+// roomLocked says whether a request of load may go in now.
+func (q *Queue) roomLocked(load int) bool {
+	l := q.limit()
+	return q.running < l.Requests || q.running < l.Most && q.load+load <= l.Load
+}
+
 func (q *Queue) admitLocked(w *waiter, t *tenantState) {
 	q.running++
+	q.load += w.load
 	t.running++
 	close(w.admitted)
 }
@@ -209,7 +261,8 @@ func (q *Queue) tenantsKept() int {
 	return len(q.tenants)
 }
 
-// stats are the requests running and waiting, for tests and metrics.
+// stats are the requests let in and not started, and those waiting, for
+// tests.
 func (q *Queue) stats() (running, waiting int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()

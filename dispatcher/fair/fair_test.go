@@ -16,13 +16,13 @@ type queueRun struct {
 	q     *Queue
 	mu    sync.Mutex
 	order []string
-	dones map[string]func()
+	turns map[string]*Turn
 	wg    sync.WaitGroup
 }
 
 func newQueueRun(maxQueue int, weights map[string]float64) *queueRun {
-	return &queueRun{q: New(maxQueue, func(t string) float64 { return weights[t] }, func() int { return 1 }),
-		dones: map[string]func(){}}
+	return &queueRun{q: New(maxQueue, func(t string) float64 { return weights[t] }, func() Limit { return Limit{Requests: 1} }),
+		turns: map[string]*Turn{}}
 }
 
 // add enters a request and waits until it waits in the queue (or is in).
@@ -31,14 +31,14 @@ func (r *queueRun) add(t *testing.T, name, tenant string, priority, cost int) er
 	_, before := r.q.stats()
 	errc := make(chan error, 1)
 	r.wg.Go(func() {
-		done, err := r.q.Enter(context.Background(), tenant, priority, cost)
+		turn, err := r.q.Enter(context.Background(), tenant, priority, cost, 1)
 		if err != nil {
 			errc <- err
 			return
 		}
 		r.mu.Lock()
 		r.order = append(r.order, name)
-		r.dones[name] = done
+		r.turns[name] = turn
 		r.mu.Unlock()
 		errc <- nil
 	})
@@ -80,9 +80,9 @@ func (r *queueRun) drain(t *testing.T, n int) []string {
 			time.Sleep(time.Millisecond)
 		}
 		r.mu.Lock()
-		done := r.dones[name]
+		turn := r.turns[name]
 		r.mu.Unlock()
-		done()
+		turn.Done()
 	}
 	r.wg.Wait()
 	return r.order
@@ -161,34 +161,108 @@ func TestFairQueueShare(t *testing.T) {
 }
 
 func TestFairQueueGivesUp(t *testing.T) {
-	q := New(10, func(string) float64 { return 1 }, func() int { return 1 })
-	done, err := q.Enter(context.Background(), "a", 0, 1)
+	q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1} })
+	turn, err := q.Enter(context.Background(), "a", 0, 1, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	if _, err := q.Enter(ctx, "b", 0, 1); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := q.Enter(ctx, "b", 0, 1, 1); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("a wait past its deadline: %v", err)
 	}
 	if _, waiting := q.stats(); waiting != 0 {
 		t.Errorf("%d waiting after the only waiter gave up", waiting)
 	}
-	done()
-	done() // twice: counted once
+	turn.Done()
+	turn.Done() // twice: counted once
 	if running, _ := q.stats(); running != 0 {
 		t.Errorf("%d running after the only request ended", running)
 	}
 	// Tenants come and go (the body's user is the client's to name): the
 	// queue keeps only those present.
 	for i := range 100 {
-		done, err := q.Enter(context.Background(), fmt.Sprintf("tenant-%d", i), 0, 10)
+		turn, err := q.Enter(context.Background(), fmt.Sprintf("tenant-%d", i), 0, 10, 10)
 		if err != nil {
 			t.Fatal(err)
 		}
-		done()
+		turn.Done()
 	}
 	if n := q.tenantsKept(); n != 0 {
 		t.Errorf("%d tenants kept after all left, want 0", n)
+	}
+}
+
+// TestFairQueueStarted: a request whose first answer came holds no turn,
+// so the next goes in while it decodes; it still counts for its tenant
+// until it ends.
+func TestFairQueueStarted(t *testing.T) {
+	q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1} })
+	first, err := q.Enter(context.Background(), "a", 0, 1, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := make(chan *Turn, 1)
+	go func() {
+		turn, err := q.Enter(context.Background(), "b", 0, 1, 1)
+		if err != nil {
+			t.Error(err)
+		}
+		next <- turn
+	}()
+	for _, waiting := q.stats(); waiting == 0; _, waiting = q.stats() {
+		time.Sleep(time.Millisecond)
+	}
+	first.Started()
+	first.Started() // twice: counted once
+	second := <-next
+	if running, waiting := q.stats(); running != 1 || waiting != 0 {
+		t.Errorf("running %d, waiting %d once the first started; want 1 and 0", running, waiting)
+	}
+	if n := q.tenantsKept(); n != 2 {
+		t.Errorf("%d tenants kept while both requests run; want 2", n)
+	}
+	first.Done()
+	second.Done()
+	if running, _ := q.stats(); running != 0 || q.tenantsKept() != 0 {
+		t.Errorf("running %d, %d tenants kept after both ended", running, q.tenantsKept())
+	}
+}
+
+// TestFairQueueLimit: small requests go in together while their load fits
+// (up to Most), a large one goes in alone within the request count, and
+// one that does not fit waits, holding back those behind it.
+func TestFairQueueLimit(t *testing.T) {
+	q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Most: 3, Load: 10} })
+	enter := func(tenant string, load int) *Turn {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		turn, err := q.Enter(ctx, tenant, 0, load, load)
+		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatal(err)
+		}
+		return turn
+	}
+	a, b, c := enter("a", 4), enter("b", 4), enter("c", 2)
+	if a == nil || b == nil || c == nil {
+		t.Fatalf("small requests within the load kept out: %v %v %v", a, b, c)
+	}
+	if d := enter("d", 1); d != nil {
+		t.Errorf("a fourth request let in past Most (3)")
+	}
+	a.Started()
+	b.Started()
+	c.Started()
+	big := enter("big", 50)
+	if big == nil {
+		t.Fatal("a request over the load kept out while none runs")
+	}
+	if e := enter("e", 1); e != nil {
+		t.Error("a request let in past the count while the load is full")
+	}
+	big.Done()
+	if f := enter("f", 1); f == nil {
+		t.Error("a small request kept out once the big one ended")
 	}
 }

@@ -354,6 +354,14 @@ func (r *Registry) Slots(stage dispatcher.Stage, pool string) int {
 	return r.sumLive(stage, pool, dispatcher.WorkerInfo.Capacity)
 }
 
+// SeatsSeen sums the seats pool's live workers of stage have seen their
+// engines run, counting one for a worker that has not said (see
+// WorkerInfo.Seats): what the pool is known to run at once, where Slots
+// would count a new worker's PDQ_ENGINE_SLOTS.
+func (r *Registry) SeatsSeen(stage dispatcher.Stage, pool string) int {
+	return r.sumLive(stage, pool, func(w dispatcher.WorkerInfo) int { return max(w.Seats, 1) })
+}
+
 // sumLive sums f over pool's live workers of stage.
 func (r *Registry) sumLive(stage dispatcher.Stage, pool string, f func(dispatcher.WorkerInfo) int) int {
 	r.mu.Lock()

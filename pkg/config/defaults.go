@@ -79,6 +79,12 @@ const (
 	// KeepEvery is how often, at most, a loop that takes jobs renews its
 	// stream's keeper.
 	KeepEvery = 2 * time.Second
+	// FairLoad is the prompt tokens the gateway's fair queue lets in, and
+	// not started, for each engine of a pool's first stage, beyond one
+	// request an engine (see gateway's fairQueue): about the tokens past
+	// which a prefill step's cost grows with its tokens, not its fixed
+	// part, so that batching more prompts only slows each alike.
+	FairLoad = 2048
 	// ModelsRefresh is how often a worker reads its engine's /v1/models
 	// again: an adapter loaded at run time is served within this time.
 	ModelsRefresh = 10 * time.Second
