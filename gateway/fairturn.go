@@ -6,21 +6,25 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/affinity"
 	"github.com/pdq-dev/pdq/dispatcher/fair"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
 // deadlineKey holds, in a request's echo context, its deadline as set when
 // it began to wait for its turn; turnKey its turn, which the relay tells
-// when a decode of it is heard from.
+// when a decode of it is heard from; hashesKey its prompt's chunk hashes
+// (a func() []uint64, computed once), for its placement.
 const (
 	deadlineKey = "pdq.deadline"
 	turnKey     = "pdq.turn"
+	hashesKey   = "pdq.hashes"
 )
 
 // fairRetryAfter is the Retry-After, in seconds, of a request refused for
@@ -50,8 +54,17 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 	if n, ok := in.req.OutputLimit(endpoint); ok {
 		cost += n
 	}
+	// What it holds of the pool's limit is what the engines will compute:
+	// not the part an engine's prefix cache likely holds.
+	load := prompt
+	if h.placer != nil && in.batch == nil {
+		hashes := sync.OnceValue(func() []uint64 { return affinity.PromptHashes(endpoint, in.req) })
+		c.Set(hashesKey, hashes)
+		cached := h.placer.Cached(hashes, h.registry.Engines(dispatcher.StagePrefill, pool))
+		load = max(1, int(float64(prompt)*(1-cached)))
+	}
 	tenant := tenantOf(c, in.req)
-	turn, err := q.Enter(ctx, tenant, in.req.Priority, cost, prompt)
+	turn, err := q.Enter(ctx, tenant, in.req.Priority, cost, load)
 	switch {
 	case err == nil:
 		c.Set(turnKey, turn)
@@ -71,13 +84,15 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 // of it starts (its worker beats at once, Job.ReplyStart): until then it
 // waits for a prefill, runs one, or waits for a decode, and more of them
 // in the engines or queues would only wait there, first come first
-// served, or slow each other's prefills alike in the engines' batches. The pool lets in, and not
-// started, one request an engine of its first stage (prefill, or decode in
-// a pool without prefill workers), or more while their prompts hold at
-// most FairLoad tokens an engine: about one prompt at a time an engine,
-// where a prefill's cost grows with its tokens, and small prompts batched,
-// up to twice the seats the workers saw their engines run (so that the
-// seats they learn can grow) within the workers' slots.
+// served, or slow each other's prefills alike in the engines' batches.
+// The pool lets in, and not started, one request an engine of its first
+// stage (prefill, or decode in a pool without prefill workers), or more
+// while the prompt tokens they leave the engines to compute (those no
+// prefix cache likely holds) are at most FairLoad an engine: about one
+// prompt at a time an engine, where a prefill's cost grows with its
+// tokens, and small or mostly cached prompts together, up to twice the
+// seats the workers saw their engines run (so that the seats they learn
+// can grow), within the workers' slots.
 func (h *handlers) fairQueue(pool string) *fair.Queue {
 	if q, ok := h.queues.Load(pool); ok {
 		return q.(*fair.Queue)

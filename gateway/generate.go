@@ -145,19 +145,25 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	if clientID != id {
 		job.ClientID = clientID
 	}
+	slots := func() int { return h.registry.Slots(stage, job.Pool) }
+	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, slots); err != nil {
+		replies.Close()
+		return nil, nil, nil, h.submitFailed(c, err, log)
+	}
+	// Placed only once admitted: a request refused would leave its prompt
+	// in the index, where it was never sent.
 	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
+		hashes, ok := c.Get(hashesKey).(func() []uint64) // hashed already for its turn
+		if !ok {
+			hashes = func() []uint64 { return affinity.PromptHashes(endpoint, req) }
+		}
 		var placed func()
-		job.Prefer, placed = h.placer.Place(func() []uint64 { return affinity.PromptHashes(endpoint, req) }, h.registry.Engines(stage, job.Pool))
+		job.Prefer, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
 		// The engine is free of it once its decode starts (see
 		// affinity.Placer), or when the request ends: its context ends
 		// with its handler.
 		replies.OnStarted(placed)
 		context.AfterFunc(c.Request().Context(), placed)
-	}
-	slots := func() int { return h.registry.Slots(stage, job.Pool) }
-	if err := h.admission.Check(c.Request().Context(), stage, job.Pool, slots); err != nil {
-		replies.Close()
-		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
 	claim, err := h.submitter.Submit(c.Request().Context(), stage, job)
 	if err != nil {

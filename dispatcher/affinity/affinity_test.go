@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -135,5 +136,29 @@ func TestChoose(t *testing.T) {
 	}
 	if Choose(ix, doc, nil).Engine != "" {
 		t.Error("a choice among no engines")
+	}
+}
+
+// TestPlacerCached: the share of a prompt an engine was sent from the
+// start, which the fair queue leaves out of the prompt's load; nothing,
+// and no hashing, with fewer than two engines to choose between.
+func TestPlacerCached(t *testing.T) {
+	workers := []dispatcher.WorkerInfo{{Engine: "http://a", Affinity: true, Slots: 4}, {Engine: "http://b", Affinity: true, Slots: 4}}
+	p := NewPlacer()
+	hashes := func(text string) func() []uint64 { return func() []uint64 { return hashesOf(text) } }
+	doc := strings.Repeat("the same long document ", 100) // 2,300 bytes: 8 full chunks
+	if got := p.Cached(func() []uint64 { t.Fatal("hashed for one engine"); return nil }, workers[:1]); got != 0 {
+		t.Errorf("one engine: cached %v, want 0", got)
+	}
+	if got := p.Cached(hashes(doc), workers); got != 0 {
+		t.Errorf("a prompt never sent: cached %v, want 0", got)
+	}
+	_, done := p.Place(hashes(doc), workers)
+	done()
+	if got := p.Cached(hashes(doc), workers); got != 1 {
+		t.Errorf("the same prompt again: cached %v, want 1", got)
+	}
+	if got := p.Cached(hashes(doc[:len(doc)/2]+strings.Repeat("another ending ", 80)), workers); got < 0.3 || got > 0.7 {
+		t.Errorf("a prompt sharing half: cached %v, want about 0.5", got)
 	}
 }

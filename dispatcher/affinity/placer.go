@@ -38,24 +38,13 @@ func NewPlacer() *Placer {
 // as hashing reads the prompt's text. done is to be called when its decode
 // starts, or the request ends (whichever comes first counts).
 func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
-	// Only engines whose workers take the jobs that prefer them: a worker
-	// of another build, or with PDQ_AFFINITY off, does not.
-	var workers []dispatcher.WorkerInfo
-	for _, w := range all {
-		if w.Affinity {
-			workers = append(workers, w)
-		}
-	}
+	workers, keys := choosable(all)
 	if len(workers) < 2 {
 		return "", func() {}
 	}
 	hashes := prompt()
 	if len(hashes) == 0 {
 		return "", func() {}
-	}
-	keys := make([]string, len(workers))
-	for i, w := range workers {
-		keys[i] = dispatcher.EngineKey(w.Engine)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -78,6 +67,39 @@ func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 		engines[i] = Engine{Key: keys[i], Slots: w.Slots, Busy: p.busy[keys[i]] - least}
 	}
 	return p.choose(Choose(p.index, hashes, engines).Engine, hashes)
+}
+
+// Cached is the largest share of the prompt an engine among workers was
+// sent from the start (0 to 1): how much of it an engine's prefix cache
+// likely holds. It is 0, without calling prompt, when Place would have
+// nothing to choose between.
+func (p *Placer) Cached(prompt func() []uint64, all []dispatcher.WorkerInfo) float64 {
+	workers, keys := choosable(all)
+	if len(workers) < 2 {
+		return 0
+	}
+	hashes := prompt()
+	if len(hashes) == 0 {
+		return 0
+	}
+	best := 0
+	for _, key := range keys {
+		best = max(best, p.index.Matched(hashes, key))
+	}
+	return float64(best) / float64(len(hashes))
+}
+
+// choosable are the engines of all that a job may prefer, with their keys:
+// those whose workers take the jobs that prefer them (a worker of another
+// build, or with PDQ_AFFINITY off, does not).
+func choosable(all []dispatcher.WorkerInfo) (workers []dispatcher.WorkerInfo, keys []string) {
+	for _, w := range all {
+		if w.Affinity {
+			workers = append(workers, w)
+			keys = append(keys, dispatcher.EngineKey(w.Engine))
+		}
+	}
+	return workers, keys
 }
 
 // choose notes that a job whose prompt has hashes goes to engine, and
