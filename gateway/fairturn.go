@@ -14,6 +14,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/affinity"
 	"github.com/pdq-dev/pdq/dispatcher/fair"
+	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -37,7 +38,7 @@ const fairRetryAfter = 5
 // tenant over its share gets a 429, a request whose deadline passes while
 // it waits a 504; a client that leaves while it waits gets nothing (turn
 // and apiErr both nil).
-func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incoming, log *slog.Logger) (turn *fair.Turn, apiErr *openai.Error) {
+func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, clientID string, in *incoming, log *slog.Logger) (turn *fair.Turn, apiErr *openai.Error) {
 	pool := dispatcher.PoolName(in.req.Model)
 	q := h.fairQueue(pool)
 	// The request's deadline runs from now: its jobs carry what is left of
@@ -75,9 +76,40 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, in *incomi
 		return nil, openai.NewError(http.StatusTooManyRequests, "the queue is full; retry in %d s", fairRetryAfter)
 	case c.Request().Context().Err() != nil:
 		log.Debug("the client left while its request waited for its turn")
+		h.endWaiting(c, endpoint, id, clientID, in.req, deadline, dispatcher.StateCancelled, 499, errClientGone.Error(), log)
 		return nil, nil
 	}
-	return nil, openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", "while it waited for its turn")
+	apiErr = openai.NewError(http.StatusGatewayTimeout, "the request's deadline passed %s", "while it waited for its turn")
+	h.endWaiting(c, endpoint, id, clientID, in.req, deadline, dispatcher.StateExpired, apiErr.Status(), apiErr.Message, log)
+	return nil, apiErr
+}
+
+// endWaiting records a request that ended while it waited for its turn:
+// its id was not claimed yet, but a request that was taken leaves a record
+// of how it ended (pdq requests, GET /v1/requests/{id}), as one that ended
+// in JetStream's queue does. Its id is claimed and ended at once; an id
+// another request holds is left alone.
+func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clientID string, req *openai.Request, deadline time.Time,
+	state dispatcher.State, status int, why string, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(c.Request().Context()), lastWords)
+	defer cancel()
+	now := time.Now()
+	job := &dispatcher.Job{ID: id, ReplyTo: h.replies.Subject(id)}
+	rec := &dispatcher.Record{
+		ID: id, State: dispatcher.StateQueued, Generation: 1, Model: req.Model, Pool: dispatcher.PoolName(req.Model),
+		Endpoint: endpoint, Stream: req.Stream, Gateway: job.GatewayID(), Owner: callerOf(c).owner, Created: now, Updated: now,
+		Deadline: deadline,
+	}
+	if clientID != id {
+		rec.ClientID = clientID
+	}
+	if _, err := h.submitter.Claim(ctx, rec); err != nil {
+		log.Debug("no record of a request that ended while it waited for its turn", logging.Err(err))
+		return
+	}
+	if err := h.records.End(ctx, id, rec.Generation, state, &dispatcher.RecordError{Status: status, Message: why}); err != nil {
+		log.Warn("the record of a request that ended while it waited for its turn stays queued until its deadline", logging.Err(err))
+	}
 }
 
 // fairQueue is pool's fair queue. A request holds its turn until a decode

@@ -83,7 +83,7 @@ func (h *handlers) generate(endpoint openai.Endpoint) echo.HandlerFunc {
 			return h.unavailable(c, "pdq's queue cannot store (stream %s: its disk may be full); retry", bad.Stream)
 		}
 		if h.cfg.FairQueue {
-			turn, apiErr := h.waitTurn(c, endpoint, in, log)
+			turn, apiErr := h.waitTurn(c, endpoint, id, clientID, in, log)
 			switch {
 			case apiErr != nil:
 				return writeError(c, apiErr)
