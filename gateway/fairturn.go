@@ -56,13 +56,14 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 		cost += n
 	}
 	// What it holds of the pool's limit is what the engines will compute:
-	// not the part an engine's prefix cache likely holds.
+	// not the part an engine's prefix cache likely holds (its bytes, at
+	// four a token, as prompt tokens are estimated).
 	load := prompt
 	if h.placer != nil && in.batch == nil {
 		hashes := sync.OnceValue(func() []uint64 { return affinity.PromptHashes(endpoint, in.req) })
 		c.Set(hashesKey, hashes)
 		cached := h.placer.Cached(hashes, h.registry.Engines(dispatcher.StagePrefill, pool))
-		load = max(1, int(float64(prompt)*(1-cached)))
+		load = max(1, prompt-cached/4)
 	}
 	tenant := tenantOf(c, in.req)
 	turn, err := q.Enter(ctx, tenant, in.req.Priority, cost, load)

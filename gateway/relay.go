@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -85,10 +86,20 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 		sse = openai.NewSSEWriter(c.Response())
 	}
 	// The request's turn in the fair queue ends once a decode of it is
-	// heard from: it no longer waits for the pool (see fair.Queue).
+	// heard from (of each prompt, for a batch): it no longer waits for the
+	// pool (see fair.Queue).
 	if turn, ok := c.Get(turnKey).(*fair.Turn); ok {
+		var waiting atomic.Int64
+		waiting.Store(int64(len(legs)))
 		for _, l := range legs {
-			l.replies.OnStarted(turn.Started)
+			var once sync.Once
+			l.replies.OnStarted(func() {
+				once.Do(func() {
+					if waiting.Add(-1) == 0 {
+						turn.Started()
+					}
+				})
+			})
 		}
 	}
 	next, wait := h.readLegs(ctx, legs, sse)

@@ -55,7 +55,7 @@ type Config struct {
 	// Affinity prefers, for each prefill, the engine whose prefix cache
 	// likely holds its prompt's start (PDQ_AFFINITY; see affinity.Placer).
 	Affinity bool
-	// FairQueue holds what a pool cannot run yet in the gateway, in
+	// FairQueue holds what a pool cannot start yet in the gateway, in
 	// priority and tenant order (PDQ_FAIR_QUEUE; see package fair), with
 	// TenantWeights (PDQ_TENANT_WEIGHTS).
 	FairQueue     bool

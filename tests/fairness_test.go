@@ -14,7 +14,7 @@ import (
 // better priority, go in ahead of the flood, and a tenant over its share
 // of the queue is refused before the other tenant is. The flood waits in
 // the gateway, not in the workers or the engines, whatever slots the
-// workers have: a request holds its turn only until its prefill is done.
+// workers have: a request holds its turn only until its decode starts.
 func TestFairQueue(t *testing.T) {
 	type result struct {
 		name   string
@@ -46,7 +46,7 @@ func TestFairQueue(t *testing.T) {
 		for i := range flood {
 			wg.Go(func() { send(fmt.Sprintf("flood-%d", i), floodBody) })
 		}
-		time.Sleep(300 * time.Millisecond) // the flood is in: two run, the rest wait
+		time.Sleep(300 * time.Millisecond) // the flood is in: a few run, the rest wait
 		wg.Go(func() { send(late, lateBody) })
 		wg.Wait()
 		return out

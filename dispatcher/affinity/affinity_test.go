@@ -148,17 +148,20 @@ func TestPlacerCached(t *testing.T) {
 	hashes := func(text string) func() []uint64 { return func() []uint64 { return hashesOf(text) } }
 	doc := strings.Repeat("the same long document ", 100) // 2,300 bytes: 8 full chunks
 	if got := p.Cached(func() []uint64 { t.Fatal("hashed for one engine"); return nil }, workers[:1]); got != 0 {
-		t.Errorf("one engine: cached %v, want 0", got)
+		t.Errorf("one engine: cached %d bytes, want 0", got)
 	}
 	if got := p.Cached(hashes(doc), workers); got != 0 {
-		t.Errorf("a prompt never sent: cached %v, want 0", got)
+		t.Errorf("a prompt never sent: cached %d bytes, want 0", got)
 	}
 	_, done := p.Place(hashes(doc), workers)
 	done()
-	if got := p.Cached(hashes(doc), workers); got != 1 {
-		t.Errorf("the same prompt again: cached %v, want 1", got)
+	if got := p.Cached(hashes(doc), workers); got != 8*ChunkBytes {
+		t.Errorf("the same prompt again: cached %d bytes, want its 8 whole chunks, %d", got, 8*ChunkBytes)
 	}
-	if got := p.Cached(hashes(doc[:len(doc)/2]+strings.Repeat("another ending ", 80)), workers); got < 0.3 || got > 0.7 {
-		t.Errorf("a prompt sharing half: cached %v, want about 0.5", got)
+	if got := p.Cached(hashes(doc[:len(doc)/2]+strings.Repeat("another ending ", 80)), workers); got != 4*ChunkBytes {
+		t.Errorf("a prompt sharing its first 1,150 bytes: cached %d bytes, want 4 whole chunks, %d", got, 4*ChunkBytes)
+	}
+	if got := p.Cached(hashes(doc+strings.Repeat("a long new ending ", 1000)), workers); got != 8*ChunkBytes {
+		t.Errorf("the prompt with a long new ending: cached %d bytes, want the 8 chunks sent, %d", got, 8*ChunkBytes)
 	}
 }

@@ -18,13 +18,15 @@ const placementIndexChunks = 1 << 16
 // loaded engine's: known at once, unlike the workers' heartbeats. A
 // gateway keeps one.
 //
-// Place, and the functions it returns, are called from any number of
-// request goroutines at once.
+// Place, Cached, and the functions Place returns, are called from any
+// number of request goroutines at once.
 type Placer struct {
-	// mu guards index and busy.
-	mu    sync.Mutex
+	// index is set by NewPlacer and has a lock of its own; Place records
+	// in it with mu held, so that its choice and its count go together.
 	index *Index
-	busy  map[string]int // engine key → requests placed there, not ended
+	// mu guards busy.
+	mu   sync.Mutex
+	busy map[string]int // engine key → requests placed there whose decode has not started
 }
 
 // NewPlacer makes a gateway's Placer.
@@ -69,24 +71,21 @@ func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 	return p.choose(Choose(p.index, hashes, engines).Engine, hashes)
 }
 
-// Cached is the largest share of the prompt an engine among workers was
-// sent from the start (0 to 1): how much of it an engine's prefix cache
-// likely holds. It is 0, without calling prompt, when Place would have
-// nothing to choose between.
-func (p *Placer) Cached(prompt func() []uint64, all []dispatcher.WorkerInfo) float64 {
+// Cached is the most of the prompt's text, in bytes from its start, that
+// an engine among workers was sent: what an engine's prefix cache likely
+// holds of it (whole chunks of the first MaxChunks only). It is 0, without
+// calling prompt, when Place would have nothing to choose between.
+func (p *Placer) Cached(prompt func() []uint64, all []dispatcher.WorkerInfo) int {
 	workers, keys := choosable(all)
 	if len(workers) < 2 {
 		return 0
 	}
 	hashes := prompt()
-	if len(hashes) == 0 {
-		return 0
-	}
 	best := 0
 	for _, key := range keys {
 		best = max(best, p.index.Matched(hashes, key))
 	}
-	return float64(best) / float64(len(hashes))
+	return best * ChunkBytes
 }
 
 // choosable are the engines of all that a job may prefer, with their keys:

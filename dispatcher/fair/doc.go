@@ -1,4 +1,4 @@
-// Package fair orders the requests a pool cannot run yet: by vLLM's
+// Package fair orders the requests a pool cannot start yet: by vLLM's
 // priority first, then each tenant in turn in proportion to its weight
 // (start-time fair queueing), with a share of the queue per tenant so that
 // one tenant's flood is refused before anyone else waits for it. The

@@ -59,9 +59,9 @@ type tenantState struct {
 // Limit is what a pool may have let in and not started: a request goes in
 // while fewer than Requests are, or, while fewer than Most are, if the
 // load of those, with its own, is within Load (in the pool's unit: prompt
-// tokens, for the gateway). The load bound lets many small requests run
-// together, up to Most, the count a few large ones, each of which alone
-// passes the load bound.
+// tokens, for the gateway). The load bound lets many small requests in
+// together, up to Most; the count lets a few large ones in, one of which
+// alone would not pass the load bound.
 type Limit struct{ Requests, Most, Load int }
 
 // Turn is a request let in. Started and Done may be called from any
@@ -123,6 +123,9 @@ func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost, load i
 	t.finish = w.finish
 	t.waiting++
 	q.waiting = append(q.waiting, w)
+	// It may go first, and fit where the one it passes does not (a better
+	// priority, a smaller load).
+	q.dispatchLocked()
 	q.mu.Unlock()
 
 	select {
@@ -139,6 +142,7 @@ func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost, load i
 		q.waiting = slices.DeleteFunc(q.waiting, func(x *waiter) bool { return x == w })
 		t.waiting--
 		q.dropIfIdleLocked(tenant, t)
+		q.dispatchLocked() // it may have held back the next, which fits
 	}
 	return nil, ctx.Err()
 }

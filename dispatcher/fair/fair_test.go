@@ -266,3 +266,58 @@ func TestFairQueueLimit(t *testing.T) {
 		t.Error("a small request kept out once the big one ended")
 	}
 }
+
+// TestFairQueueHeadOfLine: a waiter that fits goes in as soon as the one
+// ahead of it that did not fit leaves, and one of a better priority goes
+// in past a waiter that does not fit, without waiting for a request to
+// start.
+func TestFairQueueHeadOfLine(t *testing.T) {
+	limit := func() Limit { return Limit{Requests: 1, Most: 3, Load: 10} }
+	waitWaiting := func(q *Queue, n int) {
+		for _, w := q.stats(); w < n; _, w = q.stats() {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	enter := func(q *Queue, ctx context.Context, tenant string, priority, load int) chan *Turn {
+		c := make(chan *Turn, 1)
+		go func() {
+			turn, _ := q.Enter(ctx, tenant, priority, load, load)
+			c <- turn
+		}()
+		return c
+	}
+	let := func(t *testing.T, c chan *Turn, what string) {
+		t.Helper()
+		select {
+		case turn := <-c:
+			if turn == nil {
+				t.Fatalf("%s: refused", what)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: still waits", what)
+		}
+	}
+	t.Run("the head leaves", func(t *testing.T) {
+		q := New(10, func(string) float64 { return 1 }, limit)
+		a, _ := q.Enter(context.Background(), "a", 0, 4, 4)
+		ctx, cancel := context.WithCancel(context.Background())
+		big := enter(q, ctx, "b", 0, 50)
+		waitWaiting(q, 1)
+		small := enter(q, context.Background(), "c", 0, 1)
+		waitWaiting(q, 2)
+		cancel()
+		<-big
+		let(t, small, "a small request once the big one ahead of it left")
+		a.Done()
+	})
+	t.Run("a better priority", func(t *testing.T) {
+		q := New(10, func(string) float64 { return 1 }, limit)
+		a, _ := q.Enter(context.Background(), "a", 1, 4, 4)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		enter(q, ctx, "b", 1, 50)
+		waitWaiting(q, 1)
+		let(t, enter(q, context.Background(), "c", 0, 1), "a priority 0 request that fits, behind one that does not")
+		a.Done()
+	})
+}

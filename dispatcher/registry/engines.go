@@ -31,8 +31,8 @@ func (r *Registry) Engines(stage dispatcher.Stage, pool string) []dispatcher.Wor
 // MostSlots sums the slots of pool's live workers of stage: the most jobs
 // they take at once (PDQ_ENGINE_SLOTS), whatever their engines run now.
 // What a gateway lets in must not be bounded by Slots (their engines'
-// seats as seen so far): the workers learn more seats only from jobs
-// beyond those.
+// seats as seen so far) alone: the workers learn more seats only from
+// jobs beyond those (the fair queue lets in up to twice SeatsSeen).
 func (r *Registry) MostSlots(stage dispatcher.Stage, pool string) int {
 	return r.sumLive(stage, pool, func(w dispatcher.WorkerInfo) int { return w.Slots })
 }

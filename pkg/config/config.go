@@ -119,7 +119,7 @@ type Config struct {
 	// an engine, that engine's worker takes the job first, and any other
 	// takes it when that one has no room or is gone. Off: any worker.
 	Affinity bool `envconfig:"PDQ_AFFINITY" default:"true"`
-	// FairQueue holds the requests a pool cannot run yet in the gateway,
+	// FairQueue holds the requests a pool cannot start yet in the gateway,
 	// letting them in by priority, then by tenant in proportion to their
 	// weights (docs/scheduling.md); a tenant over its share of PDQ_MAX_QUEUE
 	// is refused. Off: requests queue in JetStream, first come first served.
