@@ -14,6 +14,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/affinity"
 	"github.com/pdq-dev/pdq/dispatcher/fair"
+	"github.com/pdq-dev/pdq/pkg/config"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -59,7 +60,7 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 	// not the part an engine's prefix cache likely holds (its bytes, at
 	// four a token, as prompt tokens are estimated).
 	load := prompt
-	if h.placer != nil && in.batch == nil {
+	if h.turnsEndAtStart() && h.placer != nil && in.batch == nil {
 		hashes := sync.OnceValue(func() []uint64 { return affinity.PromptHashes(endpoint, in.req) })
 		c.Set(hashesKey, hashes)
 		cached := h.placer.Cached(hashes, h.registry.Engines(dispatcher.StagePrefill, pool))
@@ -113,8 +114,8 @@ func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clie
 	}
 }
 
-// fairQueue is pool's fair queue. A request holds its turn until a decode
-// of it starts (its worker beats at once, Job.ReplyStart): until then it
+// fairQueue is pool's fair queue. With PDQ_FAIR_LIMIT=engines a request
+// holds its turn until a decode of it starts (its worker beats at once, Job.ReplyStart): until then it
 // waits for a prefill, runs one, or waits for a decode, and more of them
 // in the engines or queues would only wait there, first come first
 // served, or slow each other's prefills alike in the engines' batches.
@@ -126,13 +127,19 @@ func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clie
 // tokens, and small or mostly cached prompts together, up to twice the
 // seats the workers saw their engines run (so that the seats they learn
 // can grow), within the workers' slots.
+//
+// With PDQ_FAIR_LIMIT=slots (the default) the pool holds instead as many
+// requests as its workers have slots, prefill and decode, each for its
+// whole life: the queue orders only what goes beyond them.
 func (h *handlers) fairQueue(pool string) *fair.Queue {
 	if q, ok := h.queues.Load(pool); ok {
 		return q.(*fair.Queue)
 	}
-	q, _ := h.queues.LoadOrStore(pool, fair.New(h.cfg.MaxQueue,
-		func(tenant string) float64 { return h.cfg.TenantWeights[tenant] },
-		func() fair.Limit {
+	limit := func() fair.Limit {
+		return fair.Limit{Requests: max(1, h.registry.MostSlots(dispatcher.StagePrefill, pool)+h.registry.MostSlots(dispatcher.StageDecode, pool))}
+	}
+	if h.turnsEndAtStart() {
+		limit = func() fair.Limit {
 			stage := dispatcher.StagePrefill
 			engines := len(h.registry.Engines(stage, pool))
 			if engines == 0 {
@@ -142,8 +149,16 @@ func (h *handlers) fairQueue(pool string) *fair.Queue {
 			engines = max(engines, 1)
 			most := min(2*h.registry.SeatsSeen(stage, pool), h.registry.MostSlots(stage, pool))
 			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad}
-		}))
+		}
+	}
+	q, _ := h.queues.LoadOrStore(pool, fair.New(h.cfg.MaxQueue, func(tenant string) float64 { return h.cfg.TenantWeights[tenant] }, limit))
 	return q.(*fair.Queue)
+}
+
+// turnsEndAtStart says whether a request's turn in the fair queue ends
+// once its decode starts (PDQ_FAIR_LIMIT=engines), not when it ends.
+func (h *handlers) turnsEndAtStart() bool {
+	return h.cfg.FairQueue && h.cfg.FairLimit == config.FairLimitEngines
 }
 
 // tenantOf is who a request is for, in the fair queue: its API key's

@@ -60,9 +60,13 @@ type Config struct {
 	// TenantWeights (PDQ_TENANT_WEIGHTS).
 	FairQueue     bool
 	TenantWeights map[string]float64
-	// FairLoad is the prompt tokens an engine's worth of requests may hold
-	// before they start, in the fair queue (config.FairLoad).
-	FairLoad int
+	// FairLimit is what a pool holds before the fair queue holds its
+	// requests (PDQ_FAIR_LIMIT): config.FairLimitSlots or
+	// config.FairLimitEngines, whose FairLoad is the prompt tokens an
+	// engine's worth of requests may hold before they start
+	// (config.FairLoad).
+	FairLimit string
+	FairLoad  int
 	Grace    time.Duration
 	// RequestTimeout is every request's deadline, carried by its jobs.
 	RequestTimeout time.Duration
@@ -94,7 +98,7 @@ func (c *Config) check() error {
 	}{
 		{"P/D threshold", c.MinPromptTokens >= 0}, {"body limit", c.MaxBodyBytes > 0}, {"stall time-out", c.StallTimeout > 0},
 		{"shutdown grace", c.Grace > 0}, {"request time-out", c.RequestTimeout > 0}, {"body time-out", c.BodyTimeout > 0},
-		{"in-flight bytes", c.MaxInflightBytes > 0}, {"queue bound", c.MaxQueue > 0}, {"fair queue's load", !c.FairQueue || c.FairLoad > 0},
+		{"in-flight bytes", c.MaxInflightBytes > 0}, {"queue bound", c.MaxQueue > 0}, {"fair queue's limit", !c.FairQueue || c.FairLimit == config.FairLimitSlots || c.FairLimit == config.FairLimitEngines && c.FairLoad > 0},
 		{"prefill fallback", c.PrefillFallback == config.FallbackDecode || c.PrefillFallback == config.FallbackFail},
 	} {
 		if !d.ok {

@@ -12,9 +12,10 @@ import (
 // TestFairQueue runs pdq up with one prefill and one decode engine, and
 // floods it from one tenant: another tenant's request, and a request of a
 // better priority, go in ahead of the flood, and a tenant over its share
-// of the queue is refused before the other tenant is. The flood waits in
-// the gateway, not in the workers or the engines, whatever slots the
-// workers have: a request holds its turn only until its decode starts.
+// of the queue is refused before the other tenant is. With
+// PDQ_FAIR_LIMIT=engines the flood waits in the gateway, not in the
+// workers or the engines, whatever slots the workers have: a request
+// holds its turn only until its decode starts.
 func TestFairQueue(t *testing.T) {
 	type result struct {
 		name   string
@@ -81,12 +82,13 @@ func TestFairQueue(t *testing.T) {
 			t.Errorf("the small tenant's request finished %d of %d; want within the first 4 (it waited for at most two turns)", r, len(out))
 		}
 	})
-	t.Run("with the workers' default slots too", func(t *testing.T) {
+	t.Run("with the workers' default slots too, by engines", func(t *testing.T) {
 		// The workers would take the flood (8 prefill slots), to queue
 		// it in the engine, first come first served, behind one prefill
-		// at a time. Decodes run side by side here: the flood's first
-		// prefills finish before the small request's.
-		out := run(t, nil, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		// at a time; PDQ_FAIR_LIMIT=engines holds it in the gateway.
+		// Decodes run side by side here: the flood's first prefills
+		// finish before the small request's.
+		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
 		if r := rank(out, "small"); r < 1 || r > 6 {
 			t.Errorf("the small tenant's request finished %d of %d; want within the first 6", r, len(out))
 		}

@@ -208,7 +208,7 @@ func gatewayConfig(cfg config.Config, reg prometheus.Gatherer, metrics *metrics)
 		MaxBodyBytes:   config.MaxBodyBytes,
 		RequestTimeout: cfg.RequestTimeout, MaxInflightBytes: cfg.MaxInflightBytes, MaxQueue: cfg.MaxQueue,
 		StallTimeout: cfg.StallTimeout, PrefillFallback: cfg.PrefillFallback, BodyTimeout: cfg.BodyTimeout, Metrics: reg, Counters: metrics.gateway,
-		Affinity: cfg.Affinity, FairQueue: cfg.FairQueue, TenantWeights: cfg.TenantWeights, FairLoad: config.FairLoad,
+		Affinity: cfg.Affinity, FairQueue: cfg.FairQueue, FairLimit: cfg.FairLimit, TenantWeights: cfg.TenantWeights, FairLoad: config.FairLoad,
 	}
 }
 

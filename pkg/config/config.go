@@ -124,6 +124,16 @@ type Config struct {
 	// weights (docs/scheduling.md); a tenant over its share of PDQ_MAX_QUEUE
 	// is refused. Off: requests queue in JetStream, first come first served.
 	FairQueue bool `envconfig:"PDQ_FAIR_QUEUE" default:"true"`
+	// FairLimit is what the fair queue lets a pool hold before it queues
+	// requests in the gateway: slots (its workers' slots, a request
+	// holding one for its whole life) or engines (one request an engine of
+	// the first stage until its decode starts, more while their uncached
+	// prompts are small; docs/scheduling.md). engines orders the work
+	// before the engines, which makes tenants and priorities fair under
+	// overload, but holds each engine to about one prompt at a time: it
+	// suits engines whose prefill time grows with the tokens they
+	// schedule, not engines that run many prefills in the time of one.
+	FairLimit string `envconfig:"PDQ_FAIR_LIMIT" default:"slots"`
 	// TenantWeights are the tenants' weights in the fair queue, as
 	// "name:weight,name:weight"; a tenant not named weighs 1. A tenant is
 	// the request's API key (its owner, as records show it) when the
@@ -169,6 +179,12 @@ type NATS struct {
 const (
 	FallbackDecode = "decode"
 	FallbackFail   = "fail"
+)
+
+// The values of PDQ_FAIR_LIMIT.
+const (
+	FairLimitSlots   = "slots"
+	FairLimitEngines = "engines"
 )
 
 // ErrInvalid is wrapped by every validation error.
@@ -269,6 +285,11 @@ func (c Config) Validate() error {
 	case FallbackDecode, FallbackFail:
 	default:
 		errs = append(errs, fmt.Errorf("%w: PDQ_PREFILL_FALLBACK: %q is not decode or fail", ErrInvalid, c.PrefillFallback))
+	}
+	switch c.FairLimit {
+	case FairLimitSlots, FairLimitEngines:
+	default:
+		errs = append(errs, fmt.Errorf("%w: PDQ_FAIR_LIMIT: %q is not slots or engines", ErrInvalid, c.FairLimit))
 	}
 	for name, w := range c.TenantWeights {
 		if !(w > 0) || math.IsInf(w, 0) {

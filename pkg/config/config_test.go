@@ -153,6 +153,7 @@ func TestDefaults(t *testing.T) {
 		{"PDQ_SHUTDOWN_GRACE", c.ShutdownGrace, time.Duration(DefaultShutdownGrace)},
 		{"PDQ_BREAKER_FAILURES", c.BreakerFailures, DefaultBreakerFailures},
 		{"PDQ_PREFILL_FALLBACK", c.PrefillFallback, FallbackDecode},
+		{"PDQ_FAIR_LIMIT", c.FairLimit, FairLimitSlots},
 		{"PDQ_ENGINE_SLOTS (prefill)", c.EngineSlotsFor(true), DefaultPrefillSlots},
 		{"PDQ_ENGINE_SLOTS (decode)", c.EngineSlotsFor(false), DefaultDecodeSlots},
 	} {
