@@ -67,7 +67,7 @@ type Config struct {
 	// (config.FairLoad).
 	FairLimit string
 	FairLoad  int
-	Grace    time.Duration
+	Grace     time.Duration
 	// RequestTimeout is every request's deadline, carried by its jobs.
 	RequestTimeout time.Duration
 	// BodyTimeout bounds the read of a request body (PDQ_BODY_TIMEOUT): a
