@@ -20,7 +20,7 @@ import (
 )
 
 // deadlineKey holds, in a request's echo context, its deadline as set when
-// it began to wait for its turn; turnKey its turn, which the relay tells
+// it began to wait for its turn; turnKey its turn (PDQ_FAIR_LIMIT=engines), which the relay tells
 // when a decode of it is heard from; hashesKey its prompt's chunk hashes
 // (a func() []uint64, computed once), for its placement.
 const (
@@ -70,7 +70,9 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 	turn, err := q.Enter(ctx, tenant, in.req.Priority, cost, load)
 	switch {
 	case err == nil:
-		c.Set(turnKey, turn)
+		if h.turnsEndAtStart() {
+			c.Set(turnKey, turn) // for the relay to end it as the decode starts
+		}
 		return turn, nil
 	case errors.Is(err, fair.ErrTenantFull):
 		log.Debug("refused: the tenant's share of the queue is full", "tenant", tenant)
@@ -89,28 +91,18 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 // endWaiting records a request that ended while it waited for its turn:
 // its id was not claimed yet, but a request that was taken leaves a record
 // of how it ended (pdq requests, GET /v1/requests/{id}), as one that ended
-// in JetStream's queue does. Its id is claimed and ended at once; an id
-// another request holds is left alone.
+// in JetStream's queue does (see submit.Submitter.Unrun).
 func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clientID string, req *openai.Request, deadline time.Time,
 	state dispatcher.State, status int, why string, log *slog.Logger) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(c.Request().Context()), lastWords)
 	defer cancel()
-	now := time.Now()
-	job := &dispatcher.Job{ID: id, ReplyTo: h.replies.Subject(id)}
-	rec := &dispatcher.Record{
-		ID: id, State: dispatcher.StateQueued, Generation: 1, Model: req.Model, Pool: dispatcher.PoolName(req.Model),
-		Endpoint: endpoint, Stream: req.Stream, Gateway: job.GatewayID(), Owner: callerOf(c).owner, Created: now, Updated: now,
-		Deadline: deadline,
-	}
+	job := &dispatcher.Job{ID: id, Model: req.Model, Pool: dispatcher.PoolName(req.Model), Endpoint: endpoint, Stream: req.Stream,
+		ReplyTo: h.replies.Subject(id), Owner: callerOf(c).owner, Submitted: time.Now(), Deadline: deadline}
 	if clientID != id {
-		rec.ClientID = clientID
+		job.ClientID = clientID
 	}
-	if _, err := h.submitter.Claim(ctx, rec); err != nil {
+	if err := h.submitter.Unrun(ctx, job, state, &dispatcher.RecordError{Status: status, Message: why}); err != nil {
 		log.Debug("no record of a request that ended while it waited for its turn", logging.Err(err))
-		return
-	}
-	if err := h.records.End(ctx, id, rec.Generation, state, &dispatcher.RecordError{Status: status, Message: why}); err != nil {
-		log.Warn("the record of a request that ended while it waited for its turn stays queued until its deadline", logging.Err(err))
 	}
 }
 

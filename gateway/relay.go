@@ -88,7 +88,7 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 	// The request's turn in the fair queue ends once a decode of it is
 	// heard from (of each prompt, for a batch): it no longer waits for the
 	// pool (see fair.Queue).
-	if turn, ok := c.Get(turnKey).(*fair.Turn); ok && h.turnsEndAtStart() {
+	if turn, ok := c.Get(turnKey).(*fair.Turn); ok {
 		var waiting atomic.Int64
 		waiting.Store(int64(len(legs)))
 		for _, l := range legs {

@@ -58,15 +58,7 @@ func (s *Submitter) Submit(ctx context.Context, stage dispatcher.Stage, job *dis
 	if err := job.Validate(); err != nil {
 		return nil, err
 	}
-	now := job.Submitted
-	if now.IsZero() {
-		now = time.Now()
-	}
-	rec := &dispatcher.Record{
-		ID: job.ID, State: dispatcher.StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool,
-		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == dispatcher.StageDecode,
-		Gateway: job.GatewayID(), Owner: job.Owner, ClientID: job.ClientID, Created: now, Updated: now, Deadline: job.Deadline,
-	}
+	rec := recordOf(job, stage)
 	claim, err := s.Claim(ctx, rec)
 	if err != nil {
 		return nil, err
@@ -88,6 +80,33 @@ func (s *Submitter) Submit(ctx context.Context, stage dispatcher.Stage, job *dis
 		claim.rev = 0 // PublishGeneration wrote the record again
 	}
 	return claim, nil
+}
+
+// recordOf is the record a new request's claim writes for job, which goes
+// to stage first.
+func recordOf(job *dispatcher.Job, stage dispatcher.Stage) *dispatcher.Record {
+	now := job.Submitted
+	if now.IsZero() {
+		now = time.Now()
+	}
+	return &dispatcher.Record{
+		ID: job.ID, State: dispatcher.StateQueued, Generation: 1, Model: job.Model, Pool: job.Pool,
+		Endpoint: job.Endpoint, Stream: job.Stream, DecodeOnly: stage == dispatcher.StageDecode,
+		Gateway: job.GatewayID(), Owner: job.Owner, ClientID: job.ClientID, Created: now, Updated: now, Deadline: job.Deadline,
+	}
+}
+
+// Unrun records a request that ended before its job was published (its
+// client left, or its deadline passed, while it waited in the gateway's
+// fair queue): it claims the id as Submit would, and ends the record at
+// once with state and e. An id another request holds is left alone
+// (ErrDuplicate).
+func (s *Submitter) Unrun(ctx context.Context, job *dispatcher.Job, state dispatcher.State, e *dispatcher.RecordError) error {
+	rec := recordOf(job, dispatcher.StagePrefill)
+	if _, err := s.Claim(ctx, rec); err != nil {
+		return err
+	}
+	return s.records.End(ctx, job.ID, rec.Generation, state, e)
 }
 
 // Claim writes rec, a new request's record (state queued, generation 1),

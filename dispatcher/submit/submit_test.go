@@ -154,3 +154,39 @@ func TestRecoveredRevision(t *testing.T) {
 type goneGateway string
 
 func (g goneGateway) Alive(_ context.Context, id string) bool { return id != string(g) }
+
+// TestUnrun: a request that ended before its job was published leaves a
+// record of how it ended; an id another live request holds is left alone.
+func TestUnrun(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	records, _ := dispatcher.OpenRecords(ctx, js)
+	sub := NewSubmitter(js, records, registry.NewLiveness(nc))
+	pings, err := registry.AnswerPings(nc, "gw-alive")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pings.Unsubscribe()
+	mk := func(id string) *dispatcher.Job {
+		return &dispatcher.Job{ID: id, Model: "m", Pool: "p", Endpoint: openai.Chat,
+			ReplyTo: dispatcher.ReplySubject("gw-alive", id), Deadline: time.Now().Add(time.Minute)}
+	}
+	if err := sub.Unrun(ctx, mk("left"), dispatcher.StateCancelled, &dispatcher.RecordError{Status: 499, Message: "client went away"}); err != nil {
+		t.Fatal(err)
+	}
+	rec, _, err := records.Get(ctx, "left")
+	if err != nil || rec.State != dispatcher.StateCancelled || rec.Error == nil || rec.Error.Status != 499 {
+		t.Fatalf("record %+v, %v; want cancelled with status 499", rec, err)
+	}
+	live := mk("held")
+	live.Body = []byte(`{}`)
+	if _, err := sub.Submit(ctx, dispatcher.StagePrefill, live); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.Unrun(ctx, mk("held"), dispatcher.StateExpired, nil); !errors.Is(err, dispatcher.ErrDuplicate) {
+		t.Fatalf("an id a live request holds: %v, want ErrDuplicate", err)
+	}
+	if rec, _, err := records.Get(ctx, "held"); err != nil || rec.State != dispatcher.StateQueued {
+		t.Errorf("the live request's record %+v, %v; want it left queued", rec, err)
+	}
+}
