@@ -202,32 +202,46 @@ type engineLoad struct {
 
 func newLeast(ctx context.Context, client *http.Client, urls []string, poll time.Duration) *least {
 	l := &least{}
+	var first sync.WaitGroup
 	for _, u := range urls {
 		e := &engineLoad{url: u}
 		l.engines = append(l.engines, e)
+		first.Go(func() { e.read(ctx, client) })
+	}
+	// The first readings are in before the proxy serves: one that came in
+	// the middle of its first requests would forget those it had sent.
+	first.Wait()
+	for _, e := range l.engines {
 		go e.watch(ctx, client, poll)
 	}
 	return l
 }
 
-// watch reads the engine's load every poll until ctx ends. A reading
-// that fails leaves the last one in place.
+// watch reads the engine's load every poll, after the first reading,
+// until ctx ends.
 func (e *engineLoad) watch(ctx context.Context, client *http.Client, poll time.Duration) {
 	t := time.NewTicker(poll)
 	defer t.Stop()
 	for {
-		m, err := enginemetrics.Fetch(ctx, client, e.url)
-		if err == nil {
-			e.mu.Lock()
-			e.waiting, e.running, e.sent = m[enginemetrics.Waiting], m[enginemetrics.Running], 0
-			e.mu.Unlock()
-		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
+		e.read(ctx, client)
 	}
+}
+
+// read takes one reading of the engine's load. A reading that fails
+// leaves the last one in place.
+func (e *engineLoad) read(ctx context.Context, client *http.Client) {
+	m, err := enginemetrics.Fetch(ctx, client, e.url)
+	if err != nil {
+		return
+	}
+	e.mu.Lock()
+	e.waiting, e.running, e.sent = m[enginemetrics.Waiting], m[enginemetrics.Running], 0
+	e.mu.Unlock()
 }
 
 // load is the engine's waiting and running requests as the proxy
