@@ -71,6 +71,8 @@ type Stats struct {
 	PrefixHitTokens   int64 `json:"prefix_hit_tokens,omitempty"`
 	Preemptions       int64 `json:"preemptions,omitempty"`
 	Steps             int64 `json:"steps,omitempty"`
+	// BusySeconds is the time the engine spent in steps.
+	BusySeconds float64 `json:"busy_seconds,omitempty"`
 }
 
 type counters struct {
@@ -88,7 +90,7 @@ func (e *Engine) snapshot() Stats {
 	sc := e.schedStats()
 	return Stats{
 		KVBlocksUsed: sc.UsedBlocks, KVBlocks: sc.NumBlocks, PrefixQueryTokens: sc.PrefixQueries,
-		PrefixHitTokens: sc.PrefixHits, Preemptions: sc.Preemptions, Steps: sc.Steps,
+		PrefixHitTokens: sc.PrefixHits, Preemptions: sc.Preemptions, Steps: sc.Steps, BusySeconds: sc.Busy.Seconds(),
 		Requests: c.requests.Load(), Prefills: c.prefills.Load(), Decodes: c.decodes.Load(), Local: c.local.Load(),
 		KVReads: c.kvReads.Load(), KVReadFailures: c.kvReadFailures.Load(), KVMismatches: c.kvMismatches.Load(),
 		Recomputes: c.recomputes.Load(), KVServed: c.kvServed.Load(), BlocksHeld: c.kv.BlocksHeld.Load(),
@@ -154,6 +156,8 @@ func (e *Engine) newRegistry() *prometheus.Registry {
 			func() float64 { return float64(e.schedStats().PrefixHits) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "vllm:num_preemptions_total", Help: "Cumulative number of preemption from the engine.", ConstLabels: labels},
 			func() float64 { return float64(e.schedStats().Preemptions) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "pdq_sim_busy_seconds_total", Help: "Time the engine spent in steps (--profile).", ConstLabels: labels},
+			func() float64 { return e.schedStats().Busy.Seconds() }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "pdq_sim_engine_dead", Help: "1 once the engine has died.", ConstLabels: labels},
 			func() float64 {
 				if e.dead.Load() {

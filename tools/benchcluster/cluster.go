@@ -179,16 +179,17 @@ func unknownSettings(lines, env []string) string {
 }
 
 // prefixCounters sums the prefix-cache counters of the engines at urls:
-// tokens looked up, and tokens found.
-func prefixCounters(ctx context.Context, urls []string) (queries, hits float64, err error) {
+// tokens looked up, and tokens found; and the seconds they spent in steps.
+func prefixCounters(ctx context.Context, urls []string) (queries, hits, busy float64, err error) {
 	client := &http.Client{Timeout: 5 * time.Second}
 	for _, u := range urls {
 		m, err := enginemetrics.Fetch(ctx, client, u)
 		if err != nil {
-			return 0, 0, err
+			return 0, 0, 0, err
 		}
 		queries += m[enginemetrics.PrefixQueries]
 		hits += m[enginemetrics.PrefixHits]
+		busy += m[enginemetrics.Busy]
 	}
-	return queries, hits, nil
+	return queries, hits, busy, nil
 }

@@ -62,6 +62,7 @@ type options struct {
 	out       string
 	from      string
 	pdq       string // a pdq binary to use instead of building one
+	pdqEnv    []string
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -82,11 +83,16 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.out, "out", "bin/bench-cluster", "directory for the plots, the results (results.jsonl) and pdq bench's output (bench.log)")
 	fs.StringVar(&o.from, "from", "", "print the tables, the targets and the plots of a saved results.jsonl, without running")
 	fs.StringVar(&o.pdq, "pdq", "", "a pdq binary to run (default: build ./cmd/pdq)")
+	var pdqEnv string
+	fs.StringVar(&pdqEnv, "pdq-env", "", "settings added to pdq's, comma-separated (PDQ_FAIR_LIMIT=slots,...), for an experiment")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if pdqEnv != "" {
+		o.pdqEnv = strings.Split(pdqEnv, ",")
 	}
 	known := allWorkloads(1)
 	for _, w := range strings.Split(workloads, ",") {
@@ -101,7 +107,11 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		if i < 0 {
 			return o, fmt.Errorf("-routers: unknown router %q", k)
 		}
-		o.routers = append(o.routers, allRouters[i])
+		r := allRouters[i]
+		if r.pdqEnv != nil {
+			r.pdqEnv = append(slices.Clip(r.pdqEnv), o.pdqEnv...)
+		}
+		o.routers = append(o.routers, r)
 	}
 	if rates != "" {
 		for _, s := range strings.Split(rates, ",") {
@@ -280,9 +290,9 @@ func sweep(o options, model engineModel, ps []plan, stdout, stderr io.Writer) ([
 		if s.variant != "" {
 			what = s.variant
 		}
-		fmt.Fprintf(stderr, "[%d/%d, %s, at %s] %s %s, %s: goodput %.1f req/s (%s of %d), TTFT p99 %s ms, failed %d, prefix hits %s; others' CPU %s\n",
+		fmt.Fprintf(stderr, "[%d/%d, %s, at %s] %s %s, %s: goodput %.1f req/s (%s of %d), TTFT p99 %s ms, failed %d, prefix hits %s, prefill engines busy %s; others' CPU %s\n",
 			i+1, len(all), elapsed(t), elapsed(start), s.plan.w.key, what, s.router.name, r.Goodput, pct(num(r.goodShare())), r.Requests,
-			ms(r.TTFT99), r.Failed, pct(r.HitShare), cpus(r.OtherCPU))
+			ms(r.TTFT99), r.Failed, pct(r.HitShare), pct(r.PrefillBusy), cpus(r.OtherCPU))
 		if err := saveResults(filepath.Join(o.out, "results.jsonl"), rs); err != nil {
 			return rs, err
 		}

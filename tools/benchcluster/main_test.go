@@ -215,7 +215,7 @@ func TestFailures(t *testing.T) {
 func res(w, router string, rate, goodput float64, good, requests int) result {
 	return result{Workload: w, Router: router, Rate: rate, Goodput: goodput, Good: good, Requests: requests, Completed: requests,
 		TTFT50: num(math.NaN()), TTFT99: num(math.NaN()), TPOT99: num(math.NaN()), HitShare: num(math.NaN()), IdealShare: num(math.NaN()),
-		OtherCPU: num(math.NaN())}
+		OtherCPU: num(math.NaN()), PrefillBusy: num(math.NaN())}
 }
 
 func TestTargets(t *testing.T) {
@@ -375,7 +375,7 @@ func TestPlotAndResults(t *testing.T) {
 	}
 	var out bytes.Buffer
 	printWorkload(&out, p, rs, allRouters)
-	if !strings.Contains(out.String(), "| 10 | pdq | 100 | 0 | 30.0 | 100 % | – | 900 | – | – (–) | – |") {
+	if !strings.Contains(out.String(), "| 10 | pdq | 100 | 0 | 30.0 | 100 % | – | 900 | – | – (–) | – | – |") {
 		t.Errorf("table:\n%s", out.String())
 	}
 }

@@ -73,9 +73,9 @@ func printWorkload(w io.Writer, p plan, rs []result, routers []router) {
 	case "priority":
 		extra = " TTFT p99 prio 0 / 1 |"
 	}
-	fmt.Fprintf(w, "\n| rate (%s) | router | requests | failed | goodput (req/s) | good | TTFT p50 | TTFT p99 | TPOT p99 | prefix hits (ideal) |%s others' CPU |\n",
+	fmt.Fprintf(w, "\n| rate (%s) | router | requests | failed | goodput (req/s) | good | TTFT p50 | TTFT p99 | TPOT p99 | prefix hits (ideal) |%s prefill busy | others' CPU |\n",
 		wl.unit(), extra)
-	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|%s---|\n", strings.Repeat("---|", strings.Count(extra, "|")))
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|%s---|---|\n", strings.Repeat("---|", strings.Count(extra, "|")))
 	for _, rate := range sweepRates(rs, wl.key) {
 		for _, r := range routers {
 			x, ok := find(rs, wl.key, "", r.key, rate)
@@ -95,7 +95,7 @@ func printWorkload(w io.Writer, p plan, rs []result, routers []router) {
 				p1, _ := x.group("priority", "1")
 				fmt.Fprintf(w, " %s / %s |", ms(p0.TTFT99), ms(p1.TTFT99))
 			}
-			fmt.Fprintf(w, " %s |\n", cpus(x.OtherCPU))
+			fmt.Fprintf(w, " %s | %s |\n", pct(x.PrefillBusy), cpus(x.OtherCPU))
 		}
 	}
 	var extras []string

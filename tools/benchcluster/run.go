@@ -51,6 +51,9 @@ type result struct {
 	HitShare       num `json:"hit_share"`
 	DecodeHitShare num `json:"decode_hit_share"`
 	IdealShare     num `json:"ideal_share"`
+	// PrefillBusy is the share of the load's time the prefill engines
+	// spent in steps: what a router leaves idle shows here.
+	PrefillBusy num `json:"prefill_busy"`
 	// Failures counts the failed requests by kind.
 	Failures map[string]int `json:"failures,omitempty"`
 	// Groups are the figures of each tenant or priority.
@@ -131,11 +134,11 @@ func runOne(ctx context.Context, c *cluster, o options, s runSpec, log io.Writer
 		cfg.RequestRate, cfg.MaxConcurrency = math.Inf(1), 1
 	}
 
-	q0, h0, err := prefixCounters(ctx, e.prefill)
+	q0, h0, b0, err := prefixCounters(ctx, e.prefill)
 	if err != nil {
 		return result{}, err
 	}
-	dq0, dh0, err := prefixCounters(ctx, e.decode)
+	dq0, dh0, _, err := prefixCounters(ctx, e.decode)
 	if err != nil {
 		return result{}, err
 	}
@@ -150,11 +153,11 @@ func runOne(ctx context.Context, c *cluster, o options, s runSpec, log io.Writer
 	if err != nil {
 		return result{}, fmt.Errorf("pdq bench: %w\n%s", err, out.Bytes())
 	}
-	q1, h1, err := prefixCounters(ctx, e.prefill)
+	q1, h1, b1, err := prefixCounters(ctx, e.prefill)
 	if err != nil {
 		return result{}, err
 	}
-	dq1, dh1, err := prefixCounters(ctx, e.decode)
+	dq1, dh1, _, err := prefixCounters(ctx, e.decode)
 	if err != nil {
 		return result{}, err
 	}
@@ -167,6 +170,7 @@ func runOne(ctx context.Context, c *cluster, o options, s runSpec, log io.Writer
 		TTFT50: percentile(m.TTFT, 50), TTFT99: percentile(m.TTFT, 99), TPOT99: percentile(m.TPOT, 99),
 		HitShare: share(h1-h0, q1-q0), DecodeHitShare: share(dh1-dh0, dq1-dq0), IdealShare: num(math.NaN()),
 		Failures: failures(res.Outputs), Note: note, OtherCPU: otherCPU(cpu0, cpu1, t1.Sub(t0).Seconds()),
+		PrefillBusy: share(b1-b0, t1.Sub(t0).Seconds()*float64(len(e.prefill))),
 	}
 	for _, g := range res.Groups {
 		r.Groups = append(r.Groups, group{Key: g.Key, Name: g.Name, Completed: g.Metrics.Completed, Failed: g.Metrics.Failed,
@@ -340,7 +344,7 @@ func loadResults(path string) ([]result, error) {
 		if strings.TrimSpace(line) == "" {
 			continue
 		}
-		var r result
+		r := result{PrefillBusy: num(math.NaN())} // not in older runs' files
 		if err := json.Unmarshal([]byte(line), &r); err != nil {
 			return nil, fmt.Errorf("%s: %w", path, err)
 		}

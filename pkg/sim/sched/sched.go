@@ -166,6 +166,10 @@ type Stats struct {
 	PrefixQueries, PrefixHits int64
 	Preemptions               int64
 	Steps                     int64
+	// Busy is the time the engine spent in steps (their modelled cost):
+	// over a run's length and engines, how much of the time engines
+	// computed, what a router that leaves engines idle loses.
+	Busy time.Duration
 }
 
 // KVUsage is vLLM's kv_cache_usage_perc: the share of blocks in use.
@@ -332,6 +336,7 @@ func (s *Scheduler) Schedule() *Plan {
 	if len(p.entries) > 0 {
 		p.Duration = s.cfg.Cost.Step(p.PrefillTokens, p.DecodeSeqs, p.Context)
 		s.stats.Steps++
+		s.stats.Busy += p.Duration
 	}
 	return p
 }

@@ -21,6 +21,8 @@ const (
 	KVUsage       = "vllm:kv_cache_usage_perc"
 	PrefixQueries = "vllm:prefix_cache_queries_total"
 	PrefixHits    = "vllm:prefix_cache_hits_total"
+	// Busy is pdq sim's own: the time an engine spent in steps.
+	Busy = "pdq_sim_busy_seconds_total"
 )
 
 // Parse reads Prometheus text exposition and returns each metric's value,
