@@ -79,12 +79,17 @@ func TestChunkedPrefill(t *testing.T) {
 	r := prompt("long", 600, 1, 3)
 	add(t, s, r)
 	var chunks []int
+	var busy time.Duration
 	for {
 		p, evs := step(s)
 		chunks = append(chunks, p.PrefillTokens)
+		busy += p.Duration
 		if len(evs) > 0 {
 			break
 		}
+	}
+	if st := s.Stats(); st.Steps != 3 || st.Busy != busy {
+		t.Errorf("stats say %d steps, %v busy; want 3 and the steps' cost, %v", st.Steps, st.Busy, busy)
 	}
 	want := []int{256, 256, 88}
 	if len(chunks) != len(want) || chunks[0] != want[0] || chunks[1] != want[1] || chunks[2] != want[2] {
