@@ -105,9 +105,11 @@ type Job struct {
 	// payload, without NATS headers (see reply.Writer); a worker sends
 	// them with headers otherwise.
 	ReplyFramed bool
-	// ReplyStart says the gateway wants to hear at once that a decode of
-	// the job started: a beat as it starts (see reply.Writer.BeatAtOnce),
-	// not after the first interval. Its fair queue's turn ends then.
+	// ReplyStart says the gateway wants to hear at once that the job's
+	// first stage freed its engine: from the prefill worker as its prefill
+	// ends (reply.Writer.Prefilled), and from the decode worker as the
+	// decode starts (a beat then, reply.Writer.BeatAtOnce, not after the
+	// first interval). Its fair queue's turn ends at the first of them.
 	ReplyStart bool
 	// HandBacks counts the times a worker gave the job back unrun (its
 	// engine failing, or a continuation's engine the one it broke on);

@@ -38,8 +38,9 @@ const (
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
 	HeaderReplyFrame = "Pdq-Reply-Frame"
-	// HeaderReplyStart is set on jobs whose gateway wants a beat as their
-	// decode starts.
+	// HeaderReplyStart is set on jobs whose gateway wants to hear as their
+	// first stage frees its engine: a prefilled message as the prefill
+	// ends, a beat as the decode starts.
 	HeaderReplyStart = "Pdq-Reply-Start"
 	// HeaderBatchPrompt is set on the jobs of a batched request's prompts.
 	HeaderBatchPrompt = "Pdq-Batch-Prompt"
@@ -96,6 +97,10 @@ const (
 	KindMoved = "moved"
 	// KindAck is the gateway's answer to a beat, moved, done or error.
 	KindAck = "ack"
+	// KindPrefilled says a prefill of the request ended and its engine
+	// is free for the next one, for a gateway whose fair queue asked
+	// (Job.ReplyStart): sent once, not acked, carrying nothing.
+	KindPrefilled = "prefilled"
 )
 
 // ReplyAttempt orders the writers of one request's reply: later

@@ -71,7 +71,7 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 	switch {
 	case err == nil:
 		if h.turnsEndAtStart() {
-			c.Set(turnKey, turn) // for the relay to end it as the decode starts
+			c.Set(turnKey, turn) // for the relay to end it as the prefill ends or the decode starts
 		}
 		return turn, nil
 	case errors.Is(err, fair.ErrTenantFull):
@@ -107,8 +107,10 @@ func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clie
 }
 
 // fairQueue is pool's fair queue. With PDQ_FAIR_LIMIT=engines a request
-// holds its turn until a decode of it starts (its worker beats at once, Job.ReplyStart): until then it
-// waits for a prefill, runs one, or waits for a decode, and more of them
+// holds its turn until its first stage frees its engine (Job.ReplyStart:
+// its prefill worker tells as the prefill ends, or a moment before; a
+// decode-only request's decode worker beats at once as it starts): until
+// then it waits for a prefill, or runs one, and more of them
 // in the engines or queues would only wait there, first come first
 // served, or slow each other's prefills alike in the engines' batches.
 // The pool lets in, and not started, one request an engine of its first
@@ -148,7 +150,8 @@ func (h *handlers) fairQueue(pool string) *fair.Queue {
 }
 
 // turnsEndAtStart says whether a request's turn in the fair queue ends
-// once its decode starts (PDQ_FAIR_LIMIT=engines), not when it ends.
+// once its prefill ends or its decode starts (PDQ_FAIR_LIMIT=engines),
+// not when it ends.
 func (h *handlers) turnsEndAtStart() bool {
 	return h.cfg.FairQueue && h.cfg.FairLimit == config.FairLimitEngines
 }

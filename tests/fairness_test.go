@@ -1,12 +1,17 @@
 package tests
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"sort"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/pkg/sim"
 )
 
 // TestFairQueue runs pdq up with one prefill and one decode engine, and
@@ -117,4 +122,50 @@ func TestFairQueue(t *testing.T) {
 			t.Errorf("the other tenant's request: %d, want 200 while the flood is refused", out["small"].status)
 		}
 	})
+}
+
+// TestTurnEndsWithThePrefill runs pdq up with PDQ_FAIR_LIMIT=engines, one
+// prefill engine and one decode slot: a request whose decode waits for
+// that slot does not keep the next request out of the queue. Its turn
+// ends as its prefill ends (its prefill worker tells the gateway), not
+// once its decode starts, here after the long decode before it.
+func TestTurnEndsWithThePrefill(t *testing.T) {
+	_, pe := startSimProcess(t, "--max-num-seqs", "1", "--prefill-overhead", "50ms")
+	_, de := startSimProcess(t, "--itl", "20ms")
+	_, url := startUp(t, "PDQ_PREFILL_ENGINES="+pe.URL, "PDQ_DECODE_ENGINES="+de.URL, "PDQ_FAIR_LIMIT=engines", "PDQ_ENGINE_SLOTS=1")
+	req := func(tokens int) body {
+		return completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true})
+	}
+	var wg sync.WaitGroup
+	post := func(id string, b body) {
+		wg.Go(func() {
+			if r, err := tryPost(url+"/v1/completions", id, b); err != nil || r.status != http.StatusOK {
+				t.Errorf("%s: %d, %v", id, r.status, err)
+			}
+		})
+	}
+	post("turn-long", req(150)) // 3 s of decode, in the only decode slot
+	de.WaitStats(t, 10*time.Second, "the long request decoding", func(s sim.Stats) bool { return s.Running > 0 })
+	post("turn-next", req(5)) // prefilled, then waits for the decode slot
+	time.Sleep(10 * time.Millisecond)
+	post("turn-last", req(5)) // goes in once the one before it prefilled
+	wg.Wait()
+	record := func(id string) dispatcher.Record {
+		t.Helper()
+		r := do(t, http.MethodGet, url+"/v1/requests/"+id, nil, nil)
+		var rec dispatcher.Record
+		if err := json.Unmarshal(r.body, &rec); err != nil {
+			t.Fatalf("record of %s: %v (%s)", id, err, r.body)
+		}
+		return rec
+	}
+	next, last := record("turn-next"), record("turn-last")
+	i := slices.IndexFunc(next.Stages, func(s dispatcher.StageRecord) bool { return s.Stage == dispatcher.StageDecode })
+	if i < 0 {
+		t.Fatalf("turn-next's record has no decode: %+v", next.Stages)
+	}
+	if decoded := next.Stages[i].Started; !last.Created.Before(decoded) {
+		t.Errorf("turn-last went into the queue %v after turn-next's decode started: its turn waited for that decode, not for the prefill",
+			last.Created.Sub(decoded))
+	}
 }

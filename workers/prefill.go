@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -30,7 +32,10 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	// fails as retryable and the job moves on.
 	cctx, cancel := context.WithTimeoutCause(ctx, w.cfg.PrefillTimeout, errTimedOut)
 	defer cancel()
+	told := w.tellPrefilled(d, log, start)
+	defer told.stop()
 	raw, err := w.prefillCall(cctx, job, body)
+	told.answered(err == nil, raw)
 	var f *verdict.Failure
 	switch {
 	case err == nil:
@@ -74,6 +79,7 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 		return verdict.Retryable(err, openai.NewError(http.StatusBadGateway, "prefill engine returned unreadable kv_transfer_params"))
 	}
 	elapsed := time.Since(start)
+	told.ended()
 	d.HandOff(params, dispatcher.StageRecord{
 		Stage: dispatcher.StagePrefill, Generation: job.Generation, Worker: w.id, Engine: w.engine.URL(),
 		Started: start, Ms: float64(elapsed.Microseconds()) / 1000,
@@ -81,6 +87,28 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	log.Debug("prefill done", logging.Ms("prefill_ms", elapsed),
 		logging.Ms("queued_ms", start.Sub(job.Submitted)))
 	return nil
+}
+
+// tellPrefilled tells the gateway of a job whose fair queue asked
+// (Job.ReplyStart) that its prefill, begun at start, ended: prefillLead
+// before the worker's clock expects it to, or as it ended, whichever
+// comes first. The engine is free then: the gateway lets the next request
+// in, not a hand-off later, when the decode starts.
+func (w *Worker) tellPrefilled(d *stage.Delivery, log *slog.Logger, start time.Time) *prefilledTeller {
+	if !d.Job.ReplyStart {
+		return &prefilledTeller{}
+	}
+	replies := d.Replies() // made here: the timer's goroutine only uses it
+	p := &prefilledTeller{clock: &w.clock, timing: w.clock.begin(d.Job.PromptTokens, start)}
+	p.tell = sync.OnceFunc(func() {
+		if err := replies.Prefilled(); err != nil {
+			log.Debug("the gateway was not told the prefill ended; it learns as the decode starts", logging.Err(err))
+		}
+	})
+	if wait := p.timing.expect - prefillLead; wait > 0 {
+		p.early = time.AfterFunc(wait, p.tell)
+	}
+	return p
 }
 
 // answerGrace is how long a prefill call whose context ended waits for

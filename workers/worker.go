@@ -125,6 +125,10 @@ type Worker struct {
 	served []vllm.Model
 	lonely map[string]bool
 
+	// clock predicts the prefill engine's ends (prefill workers). It has
+	// its own lock.
+	clock prefillClock
+
 	// refusals counts the prefill engine's 4xx answers, sent decode-only:
 	// an atomic, added to by the job goroutines without mu.
 	refusals atomic.Int64

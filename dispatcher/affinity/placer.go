@@ -14,7 +14,7 @@ const placementIndexChunks = 1 << 16
 // Placer picks the prefill engine each job should go to first: the one
 // whose prefix cache likely holds the most of its prompt, weighed against
 // how busy each engine is (see Choose). An engine's load is the requests
-// this Placer placed there whose decode has not started, beyond the least
+// this Placer placed there whose prefill has not ended, beyond the least
 // loaded engine's: known at once, unlike the workers' heartbeats. A
 // gateway keeps one.
 //
@@ -26,7 +26,7 @@ type Placer struct {
 	index *Index
 	// mu guards busy.
 	mu   sync.Mutex
-	busy map[string]int // engine key → requests placed there whose decode has not started
+	busy map[string]int // engine key → requests placed there whose prefill has not ended
 }
 
 // NewPlacer makes a gateway's Placer.

@@ -214,8 +214,10 @@ func (s *Stream) Heard() bool { return s.heard }
 func (s *Stream) OnIdle(f func() error) { s.idle = f }
 
 // OnStarted adds f to the functions called, on Next's goroutine, whenever
-// a decode of the request is first heard from (its first beat, chunk or
-// end; again after Rearm): it no longer waits in a queue.
+// a prefill of the request ends (dispatcher.KindPrefilled) or a decode of
+// it is first heard from (its first beat, chunk or end; again after
+// Rearm): it no longer waits for an engine's first stage. f may be called
+// more than once.
 func (s *Stream) OnStarted(f func()) { s.onStarted = append(s.onStarted, f) }
 
 func (s *Stream) started() {
@@ -284,6 +286,14 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 		kind, attempt, seq, count, data, err := replyOf(msg)
 		if err != nil {
 			return Reply{}, err
+		}
+		if kind == dispatcher.KindPrefilled {
+			// The request no longer waits for a prefill engine; nor is a
+			// decode heard from: the wait for one is still a queue's.
+			if !s.heard && attempt>>8 == s.attempt>>8 {
+				s.started()
+			}
+			continue
 		}
 		switch {
 		case attempt < s.attempt && kind == dispatcher.KindBeat:

@@ -274,6 +274,43 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 	})
 
+	t.Run("a prefill's end starts the request, and no decode is heard from", func(t *testing.T) {
+		s, _ := replies.Open(p + "rp")
+		defer s.Close()
+		s.Start(1)
+		started := 0
+		s.OnStarted(func() { started++ })
+		subject := replies.Subject(p + "rp")
+		// An earlier generation's prefill is not this request's.
+		if err := newWriter(nc, subject, dispatcher.ReplyAttempt(0, 0)).Prefilled(); err != nil {
+			t.Fatal(err)
+		}
+		if err := newWriter(nc, subject, dispatcher.ReplyAttempt(1, 0)).Prefilled(); err != nil {
+			t.Fatal(err)
+		}
+		// Nothing but the prefills' ends comes: Next waits for a decode
+		// until its stall time, again and again until they are in.
+		for deadline := time.Now().Add(5 * time.Second); started == 0 && time.Now().Before(deadline); {
+			if r, err := s.Next(ctx, 50*time.Millisecond); !errors.Is(err, ErrStalled) {
+				t.Fatalf("got %+v, %v; want a stall", r, err)
+			}
+		}
+		if started != 1 {
+			t.Fatalf("started %d times by the prefills' ends; want once, by this generation's", started)
+		}
+		if s.Heard() {
+			t.Error("a prefill's end was heard as a decode: the stall time-out would run before any decode started")
+		}
+		w := newWriter(nc, subject, dispatcher.ReplyAttempt(1, 1))
+		w.Chunk([]byte("a"))
+		want(t, s, "a")
+		if started != 2 || !s.Heard() {
+			t.Errorf("after the decode's first chunk: started %d times, heard %v; want 2, true", started, s.Heard())
+		}
+		end(t, w.Done)
+		wantKind(t, s, dispatcher.KindDone)
+	})
+
 	t.Run("a writer that does not beat at once is heard at its first chunk", func(t *testing.T) {
 		s, _ := replies.Open(p + "rs2")
 		defer s.Close()

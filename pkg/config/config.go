@@ -127,7 +127,7 @@ type Config struct {
 	// FairLimit is what the fair queue lets a pool hold before it queues
 	// requests in the gateway: slots (its workers' slots, a request
 	// holding one for its whole life) or engines (one request an engine of
-	// the first stage until its decode starts, more while their uncached
+	// the first stage until it frees the engine, more while their uncached
 	// prompts are small; docs/scheduling.md). engines orders the work
 	// before the engines, which makes tenants and priorities fair under
 	// overload, but holds each engine to about one prompt at a time: it
