@@ -150,16 +150,17 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		replies.Close()
 		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
-	// Placed only once admitted: a request refused would leave its prompt
-	// in the index, where it was never sent.
+	// Placed only once admitted, and in the index only once sent: a
+	// request refused would leave its prompt there, where it never went.
+	sent := func() {}
 	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
 		hashes, ok := c.Get(hashesKey).(func() []uint64) // hashed already for its turn
 		if !ok {
 			hashes = func() []uint64 { return affinity.PromptHashes(endpoint, req) }
 		}
 		var placed func()
-		job.Prefer, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
-		// The engine is free of it once its decode starts (see
+		job.Prefer, sent, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
+		// The engine is free of it once its prefill ends (see
 		// affinity.Placer), or when the request ends: its context ends
 		// with its handler.
 		replies.OnStarted(placed)
@@ -171,6 +172,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		h.unclaim(id, job.Submitted, err)
 		return nil, nil, nil, h.submitFailed(c, err, log)
 	}
+	sent()
 	replies.Start(job.Generation)
 	log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
 		"prompt_tokens_estimate", promptTokens, "generation", job.Generation, "prefer", job.Prefer)

@@ -153,7 +153,13 @@ func TestPlacerCached(t *testing.T) {
 	if got := p.Cached(hashes(doc), workers); got != 0 {
 		t.Errorf("a prompt never sent: cached %d bytes, want 0", got)
 	}
-	_, done := p.Place(hashes(doc), workers)
+	_, _, done := p.Place(hashes(doc), workers)
+	done()
+	if got := p.Cached(hashes(doc), workers); got != 0 {
+		t.Errorf("a prompt placed but not sent: cached %d bytes, want 0", got)
+	}
+	_, sent, done := p.Place(hashes(doc), workers)
+	sent()
 	done()
 	if got := p.Cached(hashes(doc), workers); got != 8*ChunkBytes {
 		t.Errorf("the same prompt again: cached %d bytes, want its 8 whole chunks, %d", got, 8*ChunkBytes)

@@ -35,18 +35,21 @@ func NewPlacer() *Placer {
 }
 
 // Place returns the key of the engine a job should prefer among workers
-// (one per engine), and notes it; "" when there is nothing to choose
-// between. prompt gives the prompt's chunk hashes; it is called only then,
-// as hashing reads the prompt's text. done is to be called when its decode
-// starts, or the request ends (whichever comes first counts).
-func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, done func()) {
+// (one per engine), and counts the job there; "" when there is nothing to
+// choose between. prompt gives the prompt's chunk hashes; it is called
+// only then, as hashing reads the prompt's text. sent is to be called
+// once the job went out, for the index to remember the prompt there (a
+// job that was not sent leaves no trace of a prompt the engine never
+// saw); done when the engine is free of it (its prefill ended), or the
+// request ends (whichever comes first counts).
+func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, sent, done func()) {
 	workers, keys := choosable(all)
 	if len(workers) < 2 {
-		return "", func() {}
+		return "", func() {}, func() {}
 	}
 	hashes := prompt()
 	if len(hashes) == 0 {
-		return "", func() {}
+		return "", func() {}, func() {}
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -103,11 +106,15 @@ func choosable(all []dispatcher.WorkerInfo) (workers []dispatcher.WorkerInfo, ke
 
 // choose notes that a job whose prompt has hashes goes to engine, and
 // returns what Place returns. p.mu is held.
-func (p *Placer) choose(engine string, hashes []uint64) (string, func()) {
-	p.index.Record(hashes, engine)
+func (p *Placer) choose(engine string, hashes []uint64) (string, func(), func()) {
 	p.busy[engine]++
 	var once sync.Once
-	return engine, func() {
+	sent := func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.index.Record(hashes, engine)
+	}
+	return engine, sent, func() {
 		once.Do(func() {
 			p.mu.Lock()
 			defer p.mu.Unlock()
