@@ -43,6 +43,10 @@ type leg struct {
 	settled bool
 	chunks  int // chunks received
 	done    reply.Reply
+	// output is the generation of the last chunk read (0: none yet), by
+	// the leg's reader only (readLegs): a decode heard from may wait in
+	// the queue again only before its generation's first output.
+	output int
 }
 
 // merge rewrites the legs' replies into the client's answer.
@@ -259,7 +263,7 @@ func (h *handlers) readLegs(ctx context.Context, legs []*leg, sse *openai.SSEWri
 			l.replies.OnIdle(sse.Flush)
 		}
 		return func() legReply {
-			r, err := h.next(ctx, l.replies, l.job)
+			r, err := h.next(ctx, l)
 			if errors.Is(err, reply.ErrIdle) {
 				err = errClientGone
 			}
@@ -271,7 +275,7 @@ func (h *handlers) readLegs(ctx context.Context, legs []*leg, sse *openai.SSEWri
 	for i, l := range legs {
 		wg.Go(func() {
 			for {
-				r, err := h.next(ctx, l.replies, l.job)
+				r, err := h.next(ctx, l)
 				select {
 				case in <- legReply{i: i, r: r, err: err}:
 				case <-ctx.Done():

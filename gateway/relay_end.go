@@ -21,14 +21,22 @@ import (
 // How a relayed request ends: the replies read with the record behind
 // them, the end recorded, the workers stopped, the client answered.
 
-// next reads the next reply. A decode that goes silent for the stall
+// next reads leg l's next reply. A decode that goes silent for the stall
 // time-out fails the request, unless the request went back to prefill as a
-// new generation (silent until its decode starts). Each silence, heard
-// decode or not, looks at the request's record, so that an end whose
-// message was lost (failed, cancelled, expired) still reaches the client.
-func (h *handlers) next(ctx context.Context, replies *reply.Stream, job *dispatcher.Job) (reply.Reply, error) {
+// new generation (silent until its decode starts), or the decode heard
+// from, before any output of its generation, no longer runs: it gave the
+// job back to the queue (handed back, or retried) or its worker is gone,
+// and the job waits for its next decode as a queued one does. Each
+// silence, heard decode or not, looks at the request's record, so that an
+// end whose message was lost (failed, cancelled, expired) still reaches
+// the client.
+func (h *handlers) next(ctx context.Context, l *leg) (reply.Reply, error) {
+	replies, job := l.replies, l.job
 	for {
 		r, err := replies.Next(ctx, h.cfg.StallTimeout)
+		if err == nil && r.Kind == dispatcher.KindChunk {
+			l.output = replies.Generation()
+		}
 		if !errors.Is(err, reply.ErrStalled) {
 			return r, err
 		}
@@ -57,12 +65,34 @@ func (h *handlers) next(ctx context.Context, replies *reply.Stream, job *dispatc
 			return reply.Reply{Kind: dispatcher.KindError, Data: data, Status: e.Status()}, nil
 		case !replies.Heard():
 			continue // queued or prefilling: only the deadline bounds that
-		case gerr != nil || rec.Gateway != h.id || rec.State.Ended() || rec.Generation <= replies.Generation():
+		case gerr != nil || rec.Gateway != h.id || rec.State.Ended():
+			return r, err
+		case rec.Generation > replies.Generation():
+			// Sent back to prefill: silent until its next decode starts.
+		case l.output == replies.Generation() || h.decodeBeating(ctx, job.ID, replies.Generation()):
+			// A decode that sent output cannot be given back; one that
+			// still beats, unheard for the stall time-out, has lost its
+			// beats: either is silent where it should not be.
 			return r, err
 		}
 		replies.Rearm()
 	}
 }
+
+// decodeBeating asks the decode workers whether a decode of the request's
+// generation runs, and has beaten for the whole stall time-out (one that
+// began since is the next decode, whose first beat is on its way). The
+// decode heard from beat from its start (at once, with Job.ReplyStart)
+// until its handler returned; when none answers, it returned without an
+// answer, and the job waits in the queue or for its redelivery.
+func (h *handlers) decodeBeating(ctx context.Context, id string, generation int) bool {
+	return dispatcher.DecodeBeating(ctx, h.nc, id, generation, h.cfg.StallTimeout, beatingWait)
+}
+
+// beatingWait bounds the wait for a decode worker's answer to whether it
+// runs a decode: a round trip. Only a worker that runs it answers, so a
+// decode that waits in the queue costs the whole wait, once.
+const beatingWait = 500 * time.Millisecond
 
 // errNATSDown fails a request whose reply went silent while NATS was out
 // of reach: a 503, for the client to retry.

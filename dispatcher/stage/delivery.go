@@ -32,7 +32,10 @@ type Delivery struct {
 	// Replies to the handler's return.
 	ctx       context.Context
 	stopBeats func()
-	permit    uint64
+	// running is the delivery's entry in the loop's running jobs (nil in
+	// tests), marked beating while its beats run.
+	running *runningJob
+	permit  uint64
 	// stop ends the job's context, as a cancel broadcast does.
 	stop context.CancelCauseFunc
 }
@@ -102,7 +105,18 @@ func (d *Delivery) Replies() *reply.Writer {
 			if d.Job.ReplyStart {
 				d.replies.BeatAtOnce() // the gateway's fair queue waits for it
 			}
-			d.stopBeats = d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
+			// The gateway that stops hearing from a decode asks whether it
+			// still beats (dispatcher.DecodeBeating): once its handler
+			// returns, the job has ended, or waits in the queue again
+			// (handed back, retried), and silence is no longer a running
+			// decode's. Marked before the first beat, so that a decode the
+			// gateway heard counts as beating since before it was heard.
+			d.loop.setBeating(d.running, time.Now())
+			stop := d.replies.Beats(d.ctx, beatEvery(d.loop.cfg.StallTimeout))
+			d.stopBeats = func() {
+				d.loop.setBeating(d.running, time.Time{})
+				stop()
+			}
 		}
 	}
 	return d.replies

@@ -180,6 +180,21 @@ type runningJob struct {
 	attempt    int
 	delivery   string // the settle's: which delivery this is
 	cancel     context.CancelCauseFunc
+	// beating is when the delivery's handler began to beat to its
+	// gateway (Delivery.Replies); zero before, and again once it
+	// returned: the gateway's running query (dispatcher.DecodeBeating)
+	// asks whether a decode it heard from still runs.
+	beating time.Time
+}
+
+// setBeating marks r beating since t, or not beating (zero t).
+func (l *Loop) setBeating(r *runningJob, t time.Time) {
+	if r == nil {
+		return
+	}
+	l.mu.Lock()
+	r.beating = t
+	l.mu.Unlock()
 }
 
 // Causes of a job stopped while it runs.

@@ -120,7 +120,7 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	start := time.Now()
 	s.run = &dispatcher.StageRecord{Stage: l.cfg.Stage, Generation: job.Generation, Worker: l.cfg.Worker.Worker,
 		Engine: l.cfg.Worker.Engine, Started: start}
-	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, permit: permit.Token, stop: cancel}
+	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, running: r, permit: permit.Token, stop: cancel}
 	d.ctx = jctx
 	handled = true
 	// A first delivery's wait is its queue time; a redelivery's, or a

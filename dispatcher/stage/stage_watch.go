@@ -50,7 +50,9 @@ func (l *Loop) sampleDepth(ctx context.Context) {
 
 // onRunning answers whether this loop runs another delivery of the job a
 // query names (its id, generation and the asker's delivery): a job
-// redelivered while its first delivery still runs.
+// redelivered while its first delivery still runs. A gateway's query
+// (dispatcher.HeaderBeating) asks instead whether a delivery of the job
+// has beaten for at least as long as it says.
 func (l *Loop) onRunning(msg *nats.Msg) {
 	id := msg.Subject[len(dispatcher.RunningSubject("")):]
 	gen, _ := strconv.Atoi(msg.Header.Get(dispatcher.HeaderGeneration))
@@ -62,6 +64,16 @@ func (l *Loop) onRunning(msg *nats.Msg) {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if v := msg.Header.Get(dispatcher.HeaderBeating); v != "" {
+		ms, _ := strconv.ParseInt(v, 10, 64)
+		for r := range l.running {
+			if r.id == id && r.generation == gen && !r.beating.IsZero() && time.Since(r.beating) >= time.Duration(ms)*time.Millisecond {
+				_ = msg.Respond(nil) // a lost answer only lets the gateway wait on
+				return
+			}
+		}
+		return
+	}
 	for r := range l.running {
 		other := r.attempt != asker
 		if delivery != "" {
