@@ -63,7 +63,7 @@ func allWorkloads(timeScale float64) []workload {
 	noReuse := []float64{0.6, 1.0, 1.4}
 	return []workload{
 		{
-			key: "multi_turn", title: "multi-turn chat", conversations: true, multiples: []float64{1, 2, 3},
+			key: "multi_turn", title: "multi-turn chat", conversations: true, multiples: []float64{1, 2, 2.5, 3},
 			set: func(cfg *pdqbench.Config) {
 				cfg.DatasetName = "multi_turn"
 				cfg.MultiTurnTurns, cfg.MultiTurnCommonPrefixLen, cfg.MultiTurnPrefixLen = turns, commonPrefixLen, convPrefixLen
@@ -81,7 +81,7 @@ func allWorkloads(timeScale float64) []workload {
 			},
 		},
 		{
-			key: "prefix_repetition", title: "prefix_repetition", multiples: []float64{0.8, 1.4, 2.0}, multipleOf: numPrefixes,
+			key: "prefix_repetition", title: "prefix_repetition", multiples: []float64{0.8, 1.4, 1.7, 2.0}, multipleOf: numPrefixes,
 			set: func(cfg *pdqbench.Config) {
 				cfg.DatasetName = "prefix_repetition"
 				cfg.PrefixRepetitionPrefixLen, cfg.PrefixRepetitionSuffixLen = prefixLen, suffixLen
@@ -92,7 +92,7 @@ func allWorkloads(timeScale float64) []workload {
 					NumPrefixes: cfg.PrefixRepetitionNumPrefixes, OutputLen: cfg.PrefixRepetitionOutputLen, Seed: uint64(cfg.Seed)}.Sample(n, "")
 			},
 		},
-		{key: "random", title: "random (no shared prefix)", multiples: noReuse, set: random, sample: sampleRandom},
+		{key: "random", title: "random (no shared prefix)", multiples: []float64{0.6, 0.8, 1.0, 1.4}, set: random, sample: sampleRandom},
 		{
 			key: "tenants", title: "tenants 10:1", multiples: noReuse, multipleOf: 11, sample: sampleRandom,
 			set: func(cfg *pdqbench.Config) {
