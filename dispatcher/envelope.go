@@ -105,12 +105,14 @@ type Job struct {
 	// payload, without NATS headers (see reply.Writer); a worker sends
 	// them with headers otherwise.
 	ReplyFramed bool
-	// ReplyStart says the gateway wants to hear at once that the job's
-	// first stage freed its engine: from the prefill worker as its prefill
-	// ends (reply.Writer.Prefilled), and from the decode worker as the
-	// decode starts (a beat then, reply.Writer.BeatAtOnce, not after the
-	// first interval). Its fair queue's turn ends at the first of them.
+	// ReplyStart says the gateway wants to hear at once that a decode of
+	// the job started: a beat as it starts (see reply.Writer.BeatAtOnce),
+	// not after the first interval. Its fair queue's turn ends then, or
+	// at the prefill's end (ReplyPrefilled), whichever comes first.
 	ReplyStart bool
+	// ReplyPrefilled says the gateway reads the prefill worker's
+	// prefilled message (reply.Writer.Prefilled): only then is it sent.
+	ReplyPrefilled bool
 	// HandBacks counts the times a worker gave the job back unrun (its
 	// engine failing, or a continuation's engine the one it broke on);
 	// each copy has its own message id.
@@ -270,6 +272,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	if j.ReplyStart {
 		h[HeaderReplyStart] = []string{"1"}
 	}
+	if j.ReplyPrefilled {
+		h[HeaderReplyPrefilled] = []string{"1"}
+	}
 	if j.BatchPrompt {
 		h[HeaderBatchPrompt] = []string{"1"}
 	}
@@ -416,6 +421,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j.ReplyBatch = h.Get(HeaderReplyBatch) == "1"
 	j.ReplyFramed = h.Get(HeaderReplyFrame) == "1"
 	j.ReplyStart = h.Get(HeaderReplyStart) == "1"
+	j.ReplyPrefilled = h.Get(HeaderReplyPrefilled) == "1"
 	j.BatchPrompt = h.Get(HeaderBatchPrompt) == "1"
 	if p := h.Get(HeaderPrefill); p != "" {
 		j.Prefill = new(StageRecord)

@@ -38,10 +38,13 @@ const (
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.
 	HeaderReplyFrame = "Pdq-Reply-Frame"
-	// HeaderReplyStart is set on jobs whose gateway wants to hear as their
-	// first stage frees its engine: a prefilled message as the prefill
-	// ends, a beat as the decode starts.
+	// HeaderReplyStart is set on jobs whose gateway wants a beat as their
+	// decode starts.
 	HeaderReplyStart = "Pdq-Reply-Start"
+	// HeaderReplyPrefilled is set on jobs whose gateway reads a prefilled
+	// message (KindPrefilled); a gateway of an earlier build fails a
+	// reply of a kind it does not know, and does not set it.
+	HeaderReplyPrefilled = "Pdq-Reply-Prefilled"
 	// HeaderBatchPrompt is set on the jobs of a batched request's prompts.
 	HeaderBatchPrompt = "Pdq-Batch-Prompt"
 	// HeaderRecordRevision is the job's RecordRevision, when known.
@@ -99,7 +102,7 @@ const (
 	KindAck = "ack"
 	// KindPrefilled says a prefill of the request ended and its engine
 	// is free for the next one, for a gateway whose fair queue asked
-	// (Job.ReplyStart): sent once, not acked, carrying nothing.
+	// (Job.ReplyPrefilled): sent once, not acked, carrying nothing.
 	KindPrefilled = "prefilled"
 )
 

@@ -25,7 +25,7 @@ func TestJobEnvelope(t *testing.T) {
 		Prefill:    &StageRecord{Stage: StagePrefill, Generation: 3, Worker: "w", Engine: "http://p", Started: started, Ms: 1.5},
 		Resume:     &Resume{Chunks: 4, Tokens: 4, Created: 17, Migrations: 1, Original: true},
 		Sent:       []byte(" Hello there"),
-		ReplyBatch: true, ReplyFramed: true, ReplyStart: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7, Prefer: "e0a1b2c3d4",
+		ReplyBatch: true, ReplyFramed: true, ReplyStart: true, ReplyPrefilled: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7, Prefer: "e0a1b2c3d4",
 	}
 	// A field added to Job later must be set here too, or this fails.
 	// Rebuilt is read, never written: a copy of a job is a new message.

@@ -21,7 +21,7 @@ import (
 
 // deadlineKey holds, in a request's echo context, its deadline as set when
 // it began to wait for its turn; turnKey its turn (PDQ_FAIR_LIMIT=engines), which the relay tells
-// when a decode of it is heard from; hashesKey its prompt's chunk hashes
+// when its prefill ends or a decode of it is heard from; hashesKey its prompt's chunk hashes
 // (a func() []uint64, computed once), for its placement.
 const (
 	deadlineKey = "pdq.deadline"
@@ -35,7 +35,8 @@ const fairRetryAfter = 5
 
 // waitTurn holds a request in its pool's fair queue until the pool has
 // room for it; the turn's Done is to be called when the request ends (its
-// Started, the relay has called once a decode of it is heard from). A
+// Started, the relay has called once its prefill ends or a decode of it
+// is heard from). A
 // tenant over its share gets a 429, a request whose deadline passes while
 // it waits a 504; a client that leaves while it waits gets nothing (turn
 // and apiErr both nil).

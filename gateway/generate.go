@@ -135,7 +135,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	now := time.Now()
 	job := &dispatcher.Job{
 		ID: id, Model: model, Pool: dispatcher.PoolName(model), Endpoint: endpoint, Stream: req.Stream,
-		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, ReplyStart: h.turnsEndAtStart(), BatchPrompt: batch,
+		Body: body, ReplyTo: h.replies.Subject(id), PromptTokens: promptTokens, ReplyBatch: true, ReplyFramed: true, ReplyStart: h.turnsEndAtStart(), ReplyPrefilled: h.turnsEndAtStart(), BatchPrompt: batch,
 		Owner:     callerOf(c).owner,
 		Submitted: now, Deadline: now.Add(h.cfg.RequestTimeout),
 	}

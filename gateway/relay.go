@@ -89,9 +89,9 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 	if stream {
 		sse = openai.NewSSEWriter(c.Response())
 	}
-	// The request's turn in the fair queue ends once a decode of it is
-	// heard from (of each prompt, for a batch): it no longer waits for the
-	// pool (see fair.Queue).
+	// The request's turn in the fair queue ends once its prefill ends or a
+	// decode of it is heard from (of each prompt, for a batch): it no
+	// longer waits for the pool's engines (see fair.Queue).
 	if turn, ok := c.Get(turnKey).(*fair.Turn); ok {
 		var waiting atomic.Int64
 		waiting.Store(int64(len(legs)))

@@ -33,7 +33,7 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	cctx, cancel := context.WithTimeoutCause(ctx, w.cfg.PrefillTimeout, errTimedOut)
 	defer cancel()
 	told := w.tellPrefilled(d, log, start)
-	defer told.stop()
+	defer told.close()
 	raw, err := w.prefillCall(cctx, job, body)
 	told.answered(err == nil, raw)
 	var f *verdict.Failure
@@ -89,17 +89,19 @@ func (w *Worker) prefill(ctx context.Context, d *stage.Delivery) error {
 	return nil
 }
 
-// tellPrefilled tells the gateway of a job whose fair queue asked
-// (Job.ReplyStart) that its prefill, begun at start, ended: prefillLead
-// before the worker's clock expects it to, or as it ended, whichever
-// comes first. The engine is free then: the gateway lets the next request
-// in, not a hand-off later, when the decode starts.
+// tellPrefilled counts a prefill begun at start in the worker's clock,
+// and tells the gateway of a job whose fair queue asked
+// (Job.ReplyPrefilled) that it ended: prefillLead before the clock
+// expects it to, or as it ended, whichever comes first. The engine is
+// free then: the gateway lets the next request in, not a hand-off later,
+// when the decode starts. Every prefill counts in the clock, told or not:
+// one it did not count would run beside those it predicts.
 func (w *Worker) tellPrefilled(d *stage.Delivery, log *slog.Logger, start time.Time) *prefilledTeller {
-	if !d.Job.ReplyStart {
-		return &prefilledTeller{}
+	p := &prefilledTeller{clock: &w.clock, timing: w.clock.begin(d.Job.PromptTokens, start)}
+	if !d.Job.ReplyPrefilled {
+		return p
 	}
 	replies := d.Replies() // made here: the timer's goroutine only uses it
-	p := &prefilledTeller{clock: &w.clock, timing: w.clock.begin(d.Job.PromptTokens, start)}
 	p.tell = sync.OnceFunc(func() {
 		if err := replies.Prefilled(); err != nil {
 			log.Debug("the gateway was not told the prefill ended; it learns as the decode starts", logging.Err(err))

@@ -9,7 +9,7 @@ import (
 )
 
 // prefillLead is how long before its engine's prefill is expected to end
-// a prefill worker tells the gateway that it ended (Job.ReplyStart): about
+// a prefill worker tells the gateway that it ended (Job.ReplyPrefilled): about
 // the time the gateway's next request takes to reach the engine (the
 // turn, the publish, a worker's pull, the engine call), so that it comes
 // as the engine frees, not that long after. Told too early, the next
@@ -54,8 +54,9 @@ type prefillTiming struct {
 	// began: with none, its time is its own; behind one, its own time
 	// starts as that one ends.
 	ahead int
-	// expect is how long it is expected to take from its begin: 0 when
-	// not known.
+	// known says its end was predicted: expect is how long it is
+	// expected to take from its begin.
+	known  bool
 	expect time.Duration
 }
 
@@ -74,7 +75,7 @@ func (c *prefillClock) begin(tokens int, now time.Time) prefillTiming {
 		start = c.freeAt
 	}
 	c.freeAt = start.Add(time.Duration(c.perToken * float64(tokens)))
-	t.expect = c.freeAt.Sub(now)
+	t.known, t.expect = true, c.freeAt.Sub(now)
 	return t
 }
 
@@ -85,7 +86,7 @@ func (c *prefillClock) end(t prefillTiming, now time.Time, ok bool, cached int) 
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.running--
-	if t.expect == 0 {
+	if !t.known {
 		c.unknown--
 	}
 	from := t.began
@@ -112,38 +113,48 @@ func (c *prefillClock) end(t prefillTiming, now time.Time, ok bool, cached int) 
 	c.samples++
 }
 
-// prefilledTeller tells the gateway of one job that its prefill ended
-// (see Worker.tellPrefilled). The zero value, for a job whose gateway did
-// not ask, does nothing.
+// prefilledTeller counts one prefill in the worker's clock and tells the
+// gateway of its job that it ended, when the gateway asked (see
+// Worker.tellPrefilled).
 type prefilledTeller struct {
-	clock  *prefillClock
-	timing prefillTiming
-	tell   func()      // once
-	early  *time.Timer // tells before the expected end; nil if none
+	clock        *prefillClock
+	timing       prefillTiming
+	answeredOnce bool
+	tell         func()      // once; nil when the gateway did not ask
+	early        *time.Timer // tells before the expected end; nil if none
 }
 
 // answered says the engine answered the prefill (ok: with a success,
-// raw), for the clock to learn from.
+// raw), or that the call ended without (!ok): the clock counts it out,
+// learning from a success; a failure stops the early telling. Only the
+// first call counts.
 func (p *prefilledTeller) answered(ok bool, raw []byte) {
-	if p.clock != nil {
-		p.clock.end(p.timing, time.Now(), ok, cachedTokens(raw))
+	if p.answeredOnce {
+		return
+	}
+	p.answeredOnce = true
+	p.clock.end(p.timing, time.Now(), ok, cachedTokens(raw))
+	if !ok && p.early != nil {
+		p.early.Stop()
 	}
 }
 
-// ended tells the gateway now, if it was not told before: the prefill
-// succeeded, and its handoff is on its way.
+// close ends the prefill's telling, however its handler returns: a
+// prefill the clock did not count out (a panic) is counted out unanswered,
+// and the early telling stops (a prefill that failed after it was told is
+// retried or answered without a turn).
+func (p *prefilledTeller) close() {
+	p.answered(false, nil)
+	if p.early != nil {
+		p.early.Stop()
+	}
+}
+
+// ended tells the gateway now, if it asked and was not told before: the
+// prefill succeeded, and its handoff is on its way.
 func (p *prefilledTeller) ended() {
 	if p.tell != nil {
 		p.tell()
-	}
-}
-
-// stop stops the early telling, once the prefill ended either way; a
-// prefill that failed after it was told is retried or answered without a
-// turn.
-func (p *prefilledTeller) stop() {
-	if p.early != nil {
-		p.early.Stop()
 	}
 }
 

@@ -69,6 +69,24 @@ func TestPrefillClock(t *testing.T) {
 	}
 }
 
+// A prediction of no time at all (an engine faster than the clock's
+// resolution) is still a prediction: counted out as one, it leaves no
+// unpredicted prefill behind it.
+func TestPrefillClockCountsOut(t *testing.T) {
+	var c prefillClock
+	t0 := time.Unix(1000, 0)
+	at := func(d time.Duration) time.Time { return t0.Add(d) }
+	learn(&c, at, 1000, 0)
+	p := c.begin(1, at(time.Hour))
+	c.end(p, at(time.Hour), true, 0)
+	if c.unknown != 0 || c.running != 0 {
+		t.Fatalf("after a prefill predicted to take no time: %d unknown, %d running; want 0, 0", c.unknown, c.running)
+	}
+	if q := c.begin(1000, at(2*time.Hour)); !q.known {
+		t.Error("the next prefill was not predicted")
+	}
+}
+
 // learn runs clockSamples prefills of tokens one after another, a second
 // apart from time 0, each taking d and finding nothing cached.
 func learn(c *prefillClock, at func(time.Duration) time.Time, tokens int, d time.Duration) {

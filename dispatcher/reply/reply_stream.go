@@ -163,7 +163,7 @@ type Stream struct {
 	stall *time.Timer
 	// idle runs before Next waits (OnIdle).
 	idle func() error
-	// onStarted run as a decode is heard from (OnStarted).
+	// onStarted run as a prefill ends or a decode is heard from (OnStarted).
 	onStarted []func()
 	// pending are the chunks of a batched message not returned yet.
 	pending [][]byte
