@@ -163,6 +163,10 @@ type Loop struct {
 	// mu guards the fields below.
 	mu      sync.Mutex
 	running map[*runningJob]struct{}
+	// answered are decodes of this loop that beat and ended their job
+	// (its answer sent, or its end lost on the way), kept a while for the
+	// running query (see keepAnswered).
+	answered []answeredDecode
 	// reconnects and reconnectedAt track the connection's outages, for
 	// the running query's wait.
 	reconnects    uint64
@@ -185,6 +189,34 @@ type runningJob struct {
 	// returned: the gateway's running query (dispatcher.DecodeBeating)
 	// asks whether a decode it heard from still runs.
 	beating time.Time
+}
+
+// answeredDecode is a decode that beat from began and ended its job, kept
+// until until.
+type answeredDecode struct {
+	id           string
+	generation   int
+	began, until time.Time
+}
+
+// keepAnswered keeps, for twice the stall time-out, that r beat from
+// began and ended its job: a gateway whose stall timer fires after it
+// ended, having heard its first beat and nothing since (its chunks and
+// end lost), is told that the decode beat (dispatcher.DecodeBeating), and
+// fails the request as a silent decode's, rather than waiting for a
+// redelivery that will not come (the job was acked) until its deadline.
+// A decode that gave its job back (handed back, retried) is not kept:
+// the job waits for its next decode.
+func (l *Loop) keepAnswered(r *runningJob, began time.Time) {
+	now := time.Now()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	// Kept in the order they end, each as long: the expired are in front.
+	i := 0
+	for i < len(l.answered) && now.After(l.answered[i].until) {
+		i++
+	}
+	l.answered = append(l.answered[i:], answeredDecode{id: r.id, generation: r.generation, began: began, until: now.Add(2 * l.cfg.StallTimeout)})
 }
 
 // setBeating marks r beating since t, or not beating (zero t).

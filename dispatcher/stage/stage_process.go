@@ -138,6 +138,9 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 		took = time.Since(start) // it reached the engine
 	}
 	l.cfg.Metrics.JobEnded(l.cfg.Stage, took)
+	l.mu.Lock()
+	beganBeating := r.beating
+	l.mu.Unlock()
 	d.stopBeats()
 	// A job whose engine never ran it (a decode that waited for its
 	// engine, say) counts as not run: a handoff's KV is unread, and is
@@ -151,6 +154,9 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	o := outcomeOf(err, cause, handedOff, pullCtx.Err() != nil && jobCtx.Err() != nil)
 	if o == verdict.OK {
 		l.recordDuration(time.Since(start))
+		if l.cfg.Stage == dispatcher.StageDecode && !beganBeating.IsZero() {
+			l.keepAnswered(r, beganBeating)
+		}
 	}
 	var failure *verdict.Failure
 	errors.As(err, &failure)

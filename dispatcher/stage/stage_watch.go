@@ -66,9 +66,18 @@ func (l *Loop) onRunning(msg *nats.Msg) {
 	defer l.mu.Unlock()
 	if v := msg.Header.Get(dispatcher.HeaderBeating); v != "" {
 		ms, _ := strconv.ParseInt(v, 10, 64)
+		beat := func(id2 string, gen2 int, since time.Time) bool {
+			return id2 == id && gen2 == gen && !since.IsZero() && time.Since(since) >= time.Duration(ms)*time.Millisecond
+		}
 		for r := range l.running {
-			if r.id == id && r.generation == gen && !r.beating.IsZero() && time.Since(r.beating) >= time.Duration(ms)*time.Millisecond {
+			if beat(r.id, r.generation, r.beating) {
 				_ = msg.Respond(nil) // a lost answer only lets the gateway wait on
+				return
+			}
+		}
+		for _, a := range l.answered {
+			if time.Now().Before(a.until) && beat(a.id, a.generation, a.began) {
+				_ = msg.Respond(nil)
 				return
 			}
 		}
