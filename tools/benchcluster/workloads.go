@@ -81,7 +81,7 @@ func allWorkloads(timeScale float64) []workload {
 			},
 		},
 		{
-			key: "prefix_repetition", title: "prefix_repetition", multiples: []float64{0.8, 1.4, 1.7, 2.0}, multipleOf: numPrefixes,
+			key: "prefix_repetition", title: "prefix_repetition", multiples: []float64{0.8, 1.4, 1.55, 1.7, 2.0}, multipleOf: numPrefixes,
 			set: func(cfg *pdqbench.Config) {
 				cfg.DatasetName = "prefix_repetition"
 				cfg.PrefixRepetitionPrefixLen, cfg.PrefixRepetitionSuffixLen = prefixLen, suffixLen
