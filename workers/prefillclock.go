@@ -80,9 +80,10 @@ func (c *prefillClock) begin(tokens int, now time.Time) prefillTiming {
 }
 
 // end counts the prefill out at now. One that found nothing cached
-// (cached tokens, as its engine answered) and began with the engine idle,
-// or behind one other that ended before it, teaches the clock its time.
-func (c *prefillClock) end(t prefillTiming, now time.Time, ok bool, cached int) {
+// (cached tokens, as its engine answered: read only for a prefill the
+// clock would learn from) and began with the engine idle, or behind one
+// other that ended before it, teaches the clock its time.
+func (c *prefillClock) end(t prefillTiming, now time.Time, ok bool, cached func() int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.running--
@@ -98,7 +99,7 @@ func (c *prefillClock) end(t prefillTiming, now time.Time, ok bool, cached int) 
 	if c.running == 0 {
 		c.freeAt = time.Time{}
 	}
-	if !ok || !alone || cached > 0 || t.tokens <= 0 {
+	if !ok || !alone || t.tokens <= 0 || cached() > 0 {
 		return
 	}
 	sample := float64(now.Sub(from)) / float64(t.tokens)
@@ -133,7 +134,7 @@ func (p *prefilledTeller) answered(ok bool, raw []byte) {
 		return
 	}
 	p.answeredOnce = true
-	p.clock.end(p.timing, time.Now(), ok, cachedTokens(raw))
+	p.clock.end(p.timing, time.Now(), ok, func() int { return cachedTokens(raw) })
 	if !ok && p.early != nil {
 		p.early.Stop()
 	}

@@ -16,7 +16,7 @@ func TestPrefillClock(t *testing.T) {
 	}{
 		{"nothing predicted before it learned", func(c *prefillClock, at func(time.Duration) time.Time) time.Duration {
 			for i := range clockSamples - 1 {
-				c.end(c.begin(1000, at(time.Duration(i)*time.Second)), at(time.Duration(i)*time.Second+100*ms), true, 0)
+				c.end(c.begin(1000, at(time.Duration(i)*time.Second)), at(time.Duration(i)*time.Second+100*ms), true, cached(0))
 			}
 			return c.begin(1000, at(10*time.Second)).expect
 		}, 0},
@@ -37,25 +37,25 @@ func TestPrefillClock(t *testing.T) {
 		{"cached prompts, failures and prefills behind two teach nothing", func(c *prefillClock, at func(time.Duration) time.Time) time.Duration {
 			learn(c, at, 1000, 100*ms)
 			h := time.Hour
-			c.end(c.begin(1000, at(h)), at(h+10*ms), true, 900)
-			c.end(c.begin(1000, at(2*h)), at(2*h+ms), false, 0)
+			c.end(c.begin(1000, at(h)), at(h+10*ms), true, cached(900))
+			c.end(c.begin(1000, at(2*h)), at(2*h+ms), false, cached(0))
 			a, b, x := c.begin(1000, at(3*h)), c.begin(1000, at(3*h+ms)), c.begin(1000, at(3*h+2*ms))
-			c.end(a, at(3*h+100*ms), true, 0)
-			c.end(b, at(3*h+200*ms), true, 0)
-			c.end(x, at(3*h+210*ms), true, 0) // 10 ms after b: behind two as it began
+			c.end(a, at(3*h+100*ms), true, cached(0))
+			c.end(b, at(3*h+200*ms), true, cached(0))
+			c.end(x, at(3*h+210*ms), true, cached(0)) // 10 ms after b: behind two as it began
 			return c.begin(1000, at(4*h)).expect
 		}, 100 * ms},
 		{"one begun behind another: its time from that one's end", func(c *prefillClock, at func(time.Duration) time.Time) time.Duration {
 			learn(c, at, 1000, 100*ms)
 			h := time.Hour
 			a, b := c.begin(1000, at(h)), c.begin(1000, at(h+90*ms))
-			c.end(a, at(h+100*ms), true, 0)
-			c.end(b, at(h+120*ms), true, 0) // 20 ms of its own
+			c.end(a, at(h+100*ms), true, cached(0))
+			c.end(b, at(h+120*ms), true, cached(0)) // 20 ms of its own
 			return c.begin(1000, at(2*h)).expect
 		}, 92 * ms}, // 100 ms, a tenth of the way to 20
 		{"a slower engine is learned faster than a faster one", func(c *prefillClock, at func(time.Duration) time.Time) time.Duration {
 			learn(c, at, 1000, 100*ms)
-			c.end(c.begin(1000, at(time.Hour)), at(time.Hour+200*ms), true, 0)
+			c.end(c.begin(1000, at(time.Hour)), at(time.Hour+200*ms), true, cached(0))
 			return c.begin(1000, at(2*time.Hour)).expect
 		}, 150 * ms},
 	} {
@@ -78,7 +78,7 @@ func TestPrefillClockCountsOut(t *testing.T) {
 	at := func(d time.Duration) time.Time { return t0.Add(d) }
 	learn(&c, at, 1000, 0)
 	p := c.begin(1, at(time.Hour))
-	c.end(p, at(time.Hour), true, 0)
+	c.end(p, at(time.Hour), true, cached(0))
 	if c.unknown != 0 || c.running != 0 {
 		t.Fatalf("after a prefill predicted to take no time: %d unknown, %d running; want 0, 0", c.unknown, c.running)
 	}
@@ -87,12 +87,15 @@ func TestPrefillClockCountsOut(t *testing.T) {
 	}
 }
 
+// cached is what an engine's answer says it found cached.
+func cached(n int) func() int { return func() int { return n } }
+
 // learn runs clockSamples prefills of tokens one after another, a second
 // apart from time 0, each taking d and finding nothing cached.
 func learn(c *prefillClock, at func(time.Duration) time.Time, tokens int, d time.Duration) {
 	for i := range clockSamples {
 		start := time.Duration(i) * time.Second
-		c.end(c.begin(tokens, at(start)), at(start+d), true, 0)
+		c.end(c.begin(tokens, at(start)), at(start+d), true, cached(0))
 	}
 }
 
