@@ -10,7 +10,7 @@ import (
 )
 
 // EnsureEngineConsumer returns the durable consumer of the jobs of stage
-// and pool that prefer the engine keyed engine (see Job.Prefer), creating
+// and pool that prefer the engine keyed engine (see Job.Preferred), creating
 // it when it is missing. Its engine's worker pulls from it before the
 // pool's shared consumer; the pool's other workers take from it what
 // waits there unpulled (see stage.Loop). It is removed after an hour

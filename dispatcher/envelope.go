@@ -124,6 +124,13 @@ type Job struct {
 	// gone. Empty: any worker. Only a prefill job is published so; a copy
 	// published again (a retry, a hand-back) goes to any worker.
 	Prefer string
+	// PreferDecode is the key of the decode engine whose prefix cache
+	// likely holds the prompt's start (a conversation's earlier turns,
+	// which it decoded): the decode job, a handoff or decode-only, is
+	// published for it first, as Prefer for a prefill. A prefill job
+	// carries it to its handoff. A new generation goes to any worker, and
+	// so does a decode handed back.
+	PreferDecode string
 	// RecordRevision is the revision its request's record had when this
 	// generation was queued, when that is known (0 otherwise). While the
 	// record is still at it, nothing has ended, retried or moved the
@@ -170,6 +177,15 @@ type StageRecord struct {
 // Ended is when the stage's engine call returned.
 func (s *StageRecord) Ended() time.Time {
 	return s.Started.Add(time.Duration(s.Ms * float64(time.Millisecond)))
+}
+
+// Preferred is the key of the engine that should take the job of stage
+// first (Prefer or PreferDecode); empty for any worker.
+func (j *Job) Preferred(stage Stage) string {
+	if stage == StagePrefill {
+		return j.Prefer
+	}
+	return j.PreferDecode
 }
 
 // Expired reports whether the job's deadline has passed at now.
@@ -220,8 +236,8 @@ func (j *Job) MsgID(stage Stage) string {
 // Msg is the job as a message for stage's subject.
 func (j *Job) Msg(stage Stage) *nats.Msg {
 	subject := JobSubject(stage, j.Pool, j.ID)
-	if j.Prefer != "" && stage == StagePrefill {
-		subject = PreferredSubject(stage, j.Pool, j.ID, j.Prefer)
+	if engine := j.Preferred(stage); engine != "" {
+		subject = PreferredSubject(stage, j.Pool, j.ID, engine)
 	}
 	m := nats.NewMsg(subject)
 	h := m.Header
@@ -262,6 +278,9 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	if j.Prefer != "" && stage == StagePrefill {
 		h[HeaderPrefer] = []string{j.Prefer}
+	}
+	if j.PreferDecode != "" {
+		h[HeaderPreferDecode] = []string{j.PreferDecode}
 	}
 	if j.ReplyBatch {
 		h[HeaderReplyBatch] = []string{"1"}
@@ -374,7 +393,7 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 	j := &Job{
 		ID: h.Get(HeaderID), Model: h.Get(HeaderModel), Pool: h.Get(HeaderPool),
 		Endpoint: openai.Endpoint(h.Get(HeaderEndpoint)), ReplyTo: h.Get(HeaderReplyTo), Owner: h.Get(HeaderOwner),
-		ClientID: h.Get(HeaderClientID), Body: data, Prefer: h.Get(HeaderPrefer),
+		ClientID: h.Get(HeaderClientID), Body: data, Prefer: h.Get(HeaderPrefer), PreferDecode: h.Get(HeaderPreferDecode),
 		Rebuilt: h.Get(HeaderRebuilt) != "",
 	}
 	switch v := h.Get(HeaderVersion); v {

@@ -34,6 +34,10 @@ const (
 	// HeaderPrefer names the prefill engine that should take the job
 	// first (Job.Prefer).
 	HeaderPrefer = "Pdq-Prefer"
+	// HeaderPreferDecode names the decode engine that should take the
+	// job's decode first (Job.PreferDecode); a prefill job carries it to
+	// its handoff.
+	HeaderPreferDecode = "Pdq-Prefer-Decode"
 	// HeaderReplyBatch is set on jobs whose gateway reads batched replies.
 	HeaderReplyBatch = "Pdq-Reply-Batch"
 	// HeaderReplyFrame is set on jobs whose gateway reads framed chunks.

@@ -25,7 +25,7 @@ func TestJobEnvelope(t *testing.T) {
 		Prefill:    &StageRecord{Stage: StagePrefill, Generation: 3, Worker: "w", Engine: "http://p", Started: started, Ms: 1.5},
 		Resume:     &Resume{Chunks: 4, Tokens: 4, Created: 17, Migrations: 1, Original: true},
 		Sent:       []byte(" Hello there"),
-		ReplyBatch: true, ReplyFramed: true, ReplyStart: true, ReplyPrefilled: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7, Prefer: "e0a1b2c3d4",
+		ReplyBatch: true, ReplyFramed: true, ReplyStart: true, ReplyPrefilled: true, BatchPrompt: true, HandBacks: 2, RecordRevision: 7, Prefer: "e0a1b2c3d4", PreferDecode: "e5e6f7a8b9",
 	}
 	// A field added to Job later must be set here too, or this fails.
 	// Rebuilt is read, never written: a copy of a job is a new message.
@@ -43,15 +43,19 @@ func TestJobEnvelope(t *testing.T) {
 	if m := (&Job{ID: "req-3", Model: "m", Pool: "m", Generation: 1, Rebuilt: true}).Msg(StagePrefill); m.Header.Get(HeaderRebuilt) != "" {
 		t.Error("a copy of a rebuilt job is written as rebuilt")
 	}
-	// A prefill job goes to its preferred engine's subject, and says so;
-	// a decode job (a handoff) to the pool's.
+	// A prefill job goes to its preferred engine's subject, and says so,
+	// with the decode engine it prefers for its handoff; a decode job (a
+	// handoff) to its preferred decode engine's subject.
 	if m := full.Msg(StagePrefill); m.Subject != PreferredSubject(StagePrefill, "m", "req-1", "e0a1b2c3d4") || m.Header.Get(HeaderPrefer) != "e0a1b2c3d4" {
 		t.Errorf("a prefill job preferring an engine: subject %s, header %q", m.Subject, m.Header.Get(HeaderPrefer))
-	} else if got, err := ParseJob(m.Header, m.Data); err != nil || got.Prefer != full.Prefer {
-		t.Errorf("a prefill job's preference read back as %q (%v)", got.Prefer, err)
+	} else if got, err := ParseJob(m.Header, m.Data); err != nil || got.Prefer != full.Prefer || got.PreferDecode != full.PreferDecode {
+		t.Errorf("a prefill job's preferences read back as %q, %q (%v)", got.Prefer, got.PreferDecode, err)
 	}
-	if m := full.Msg(StageDecode); m.Subject != JobSubject(StageDecode, "m", "req-1") || m.Header.Get(HeaderPrefer) != "" {
-		t.Errorf("a decode job of a request that preferred a prefill engine: subject %s, header %q", m.Subject, m.Header.Get(HeaderPrefer))
+	if m := full.Msg(StageDecode); m.Subject != PreferredSubject(StageDecode, "m", "req-1", "e5e6f7a8b9") || m.Header.Get(HeaderPrefer) != "" {
+		t.Errorf("a decode job preferring a decode engine: subject %s, prefill header %q", m.Subject, m.Header.Get(HeaderPrefer))
+	}
+	if m := (&Job{ID: "req-4", Model: "m", Pool: "m", Generation: 1, Prefer: "e0a1b2c3d4"}).Msg(StageDecode); m.Subject != JobSubject(StageDecode, "m", "req-4") {
+		t.Errorf("a decode job preferring no decode engine: subject %s, want the pool's", m.Subject)
 	}
 	bare := &Job{ID: "req-2", Model: "m", Pool: "m", Endpoint: openai.Completions, Generation: 1,
 		Submitted: time.UnixMicro(time.Now().UnixMicro()), Body: json.RawMessage(`{"prompt":"x"}`)}

@@ -50,7 +50,7 @@ func JobSubject(stage Stage, pool, id string) string {
 }
 
 // PreferredSubject is where a job that prefers the engine keyed engine
-// (see Job.Prefer) is published: one token more than JobSubject, so that
+// (see Job.Preferred) is published: one token more than JobSubject, so that
 // the pool's shared consumer (<pool>.*) and the engine's own
 // (<pool>.*.<engine>) never both take it.
 func PreferredSubject(stage Stage, pool, id, engine string) string {

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/labstack/echo/v4"
@@ -153,18 +154,29 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	// Placed only once admitted, and in the index only once sent: a
 	// request refused would leave its prompt there, where it never went.
 	sent := func() {}
-	if stage == dispatcher.StagePrefill && h.placer != nil && !batch {
+	if h.placer != nil && !batch {
 		hashes, ok := c.Get(hashesKey).(func() []uint64) // hashed already for its turn
 		if !ok {
-			hashes = func() []uint64 { return affinity.PromptHashes(endpoint, req) }
+			hashes = sync.OnceValue(func() []uint64 { return affinity.PromptHashes(endpoint, req) })
 		}
-		var placed func()
-		job.Prefer, sent, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
-		// The engine is free of it once its prefill ends (see
-		// affinity.Placer), or when the request ends: its context ends
-		// with its handler.
-		replies.OnStarted(placed)
-		context.AfterFunc(c.Request().Context(), placed)
+		if stage == dispatcher.StagePrefill {
+			var placed func()
+			job.Prefer, sent, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
+			// The engine is free of it once its prefill ends (see
+			// affinity.Placer), or when the request ends: its context
+			// ends with its handler.
+			replies.OnStarted(placed)
+			context.AfterFunc(c.Request().Context(), placed)
+		}
+		// The decode engine caches the prompt too: a conversation's next
+		// turn there reads only its new blocks from the prefill engine,
+		// and a decode-only one computes only those. Its engine is busy
+		// with it until the request ends.
+		var sentDecode, decoded func()
+		job.PreferDecode, sentDecode, decoded = h.decodePlacer.Place(hashes, h.registry.Engines(dispatcher.StageDecode, job.Pool))
+		context.AfterFunc(c.Request().Context(), decoded)
+		sentPrefill := sent
+		sent = func() { sentPrefill(); sentDecode() }
 	}
 	claim, err := h.submitter.Submit(c.Request().Context(), stage, job)
 	if err != nil {
@@ -175,7 +187,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	sent()
 	replies.Start(job.Generation)
 	log.Debug("request queued", "model", model, "stage", string(stage), "stream", job.Stream,
-		"prompt_tokens_estimate", promptTokens, "generation", job.Generation, "prefer", job.Prefer)
+		"prompt_tokens_estimate", promptTokens, "generation", job.Generation, "prefer", job.Prefer, "prefer_decode", job.PreferDecode)
 	switch {
 	case fallback:
 		h.cfg.Counters.Shared().Fallback(job.Pool, "gateway")

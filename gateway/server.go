@@ -195,7 +195,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		budget:    budget,
 		admission: submit.NewAdmission(s.js, s.cfg.MaxQueue)}
 	if s.cfg.Affinity {
-		h.placer = affinity.NewPlacer()
+		h.placer, h.decodePlacer = affinity.NewPlacer(), affinity.NewDecodePlacer()
 	}
 	srv := &http.Server{
 		Handler:           h.routes(),
@@ -249,8 +249,9 @@ type handlers struct {
 	submitter *submit.Submitter
 	budget    *byteBudget
 	admission *submit.Admission
-	// placer picks prefill jobs' preferred engines; nil with affinity off.
-	placer *affinity.Placer
+	// placer picks prefill jobs' preferred engines, decodePlacer decode
+	// jobs'; nil with affinity off.
+	placer, decodePlacer *affinity.Placer
 	// queues are the pools' fair queues (pool name → *fair.Queue), made
 	// as pools are first asked for; none with PDQ_FAIR_QUEUE off.
 	queues sync.Map

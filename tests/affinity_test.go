@@ -12,17 +12,19 @@ import (
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
 )
 
-// TestAffinityThroughUp runs pdq up with two prefill engines (batched, of
-// the seed profile) and sends each of ten documents three times with
-// different questions: every request of a document must go to one prefill
-// engine, the one whose prefix cache holds the document, and the
-// documents must be spread over both engines.
+// TestAffinityThroughUp runs pdq up with two prefill and two decode
+// engines (batched, of the seed profile) and sends each of ten documents
+// three times with different questions: every request of a document must
+// go to one prefill engine, the one whose prefix cache holds the
+// document, and to one decode engine, which caches it too; and the
+// documents must be spread over both engines of each stage.
 func TestAffinityThroughUp(t *testing.T) {
 	batched := []string{"--profile", "seed", "--time-scale", "0.02", "--enable-prompt-tokens-details"}
 	_, p1 := startSimProcess(t, batched...)
 	_, p2 := startSimProcess(t, batched...)
-	_, d := startSimProcess(t, batched...)
-	up, url := startUp(t, "PDQ_LOG_LEVEL=debug", "PDQ_PREFILL_ENGINES="+p1.URL+","+p2.URL, "PDQ_DECODE_ENGINES="+d.URL)
+	_, d1 := startSimProcess(t, batched...)
+	_, d2 := startSimProcess(t, batched...)
+	up, url := startUp(t, "PDQ_LOG_LEVEL=debug", "PDQ_PREFILL_ENGINES="+p1.URL+","+p2.URL, "PDQ_DECODE_ENGINES="+d1.URL+","+d2.URL)
 	defer func() {
 		if t.Failed() {
 			for _, l := range strings.Split(up.output(), "\n") {
@@ -32,36 +34,51 @@ func TestAffinityThroughUp(t *testing.T) {
 			}
 		}
 	}()
-	engines := map[string]*simtest.Engine{p1.URL: p1, p2.URL: p2}
-	used := map[string]int{}
+	stages := []struct {
+		name    string
+		engines map[string]*simtest.Engine
+		used    map[string]int // documents an engine
+		where   map[int]string // document → engine
+	}{
+		{name: "prefill", engines: map[string]*simtest.Engine{p1.URL: p1, p2.URL: p2}},
+		{name: "decode", engines: map[string]*simtest.Engine{d1.URL: d1, d2.URL: d2}},
+	}
+	for i := range stages {
+		stages[i].used, stages[i].where = map[string]int{}, map[int]string{}
+	}
 	for doc := range 10 {
 		text := strings.Repeat(fmt.Sprintf("document %d says something of its own. ", doc), 60)
-		where := ""
 		for q := range 3 {
 			id := fmt.Sprintf("aff-%d-%d", doc, q)
 			post(t, url+"/v1/completions", id, completionBody(model, text+fmt.Sprintf(" Question %d?", q), body{"max_tokens": 4})).wantStatus(t, http.StatusOK)
-			on := ""
-			for u, e := range engines {
-				if len(e.Requests(t, id)) > 0 {
-					on = u
+			for _, st := range stages {
+				on := ""
+				for u, e := range st.engines {
+					if len(e.Requests(t, id)) > 0 {
+						on = u
+					}
 				}
-			}
-			switch {
-			case on == "":
-				t.Fatalf("%s reached no prefill engine", id)
-			case where == "":
-				where = on
-				used[on]++
-			case on != where:
-				t.Errorf("%s went to %s, the document's earlier requests to %s", id, on, where)
+				switch where := st.where[doc]; {
+				case on == "":
+					t.Fatalf("%s reached no %s engine", id, st.name)
+				case where == "":
+					st.where[doc] = on
+					st.used[on]++
+				case on != where:
+					t.Errorf("%s went to %s engine %s, the document's earlier requests to %s", id, st.name, on, where)
+				}
 			}
 		}
 	}
-	if len(used) != 2 {
-		t.Errorf("documents per prefill engine %v, want both engines used", used)
+	for _, st := range stages {
+		if len(st.used) != 2 {
+			t.Errorf("documents per %s engine %v, want both engines used", st.name, st.used)
+		}
 	}
 	hits := p1.Stats(t).PrefixHitTokens + p2.Stats(t).PrefixHitTokens
-	t.Logf("documents per engine %v; prefix-cache hits on the prefill engines: %d tokens", used, hits)
+	decodeHits := d1.Stats(t).PrefixHitTokens + d2.Stats(t).PrefixHitTokens
+	t.Logf("documents per engine %v, %v; prefix-cache hits on the prefill engines: %d tokens, on the decode engines: %d",
+		stages[0].used, stages[1].used, hits, decodeHits)
 }
 
 // TestAffinityKilledWorker: kill -9 of a prefill worker while jobs that

@@ -69,8 +69,8 @@ type Config struct {
 	// worker whose engine is down forwards its jobs decode-only while no
 	// other prefill worker of its pool is healthy.
 	PrefillFallback string
-	// Affinity takes the prefill jobs that prefer this worker's engine
-	// from its own queue, beside the pool's (PDQ_AFFINITY).
+	// Affinity takes the jobs that prefer this worker's engine from its
+	// own queue, beside the pool's (PDQ_AFFINITY).
 	Affinity bool
 	// MigrationLimit bounds how many times a decode that fails after
 	// output moves to another engine (PDQ_MIGRATION_LIMIT); 0 ends such a
@@ -258,7 +258,7 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) stage.Config {
 		LocalReplies:   w.cfg.LocalReplies,
 		Worker: dispatcher.WorkerInfo{
 			ID: entry, Worker: w.id, Model: m.ID, Engine: w.engine.URL(), Started: time.Now(),
-			Affinity:    w.cfg.Affinity && w.cfg.Role == dispatcher.StagePrefill,
+			Affinity:    w.cfg.Affinity,
 			MaxModelLen: m.MaxModelLen, Card: m.Card,
 		},
 	}

@@ -204,7 +204,7 @@ func (rp *Replayer) Replay(ctx context.Context, dl DeadLetter) (generation int, 
 	}
 	job.Generation, job.ReplyTo, job.Deadline, job.Submitted = rec.Generation, "", rec.Deadline, now
 	job.KV, job.Prefill, job.RecordRevision = nil, nil, 0 // a dead letter keeps the revision it was queued under
-	job.Prefer = ""                                       // its engine may be long gone: any worker
+	job.Prefer, job.PreferDecode = "", ""                 // its engines may be long gone: any worker
 	// A replay starts from the client's body, not from where a migrated
 	// decode had got to.
 	job.Resume, job.Sent, job.HandBacks = nil, nil, 0

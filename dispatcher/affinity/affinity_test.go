@@ -171,3 +171,37 @@ func TestPlacerCached(t *testing.T) {
 		t.Errorf("the prompt with a long new ending: cached %d bytes, want the 8 chunks sent, %d", got, 8*ChunkBytes)
 	}
 }
+
+// TestDecodePlacerBalance: a decode engine that holds a prompt keeps
+// getting it while it runs fewer than decodeBalance decodes more than the
+// least loaded engine, whatever its worker's slots; then the least loaded
+// gets it. A prefill Placer counts load as a share of the worker's slots.
+func TestDecodePlacerBalance(t *testing.T) {
+	workers := []dispatcher.WorkerInfo{{Engine: "http://a", Affinity: true, Slots: 64}, {Engine: "http://b", Affinity: true, Slots: 64}}
+	doc := strings.Repeat("the same long document ", 100)
+	hashes := func() []uint64 { return hashesOf(doc) }
+	for _, tc := range []struct {
+		name   string
+		placer *Placer
+		stays  int // placements on the engine that holds the prompt, of 64
+	}{
+		{"decode", NewDecodePlacer(), decodeBalance},
+		{"prefill", NewPlacer(), 64},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			first, sent, _ := tc.placer.Place(hashes, workers)
+			sent() // running from here on: never done
+			stays := 1
+			for range 63 {
+				if e, _, _ := tc.placer.Place(hashes, workers); e == first {
+					stays++
+				} else {
+					break
+				}
+			}
+			if stays != tc.stays {
+				t.Errorf("the engine holding the prompt got %d placements in a row, want %d", stays, tc.stays)
+			}
+		})
+	}
+}

@@ -11,12 +11,12 @@ import (
 // of distinct prefixes at the seed profile's 262k tokens an engine.
 const placementIndexChunks = 1 << 16
 
-// Placer picks the prefill engine each job should go to first: the one
-// whose prefix cache likely holds the most of its prompt, weighed against
-// how busy each engine is (see Choose). An engine's load is the requests
-// this Placer placed there whose prefill has not ended, beyond the least
-// loaded engine's: known at once, unlike the workers' heartbeats. A
-// gateway keeps one.
+// Placer picks the engine of one stage each job should go to first: the
+// one whose prefix cache likely holds the most of its prompt, weighed
+// against how busy each engine is (see Choose). An engine's load is the
+// requests this Placer placed there that it has not finished with (their
+// prefill, or their decode), beyond the least loaded engine's: known at
+// once, unlike the workers' heartbeats. A gateway keeps one a stage.
 //
 // Place, Cached, and the functions Place returns, are called from any
 // number of request goroutines at once.
@@ -24,14 +24,34 @@ type Placer struct {
 	// index is set by NewPlacer and has a lock of its own; Place records
 	// in it with mu held, so that its choice and its count go together.
 	index *Index
+	// balance, when not 0, caps the slots an engine's load is a share of
+	// (see NewDecodePlacer).
+	balance int
 	// mu guards busy.
 	mu   sync.Mutex
-	busy map[string]int // engine key → requests placed there whose prefill has not ended
+	busy map[string]int // engine key → requests placed there that it has not finished with
 }
 
-// NewPlacer makes a gateway's Placer.
+// NewPlacer makes a gateway's Placer of prefill engines.
 func NewPlacer() *Placer {
 	return &Placer{index: NewIndex(placementIndexChunks), busy: make(map[string]int)}
+}
+
+// decodeBalance is how many decodes more than the least loaded engine's
+// outweigh a whole prompt cached. A decode engine runs all its decodes in
+// each step, whose time grows with every one's context: each decode more
+// on one engine slows every token of the others there, while a cached
+// prefix only shortens one KV read. Its workers' slots (64 by default)
+// would let an engine that holds a popular prefix run scores more than
+// the others before its load counted.
+const decodeBalance = 8
+
+// NewDecodePlacer makes a gateway's Placer of decode engines: an engine's
+// load counts as a share of decodeBalance slots at most.
+func NewDecodePlacer() *Placer {
+	p := NewPlacer()
+	p.balance = decodeBalance
+	return p
 }
 
 // Place returns the key of the engine a job should prefer among workers
@@ -40,7 +60,7 @@ func NewPlacer() *Placer {
 // only then, as hashing reads the prompt's text. sent is to be called
 // once the job went out, for the index to remember the prompt there (a
 // job that was not sent leaves no trace of a prompt the engine never
-// saw); done when the engine is free of it (its prefill ended), or the
+// saw); done when the engine is free of it (its stage ended), or the
 // request ends (whichever comes first counts).
 func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, sent, done func()) {
 	workers, keys := choosable(all)
@@ -69,7 +89,11 @@ func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 	}
 	engines := make([]Engine, len(workers))
 	for i, w := range workers {
-		engines[i] = Engine{Key: keys[i], Slots: w.Slots, Busy: p.busy[keys[i]] - least}
+		slots := w.Slots
+		if p.balance > 0 {
+			slots = min(slots, p.balance)
+		}
+		engines[i] = Engine{Key: keys[i], Slots: slots, Busy: p.busy[keys[i]] - least}
 	}
 	return p.choose(Choose(p.index, hashes, engines).Engine, hashes)
 }

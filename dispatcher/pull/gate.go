@@ -3,6 +3,7 @@ package pull
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -102,13 +103,12 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if time.Since(g.looked) >= g.fresh {
-		cons, err := g.js.Consumer(ctx, dispatcher.StreamDecode, dispatcher.ConsumerName(dispatcher.StageDecode, g.pool))
+		info, pending, err := g.backlog(ctx)
 		if err != nil {
 			g.open = true
 			return true // no decode consumer yet: nothing is waiting for one
 		}
-		info := cons.CachedInfo() // fresh: Consumer just fetched it
-		g.looked, g.pending, g.idle, g.since = time.Now(), int(info.NumPending), info.NumWaiting, 0
+		g.looked, g.pending, g.idle, g.since = time.Now(), pending, info.NumWaiting, 0
 		g.headAge = g.waited(ctx, info)
 	}
 	was, waiting := g.open, g.pending+g.since
@@ -120,6 +120,42 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 			logging.Ms("oldest_waiting_ms", g.headAge))
 	}
 	return g.open
+}
+
+// backlog reads the state of the pool's shared decode consumer, and the
+// handoffs waiting in it. While a decode worker of the pool takes the
+// jobs that prefer its engine, handoffs wait in the engines' consumers
+// too (dispatcher.Job.PreferDecode), and all of the pool's are read, in
+// one list request: a handoff waits there while its engine is full, until
+// another takes it over. Idle slots are the pulls waiting on the shared
+// consumer, one a worker with room; the head's wait is the shared
+// consumer's.
+func (g *DecodeGate) backlog(ctx context.Context) (*jetstream.ConsumerInfo, int, error) {
+	shared := dispatcher.ConsumerName(dispatcher.StageDecode, g.pool)
+	if !slices.ContainsFunc(g.registry.Engines(dispatcher.StageDecode, g.pool), func(w dispatcher.WorkerInfo) bool { return w.Affinity }) {
+		cons, err := g.js.Consumer(ctx, dispatcher.StreamDecode, shared)
+		if err != nil {
+			return nil, 0, err
+		}
+		info := cons.CachedInfo() // fresh: Consumer just fetched it
+		return info, int(info.NumPending), nil
+	}
+	infos, err := dispatcher.PoolConsumers(ctx, g.js, dispatcher.StageDecode, g.pool)
+	if err != nil {
+		return nil, 0, err
+	}
+	var info *jetstream.ConsumerInfo
+	pending := 0
+	for _, c := range infos {
+		pending += int(c.NumPending)
+		if c.Name == shared {
+			info = c
+		}
+	}
+	if info == nil {
+		return nil, 0, jetstream.ErrConsumerNotFound
+	}
+	return info, pending, nil
 }
 
 // headEvery is how often the gate reads the next handoff to be delivered

@@ -3,6 +3,7 @@ package pull
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"testing"
 	"time"
 
@@ -91,6 +92,49 @@ func TestDecodeGateHeadAge(t *testing.T) {
 	time.Sleep(ttl/2 + headEvery)
 	if g.isOpen(ctx) {
 		t.Errorf("the next handoff has waited %v of a %v TTL: the gate is open (it waited %v by the gate)", ttl/2, ttl, g.headAge)
+	}
+}
+
+// TestDecodeGateCountsEnginesQueues: with decode affinity, handoffs that
+// prefer a decode engine wait in its own consumer while it is full, not
+// in the pool's; the gate counts them, and closes when they fill what the
+// pool's decode workers can start within the TTL.
+func TestDecodeGateCountsEnginesQueues(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	engine := "http://decode"
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dispatcher.EnsureEngineConsumer(ctx, js, dispatcher.StageDecode, pool, dispatcher.EngineKey(engine), time.Second); err != nil {
+		t.Fatal(err)
+	}
+	g, err := NewDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Its one decode worker runs 2 decodes at once, each 2 s long, and
+	// takes the jobs that prefer its engine: with a 10 s TTL, 3 handoffs
+	// may wait, the last for 3 rounds (6 s) would not.
+	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Engine: engine, Slots: 2, AvgJobMs: 2000, Affinity: true})
+	if err := nc.Publish(dispatcher.WorkerSubject("w1"), info); err != nil {
+		t.Fatal(err)
+	}
+	dispatchertest.WaitFor(t, "the worker registered", func() bool { return len(g.registry.Engines(dispatcher.StageDecode, pool)) == 1 })
+	g.fresh = 0
+	if !g.isOpen(ctx) {
+		t.Fatal("no handoff waits: the gate is closed")
+	}
+	for i := range 4 {
+		job := &dispatcher.Job{ID: fmt.Sprintf("h-%d", i), Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`),
+			PreferDecode: dispatcher.EngineKey(engine)}
+		if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if g.isOpen(ctx) {
+		t.Errorf("4 handoffs wait for the engine's 2 decodes of 2 s (the gate saw %d): the gate is open", g.pending)
 	}
 }
 

@@ -11,7 +11,7 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 )
 
-// A prefill loop with affinity (see dispatcher.Job.Prefer) looks every
+// A loop with affinity (see dispatcher.Job.Preferred) looks every
 // TakeOverEvery, while it has a free engine slot, for jobs waiting for
 // other engines that cannot take them. A consumer is taken from when two
 // looks in a row find jobs in it (never delivered, or delivered and not
@@ -35,7 +35,7 @@ const TakeOverWait = 20 * time.Millisecond
 // that prefer an engine without a consumer (see adoptOrphans).
 const orphanLookEvery = 10
 
-// TakeOver finds, for one prefill loop, the engines' consumers it is to
+// TakeOver finds, for one loop, the engines' consumers it is to
 // take jobs from, so that affinity never leaves its engine idle while
 // work waits for another. Its loop calls it, one call at a time.
 type TakeOver struct {

@@ -15,7 +15,7 @@ import (
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
-// affinityPool runs prefill loops of one pool with affinity on, one per
+// affinityPool runs loops of one stage and pool with affinity on, one per
 // engine URL, each with slots slots; a job's handler notes which engine ran
 // it, and holds while block is set for that engine.
 type affinityPool struct {
@@ -26,7 +26,7 @@ type affinityPool struct {
 	order []string
 }
 
-func startAffinityPool(t *testing.T, slots map[string]int) *affinityPool {
+func startAffinityPool(t *testing.T, stage dispatcher.Stage, slots map[string]int) *affinityPool {
 	t.Helper()
 	nc, js := dispatchertest.JetStream(t)
 	p := &affinityPool{lt: map[string]*loopTest{}, ran: map[string]string{}, hold: map[string]chan struct{}{}}
@@ -34,7 +34,7 @@ func startAffinityPool(t *testing.T, slots map[string]int) *affinityPool {
 	for engine, n := range slots {
 		p.hold[engine] = make(chan struct{})
 		close(p.hold[engine]) // not held
-		p.lt[engine] = startLoopOn(t, nc, js, pool, Config{Slots: n, Affinity: true, EngineSlots: pull.NewEngineSlots(n),
+		p.lt[engine] = startLoopOn(t, nc, js, pool, Config{Stage: stage, Slots: n, Affinity: true, EngineSlots: pull.NewEngineSlots(n),
 			Worker: dispatcher.WorkerInfo{Engine: engine, Slots: n},
 			Handler: func(ctx context.Context, d *Delivery) error {
 				p.mu.Lock()
@@ -69,8 +69,14 @@ func (p *affinityPool) submit(t *testing.T, any *loopTest, id, prefer string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.Close)
-	any.submitJob(&dispatcher.Job{ID: id, Model: "m", Pool: any.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
-		ReplyTo: any.replies.Subject(id), Deadline: time.Now().Add(time.Minute), Prefer: prefer})
+	job := &dispatcher.Job{ID: id, Model: "m", Pool: any.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+		ReplyTo: any.replies.Subject(id), Deadline: time.Now().Add(time.Minute)}
+	if any.stage == dispatcher.StagePrefill {
+		job.Prefer = prefer
+	} else {
+		job.PreferDecode = prefer
+	}
+	any.submitJob(job)
 }
 
 func (p *affinityPool) ranOn(id string) string {
@@ -85,10 +91,19 @@ func (p *affinityPool) waitRan(t *testing.T, id string) string {
 	return p.ranOn(id)
 }
 
+// stages runs test for each stage, as affinity works alike for both.
+func stages(t *testing.T, test func(t *testing.T, stage dispatcher.Stage)) {
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		t.Run(string(stage), func(t *testing.T) { test(t, stage) })
+	}
+}
+
 // TestAffinityPreferredEngine: a job that prefers an engine with room runs
 // there, every time, though another engine is idle too.
-func TestAffinityPreferredEngine(t *testing.T) {
-	p := startAffinityPool(t, map[string]int{"http://a": 2, "http://b": 2})
+func TestAffinityPreferredEngine(t *testing.T) { stages(t, testAffinityPreferredEngine) }
+
+func testAffinityPreferredEngine(t *testing.T, stage dispatcher.Stage) {
+	p := startAffinityPool(t, stage, map[string]int{"http://a": 2, "http://b": 2})
 	key := dispatcher.EngineKey("http://a")
 	for i := range 12 {
 		id := fmt.Sprintf("pref-%d", i)
@@ -105,8 +120,10 @@ func TestAffinityPreferredEngine(t *testing.T) {
 // TestAffinityTakeOver: a job that prefers an engine whose slots are all
 // busy, or an engine that is gone, is taken by another, within the
 // take-over bound; so no engine idles while a job waits for another.
-func TestAffinityTakeOver(t *testing.T) {
-	p := startAffinityPool(t, map[string]int{"http://a": 1, "http://b": 4})
+func TestAffinityTakeOver(t *testing.T) { stages(t, testAffinityTakeOver) }
+
+func testAffinityTakeOver(t *testing.T, stage dispatcher.Stage) {
+	p := startAffinityPool(t, stage, map[string]int{"http://a": 1, "http://b": 4})
 	a := dispatcher.EngineKey("http://a")
 	release := p.block("http://a")
 	defer release()
@@ -142,12 +159,14 @@ func TestAffinityTakeOver(t *testing.T) {
 // took and never acked (killed mid-prefill) is delivered again from that
 // engine's consumer; with the worker gone, another takes it over once its
 // ack wait has run out (NumPending does not count it: it is ack-pending).
-func TestAffinityTakeOverRedelivery(t *testing.T) {
-	p := startAffinityPool(t, map[string]int{"http://b": 2})
+func TestAffinityTakeOverRedelivery(t *testing.T) { stages(t, testAffinityTakeOverRedelivery) }
+
+func testAffinityTakeOverRedelivery(t *testing.T, stage dispatcher.Stage) {
+	p := startAffinityPool(t, stage, map[string]int{"http://b": 2})
 	b := p.lt["http://b"]
 	a := dispatcher.EngineKey("http://a")
 	ctx := context.Background()
-	cons, err := dispatcher.EnsureEngineConsumer(ctx, b.js, dispatcher.StagePrefill, b.pool, a, time.Second)
+	cons, err := dispatcher.EnsureEngineConsumer(ctx, b.js, stage, b.pool, a, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -172,8 +172,14 @@ func (s *settle) handedOff(ctx context.Context) bool {
 	if err != nil {
 		return false
 	}
-	m, err := st.GetLastMsgForSubject(ctx, dispatcher.JobSubject(dispatcher.StageDecode, s.job.Pool, s.job.ID))
-	return err == nil && m.Header.Get(dispatcher.HeaderGeneration) == strconv.Itoa(s.job.Generation)
+	// Stored for any worker, or preferring a decode engine.
+	for _, subject := range dispatcher.JobSubjects(dispatcher.StageDecode, s.job.Pool, s.job.ID) {
+		m, err := st.GetLastMsgForSubject(ctx, subject)
+		if err == nil && m.Header.Get(dispatcher.HeaderGeneration) == strconv.Itoa(s.job.Generation) {
+			return true
+		}
+	}
+	return false
 }
 
 // gatewayGoneError is what a job stopped for its gateway's silence

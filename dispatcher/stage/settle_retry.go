@@ -21,7 +21,11 @@ func (s *settle) handBack(ctx context.Context, why error) {
 	s.unclaimKV(ctx) // unread: the next delivery claims it
 	next := *s.job
 	next.HandBacks++
-	next.Prefer = "" // this worker's engine may be the trouble: any worker
+	// This worker's engine may be the trouble: any worker of the stage.
+	// A prefill's decode preference stands.
+	if next.Prefer = ""; s.l.cfg.Stage == dispatcher.StageDecode {
+		next.PreferDecode = ""
+	}
 	if _, _, err := s.publishRetry(ctx, next.Msg(s.l.cfg.Stage), "hand-back"); err != nil {
 		s.log.Warn("could not hand the job back; retrying it later", logging.Err(err))
 		if nerr := s.msg.NakWithDelay(retryDelay(s.l.cfg.RetryBase, s.attempt)); nerr != nil {
@@ -78,8 +82,8 @@ func (s *settle) regenerate(ctx context.Context, reason verdict.Waste, why strin
 // its message ids.
 func (s *settle) storeGeneration(ctx context.Context, next *dispatcher.Job, stage dispatcher.Stage, what string) (bool, error) {
 	l, job := s.l, s.job
-	next.RecordRevision = 0 // the record is written after the job
-	next.Prefer = ""        // a new generation goes to any worker
+	next.RecordRevision = 0                 // the record is written after the job
+	next.Prefer, next.PreferDecode = "", "" // a new generation goes to any worker
 	seq, _, err := s.publishRetry(ctx, next.Msg(stage), what)
 	if err != nil {
 		return false, err

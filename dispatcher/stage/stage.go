@@ -71,8 +71,8 @@ type Config struct {
 	// RetryBase is the delay before the first retry of a failed job; each
 	// next one is 4 times longer.
 	RetryBase time.Duration
-	// Affinity, on a prefill loop, takes the jobs that prefer its engine
-	// (dispatcher.Job.Prefer) from the engine's own consumer beside the
+	// Affinity takes the jobs that prefer its engine
+	// (dispatcher.Job.Preferred) from the engine's own consumer beside the
 	// pool's, and takes over those that wait for other engines which
 	// cannot take them (see takeOver).
 	Affinity bool

@@ -32,10 +32,10 @@ type pullSource struct {
 }
 
 // affinity says whether this loop takes the jobs that prefer its engine
-// (see dispatcher.Job.Prefer): a prefill loop of a worker whose engine is
+// (see dispatcher.Job.Preferred): a loop of a worker whose engine is
 // known, with Config.Affinity.
 func (l *Loop) affinity() bool {
-	return l.cfg.Affinity && l.cfg.Stage == dispatcher.StagePrefill && l.cfg.Worker.Engine != ""
+	return l.cfg.Affinity && l.cfg.Worker.Engine != ""
 }
 
 func (l *Loop) engineKey() string { return dispatcher.EngineKey(l.cfg.Worker.Engine) }
