@@ -65,7 +65,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"pool", "where"}),
 		decodeOnly: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdq_decode_only_total",
-			Help: "Requests sent decode-only (the decode engine prefills them), by reason: short_prompt, no_healthy_prefill (the fallback), or prefill_refused (the prefill engine answered 4xx).",
+			Help: "Requests sent decode-only (the decode engine prefills them), by reason: short_prompt, no_healthy_prefill (the fallback), prefill_refused (the prefill engine answered 4xx), or priority (it outranked the prefills let in, every prefill engine taken).",
 		}, []string{"reason"}),
 		storeWritable: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "pdq_store_writable", Help: "1 while a stream of pdq's stores writes, 0 while the server answers about it but not its writes (its disk may be full), as the gateway's store doctor last probed it.",
@@ -85,7 +85,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.deadLetters.WithLabelValues(string(stage))
 		m.deadLettersRefused.WithLabelValues(string(stage))
 	}
-	for _, reason := range []string{"short_prompt", "no_healthy_prefill", "prefill_refused"} {
+	for _, reason := range []string{"short_prompt", "no_healthy_prefill", "prefill_refused", "priority"} {
 		m.decodeOnly.WithLabelValues(reason)
 	}
 	return m, nil

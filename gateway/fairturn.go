@@ -68,7 +68,11 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 		load = max(1, prompt-cached/4)
 	}
 	tenant := tenantOf(c, in.req)
-	turn, err := q.Enter(ctx, tenant, in.req.Priority, cost, load)
+	enter := q.EnterOrBypass // a single prompt may go decode-only (see submit)
+	if in.batch != nil {
+		enter = q.Enter
+	}
+	turn, err := enter(ctx, tenant, in.req.Priority, cost, load)
 	switch {
 	case err == nil:
 		if h.turnsEndAtStart() {
@@ -123,6 +127,11 @@ func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clie
 // seats the workers saw their engines run (so that the seats they learn
 // can grow), within the workers' slots.
 //
+// A request that outranks the work let in (fair.Limit.Bypass) goes in
+// beside the limit, one a healthy decode engine at a time, and runs
+// decode-only (see submit): its decode engine computes its prompt at its
+// next step, rather than it wait for a prefill engine's long step to end.
+//
 // With PDQ_FAIR_LIMIT=slots (the default) the pool holds instead as many
 // requests as its workers have slots, prefill and decode, each for its
 // whole life: the queue orders only what goes beyond them.
@@ -143,7 +152,14 @@ func (h *handlers) fairQueue(pool string) *fair.Queue {
 			}
 			engines = max(engines, 1)
 			most := min(2*h.registry.SeatsSeen(stage, pool), h.registry.MostSlots(stage, pool))
-			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad}
+			// A request that outranks the prefills let in goes
+			// decode-only rather than wait for a prefill engine:
+			// about one a decode engine at a time (see submit).
+			bypass := 0
+			if stage == dispatcher.StagePrefill {
+				bypass = len(h.registry.Engines(dispatcher.StageDecode, pool))
+			}
+			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad, Bypass: bypass}
 		}
 	}
 	q, _ := h.queues.LoadOrStore(pool, fair.New(h.cfg.MaxQueue, func(tenant string) float64 { return h.cfg.TenantWeights[tenant] }, limit))

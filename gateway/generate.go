@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/affinity"
+	"github.com/pdq-dev/pdq/dispatcher/fair"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 	"github.com/pdq-dev/pdq/dispatcher/submit"
@@ -116,7 +117,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	promptTokens int, pool registry.PoolStatus, log *slog.Logger) (*reply.Stream, *dispatcher.Job, *submit.Claim, *openai.Error) {
 	model := req.Model
 	stage := dispatcher.StagePrefill
-	fallback := false
+	fallback, bypass := false, false
 	if promptTokens < h.cfg.MinPromptTokens {
 		stage = dispatcher.StageDecode
 	} else if fallback = h.prefillDown(model, pool); fallback {
@@ -125,6 +126,11 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 			return nil, nil, nil, openai.NewError(http.StatusServiceUnavailable, "no healthy prefill workers for model %s", model)
 		}
 		stage = dispatcher.StageDecode
+	} else if turn, ok := c.Get(turnKey).(*fair.Turn); ok && turn.Bypassed() && !batch {
+		// It outranks the prefills let in, and every prefill engine
+		// is taken: its decode engine computes the prompt at its next
+		// step, rather than it wait for a prefill engine's to end.
+		stage, bypass = dispatcher.StageDecode, true
 	}
 	replies, err := h.replies.Open(id)
 	if err != nil {
@@ -192,6 +198,8 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 	case fallback:
 		h.cfg.Counters.Shared().Fallback(job.Pool, "gateway")
 		h.cfg.Counters.Shared().DecodeOnly("no_healthy_prefill")
+	case bypass:
+		h.cfg.Counters.Shared().DecodeOnly("priority")
 	case stage == dispatcher.StageDecode:
 		h.cfg.Counters.Shared().DecodeOnly("short_prompt")
 	}

@@ -92,7 +92,14 @@ func (h *handlers) relay(c echo.Context, legs []*leg, m merge, parent *batchReco
 	// The request's turn in the fair queue ends once its prefill ends or a
 	// decode of it is heard from (of each prompt, for a batch): it no
 	// longer waits for the pool's engines (see fair.Queue).
-	if turn, ok := c.Get(turnKey).(*fair.Turn); ok {
+	if turn, ok := c.Get(turnKey).(*fair.Turn); ok && turn.Bypassed() {
+		// Gone decode-only past a full pool (see submit), its turn ends
+		// once its decode engine has computed its prompt, at its first
+		// token: until then the engine's steps carry the prompt, which
+		// slows every decode there, and the bypass lets in one a
+		// decode engine at a time.
+		t.onFirst = turn.Started
+	} else if ok {
 		var waiting atomic.Int64
 		waiting.Store(int64(len(legs)))
 		for _, l := range legs {

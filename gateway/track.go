@@ -15,6 +15,8 @@ type tracked struct {
 	itl                  prometheus.Observer // looked up at the first write
 	whole                bool                // the answer went out whole
 	failed               bool                // the request failed after its status was sent
+	// onFirst, when set, is called at the first write.
+	onFirst func()
 }
 
 const trackedKey = "pdq.tracked"
@@ -33,6 +35,9 @@ func (t *tracked) wrote(m *Metrics) {
 	now := time.Now()
 	if t.first.IsZero() {
 		t.first, t.itl = now, m.ITL(t.model)
+		if t.onFirst != nil {
+			t.onFirst()
+		}
 	} else if t.itl != nil {
 		t.itl.Observe(now.Sub(t.last).Seconds())
 	}

@@ -31,11 +31,12 @@ func TestFairQueue(t *testing.T) {
 	// oneSeat gives each worker one engine slot: the pool runs two
 	// requests at once, one a stage.
 	oneSeat := []string{"PDQ_ENGINE_SLOTS=1"}
+	var url string // of the last run's pdq
 	run := func(t *testing.T, env []string, flood int, floodBody body, late string, lateBody body) map[string]result {
 		t.Helper()
 		_, pe := startSimProcess(t, "--scheduling-policy", "priority", "--max-num-seqs", "1", "--prefill-overhead", "100ms")
 		_, de := startSimProcess(t, "--scheduling-policy", "priority", "--itl", "10ms")
-		_, url := startUp(t, append([]string{"PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, env...)...)
+		_, url = startUp(t, append([]string{"PDQ_PREFILL_ENGINES=" + pe.URL, "PDQ_DECODE_ENGINES=" + de.URL}, env...)...)
 		var mu sync.Mutex
 		out := map[string]result{}
 		var wg sync.WaitGroup
@@ -93,16 +94,29 @@ func TestFairQueue(t *testing.T) {
 		// at a time; PDQ_FAIR_LIMIT=engines holds it in the gateway.
 		// Decodes run side by side here: the flood's first prefills
 		// finish before the small request's.
+		// The flood holds every turn: the other tenant's request goes
+		// decode-only (the bypass), as a better priority does.
 		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
 		if r := rank(out, "small"); r < 1 || r > 6 {
 			t.Errorf("the small tenant's request finished %d of %d; want within the first 6", r, len(out))
 		}
+		wantPrefilled(t, url, map[string]bool{"small": false, "flood-0": true, "flood-11": true})
 	})
 	t.Run("a better priority goes in ahead", func(t *testing.T) {
 		out := run(t, oneSeat, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0}))
 		if r := rank(out, "urgent"); r < 1 || r > 4 {
 			t.Errorf("the priority 0 request finished %d of %d; want within the first 4", r, len(out))
 		}
+	})
+	t.Run("by engines, a better priority skips the prefill queue", func(t *testing.T) {
+		// Every prefill engine is taken by the flood: the request that
+		// outranks it goes decode-only, its prompt computed by the decode
+		// engine, rather than wait for the prefill engine's next seat.
+		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0}))
+		if r := rank(out, "urgent"); r < 1 || r > 3 {
+			t.Errorf("the priority 0 request finished %d of %d; want within the first 3", r, len(out))
+		}
+		wantPrefilled(t, url, map[string]bool{"urgent": false, "flood-0": true})
 	})
 	t.Run("the flooding tenant is refused first", func(t *testing.T) {
 		out := run(t, append(oneSeat, "PDQ_MAX_QUEUE=4"), 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
@@ -167,5 +181,21 @@ func TestTurnEndsWithThePrefill(t *testing.T) {
 	if decoded := next.Stages[i].Started; !last.Created.Before(decoded) {
 		t.Errorf("turn-last went into the queue %v after turn-next's decode started: its turn waited for that decode, not for the prefill",
 			last.Created.Sub(decoded))
+	}
+}
+
+// wantPrefilled checks, by their records, which requests went through a
+// prefill engine (true) and which went decode-only.
+func wantPrefilled(t *testing.T, url string, want map[string]bool) {
+	t.Helper()
+	for id, w := range want {
+		r := do(t, http.MethodGet, url+"/v1/requests/"+id, nil, nil)
+		var rec dispatcher.Record
+		if err := json.Unmarshal(r.body, &rec); err != nil {
+			t.Fatalf("record of %s: %v (%s)", id, err, r.body)
+		}
+		if got := slices.ContainsFunc(rec.Stages, func(s dispatcher.StageRecord) bool { return s.Stage == dispatcher.StagePrefill }); got != w {
+			t.Errorf("%s went through prefill: %v, want %v (stages %+v)", id, got, w, rec.Stages)
+		}
 	}
 }

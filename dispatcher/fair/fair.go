@@ -41,19 +41,23 @@ type Queue struct {
 
 	// mu guards the fields below; a waiter's admitted channel is closed
 	// under it.
-	mu       sync.Mutex
-	running  int // let in, not started
-	load     int // the load of those
-	waiting  []*waiter
-	vtime    float64
-	tenants  map[string]*tenantState
-	arrivals uint64
+	mu      sync.Mutex
+	running int // let in, not started
+	load    int // the load of those
+	// priorities counts those by priority, for the bypass (Limit.Bypass).
+	priorities map[int]int
+	bypassing  int // let in by the bypass, not started
+	waiting    []*waiter
+	vtime      float64
+	tenants    map[string]*tenantState
+	arrivals   uint64
 }
 
 type tenantState struct {
 	finish  float64 // where the tenant's work so far ends, in virtual time
 	waiting int
 	running int // let in, not ended
+	turns   int // let in by the limit, not started
 }
 
 // Limit is what a pool may have let in and not started: a request goes in
@@ -62,17 +66,30 @@ type tenantState struct {
 // tokens, for the gateway). The load bound lets many small requests in
 // together, up to Most; the count lets a few large ones in, one of which
 // alone would not pass the load bound.
-type Limit struct{ Requests, Most, Load int }
+//
+// Bypass lets up to that many more in, not started, beside the limit: a
+// request entered by EnterOrBypass that finds the pool full, goes first
+// and outranks work let in (see bypassLocked: a better priority, or a
+// tenant without a turn while another holds more than its share). Its
+// Turn says so (Bypassed), for the caller to run it elsewhere than where
+// the limit's requests wait: the gateway sends it decode-only (see
+// gateway's fairQueue).
+type Limit struct{ Requests, Most, Load, Bypass int }
 
 // Turn is a request let in. Started and Done may be called from any
 // goroutine, each any number of times: the first call counts.
 type Turn struct {
-	q      *Queue
-	tenant string
-	load   int
+	q        *Queue
+	tenant   string
+	load     int
+	priority int
+	bypassed bool
 	// started and done are guarded by q.mu.
 	started, done bool
 }
+
+// Bypassed says the request went in by the bypass (Limit.Bypass).
+func (t *Turn) Bypassed() bool { return t.bypassed }
 
 type waiter struct {
 	tenant        string
@@ -80,7 +97,9 @@ type waiter struct {
 	load          int
 	seq           uint64
 	start, finish float64
+	mayBypass     bool
 	admitted      chan struct{}
+	turn          *Turn // set as it is admitted
 }
 
 // New makes a pool's queue. maxQueue bounds the requests waiting in it,
@@ -88,7 +107,7 @@ type waiter struct {
 // may be let in and not started; both are called with the queue's lock
 // held.
 func New(maxQueue int, weight func(string) float64, limit func() Limit) *Queue {
-	return &Queue{maxQueue: maxQueue, weight: weight, limit: limit, tenants: make(map[string]*tenantState)}
+	return &Queue{maxQueue: maxQueue, weight: weight, limit: limit, tenants: make(map[string]*tenantState), priorities: make(map[int]int)}
 }
 
 // Enter waits until the request may go into the queue, and returns its
@@ -98,22 +117,32 @@ func New(maxQueue int, weight func(string) float64, limit func() Limit) *Queue {
 // It fails with ErrTenantFull when the tenant's share of the queue is
 // taken, or with ctx's error.
 func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost, load int) (*Turn, error) {
+	return q.enter(ctx, tenant, priority, cost, load, false)
+}
+
+// EnterOrBypass is Enter for a request that may go in by the bypass
+// (Limit.Bypass): one its caller can run elsewhere than the limit's.
+func (q *Queue) EnterOrBypass(ctx context.Context, tenant string, priority, cost, load int) (*Turn, error) {
+	return q.enter(ctx, tenant, priority, cost, load, true)
+}
+
+func (q *Queue) enter(ctx context.Context, tenant string, priority, cost, load int, mayBypass bool) (*Turn, error) {
 	q.mu.Lock()
 	t := q.tenants[tenant]
 	if t == nil {
 		t = &tenantState{}
 		q.tenants[tenant] = t
 	}
-	w := &waiter{tenant: tenant, priority: priority, load: max(load, 1), seq: q.arrivals, admitted: make(chan struct{})}
+	w := &waiter{tenant: tenant, priority: priority, load: max(load, 1), seq: q.arrivals, mayBypass: mayBypass, admitted: make(chan struct{})}
 	q.arrivals++
 	w.start = math.Max(q.vtime, t.finish)
 	w.finish = w.start + float64(max(cost, 1))/q.weightOf(tenant)
-	if len(q.waiting) == 0 && q.roomLocked(w.load) {
+	if len(q.waiting) == 0 && q.roomLocked(w.load) || q.bypassLocked(w) {
 		t.finish = w.finish
-		q.vtime = w.start
-		q.admitLocked(w, t)
+		q.vtime = math.Max(q.vtime, w.start)
+		turn := q.admitLocked(w, t)
 		q.mu.Unlock()
-		return &Turn{q: q, tenant: tenant, load: w.load}, nil
+		return turn, nil
 	}
 	if t.waiting >= q.shareLocked(tenant) {
 		q.dropIfIdleLocked(tenant, t)
@@ -130,14 +159,14 @@ func (q *Queue) Enter(ctx context.Context, tenant string, priority, cost, load i
 
 	select {
 	case <-w.admitted:
-		return &Turn{q: q, tenant: tenant, load: w.load}, nil
+		return w.turn, nil
 	case <-ctx.Done():
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	select {
 	case <-w.admitted: // let in as it gave up: it ends at once
-		(&Turn{q: q, tenant: tenant, load: w.load}).endLocked()
+		w.turn.endLocked()
 	default:
 		q.waiting = slices.DeleteFunc(q.waiting, func(x *waiter) bool { return x == w })
 		t.waiting--
@@ -167,8 +196,16 @@ func (t *Turn) startLocked() {
 		return
 	}
 	t.started = true
-	t.q.running--
-	t.q.load -= t.load
+	if t.bypassed {
+		t.q.bypassing--
+	} else {
+		t.q.running--
+		t.q.load -= t.load
+		if t.q.priorities[t.priority]--; t.q.priorities[t.priority] == 0 {
+			delete(t.q.priorities, t.priority)
+		}
+		t.q.tenants[t.tenant].turns-- // kept until its turn ends (dropIfIdleLocked)
+	}
 	t.q.dispatchLocked()
 }
 
@@ -194,7 +231,7 @@ func (q *Queue) dispatchLocked() {
 			}
 		}
 		w := q.waiting[i]
-		if !q.roomLocked(w.load) {
+		if !q.roomLocked(w.load) && !q.bypassLocked(w) {
 			return // the next in order waits; none passes it
 		}
 		q.waiting = slices.Delete(q.waiting, i, i+1)
@@ -221,11 +258,65 @@ func (q *Queue) roomLocked(load int) bool {
 	return q.running < l.Requests || q.running < l.Most && q.load+load <= l.Load
 }
 
-func (q *Queue) admitLocked(w *waiter, t *tenantState) {
-	q.running++
-	q.load += w.load
+// bypassLocked says whether w, which the limit leaves out, goes in by the
+// bypass (Limit.Bypass): it goes first, and it outranks a request let in,
+// by a better priority, or, at a priority no worse than any of theirs, as
+// its tenant holds none of the turns while another holds a whole turn
+// more than its weight's share of them (the tenants present sharing
+// them): many tenants a turn each do not bypass one another.
+func (q *Queue) bypassLocked(w *waiter) bool {
+	limit := q.limit()
+	if !w.mayBypass || q.bypassing >= limit.Bypass {
+		return false
+	}
+	for _, o := range q.waiting {
+		if o != w && before(o, w) {
+			return false
+		}
+	}
+	for p := range q.priorities {
+		if p < w.priority {
+			return false // a turn of a better priority: it would have gone first
+		}
+	}
+	for p := range q.priorities {
+		if p > w.priority {
+			return true
+		}
+	}
+	if t := q.tenants[w.tenant]; t != nil && t.turns > 0 {
+		return false
+	}
+	total := 0.0
+	for name, t := range q.tenants {
+		if name == w.tenant || t.waiting > 0 || t.running > 0 {
+			total += q.weightOf(name)
+		}
+	}
+	for name, t := range q.tenants {
+		if name != w.tenant && float64(t.turns) >= float64(limit.Requests)*q.weightOf(name)/total+1 {
+			return true
+		}
+	}
+	return false
+}
+
+// admitLocked lets w in, by the limit or, when it has no room, by the
+// bypass, and returns its turn (also in w.turn).
+func (q *Queue) admitLocked(w *waiter, t *tenantState) *Turn {
+	w.turn = &Turn{q: q, tenant: w.tenant, load: w.load, priority: w.priority}
+	if !q.roomLocked(w.load) {
+		w.turn.bypassed = true
+		q.bypassing++
+	} else {
+		q.running++
+		q.load += w.load
+		q.priorities[w.priority]++
+		t.turns++
+	}
 	t.running++
 	close(w.admitted)
+	return w.turn
 }
 
 // shareLocked is how many requests tenant may have waiting: its weight's

@@ -321,3 +321,113 @@ func TestFairQueueHeadOfLine(t *testing.T) {
 		a.Done()
 	})
 }
+
+// TestFairQueueBypass: with the pool full, a request that goes first and
+// outranks a request let in goes in at once by the bypass, up to its
+// bound; one among equals, or behind a waiting one as good, waits; a
+// bypass turn that starts frees its place for the next that outranks.
+func TestFairQueueBypass(t *testing.T) {
+	q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Bypass: 1} })
+	ctx := context.Background()
+	enter := func(priority int) (*Turn, error) {
+		c, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		return q.EnterOrBypass(c, "t", priority, 1, 1)
+	}
+	low, err := enter(1)
+	if err != nil || low.Bypassed() {
+		t.Fatalf("the first request: %v, bypassed %v; want in by the limit", err, low != nil && low.Bypassed())
+	}
+	if _, err := enter(1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a request as good as the one let in, the pool full: %v, want it to wait", err)
+	}
+	urgent, err := enter(0)
+	if err != nil || !urgent.Bypassed() {
+		t.Fatalf("a request that outranks the one let in: %v, want in by the bypass", err)
+	}
+	if _, err := enter(0); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a second while the bypass is taken: %v, want it to wait", err)
+	}
+	c, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	if _, err := q.Enter(c, "t", -1, 1, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a request that may not bypass (Enter): %v, want it to wait", err)
+	}
+	// The bypass frees as its request starts: the next urgent one waits
+	// in the queue meanwhile, and goes in by it then.
+	next := make(chan *Turn, 1)
+	go func() {
+		turn, err := q.EnterOrBypass(ctx, "t", 0, 1, 1)
+		if err != nil {
+			t.Error(err)
+		}
+		next <- turn
+	}()
+	waitUntil(t, func() bool { _, waiting := q.stats(); return waiting == 1 })
+	urgent.Started()
+	if turn := <-next; !turn.Bypassed() {
+		t.Error("the urgent request that waited went in by the limit, the pool full")
+	}
+	// Among equals there is no bypass: with the limit's place taken by
+	// priority 0, another priority 0 waits.
+	low.Done()
+	q2 := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Bypass: 4} })
+	if _, err := q2.EnterOrBypass(ctx, "t", 0, 1, 1); err != nil {
+		t.Fatal(err)
+	}
+	c, cancel = context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	if _, err := q2.EnterOrBypass(c, "t", 0, 1, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("a request among equals: %v, want it to wait", err)
+	}
+}
+
+// TestFairQueueBypassTenant: at one priority, a request of a tenant that
+// holds no turn, while another tenant holds more than its share of them,
+// goes in by the bypass; one of the tenant that holds them waits, and so
+// does one whose tenant has a turn of its own.
+func TestFairQueueBypassTenant(t *testing.T) {
+	q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 2, Bypass: 2} })
+	ctx := context.Background()
+	enter := func(tenant string) (*Turn, error) {
+		c, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		return q.EnterOrBypass(c, tenant, 0, 1, 1)
+	}
+	for range 2 {
+		if turn, err := enter("big"); err != nil || turn.Bypassed() {
+			t.Fatalf("the flood's first requests: %v, want in by the limit", err)
+		}
+	}
+	if _, err := enter("big"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the flood's third request: %v, want it to wait", err)
+	}
+	small, err := enter("small")
+	if err != nil || !small.Bypassed() {
+		t.Fatalf("another tenant's request, the flood holding every turn: %v, want in by the bypass", err)
+	}
+	// Two tenants a turn each: none holds more than its share.
+	q2 := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 2, Bypass: 2} })
+	for _, tenant := range []string{"a", "b"} {
+		if _, err := q2.EnterOrBypass(ctx, tenant, 0, 1, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tenant := range []string{"a", "c"} {
+		c, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		_, err := q2.EnterOrBypass(c, tenant, 0, 1, 1)
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("tenant %s, with the turns shared: %v, want it to wait", tenant, err)
+		}
+	}
+}
+
+func waitUntil(t *testing.T, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !ok(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("not within 5s")
+		}
+	}
+}
