@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -178,11 +179,17 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		// turn there reads only its new blocks from the prefill engine,
 		// and a decode-only one computes only those. Its engine is busy
 		// with it until the request ends.
-		var sentDecode, decoded func()
-		job.PreferDecode, sentDecode, decoded = h.decodePlacer.Place(hashes, h.registry.Engines(dispatcher.StageDecode, job.Pool))
-		context.AfterFunc(c.Request().Context(), decoded)
-		sentPrefill := sent
-		sent = func() { sentPrefill(); sentDecode() }
+		// Only while every decode worker of the pool takes the jobs that
+		// prefer its engine: one of an earlier build, or with affinity
+		// off, takes over none, and might idle while they wait.
+		decoders := h.registry.Engines(dispatcher.StageDecode, job.Pool)
+		if !slices.ContainsFunc(decoders, func(w dispatcher.WorkerInfo) bool { return !w.Affinity }) {
+			var sentDecode, decoded func()
+			job.PreferDecode, sentDecode, decoded = h.decodePlacer.Place(hashes, decoders)
+			context.AfterFunc(c.Request().Context(), decoded)
+			sentPrefill := sent
+			sent = func() { sentPrefill(); sentDecode() }
+		}
 	}
 	claim, err := h.submitter.Submit(c.Request().Context(), stage, job)
 	if err != nil {

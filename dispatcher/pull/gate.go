@@ -59,12 +59,18 @@ type DecodeGate struct {
 	// decode pulls waiting); since counts the prefills let through after.
 	pending, idle, since int
 	// headAge is how long the next handoff to be delivered had waited at
-	// the last look, by the server's clock. It was stored at headTime,
-	// read when the consumer had delivered up to headAfter, at headRead.
-	headAge            time.Duration
-	headTime, headRead time.Time
-	headAfter          uint64
-	stream             jetstream.Stream
+	// the last look, by the server's clock: the longest of the pool's
+	// consumers' (see heads).
+	headAge time.Duration
+	heads   map[string]*head // consumer name → its next handoff
+	stream  jetstream.Stream
+}
+
+// head is the next handoff a consumer delivers: stored at time, read when
+// the consumer had delivered up to after, at read.
+type head struct {
+	time, read time.Time
+	after      uint64
 }
 
 func NewDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl time.Duration, log *slog.Logger) (*DecodeGate, error) {
@@ -72,7 +78,7 @@ func NewDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl
 	if err != nil {
 		return nil, err
 	}
-	return &DecodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh}, nil
+	return &DecodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh, heads: map[string]*head{}}, nil
 }
 
 // Wait returns once a prefill may start, or when ctx ends.
@@ -103,13 +109,23 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if time.Since(g.looked) >= g.fresh {
-		info, pending, err := g.backlog(ctx)
+		shared, all, err := g.backlog(ctx)
 		if err != nil {
 			g.open = true
 			return true // no decode consumer yet: nothing is waiting for one
 		}
-		g.looked, g.pending, g.idle, g.since = time.Now(), pending, info.NumWaiting, 0
-		g.headAge = g.waited(ctx, info)
+		g.looked, g.pending, g.idle, g.since, g.headAge = time.Now(), 0, shared.NumWaiting, 0, 0
+		seen := map[string]bool{}
+		for _, info := range all {
+			seen[info.Name] = true
+			g.pending += int(info.NumPending)
+			g.headAge = max(g.headAge, g.waited(ctx, info))
+		}
+		for name := range g.heads {
+			if !seen[name] {
+				delete(g.heads, name)
+			}
+		}
 	}
 	was, waiting := g.open, g.pending+g.since
 	slots, avg := g.registry.DecodeCapacity(g.pool)
@@ -122,64 +138,81 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	return g.open
 }
 
-// backlog reads the state of the pool's shared decode consumer, and the
-// handoffs waiting in it. While a decode worker of the pool takes the
-// jobs that prefer its engine, handoffs wait in the engines' consumers
-// too (dispatcher.Job.PreferDecode), and all of the pool's are read, in
-// one list request: a handoff waits there while its engine is full, until
+// Preferable says whether a handoff may prefer the decode engine keyed
+// engine (dispatcher.Job.PreferDecode): while every live decode worker of
+// the pool takes the jobs that prefer its engine, that one among them.
+// Otherwise it goes to the pool's queue: a decode worker of an earlier
+// build, or with PDQ_AFFINITY off, neither pulls an engine's jobs nor
+// takes them over, so during a rollback or with affinity turned off on
+// the decode workers a preferred handoff could wait for nobody; and one
+// that prefers an engine gone would wait for a take-over.
+func (g *DecodeGate) Preferable(engine string) bool {
+	found := false
+	for _, w := range g.registry.Engines(dispatcher.StageDecode, g.pool) {
+		if !w.Affinity {
+			return false
+		}
+		found = found || dispatcher.EngineKey(w.Engine) == engine
+	}
+	return found
+}
+
+// backlog reads the state of the pool's shared decode consumer (shared),
+// and of every consumer that holds the pool's handoffs (all, shared
+// included). While a decode worker of the pool takes the jobs that prefer
+// its engine, handoffs wait in the engines' consumers too
+// (dispatcher.Job.PreferDecode), and all of the pool's are read, in one
+// list request: a handoff waits there while its engine is full, until
 // another takes it over. Idle slots are the pulls waiting on the shared
-// consumer, one a worker with room; the head's wait is the shared
-// consumer's.
-func (g *DecodeGate) backlog(ctx context.Context) (*jetstream.ConsumerInfo, int, error) {
-	shared := dispatcher.ConsumerName(dispatcher.StageDecode, g.pool)
+// consumer, one a worker with room.
+func (g *DecodeGate) backlog(ctx context.Context) (shared *jetstream.ConsumerInfo, all []*jetstream.ConsumerInfo, err error) {
+	name := dispatcher.ConsumerName(dispatcher.StageDecode, g.pool)
 	if !slices.ContainsFunc(g.registry.Engines(dispatcher.StageDecode, g.pool), func(w dispatcher.WorkerInfo) bool { return w.Affinity }) {
-		cons, err := g.js.Consumer(ctx, dispatcher.StreamDecode, shared)
+		cons, err := g.js.Consumer(ctx, dispatcher.StreamDecode, name)
 		if err != nil {
-			return nil, 0, err
+			return nil, nil, err
 		}
 		info := cons.CachedInfo() // fresh: Consumer just fetched it
-		return info, int(info.NumPending), nil
+		return info, []*jetstream.ConsumerInfo{info}, nil
 	}
-	infos, err := dispatcher.PoolConsumers(ctx, g.js, dispatcher.StageDecode, g.pool)
-	if err != nil {
-		return nil, 0, err
+	if all, err = dispatcher.PoolConsumers(ctx, g.js, dispatcher.StageDecode, g.pool); err != nil {
+		return nil, nil, err
 	}
-	var info *jetstream.ConsumerInfo
-	pending := 0
-	for _, c := range infos {
-		pending += int(c.NumPending)
-		if c.Name == shared {
-			info = c
+	for _, c := range all {
+		if c.Name == name {
+			return c, all, nil
 		}
 	}
-	if info == nil {
-		return nil, 0, jetstream.ErrConsumerNotFound
-	}
-	return info, pending, nil
+	return nil, nil, jetstream.ErrConsumerNotFound
 }
 
 // headEvery is how often the gate reads the next handoff to be delivered
 // anew: a read fetches the whole message, prompt included.
 const headEvery = 250 * time.Millisecond
 
-// waited is how long the next handoff the decode consumer delivers has
-// waited: the first of the pool's after the last delivered (a handoff
-// waiting to be delivered again is not counted, as NumPending does not
-// count it). It is read again only when the consumer has delivered more,
-// at most every headEvery; 0 when none waits, or it cannot be read (the
-// gate then goes by the reports alone).
+// waited is how long the next handoff a consumer delivers has waited: the
+// first of the pool's after the last delivered (a handoff waiting to be
+// delivered again is not counted, as NumPending does not count it). It is
+// read again only when the consumer has delivered more, at most every
+// headEvery; 0 when none waits, or it cannot be read (the gate then goes
+// by the reports alone).
 func (g *DecodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) time.Duration {
 	if info.NumPending == 0 {
-		g.headTime = time.Time{}
+		delete(g.heads, info.Name)
 		return 0
 	}
-	if g.headTime.IsZero() || info.Delivered.Stream != g.headAfter && time.Since(g.headRead) >= headEvery {
-		g.headAfter, g.headRead, g.headTime = info.Delivered.Stream, time.Now(), g.stored(ctx, info)
+	h := g.heads[info.Name]
+	if h == nil {
+		h = &head{}
+		g.heads[info.Name] = h
 	}
-	if g.headTime.IsZero() {
+	if h.time.IsZero() || info.Delivered.Stream != h.after && time.Since(h.read) >= headEvery {
+		h.after, h.read, h.time = info.Delivered.Stream, time.Now(), g.stored(ctx, info)
+	}
+	if h.time.IsZero() {
 		return 0
 	}
-	return info.TimeStamp.Sub(g.headTime)
+	return info.TimeStamp.Sub(h.time)
 }
 
 // stored is when the next handoff to be delivered was stored; zero if it

@@ -138,6 +138,46 @@ func TestDecodeGateCountsEnginesQueues(t *testing.T) {
 	}
 }
 
+// TestDecodeGateHeadAgePreferred: the head-age guard counts a handoff
+// that waits in a decode engine's own consumer (decode affinity), not
+// only the pool's (a reviewer's finding: it saw none there).
+func TestDecodeGateHeadAgePreferred(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	engine := "http://decode"
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dispatcher.EnsureEngineConsumer(ctx, js, dispatcher.StageDecode, pool, dispatcher.EngineKey(engine), time.Second); err != nil {
+		t.Fatal(err)
+	}
+	const ttl = time.Second
+	g, err := NewDecodeGate(ctx, js, pool, ttl, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A decode worker that reports room for a hundred handoffs, and takes
+	// the jobs that prefer its engine.
+	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Engine: engine, Slots: 100, AvgJobMs: 1, Affinity: true})
+	if err := nc.Publish(dispatcher.WorkerSubject("w1"), info); err != nil {
+		t.Fatal(err)
+	}
+	dispatchertest.WaitFor(t, "the worker registered", func() bool { s, _ := g.registry.DecodeCapacity(pool); return s == 100 })
+	job := &dispatcher.Job{ID: "new", Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`), PreferDecode: dispatcher.EngineKey(engine)}
+	if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
+		t.Fatal(err)
+	}
+	g.fresh = 0
+	if !g.isOpen(ctx) {
+		t.Fatal("a fresh handoff waits: the gate is closed")
+	}
+	time.Sleep(ttl/2 + headEvery)
+	if g.isOpen(ctx) {
+		t.Errorf("the next handoff, preferring an engine, has waited %v of a %v TTL: the gate is open (it waited %v by the gate)", ttl/2, ttl, g.headAge)
+	}
+}
+
 func TestDecodeRoom(t *testing.T) {
 	const ttl = 25 * time.Second
 	for _, tc := range []struct {

@@ -2,6 +2,7 @@ package stage
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"sync"
 	"testing"
@@ -180,5 +181,69 @@ func testAffinityTakeOverRedelivery(t *testing.T, stage dispatcher.Stage) {
 	}
 	if got := p.waitRan(t, "killed"); got != "http://b" {
 		t.Errorf("the job of a dead worker ran on %s, want http://b", got)
+	}
+}
+
+// TestHandoffPreference: a prefill's handoff goes to the decode engine the
+// job prefers while every live decode worker of the pool takes the jobs
+// that prefer its engine, that one among them; else to the pool's queue,
+// which any decode worker pulls (one of an earlier build, or with
+// affinity off, would never pull or take over the other).
+func TestHandoffPreference(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	lt := startLoop(t, nc, js, Config{Handler: func(ctx context.Context, d *Delivery) error {
+		d.HandOff([]byte(`{"remote_block_ids":[[1]]}`), dispatcher.StageRecord{Stage: dispatcher.StagePrefill, Started: time.Now()})
+		return nil
+	}})
+	decoder := func(id, engine string, affinity bool) {
+		info, _ := json.Marshal(dispatcher.WorkerInfo{ID: id, Role: dispatcher.StageDecode, Pool: lt.pool, Engine: engine, Slots: 4, Affinity: affinity})
+		if err := nc.Publish(dispatcher.WorkerSubject(id), info); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// where is the subject the handoff of id was stored on.
+	where := func(id string) string {
+		t.Helper()
+		st, err := js.Stream(ctx, dispatcher.StreamDecode)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var subject string
+		dispatchertest.WaitFor(t, "the handoff of "+id, func() bool {
+			for _, s := range dispatcher.JobSubjects(dispatcher.StageDecode, lt.pool, id) {
+				if m, err := st.GetLastMsgForSubject(ctx, s); err == nil {
+					subject = m.Subject
+					return true
+				}
+			}
+			return false
+		})
+		return subject
+	}
+	submit := func(id string) {
+		s, err := lt.replies.Open(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Close)
+		lt.submitJob(&dispatcher.Job{ID: id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+			ReplyTo: lt.replies.Subject(id), Deadline: time.Now().Add(time.Minute), PreferDecode: dispatcher.EngineKey("http://d1")})
+	}
+	submit("no-decoder") // no decode worker at all
+	if got := where("no-decoder"); got != dispatcher.JobSubject(dispatcher.StageDecode, lt.pool, "no-decoder") {
+		t.Errorf("with no decode worker, the handoff went to %s, want the pool's queue", got)
+	}
+	decoder("w1", "http://d1", true)
+	time.Sleep(200 * time.Millisecond) // the gate's registry hears it
+	submit("preferred")
+	if got, want := where("preferred"), dispatcher.PreferredSubject(dispatcher.StageDecode, lt.pool, "preferred", dispatcher.EngineKey("http://d1")); got != want {
+		t.Errorf("with the preferred engine's worker taking its jobs, the handoff went to %s, want %s", got, want)
+	}
+	decoder("w2", "http://d2", false) // an older build's, or affinity off
+	time.Sleep(200 * time.Millisecond)
+	submit("mixed")
+	if got := where("mixed"); got != dispatcher.JobSubject(dispatcher.StageDecode, lt.pool, "mixed") {
+		t.Errorf("with a decode worker that takes over nothing, the handoff went to %s, want the pool's queue", got)
 	}
 }

@@ -63,6 +63,9 @@ func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *dispatcher.Job
 // the prefill engine's lease: no message can carry it to a decode worker
 // to release.
 func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
+	if g := s.l.decodeGate; d.handoff.PreferDecode != "" && g != nil && !g.Preferable(d.handoff.PreferDecode) {
+		d.handoff.PreferDecode = "" // see DecodeGate.Preferable
+	}
 	m := d.handoff.Msg(dispatcher.StageDecode)
 	// With room to spare for the headers a dead letter adds: a handoff
 	// that fits, but whose dead letter would not, could never fail.

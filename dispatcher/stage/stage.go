@@ -141,16 +141,19 @@ func (p Permit) release() {
 // (releaseNow). onCancel and onRunning run on their subscriptions'
 // goroutines. InFlight and Released may be called from any goroutine.
 type Loop struct {
-	// Set by NewLoop; cfg.AckWait, records and kvReads are set by Run
-	// before it subscribes or starts a goroutine. Read without a lock.
+	// Set by NewLoop; cfg.AckWait, records, kvReads and decodeGate are
+	// set by Run before it subscribes or starts a goroutine. Read without
+	// a lock.
 	cfg     Config
 	nc      *nats.Conn
 	js      jetstream.JetStream
 	records *dispatcher.Records
 	// kvReads claims handoffs' KV for one reader (decode stage only).
-	kvReads  *dispatcher.KVReads
-	liveness *registry.Liveness
-	log      *slog.Logger
+	kvReads *dispatcher.KVReads
+	// decodeGate is a prefill loop's (nil for decode).
+	decodeGate *pull.DecodeGate
+	liveness   *registry.Liveness
+	log        *slog.Logger
 
 	// Counters that the job and release goroutines change and the
 	// heartbeat reads: atomics, so that neither takes mu. Run adds to
@@ -361,6 +364,7 @@ func (l *Loop) Run(ctx context.Context) error {
 		if gate, err = pull.NewDecodeGate(ctx, l.js, l.cfg.Pool, l.cfg.KVTTL, l.log); err != nil {
 			return err
 		}
+		l.decodeGate = gate
 	}
 	cancelSub, err := l.nc.Subscribe(dispatcher.CancelSubject("*"), l.onCancel)
 	if err != nil {
