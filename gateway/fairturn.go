@@ -68,8 +68,11 @@ func (h *handlers) waitTurn(c echo.Context, endpoint openai.Endpoint, id, client
 		load = max(1, prompt-cached/4)
 	}
 	tenant := tenantOf(c, in.req)
-	enter := q.EnterOrBypass // a single prompt may go decode-only (see submit)
-	if in.batch != nil {
+	// A single streamed prompt may go decode-only (see submit): its
+	// bypass ends at its first token. A non-streamed answer's first write
+	// is its last, which would hold the bypass for the whole decode.
+	enter := q.EnterOrBypass
+	if in.batch != nil || !in.req.Stream {
 		enter = q.Enter
 	}
 	turn, err := enter(ctx, tenant, in.req.Priority, cost, load)

@@ -96,7 +96,7 @@ func TestFairQueue(t *testing.T) {
 		// finish before the small request's.
 		// The flood holds every turn: the other tenant's request goes
 		// decode-only (the bypass), as a better priority does.
-		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big"}), "small", req(body{"user": "small"}))
+		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big"}), "small", req(body{"user": "small", "stream": true}))
 		if r := rank(out, "small"); r < 1 || r > 6 {
 			t.Errorf("the small tenant's request finished %d of %d; want within the first 6", r, len(out))
 		}
@@ -112,7 +112,7 @@ func TestFairQueue(t *testing.T) {
 		// Every prefill engine is taken by the flood: the request that
 		// outranks it goes decode-only, its prompt computed by the decode
 		// engine, rather than wait for the prefill engine's next seat.
-		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0}))
+		out := run(t, []string{"PDQ_FAIR_LIMIT=engines"}, 12, req(body{"user": "big", "priority": 1}), "urgent", req(body{"user": "big", "priority": 0, "stream": true}))
 		if r := rank(out, "urgent"); r < 1 || r > 3 {
 			t.Errorf("the priority 0 request finished %d of %d; want within the first 3", r, len(out))
 		}
@@ -198,4 +198,43 @@ func wantPrefilled(t *testing.T, url string, want map[string]bool) {
 			t.Errorf("%s went through prefill: %v, want %v (stages %+v)", id, got, w, rec.Stages)
 		}
 	}
+}
+
+// TestBypassFreesAtFirstToken runs pdq up with PDQ_FAIR_LIMIT=engines, one
+// prefill engine taken by a flood of priority 1, and one decode engine
+// (one bypass at a time): a streamed request of priority 0 goes
+// decode-only, and a second one, sent while the first still decodes its
+// 200 tokens, goes decode-only too, once the first's first token freed the
+// bypass. A non-streamed request of priority 0 waits its turn: its first
+// write is its last (a reviewer's finding: it held the bypass for its
+// whole answer).
+func TestBypassFreesAtFirstToken(t *testing.T) {
+	_, pe := startSimProcess(t, "--scheduling-policy", "priority", "--max-num-seqs", "1", "--prefill-overhead", "100ms")
+	_, de := startSimProcess(t, "--scheduling-policy", "priority", "--itl", "10ms")
+	_, url := startUp(t, "PDQ_PREFILL_ENGINES="+pe.URL, "PDQ_DECODE_ENGINES="+de.URL, "PDQ_FAIR_LIMIT=engines")
+	var wg sync.WaitGroup
+	send := func(id string, b body) {
+		wg.Go(func() {
+			if r, err := tryPost(url+"/v1/completions", id, b); err != nil || r.status != http.StatusOK {
+				t.Errorf("%s: %d, %v", id, r.status, err)
+			}
+		})
+	}
+	req := func(tokens int, extra body) body {
+		b := completionBody(model, longPrompt, body{"max_tokens": tokens, "ignore_eos": true, "user": "big"})
+		for k, v := range extra {
+			b[k] = v
+		}
+		return b
+	}
+	for i := range 12 {
+		send(fmt.Sprintf("flood-%d", i), req(20, body{"priority": 1}))
+	}
+	time.Sleep(300 * time.Millisecond) // the flood holds the prefill engine, the rest waits
+	send("first", req(200, body{"priority": 0, "stream": true}))
+	time.Sleep(150 * time.Millisecond) // its first token is out; its decode runs 2 s more
+	send("second", req(20, body{"priority": 0, "stream": true}))
+	send("whole", req(20, body{"priority": 0}))
+	wg.Wait()
+	wantPrefilled(t, url, map[string]bool{"first": false, "second": false, "whole": true})
 }

@@ -137,10 +137,14 @@ func (q *Queue) enter(ctx context.Context, tenant string, priority, cost, load i
 	q.arrivals++
 	w.start = math.Max(q.vtime, t.finish)
 	w.finish = w.start + float64(max(cost, 1))/q.weightOf(tenant)
-	if len(q.waiting) == 0 && q.roomLocked(w.load) || q.bypassLocked(w) {
+	// The limit is read once a decision: it follows the registry, and
+	// may change between two reads.
+	limit := q.limit()
+	fits := fitsIn(limit, q.running, q.load, w.load)
+	if len(q.waiting) == 0 && fits || !fits && q.bypassLocked(w, limit) {
 		t.finish = w.finish
 		q.vtime = math.Max(q.vtime, w.start)
-		turn := q.admitLocked(w, t)
+		turn := q.admitLocked(w, t, !fits)
 		q.mu.Unlock()
 		return turn, nil
 	}
@@ -231,14 +235,16 @@ func (q *Queue) dispatchLocked() {
 			}
 		}
 		w := q.waiting[i]
-		if !q.roomLocked(w.load) && !q.bypassLocked(w) {
+		limit := q.limit()
+		fits := fitsIn(limit, q.running, q.load, w.load)
+		if !fits && !q.bypassLocked(w, limit) {
 			return // the next in order waits; none passes it
 		}
 		q.waiting = slices.Delete(q.waiting, i, i+1)
 		t := q.tenants[w.tenant]
 		t.waiting--
 		q.vtime = math.Max(q.vtime, w.start)
-		q.admitLocked(w, t)
+		q.admitLocked(w, t, !fits)
 	}
 }
 
@@ -252,20 +258,20 @@ func before(a, b *waiter) bool {
 	return a.seq < b.seq
 }
 
-// roomLocked says whether a request of load may go in now.
-func (q *Queue) roomLocked(load int) bool {
-	l := q.limit()
-	return q.running < l.Requests || q.running < l.Most && q.load+load <= l.Load
+// fitsIn says whether a request of load fits in limit, with running
+// requests let in and not started, of load in all.
+func fitsIn(l Limit, running, load, more int) bool {
+	return running < l.Requests || running < l.Most && load+more <= l.Load
 }
 
 // bypassLocked says whether w, which the limit leaves out, goes in by the
 // bypass (Limit.Bypass): it goes first, and it outranks a request let in,
-// by a better priority, or, at a priority no worse than any of theirs, as
+// by a better priority than one's while no turn has a better one than
+// its own, or, at a priority no worse than any of theirs, as
 // its tenant holds none of the turns while another holds a whole turn
 // more than its weight's share of them (the tenants present sharing
 // them): many tenants a turn each do not bypass one another.
-func (q *Queue) bypassLocked(w *waiter) bool {
-	limit := q.limit()
+func (q *Queue) bypassLocked(w *waiter, limit Limit) bool {
 	if !w.mayBypass || q.bypassing >= limit.Bypass {
 		return false
 	}
@@ -293,19 +299,20 @@ func (q *Queue) bypassLocked(w *waiter) bool {
 			total += q.weightOf(name)
 		}
 	}
+	turns := float64(max(limit.Requests, q.running)) // the load bound lets in more than Requests
 	for name, t := range q.tenants {
-		if name != w.tenant && float64(t.turns) >= float64(limit.Requests)*q.weightOf(name)/total+1 {
+		if name != w.tenant && float64(t.turns) >= turns*q.weightOf(name)/total+1 {
 			return true
 		}
 	}
 	return false
 }
 
-// admitLocked lets w in, by the limit or, when it has no room, by the
-// bypass, and returns its turn (also in w.turn).
-func (q *Queue) admitLocked(w *waiter, t *tenantState) *Turn {
+// admitLocked lets w in, by the limit or by the bypass, and returns its
+// turn (also in w.turn).
+func (q *Queue) admitLocked(w *waiter, t *tenantState, bypassed bool) *Turn {
 	w.turn = &Turn{q: q, tenant: w.tenant, load: w.load, priority: w.priority}
-	if !q.roomLocked(w.load) {
+	if bypassed {
 		w.turn.bypassed = true
 		q.bypassing++
 	} else {

@@ -423,6 +423,52 @@ func TestFairQueueBypassTenant(t *testing.T) {
 	}
 }
 
+// TestFairQueueBypassRules: no bypass past a waiting request that goes
+// first (a batch, which may not bypass, of as good a priority), nor past
+// a turn of a better priority; and the limit is read once a decision (a
+// limit that changes between two reads made a request that may not
+// bypass a bypassed one: a reviewer's finding).
+func TestFairQueueBypassRules(t *testing.T) {
+	ctx := context.Background()
+	wait := func(q *Queue, tenant string, priority int) error {
+		c, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer cancel()
+		_, err := q.EnterOrBypass(c, tenant, priority, 1, 1)
+		return err
+	}
+	q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Bypass: 1} })
+	if _, err := q.EnterOrBypass(ctx, "big", 1, 1, 1); err != nil {
+		t.Fatal(err)
+	}
+	batch, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go q.Enter(batch, "big", 0, 1, 1) // waits: it may not bypass
+	waitUntil(t, func() bool { _, w := q.stats(); return w == 1 })
+	if err := wait(q, "big", 0); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("behind a waiting request as good that goes first: %v, want it to wait", err)
+	}
+	q2 := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 2, Bypass: 1} })
+	for _, p := range []int{0, 2} {
+		if _, err := q2.EnterOrBypass(ctx, "x", p, 1, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := wait(q2, "x", 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("priority 1 among turns of priority 0 and 2: %v, want it to wait", err)
+	}
+	calls := 0
+	q3 := New(10, func(string) float64 { return 1 }, func() Limit {
+		if calls++; calls == 1 {
+			return Limit{Requests: 1}
+		}
+		return Limit{} // the engine's heartbeat aged out meanwhile
+	})
+	turn, err := q3.Enter(ctx, "t", 0, 1, 1)
+	if err != nil || turn.Bypassed() {
+		t.Errorf("a request entered by Enter, Bypass 0, as the limit changed: %v, bypassed %v", err, err == nil && turn.Bypassed())
+	}
+}
+
 func waitUntil(t *testing.T, ok func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); !ok(); time.Sleep(time.Millisecond) {
