@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/pkg/logging"
@@ -95,25 +97,34 @@ func TestDecodeGateHeadAge(t *testing.T) {
 	}
 }
 
+// engineGate makes a decode gate of ttl for a pool of its own, with the
+// pool's decode consumer and engine http://decode's own.
+func engineGate(t *testing.T, ttl time.Duration) (*nats.Conn, jetstream.JetStream, *DecodeGate) {
+	t.Helper()
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dispatcher.EnsureEngineConsumer(ctx, js, dispatcher.StageDecode, pool, dispatcher.EngineKey("http://decode"), time.Second); err != nil {
+		t.Fatal(err)
+	}
+	g, err := NewDecodeGate(ctx, js, pool, ttl, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js, g
+}
+
 // TestDecodeGateCountsEnginesQueues: with decode affinity, handoffs that
 // prefer a decode engine wait in its own consumer while it is full, not
 // in the pool's; the gate counts them, and closes when they fill what the
 // pool's decode workers can start within the TTL.
 func TestDecodeGateCountsEnginesQueues(t *testing.T) {
-	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool := dispatcher.PoolName(t.Name())
-	engine := "http://decode"
-	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := dispatcher.EnsureEngineConsumer(ctx, js, dispatcher.StageDecode, pool, dispatcher.EngineKey(engine), time.Second); err != nil {
-		t.Fatal(err)
-	}
-	g, err := NewDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, js, g := engineGate(t, 10*time.Second)
+	pool, engine := g.pool, "http://decode"
 	// Its one decode worker runs 2 decodes at once, each 2 s long, and
 	// takes the jobs that prefer its engine: with a 10 s TTL, 3 handoffs
 	// may wait, the last for 3 rounds (6 s) would not.
@@ -142,21 +153,10 @@ func TestDecodeGateCountsEnginesQueues(t *testing.T) {
 // that waits in a decode engine's own consumer (decode affinity), not
 // only the pool's (a reviewer's finding: it saw none there).
 func TestDecodeGateHeadAgePreferred(t *testing.T) {
-	nc, js := dispatchertest.JetStream(t)
 	ctx := context.Background()
-	pool := dispatcher.PoolName(t.Name())
-	engine := "http://decode"
-	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := dispatcher.EnsureEngineConsumer(ctx, js, dispatcher.StageDecode, pool, dispatcher.EngineKey(engine), time.Second); err != nil {
-		t.Fatal(err)
-	}
 	const ttl = time.Second
-	g, err := NewDecodeGate(ctx, js, pool, ttl, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	nc, js, g := engineGate(t, ttl)
+	pool, engine := g.pool, "http://decode"
 	// A decode worker that reports room for a hundred handoffs, and takes
 	// the jobs that prefer its engine.
 	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Engine: engine, Slots: 100, AvgJobMs: 1, Affinity: true})
