@@ -234,6 +234,7 @@ func TestBypassFreesAtFirstToken(t *testing.T) {
 	send("first", req(200, body{"priority": 0, "stream": true}))
 	time.Sleep(150 * time.Millisecond) // its first token is out; its decode runs 2 s more
 	send("second", req(20, body{"priority": 0, "stream": true}))
+	time.Sleep(50 * time.Millisecond) // after it: a waiting request as good would go first
 	send("whole", req(20, body{"priority": 0}))
 	wg.Wait()
 	wantPrefilled(t, url, map[string]bool{"first": false, "second": false, "whole": true})

@@ -26,20 +26,21 @@ import (
 //     engine's worker pulls it at priority 0, another worker at
 //     priority 1, and the server hands a job to the best pull waiting.
 //
-// Engine E has one seat; engine F, idle, has four. In "busy", E runs each job for
-// 30 ms and the jobs, all preferring E, come at random, 40 ms apart on
-// average (E busy 75 % of the time, with a queue now and then); in
-// "full", E holds its first job for the whole run. It
+// Engine E has one seat; engine F, idle, has four. In "busy", E runs each
+// job for 30 ms and the jobs, all preferring E, come at random, 40 ms
+// apart on average (E busy 75 % of the time, with a queue now and then;
+// no job waits long enough for a take-over); in "over", 20 ms apart (1.5
+// times what E runs); in "full", E holds its first job for the whole run. It
 // reports the share of jobs E ran (what affinity is for) and how long a
 // job waited from its publish to a worker's hands, on average and at most.
 // Run it with -benchtime=1x: each iteration is a 2-second scenario.
 func BenchmarkPreferredEngine(b *testing.B) {
-	for _, scenario := range []string{"busy", "full"} {
+	for _, scenario := range []string{"busy", "over", "full"} {
 		for _, mode := range []string{"takeover", "prioritized"} {
 			b.Run(scenario+"/"+mode, func(b *testing.B) {
 				var share, mean, most float64
 				for range b.N {
-					s, m, x := preferredScenario(b, mode, scenario == "full")
+					s, m, x := preferredScenario(b, mode, scenario)
 					share, mean, most = share+s, mean+m, max(most, x)
 				}
 				b.ReportMetric(share/float64(b.N)*100, "%E")
@@ -50,11 +51,16 @@ func BenchmarkPreferredEngine(b *testing.B) {
 	}
 }
 
-func preferredScenario(b *testing.B, mode string, full bool) (shareE, meanMs, maxMs float64) {
+func preferredScenario(b *testing.B, mode, scenario string) (shareE, meanMs, maxMs float64) {
+	full := scenario == "full"
+	gap := 40 * time.Millisecond
+	if scenario == "over" {
+		gap = 20 * time.Millisecond
+	}
 	_, js := dispatchertest.JetStream(b)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	pool := dispatcher.PoolName(fmt.Sprintf("bench-%s-%v-%d", mode, full, time.Now().UnixNano()))
+	pool := dispatcher.PoolName(fmt.Sprintf("bench-%s-%s-%d", mode, scenario, time.Now().UnixNano()))
 	e, f := dispatcher.EngineKey("http://e"), dispatcher.EngineKey("http://f")
 	const ackWait = 5 * time.Second
 	var cons jetstream.Consumer
@@ -178,7 +184,7 @@ func preferredScenario(b *testing.B, mode string, full bool) (shareE, meanMs, ma
 		if _, err := js.Publish(ctx, subject, []byte(strconv.FormatInt(time.Now().UnixNano(), 10))); err != nil {
 			b.Fatal(err)
 		}
-		time.Sleep(time.Duration(arrivals.ExpFloat64() * float64(40*time.Millisecond)))
+		time.Sleep(time.Duration(arrivals.ExpFloat64() * float64(gap)))
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for {

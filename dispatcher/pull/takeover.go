@@ -17,7 +17,9 @@ import (
 // looks in a row find jobs in it (never delivered, or delivered and not
 // acked: a redelivery waits among those), no pull waiting on it, and
 // nothing delivered from it for takeOverAfter: its engine is busy with
-// all it can run, or gone. An engine briefly without a pull waiting (its
+// all it can run, or gone; or when two looks in a row find its next job
+// stored takeOverAfter ago or more, no pull waiting: its engine delivers,
+// but takes less than comes for it. An engine briefly without a pull waiting (its
 // decode gate closed for a look after a job it just took) is not taken
 // from. A take-over pull that finds only running jobs comes back empty
 // after TakeOverWait.
@@ -46,8 +48,9 @@ type TakeOver struct {
 	ackWait time.Duration
 	log     *slog.Logger
 
-	looks int
-	stuck map[string]bool // consumers that looked stuck on the last look
+	looks  int
+	stuck  map[string]bool  // consumers that looked stuck on the last look
+	stream jetstream.Stream // the stage's, for behind; found at its first use
 }
 
 // Stuck is a consumer to take jobs from, and how many it held.
@@ -85,7 +88,7 @@ func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
 	next := map[string]bool{}
 	var take []Stuck
 	for _, info := range infos {
-		if info.Name == t.own || !stuckConsumer(info) {
+		if info.Name == t.own || !stuckConsumer(info) && !t.behind(ctx, info) {
 			continue
 		}
 		if next[info.Name] = true; !t.stuck[info.Name] {
@@ -135,6 +138,28 @@ func (t *TakeOver) adoptOrphans(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// behind says whether an engine's consumer delivers, but not fast enough:
+// jobs wait undelivered, no pull is waiting (its engine's seats are all
+// busy), and the next job to be delivered was stored takeOverAfter ago or
+// more. An engine over its capacity that ends a job every few tens of
+// milliseconds is never stuck (it delivers), yet its queue grows while
+// other engines idle. It reads the next job's stored time: one message
+// get, only for such a consumer.
+func (t *TakeOver) behind(ctx context.Context, info *jetstream.ConsumerInfo) bool {
+	if info.NumPending == 0 || info.NumWaiting > 0 {
+		return false
+	}
+	if t.stream == nil {
+		st, err := t.js.Stream(ctx, info.Stream)
+		if err != nil {
+			return false
+		}
+		t.stream = st
+	}
+	m, err := t.stream.GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(info.Config.FilterSubject))
+	return err == nil && info.TimeStamp.Sub(m.Time) >= takeOverAfter
 }
 
 // stuckConsumer says whether an engine's consumer has jobs that its engine

@@ -247,3 +247,56 @@ func TestHandoffPreference(t *testing.T) {
 		t.Errorf("with a decode worker that takes over nothing, the handoff went to %s, want the pool's queue", got)
 	}
 }
+
+// TestAffinityTakeOverBehind: a job that prefers an engine which is busy
+// and still delivers, a job every 50 ms, but gets more than it runs, is
+// taken by another engine within the bound, not left to wait behind the
+// others while that engine idles (a reviewer's finding: such an engine
+// was never taken from, its queue growing).
+func TestAffinityTakeOverBehind(t *testing.T) { stages(t, testAffinityTakeOverBehind) }
+
+func testAffinityTakeOverBehind(t *testing.T, stage dispatcher.Stage) {
+	p := startAffinityPool(t, stage, map[string]int{"http://a": 1, "http://b": 4})
+	// a ends a job every 50 ms: its hold is released and made anew.
+	p.mu.Lock()
+	p.hold["http://a"] = make(chan struct{})
+	p.mu.Unlock()
+	stop := make(chan struct{})
+	var ticks sync.WaitGroup
+	ticks.Go(func() {
+		for {
+			select {
+			case <-stop:
+				p.mu.Lock()
+				close(p.hold["http://a"])
+				p.mu.Unlock()
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			p.mu.Lock()
+			done := p.hold["http://a"]
+			p.hold["http://a"] = make(chan struct{})
+			p.mu.Unlock()
+			close(done)
+		}
+	})
+	defer func() { close(stop); ticks.Wait() }()
+	a := dispatcher.EngineKey("http://a")
+	for i := range 40 { // one every 20 ms: 2.5 times what a runs
+		p.submit(t, p.lt["http://b"], fmt.Sprintf("behind-%d", i), a)
+		time.Sleep(20 * time.Millisecond)
+	}
+	for i := range 40 {
+		p.waitRan(t, fmt.Sprintf("behind-%d", i))
+	}
+	onB := 0
+	for i := range 40 {
+		if p.ranOn(fmt.Sprintf("behind-%d", i)) == "http://b" {
+			onB++
+		}
+	}
+	if onB == 0 {
+		t.Errorf("every job waited for http://a, 2.5 times over its capacity, while http://b idled")
+	}
+	t.Logf("%d of 40 jobs taken over by http://b", onB)
+}

@@ -63,9 +63,7 @@ func (s *settle) storedIsThis(ctx context.Context, seq uint64, h *dispatcher.Job
 // the prefill engine's lease: no message can carry it to a decode worker
 // to release.
 func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
-	if g := s.l.decodeGate; d.handoff.PreferDecode != "" && g != nil && !g.Preferable(d.handoff.PreferDecode) {
-		d.handoff.PreferDecode = "" // see DecodeGate.Preferable
-	}
+	s.preferDecode(d)
 	m := d.handoff.Msg(dispatcher.StageDecode)
 	// With room to spare for the headers a dead letter adds: a handoff
 	// that fits, but whose dead letter would not, could never fail.
@@ -77,7 +75,16 @@ func (s *settle) fitHandoff(d *Delivery) *nats.Msg {
 		"body_bytes", len(d.handoff.Body), "kv_bytes", len(d.handoff.KV), "max_payload", maxPayload)
 	s.l.cfg.Metrics.Shared().DecodeOnly("handoff_too_large")
 	d.Forward()
+	s.preferDecode(d) // a new copy of the job, with its preference
 	return d.handoff.Msg(dispatcher.StageDecode)
+}
+
+// preferDecode keeps the handoff's decode preference only while the
+// decode workers take preferred jobs (see pull.DecodeGate.Preferable).
+func (s *settle) preferDecode(d *Delivery) {
+	if g := s.l.decodeGate; d.handoff.PreferDecode != "" && g != nil && !g.Preferable(d.handoff.PreferDecode) {
+		d.handoff.PreferDecode = ""
+	}
 }
 
 // msgSize is a message's size as the server counts it against its

@@ -698,8 +698,11 @@ func TestLifecycle(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer s.Close()
+		// It prefers a decode engine whose worker is gone: decode-only, it
+		// goes to the pool's queue all the same (a reviewer's finding: the
+		// forwarded copy took the preference back).
 		lt.submitJob(&dispatcher.Job{ID: "huge-1", Model: "m", Pool: lt.pool, Endpoint: openai.Completions, Body: body,
-			ReplyTo: lt.replies.Subject("huge-1"), Deadline: time.Now().Add(time.Minute)})
+			ReplyTo: lt.replies.Subject("huge-1"), Deadline: time.Now().Add(time.Minute), PreferDecode: dispatcher.EngineKey("http://gone")})
 		dispatchertest.WaitFor(t, "the decode job", func() bool { return lt.pending(dispatcher.StageDecode) == 1 })
 		dispatchertest.WaitFor(t, "the prefill acked", func() bool { return lt.pending(dispatcher.StagePrefill) == 0 })
 		_, got := lt.handoff("huge-1")
