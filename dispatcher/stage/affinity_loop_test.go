@@ -3,8 +3,10 @@ package stage
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +15,8 @@ import (
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
 	"github.com/pdq-dev/pdq/dispatcher/pull"
+	"github.com/pdq-dev/pdq/dispatcher/verdict"
+	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
 
@@ -299,4 +303,70 @@ func testAffinityTakeOverBehind(t *testing.T, stage dispatcher.Stage) {
 		t.Errorf("every job waited for http://a, 2.5 times over its capacity, while http://b idled")
 	}
 	t.Logf("%d of 40 jobs taken over by http://b", onB)
+}
+
+// TestHandBackPreference: a prefill handed back keeps its decode
+// preference (the decode engine is not the trouble); a decode handed back
+// loses it, and goes to any decode worker.
+func TestHandBackPreference(t *testing.T) { stages(t, testHandBackPreference) }
+
+func testHandBackPreference(t *testing.T, stage dispatcher.Stage) {
+	nc, js := dispatchertest.JetStream(t)
+	key := dispatcher.EngineKey("http://d")
+	prefs := make(chan string, 4)
+	var handedBack atomic.Bool
+	lt := startLoopOn(t, nc, js, dispatcher.PoolName(t.Name()), Config{Stage: stage, Slots: 2, Affinity: true,
+		EngineSlots: pull.NewEngineSlots(2), Worker: dispatcher.WorkerInfo{Engine: "http://d", Slots: 2},
+		Handler: func(_ context.Context, d *Delivery) error {
+			prefs <- d.Job.PreferDecode
+			if handedBack.CompareAndSwap(false, true) {
+				return verdict.HandBack(errors.New("breaker open"), openai.NewError(503, "engine unavailable"))
+			}
+			return nil
+		}})
+	s, err := lt.replies.Open("hb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	lt.submitJob(&dispatcher.Job{ID: "hb", Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
+		ReplyTo: lt.replies.Subject("hb"), Deadline: time.Now().Add(time.Minute), PreferDecode: key})
+	want := []string{key, key}
+	if stage == dispatcher.StageDecode {
+		want[1] = ""
+	}
+	for i, w := range want {
+		select {
+		case got := <-prefs:
+			if got != w {
+				t.Errorf("run %d: decode preference %q, want %q", i+1, got, w)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("run %d did not come", i+1)
+		}
+	}
+}
+
+// TestHandedOff: a prefill redelivered after its handoff was stored finds
+// the handoff, on the pool's subject or on a decode engine's, of its own
+// generation only.
+func TestHandedOff(t *testing.T) {
+	_, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	for _, prefer := range []string{"", dispatcher.EngineKey("http://d")} {
+		id := "h-" + prefer
+		job := &dispatcher.Job{ID: id, Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`), Generation: 2, PreferDecode: prefer}
+		if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
+			t.Fatal(err)
+		}
+		s := &settle{l: &Loop{js: js, cfg: Config{Stage: dispatcher.StagePrefill}, log: logging.Discard()}, job: &dispatcher.Job{ID: id, Pool: pool, Generation: 2}}
+		if !s.handedOff(ctx) {
+			t.Errorf("preferring %q: its handoff not found", prefer)
+		}
+		s.job.Generation = 3
+		if s.handedOff(ctx) {
+			t.Errorf("preferring %q: generation 2's handoff taken for generation 3's", prefer)
+		}
+	}
 }
