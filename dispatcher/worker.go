@@ -2,6 +2,7 @@ package dispatcher
 
 import (
 	"encoding/json"
+	"slices"
 	"time"
 )
 
@@ -82,3 +83,11 @@ func (w WorkerInfo) Healthy() bool { return w.Breaker != BreakerOpen }
 
 // NewWorkerID returns a unique worker id, usable as a bucket key.
 func NewWorkerID(role Stage) string { return string(role) + "-" + Token() }
+
+// AllTakePreferred says whether every one of workers takes the jobs that
+// prefer its engine (Affinity), so that a job may prefer one of them: a
+// worker that does not (an earlier build, PDQ_AFFINITY off) neither pulls
+// an engine's jobs nor takes them over, and might idle while they wait.
+func AllTakePreferred(workers []WorkerInfo) bool {
+	return !slices.ContainsFunc(workers, func(w WorkerInfo) bool { return !w.Affinity })
+}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
-	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -183,7 +182,7 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		// prefer its engine: one of an earlier build, or with affinity
 		// off, takes over none, and might idle while they wait.
 		decoders := h.registry.Engines(dispatcher.StageDecode, job.Pool)
-		if !slices.ContainsFunc(decoders, func(w dispatcher.WorkerInfo) bool { return !w.Affinity }) {
+		if dispatcher.AllTakePreferred(decoders) {
 			var sentDecode, decoded func()
 			job.PreferDecode, sentDecode, decoded = h.decodePlacer.Place(hashes, decoders)
 			context.AfterFunc(c.Request().Context(), decoded)

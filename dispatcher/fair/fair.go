@@ -299,7 +299,9 @@ func (q *Queue) bypassLocked(w *waiter, limit Limit) bool {
 			total += q.weightOf(name)
 		}
 	}
-	turns := float64(max(limit.Requests, q.running)) // the load bound lets in more than Requests
+	// The turns let in: at least Requests, as w does not fit, and more
+	// where the load bound let small prompts in beyond them.
+	turns := float64(q.running)
 	for name, t := range q.tenants {
 		if name != w.tenant && float64(t.turns) >= turns*q.weightOf(name)/total+1 {
 			return true

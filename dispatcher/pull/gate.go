@@ -147,14 +147,9 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 // the decode workers a preferred handoff could wait for nobody; and one
 // that prefers an engine gone would wait for a take-over.
 func (g *DecodeGate) Preferable(engine string) bool {
-	found := false
-	for _, w := range g.registry.Engines(dispatcher.StageDecode, g.pool) {
-		if !w.Affinity {
-			return false
-		}
-		found = found || dispatcher.EngineKey(w.Engine) == engine
-	}
-	return found
+	workers := g.registry.Engines(dispatcher.StageDecode, g.pool)
+	return dispatcher.AllTakePreferred(workers) &&
+		slices.ContainsFunc(workers, func(w dispatcher.WorkerInfo) bool { return dispatcher.EngineKey(w.Engine) == engine })
 }
 
 // backlog reads the state of the pool's shared decode consumer (shared),
@@ -207,7 +202,7 @@ func (g *DecodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) t
 		g.heads[info.Name] = h
 	}
 	if h.time.IsZero() || info.Delivered.Stream != h.after && time.Since(h.read) >= headEvery {
-		h.after, h.read, h.time = info.Delivered.Stream, time.Now(), g.stored(ctx, info)
+		h.after, h.read, h.time = info.Delivered.Stream, time.Now(), nextStored(ctx, g.js, &g.stream, info)
 	}
 	if h.time.IsZero() {
 		return 0
@@ -215,17 +210,19 @@ func (g *DecodeGate) waited(ctx context.Context, info *jetstream.ConsumerInfo) t
 	return info.TimeStamp.Sub(h.time)
 }
 
-// stored is when the next handoff to be delivered was stored; zero if it
-// cannot be read.
-func (g *DecodeGate) stored(ctx context.Context, info *jetstream.ConsumerInfo) time.Time {
-	if g.stream == nil {
-		s, err := g.js.Stream(ctx, dispatcher.StreamDecode)
+// nextStored is when the next job the consumer of info delivers (the
+// first of its filter after the last it delivered) was stored; zero if it
+// cannot be read. Its stream, found at the first call, is kept in *st.
+// The decode gate reads a handoff's age with it, the take-over a job's.
+func nextStored(ctx context.Context, js jetstream.JetStream, st *jetstream.Stream, info *jetstream.ConsumerInfo) time.Time {
+	if *st == nil {
+		s, err := js.Stream(ctx, info.Stream)
 		if err != nil {
 			return time.Time{}
 		}
-		g.stream = s
+		*st = s
 	}
-	m, err := g.stream.GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(info.Config.FilterSubject))
+	m, err := (*st).GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(info.Config.FilterSubject))
 	if err != nil {
 		return time.Time{}
 	}

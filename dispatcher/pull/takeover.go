@@ -151,15 +151,8 @@ func (t *TakeOver) behind(ctx context.Context, info *jetstream.ConsumerInfo) boo
 	if info.NumPending == 0 || info.NumWaiting > 0 {
 		return false
 	}
-	if t.stream == nil {
-		st, err := t.js.Stream(ctx, info.Stream)
-		if err != nil {
-			return false
-		}
-		t.stream = st
-	}
-	m, err := t.stream.GetMsg(ctx, info.Delivered.Stream+1, jetstream.WithGetMsgSubject(info.Config.FilterSubject))
-	return err == nil && info.TimeStamp.Sub(m.Time) >= takeOverAfter
+	stored := nextStored(ctx, t.js, &t.stream, info)
+	return !stored.IsZero() && info.TimeStamp.Sub(stored) >= takeOverAfter
 }
 
 // stuckConsumer says whether an engine's consumer has jobs that its engine
