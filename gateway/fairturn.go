@@ -128,7 +128,11 @@ func (h *handlers) endWaiting(c echo.Context, endpoint openai.Endpoint, id, clie
 // prompt at a time an engine, where a prefill's cost grows with its
 // tokens, and small or mostly cached prompts together, up to twice the
 // seats the workers saw their engines run (so that the seats they learn
-// can grow), within the workers' slots.
+// can grow), within the workers' slots. While every request let in or
+// waiting is of one tenant and one priority, there is no order to keep:
+// twice that load goes in, for the engines to batch (the throughput of a
+// step's shared cost, the hand-off hidden); another tenant or priority
+// puts the bound back.
 //
 // A request that outranks the work let in (fair.Limit.Bypass) goes in
 // beside the limit, one a healthy decode engine at a time, and runs
@@ -162,7 +166,10 @@ func (h *handlers) fairQueue(pool string) *fair.Queue {
 			if stage == dispatcher.StagePrefill {
 				bypass = len(h.registry.Engines(dispatcher.StageDecode, pool))
 			}
-			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad, Bypass: bypass}
+			// Twice the load while the work is of one tenant and one
+			// priority: no order to keep, the engines batch two
+			// prompts a step (fair.Limit.AlikeLoad).
+			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad, AlikeLoad: 2 * engines * h.cfg.FairLoad, Bypass: bypass}
 		}
 	}
 	q, _ := h.queues.LoadOrStore(pool, fair.New(h.cfg.MaxQueue, func(tenant string) float64 { return h.cfg.TenantWeights[tenant] }, limit))

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -187,6 +188,58 @@ func TestTurnEndsWithThePrefill(t *testing.T) {
 	if decoded := next.Stages[i].Started; !last.Created.Before(decoded) {
 		t.Errorf("turn-last went into the queue %v after turn-next's decode started: its turn waited for that decode, not for the prefill",
 			last.Created.Sub(decoded))
+	}
+}
+
+// TestAlikeLoad runs pdq up with PDQ_FAIR_LIMIT=engines and one prefill
+// engine, and sends two prompts of about 1,500 tokens at once: only one
+// fits the engine's load (config.FairLoad, 2,048 tokens), but two of one
+// tenant and one priority go in together (fair.Limit.AlikeLoad) and run
+// side by side in the engine, while two of two tenants run one after the
+// other, by their records.
+func TestAlikeLoad(t *testing.T) {
+	prompt := strings.Repeat("Tell me about the KV cache. ", 220) // 6,160 bytes: 1,540 tokens estimated
+	for _, tc := range []struct {
+		name     string
+		tenants  [2]string
+		together bool
+	}{
+		{"one tenant", [2]string{"a", "a"}, true},
+		{"two tenants", [2]string{"a", "b"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, pe := startSimProcess(t, "--prefill-overhead", "300ms", "--max-model-len", "16384")
+			_, de := startSimProcess(t, "--max-model-len", "16384")
+			_, url := startUp(t, "PDQ_PREFILL_ENGINES="+pe.URL, "PDQ_DECODE_ENGINES="+de.URL, "PDQ_FAIR_LIMIT=engines")
+			var wg sync.WaitGroup
+			for i, tenant := range tc.tenants {
+				id := fmt.Sprintf("alike-%d", i)
+				wg.Go(func() {
+					// Not streamed: no bypass, both go through prefill.
+					r, err := tryPost(url+"/v1/completions", id, completionBody(model, prompt, body{"max_tokens": 2, "user": tenant}))
+					if err != nil || r.status != http.StatusOK {
+						t.Errorf("%s: %d, %v", id, r.status, err)
+					}
+				})
+			}
+			wg.Wait()
+			var prefills []dispatcher.StageRecord
+			for i := range 2 {
+				rec := record(t, url, fmt.Sprintf("alike-%d", i))
+				for _, s := range rec.Stages {
+					if s.Stage == dispatcher.StagePrefill {
+						prefills = append(prefills, s)
+					}
+				}
+			}
+			if len(prefills) != 2 {
+				t.Fatalf("%d prefills, want 2: %+v", len(prefills), prefills)
+			}
+			slices.SortFunc(prefills, func(a, b dispatcher.StageRecord) int { return a.Started.Compare(b.Started) })
+			if together := prefills[1].Started.Before(prefills[0].Ended()); together != tc.together {
+				t.Errorf("the second prefill began before the first ended: %v, want %v (%+v)", together, tc.together, prefills)
+			}
+		})
 	}
 }
 

@@ -74,7 +74,12 @@ type tenantState struct {
 // Turn says so (Bypassed), for the caller to run it elsewhere than where
 // the limit's requests wait: the gateway sends it decode-only (see
 // gateway's fairQueue).
-type Limit struct{ Requests, Most, Load, Bypass int }
+//
+// AlikeLoad, when above Load, is the load bound while the request and
+// every request let in and not started, or waiting, are of one tenant and
+// one priority: there is no order to keep then, and the engines may batch
+// what would otherwise wait here (see alikeLocked).
+type Limit struct{ Requests, Most, Load, AlikeLoad, Bypass int }
 
 // Turn is a request let in. Started and Done may be called from any
 // goroutine, each any number of times: the first call counts.
@@ -140,7 +145,7 @@ func (q *Queue) enter(ctx context.Context, tenant string, priority, cost, load i
 	// The limit is read once a decision: it follows the registry, and
 	// may change between two reads.
 	limit := q.limit()
-	fits := fitsIn(limit, q.running, q.load, w.load)
+	fits := q.fitsLocked(limit, w)
 	if len(q.waiting) == 0 && fits || !fits && q.bypassLocked(w, limit) {
 		t.finish = w.finish
 		q.vtime = math.Max(q.vtime, w.start)
@@ -236,7 +241,7 @@ func (q *Queue) dispatchLocked() {
 		}
 		w := q.waiting[i]
 		limit := q.limit()
-		fits := fitsIn(limit, q.running, q.load, w.load)
+		fits := q.fitsLocked(limit, w)
 		if !fits && !q.bypassLocked(w, limit) {
 			return // the next in order waits; none passes it
 		}
@@ -258,10 +263,40 @@ func before(a, b *waiter) bool {
 	return a.seq < b.seq
 }
 
-// fitsIn says whether a request of load fits in limit, with running
-// requests let in and not started, of load in all.
-func fitsIn(l Limit, running, load, more int) bool {
-	return running < l.Requests || running < l.Most && load+more <= l.Load
+// fitsLocked says whether w fits in limit, with the requests let in and
+// not started.
+func (q *Queue) fitsLocked(l Limit, w *waiter) bool {
+	bound := l.Load
+	if l.AlikeLoad > bound && q.alikeLocked(w) {
+		bound = l.AlikeLoad
+	}
+	return q.running < l.Requests || q.running < l.Most && q.load+w.load <= bound
+}
+
+// alikeLocked says whether w and every request let in and not started,
+// or waiting, are of one tenant and one priority. Their order here is
+// first come first served then, as in an engine's queue, so the limit
+// need not keep them here: more in the engines lets them batch prompts a
+// step (an engine step's fixed cost shared), and hides the hand-off from
+// one request to the next. Any other request, or tenant, puts the limit
+// back: what was let in runs on, and the bypass takes what outranks it.
+func (q *Queue) alikeLocked(w *waiter) bool {
+	for p := range q.priorities {
+		if p != w.priority {
+			return false
+		}
+	}
+	for name, t := range q.tenants {
+		if name != w.tenant && (t.turns > 0 || t.waiting > 0) {
+			return false
+		}
+	}
+	for _, o := range q.waiting {
+		if o.priority != w.priority {
+			return false
+		}
+	}
+	return true
 }
 
 // bypassLocked says whether w, which the limit leaves out, goes in by the

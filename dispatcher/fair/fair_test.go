@@ -477,3 +477,73 @@ func waitUntil(t *testing.T, ok func() bool) {
 		}
 	}
 }
+
+// TestFairQueueAlikeLoad: while the work is of one tenant and one
+// priority, the load bound is AlikeLoad; a request of another tenant or
+// priority, let in or waiting, or entering, puts Load back.
+func TestFairQueueAlikeLoad(t *testing.T) {
+	type req struct {
+		tenant   string
+		priority int
+	}
+	for _, tc := range []struct {
+		name string
+		in   []req // let in first, each of load 4, not started
+		next req   // then a request of load 4
+		want bool  // let in
+	}{
+		{"one tenant and priority: past Load, within AlikeLoad", []req{{"a", 1}, {"a", 1}}, req{"a", 1}, true},
+		{"up to AlikeLoad only", []req{{"a", 1}, {"a", 1}, {"a", 1}, {"a", 1}}, req{"a", 1}, false},
+		{"another tenant entering", []req{{"a", 1}, {"a", 1}}, req{"b", 1}, false},
+		{"another tenant let in", []req{{"b", 1}, {"a", 1}}, req{"a", 1}, false},
+		{"another priority entering", []req{{"a", 1}, {"a", 1}}, req{"a", 0}, false},
+		{"another priority let in", []req{{"a", 0}, {"a", 1}}, req{"a", 1}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// Load 8: two requests of 4; AlikeLoad 16: four.
+			q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Most: 10, Load: 8, AlikeLoad: 16} })
+			for i, r := range tc.in {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				_, err := q.Enter(ctx, r.tenant, r.priority, 4, 4)
+				cancel()
+				if err != nil {
+					t.Fatalf("request %d of those let in first: %v", i, err)
+				}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			defer cancel()
+			turn, err := q.Enter(ctx, tc.next.tenant, tc.next.priority, 4, 4)
+			if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+				t.Fatal(err)
+			}
+			if got := turn != nil; got != tc.want {
+				t.Errorf("let in: %v, want %v", got, tc.want)
+			}
+		})
+	}
+	t.Run("a waiting request of another priority", func(t *testing.T) {
+		// Two of priority 1 in (load 8, the Load); one of priority 2
+		// waits (not alike); the next of priority 1 goes first in order
+		// but waits too, though AlikeLoad would take it.
+		q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Most: 10, Load: 8, AlikeLoad: 16} })
+		for range 2 {
+			if _, err := q.Enter(context.Background(), "a", 1, 4, 4); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go q.Enter(ctx, "a", 2, 4, 4)
+		for _, w := q.stats(); w < 1; _, w = q.stats() {
+			if running, _ := q.stats(); running > 2 {
+				t.Fatal("a request of priority 2 let in past Load beside priority 1")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		tctx, tcancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer tcancel()
+		if turn, _ := q.Enter(tctx, "a", 1, 4, 4); turn != nil {
+			t.Error("let in past Load while a request of another priority waits")
+		}
+	})
+}
