@@ -130,7 +130,8 @@ type Config struct {
 	// the first stage until it frees the engine, more while their uncached
 	// prompts are small; docs/scheduling.md). engines orders the work
 	// before the engines, which makes tenants and priorities fair under
-	// overload, but holds each engine to about one prompt at a time: it
+	// overload, but holds each engine to about one prompt at a time (two
+	// while the work is of one tenant and one priority): it
 	// suits engines whose prefill time grows with the tokens they
 	// schedule, not engines that run many prefills in the time of one.
 	FairLimit string `envconfig:"PDQ_FAIR_LIMIT" default:"slots"`
