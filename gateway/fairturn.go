@@ -166,9 +166,10 @@ func (h *handlers) fairQueue(pool string) *fair.Queue {
 			if stage == dispatcher.StagePrefill {
 				bypass = len(h.registry.Engines(dispatcher.StageDecode, pool))
 			}
-			// Twice the load while the work is of one tenant and one
-			// priority: no order to keep, the engines batch two
-			// prompts a step (fair.Limit.AlikeLoad).
+			// Twice the prompt tokens an engine (about two long
+			// prompts) while the work is of one tenant and one
+			// priority: no order to keep, and the engines batch them
+			// (fair.Limit.AlikeLoad).
 			return fair.Limit{Requests: engines, Most: most, Load: engines * h.cfg.FairLoad, AlikeLoad: 2 * engines * h.cfg.FairLoad, Bypass: bypass}
 		}
 	}

@@ -216,7 +216,8 @@ func TestAlikeLoad(t *testing.T) {
 				id := fmt.Sprintf("alike-%d", i)
 				wg.Go(func() {
 					// Not streamed: no bypass, both go through prefill.
-					r, err := tryPost(url+"/v1/completions", id, completionBody(model, prompt, body{"max_tokens": 2, "user": tenant}))
+					// Prompts of their own: none counts as cached.
+					r, err := tryPost(url+"/v1/completions", id, completionBody(model, id+" "+prompt, body{"max_tokens": 2, "user": tenant}))
 					if err != nil || r.status != http.StatusOK {
 						t.Errorf("%s: %d, %v", id, r.status, err)
 					}
@@ -236,8 +237,10 @@ func TestAlikeLoad(t *testing.T) {
 				t.Fatalf("%d prefills, want 2: %+v", len(prefills), prefills)
 			}
 			slices.SortFunc(prefills, func(a, b dispatcher.StageRecord) int { return a.Started.Compare(b.Started) })
-			if together := prefills[1].Started.Before(prefills[0].Ended()); together != tc.together {
-				t.Errorf("the second prefill began before the first ended: %v, want %v (%+v)", together, tc.together, prefills)
+			// Half the engine's 300 ms: neither an early prefilled
+			// message (20 ms) nor a slow start blurs it.
+			if together := prefills[1].Started.Sub(prefills[0].Started) < 150*time.Millisecond; together != tc.together {
+				t.Errorf("the second prefill began within 150 ms of the first: %v, want %v (%+v)", together, tc.together, prefills)
 			}
 		})
 	}

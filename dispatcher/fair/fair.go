@@ -266,11 +266,15 @@ func before(a, b *waiter) bool {
 // fitsLocked says whether w fits in limit, with the requests let in and
 // not started.
 func (q *Queue) fitsLocked(l Limit, w *waiter) bool {
-	bound := l.Load
-	if l.AlikeLoad > bound && q.alikeLocked(w) {
-		bound = l.AlikeLoad
+	switch {
+	case q.running < l.Requests:
+		return true
+	case q.running >= l.Most:
+		return false
+	case q.load+w.load <= l.Load:
+		return true
 	}
-	return q.running < l.Requests || q.running < l.Most && q.load+w.load <= bound
+	return q.load+w.load <= l.AlikeLoad && q.alikeLocked(w)
 }
 
 // alikeLocked says whether w and every request let in and not started,
@@ -278,8 +282,11 @@ func (q *Queue) fitsLocked(l Limit, w *waiter) bool {
 // first come first served then, as in an engine's queue, so the limit
 // need not keep them here: more in the engines lets them batch prompts a
 // step (an engine step's fixed cost shared), and hides the hand-off from
-// one request to the next. Any other request, or tenant, puts the limit
-// back: what was let in runs on, and the bypass takes what outranks it.
+// one request to the next. A request of another tenant or priority, let
+// in or waiting, even one that goes after w, puts Load back: what goes in
+// beyond Load must start before that request can, so the extra is taken
+// only while nobody else waits for it. What was let in runs on, and the
+// bypass takes what outranks it.
 func (q *Queue) alikeLocked(w *waiter) bool {
 	for p := range q.priorities {
 		if p != w.priority {

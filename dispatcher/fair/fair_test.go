@@ -521,6 +521,47 @@ func TestFairQueueAlikeLoad(t *testing.T) {
 			}
 		})
 	}
+	t.Run("no AlikeLoad: Load alone", func(t *testing.T) {
+		q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Most: 10, Load: 8} })
+		for i := range 2 {
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			turn, _ := q.Enter(ctx, "a", 1, 4, 4)
+			cancel()
+			if turn == nil {
+				t.Fatalf("request %d of one tenant, within Load, kept out", i)
+			}
+		}
+	})
+	t.Run("a waiting request of another tenant, behind", func(t *testing.T) {
+		// Tenant b's work so far ends far ahead (a started request of
+		// 100): its next request waits behind a's, which goes first in
+		// order but waits too, though AlikeLoad would take it.
+		q := New(10, func(string) float64 { return 1 }, func() Limit { return Limit{Requests: 1, Most: 10, Load: 8, AlikeLoad: 16} })
+		tb, err := q.Enter(context.Background(), "b", 1, 100, 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tb.Started()
+		for range 2 {
+			if _, err := q.Enter(context.Background(), "a", 1, 4, 4); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go q.Enter(ctx, "b", 1, 4, 4)
+		for _, w := q.stats(); w < 1; _, w = q.stats() {
+			if running, _ := q.stats(); running > 2 {
+				t.Fatal("tenant b's request let in past Load beside tenant a's")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		tctx, tcancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer tcancel()
+		if turn, _ := q.Enter(tctx, "a", 1, 4, 4); turn != nil {
+			t.Error("let in past Load while another tenant's request waits behind")
+		}
+	})
 	t.Run("a waiting request of another priority", func(t *testing.T) {
 		// Two of priority 1 in (load 8, the Load); one of priority 2
 		// waits (not alike); the next of priority 1 goes first in order

@@ -83,7 +83,9 @@ const (
 	// not started, for each engine of a pool's first stage, beyond one
 	// request an engine (see gateway's fairQueue): about the tokens past
 	// which a prefill step's cost grows with its tokens, not its fixed
-	// part, so that batching more prompts only slows each alike.
+	// part, so that batching more prompts only slows each alike (doubled
+	// while the work is of one tenant and one priority:
+	// fair.Limit.AlikeLoad).
 	FairLoad = 2048
 	// ModelsRefresh is how often a worker reads its engine's /v1/models
 	// again: an adapter loaded at run time is served within this time.
