@@ -6,7 +6,7 @@ BIN       := bin/pdq
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 .DEFAULT_GOAL := help
-.PHONY: help build run test faults bench bench-cluster microbench openai-client fmt-check vet lint fuzz clean
+.PHONY: help build run test faults cluster-test bench bench-cluster microbench openai-client fmt-check vet lint fuzz clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -22,22 +22,27 @@ export PDQ_HTTP_ADDR ?= 127.0.0.1:8000
 run: build ## run pdq up: embedded NATS, gateway, workers, simulated engines unless PDQ_*_ENGINES are set
 	./$(BIN) up
 
-# The fault suite runs beside the rest of the suite: its rows mostly wait
-# (outages, leases, time-outs), so the two take about the time of the
-# longer rather than the sum (on 2 cores: the e2e tests 4 min, the fault
-# suite 4.5 min, 5.5 min together with a warm build cache).
-# Its output is printed whole once both end; either failing fails the target.
-test: fmt-check vet openai-client ## run the whole test suite with the race detector, the fault suite beside it
+# The fault suite and the cluster tests (hosts in network namespaces, root
+# and iproute2's ip) run beside the rest of the suite: their rows mostly
+# wait (outages, partitions, leases, time-outs), so the two take about the
+# time of the longer rather than the sum (on 2 cores: the e2e tests 4 min,
+# the fault suite 4.5 min, 5.5 min together with a warm build cache).
+# Their output is printed whole once both end; either failing fails the target.
+BESIDE := ^(TestFaultSuite|TestCluster.*)$$
+test: fmt-check vet openai-client ## run the whole test suite with the race detector, the fault suite and the cluster tests beside it
 	@faults=$$(mktemp); \
-	echo "$(GO) test -race -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/ (beside; its output follows)"; \
-	$(GO) test -race -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/ >$$faults 2>&1 & fpid=$$!; \
-	echo "PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m -skip '^TestFaultSuite$$' ./..."; \
-	PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m -skip '^TestFaultSuite$$' ./...; rc=$$?; \
-	wait $$fpid; frc=$$?; echo "--- the fault suite:"; cat $$faults; rm -f $$faults; \
-	if [ $$rc -ne 0 ] || [ $$frc -ne 0 ]; then echo "make test: FAILED (suite exit $$rc, fault suite exit $$frc)"; exit 1; fi
+	echo "$(GO) test -race -count=1 -timeout 10m -run '$(BESIDE)' -v ./tests/ (beside; its output follows)"; \
+	$(GO) test -race -count=1 -timeout 10m -run '$(BESIDE)' -v ./tests/ >$$faults 2>&1 & fpid=$$!; \
+	echo "PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m -skip '$(BESIDE)' ./..."; \
+	PDQ_REQUIRE_OPENAI_CLIENT=1 $(GO) test -race -count=1 -timeout 10m -skip '$(BESIDE)' ./...; rc=$$?; \
+	wait $$fpid; frc=$$?; echo "--- the fault suite and the cluster tests:"; cat $$faults; rm -f $$faults; \
+	if [ $$rc -ne 0 ] || [ $$frc -ne 0 ]; then echo "make test: FAILED (suite exit $$rc, fault suite and cluster tests exit $$frc)"; exit 1; fi
 
 faults: ## run the fault suite alone and print its table (docs/reliability.md)
 	$(GO) test -count=1 -timeout 8m -run '^TestFaultSuite$$' -v ./tests/
+
+cluster-test: ## run the tests across hosts of their own (network namespaces; needs root and iproute2): partitions
+	$(GO) test -race -count=1 -timeout 15m -run '^TestCluster' -v ./tests/
 
 bench: ## side by side: engine alone, the floor, a plain P/D proxy, pdq up at BASE (default 62e80c5) and at HEAD, on pdq sim engines; then HEAD and the proxy against the targets
 	$(GO) run ./tools/sidebyside $(if $(BASE),-base $(BASE)) $(if $(REPEAT),-repeat $(REPEAT))

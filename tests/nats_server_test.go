@@ -15,6 +15,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/pdq-dev/pdq/tests/netlab"
 )
 
 // natsServerBin is the nats-server command built from the module pdq
@@ -51,6 +53,7 @@ type natsServer struct {
 	name string // its server_name
 	conf string // its configuration file
 	url  string // its client URL
+	host *netlab.Host // where it runs; nil for this machine's namespace
 
 	mu     sync.Mutex
 	out    bytes.Buffer
@@ -91,7 +94,14 @@ func writeNATSConf(t *testing.T, dir string, n natsNode, peers []natsNode, extra
 // ends. It does not wait for the server to be ready: see waitJetStream.
 func startNATSServer(t *testing.T, n natsNode, conf string) *natsServer {
 	t.Helper()
-	s := &natsServer{t: t, name: n.name, conf: conf, url: "nats://" + n.client}
+	return startNATSServerOn(t, nil, n, conf)
+}
+
+// startNATSServerOn is startNATSServer on one of a lab's hosts (nil: this
+// machine's namespace).
+func startNATSServerOn(t *testing.T, h *netlab.Host, n natsNode, conf string) *natsServer {
+	t.Helper()
+	s := &natsServer{t: t, name: n.name, conf: conf, url: "nats://" + n.client, host: h}
 	s.start()
 	t.Cleanup(func() {
 		s.mu.Lock()
@@ -117,6 +127,9 @@ func startNATSServer(t *testing.T, n natsNode, conf string) *natsServer {
 func (s *natsServer) start() {
 	s.t.Helper()
 	cmd := exec.Command(natsServerBinary(s.t), "-c", s.conf)
+	if s.host != nil {
+		cmd = s.host.Command(context.Background(), natsServerBinary(s.t), "-c", s.conf)
+	}
 	w := &lockedWriter{mu: &s.mu, w: &s.out}
 	cmd.Stdout, cmd.Stderr = w, w
 	if err := cmd.Start(); err != nil {

@@ -20,6 +20,7 @@ import (
 
 	"github.com/pdq-dev/pdq/pkg/openai"
 	"github.com/pdq-dev/pdq/pkg/sim/simtest"
+	"github.com/pdq-dev/pdq/tests/netlab"
 )
 
 // pdqBinary is the pdq command built once for the tests that run it as a
@@ -70,7 +71,18 @@ func (p *process) output() string {
 // level. The process gets SIGTERM when the test ends and must exit cleanly.
 func startPDQ(t *testing.T, env []string, args ...string) *process {
 	t.Helper()
-	cmd := exec.Command(pdqBinary, args...)
+	return startPDQCmd(t, exec.Command(pdqBinary, args...), env, args)
+}
+
+// startPDQOn is startPDQ on one of a lab's hosts.
+func startPDQOn(t *testing.T, h *netlab.Host, env []string, args ...string) *process {
+	t.Helper()
+	return startPDQCmd(t, h.Command(context.Background(), pdqBinary, args...), env, args)
+}
+
+// startPDQCmd starts cmd, pdq with args, as startPDQ does.
+func startPDQCmd(t *testing.T, cmd *exec.Cmd, env []string, args []string) *process {
+	t.Helper()
 	cmd.Env = processEnv(env)
 	p := &process{name: strings.Join(args, " "), cmd: cmd, grew: make(chan struct{}), exited: make(chan struct{})}
 	cmd.Stdout = &lockedWriter{mu: &p.mu, w: &p.stdout}
