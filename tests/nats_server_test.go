@@ -50,9 +50,9 @@ func natsServerBinary(t *testing.T) string {
 // again with the same configuration: the same port and the same store.
 type natsServer struct {
 	t    *testing.T
-	name string // its server_name
-	conf string // its configuration file
-	url  string // its client URL
+	name string       // its server_name
+	conf string       // its configuration file
+	url  string       // its client URL
 	host *netlab.Host // where it runs; nil for this machine's namespace
 
 	mu     sync.Mutex
