@@ -106,7 +106,8 @@ const (
 	KindAck = "ack"
 	// KindPrefilled says a prefill of the request ended and its engine
 	// is free for the next one, for a gateway whose fair queue asked
-	// (Job.ReplyPrefilled): sent once, not acked, carrying nothing.
+	// (Job.ReplyPrefilled): sent once, not acked, carrying the engine's
+	// key (EngineKey; empty from a worker of an earlier build).
 	KindPrefilled = "prefilled"
 )
 

@@ -167,7 +167,17 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 		}
 		if stage == dispatcher.StagePrefill {
 			var placed func()
-			job.Prefer, sent, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
+			if h.turnsEndAtStart() {
+				// The prefill's end names its engine: a prompt new to
+				// every engine goes to the first free one.
+				var learn func(string)
+				job.Prefer, sent, placed, learn = h.placer.PlaceLearning(hashes, h.registry.Engines(stage, job.Pool))
+				if learn != nil {
+					replies.OnPrefilledOn(learn)
+				}
+			} else {
+				job.Prefer, sent, placed = h.placer.Place(hashes, h.registry.Engines(stage, job.Pool))
+			}
 			// The engine is free of it once its prefill ends (see
 			// affinity.Placer), or when the request ends: its context
 			// ends with its handler.

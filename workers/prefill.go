@@ -102,8 +102,9 @@ func (w *Worker) tellPrefilled(d *stage.Delivery, log *slog.Logger, start time.T
 		return p
 	}
 	replies := d.Replies() // made here: the timer's goroutine only uses it
+	engine := dispatcher.EngineKey(w.engine.URL())
 	p.tell = sync.OnceFunc(func() {
-		if err := replies.Prefilled(); err != nil {
+		if err := replies.Prefilled(engine); err != nil {
 			log.Debug("the gateway was not told the prefill ended; it learns as the decode starts", logging.Err(err))
 		}
 	})

@@ -205,3 +205,35 @@ func TestDecodePlacerBalance(t *testing.T) {
 		})
 	}
 }
+
+// TestPlacerLearning: a prompt new to every engine prefers none, and is
+// recorded where its prefill ran, once told: the same prompt then prefers
+// that engine. A prompt an engine holds is placed as Place does; an
+// engine not among the workers is not learned.
+func TestPlacerLearning(t *testing.T) {
+	workers := []dispatcher.WorkerInfo{{Engine: "http://a", Affinity: true, Slots: 4}, {Engine: "http://b", Affinity: true, Slots: 4}}
+	a, b := dispatcher.EngineKey("http://a"), dispatcher.EngineKey("http://b")
+	p := NewPlacer()
+	hashes := func(text string) func() []uint64 { return func() []uint64 { return hashesOf(text) } }
+	doc := strings.Repeat("a document new to every engine ", 100)
+
+	engine, _, _, learn := p.PlaceLearning(hashes(doc), workers)
+	if engine != "" || learn == nil {
+		t.Fatalf("a new prompt: prefers %q, learn %v; want no engine, and a learn", engine, learn != nil)
+	}
+	learn("e-not-a-worker")
+	if engine, _, _, _ := p.PlaceLearning(hashes(doc), workers); engine != "" {
+		t.Errorf("learned at an engine that is no worker's: prefers %q", engine)
+	}
+	learn(b)
+	engine, sent, done, learn := p.PlaceLearning(hashes(doc), workers)
+	if engine != b || learn != nil {
+		t.Errorf("the prompt again, once run on b: prefers %q (learn %v), want %q", engine, learn != nil, b)
+	}
+	sent()
+	done()
+	// Place, as without learning: a new prompt still gets an engine.
+	if engine, _, _ := p.Place(hashes(strings.Repeat("another new one ", 100)), workers); engine != a && engine != b {
+		t.Errorf("Place of a new prompt: %q, want an engine", engine)
+	}
+}

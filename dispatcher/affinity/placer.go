@@ -1,6 +1,7 @@
 package affinity
 
 import (
+	"slices"
 	"sync"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -63,13 +64,33 @@ func NewDecodePlacer() *Placer {
 // saw); done when the engine is free of it (its stage ended), or the
 // request ends (whichever comes first counts).
 func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, sent, done func()) {
+	engine, sent, done, _ = p.place(prompt, all, false)
+	return engine, sent, done
+}
+
+// PlaceLearning is Place for a job whose gateway hears which engine ran
+// it (a prefill's end names its engine, see reply.Stream.OnPrefilledOn): a
+// prompt that no engine was sent any of prefers none, and goes to the
+// first worker with a free seat, as it would without affinity, and learn,
+// not nil then, records the prompt at the engine that ran it. Placed
+// anyway, by load alone, it would go to the engine this gateway thinks
+// least busy, while the workers' pulls know which engine has a seat free:
+// in the random workload at capacity the engines then idled between
+// prompts on one side while prompts queued on another (see
+// docs/scheduling.md).
+func (p *Placer) PlaceLearning(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, sent, done func(), learn func(engine string)) {
+	return p.place(prompt, all, true)
+}
+
+func (p *Placer) place(prompt func() []uint64, all []dispatcher.WorkerInfo, learning bool) (engine string, sent, done func(), learn func(string)) {
+	none := func() {}
 	workers, keys := choosable(all)
 	if len(workers) < 2 {
-		return "", func() {}, func() {}
+		return "", none, none, nil
 	}
 	hashes := prompt()
 	if len(hashes) == 0 {
-		return "", func() {}, func() {}
+		return "", none, none, nil
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -78,7 +99,8 @@ func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 		// close it: it gets one whenever it has none of this gateway's,
 		// or affinity might keep every job away from it for good.
 		if w.Breaker == dispatcher.BreakerHalfOpen && p.busy[keys[i]] == 0 {
-			return p.choose(keys[i], hashes)
+			engine, sent, done = p.choose(keys[i], hashes)
+			return engine, sent, done, nil
 		}
 	}
 	least := -1
@@ -95,7 +117,16 @@ func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 		}
 		engines[i] = Engine{Key: keys[i], Slots: slots, Busy: p.busy[keys[i]] - least}
 	}
-	return p.choose(Choose(p.index, hashes, engines).Engine, hashes)
+	c := Choose(p.index, hashes, engines)
+	if learning && c.Matched == 0 {
+		return "", none, none, func(engine string) {
+			if slices.Contains(keys, engine) {
+				p.index.Record(hashes, engine)
+			}
+		}
+	}
+	engine, sent, done = p.choose(c.Engine, hashes)
+	return engine, sent, done, nil
 }
 
 // Cached is the most of the prompt's text, in bytes from its start, that

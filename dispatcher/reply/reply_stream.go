@@ -165,6 +165,8 @@ type Stream struct {
 	idle func() error
 	// onStarted run as a prefill ends or a decode is heard from (OnStarted).
 	onStarted []func()
+	// onPrefilledOn run as a prefill ends, with its engine (OnPrefilledOn).
+	onPrefilledOn []func(engine string)
 	// pending are the chunks of a batched message not returned yet.
 	pending [][]byte
 }
@@ -219,6 +221,13 @@ func (s *Stream) OnIdle(f func() error) { s.idle = f }
 // Rearm): it no longer waits for an engine's first stage. f may be called
 // more than once.
 func (s *Stream) OnStarted(f func()) { s.onStarted = append(s.onStarted, f) }
+
+// OnPrefilledOn adds f to the functions called, on Next's goroutine, when
+// a prefill of the request ends, with the key of the engine that ran it
+// (dispatcher.EngineKey), when its worker said.
+func (s *Stream) OnPrefilledOn(f func(engine string)) {
+	s.onPrefilledOn = append(s.onPrefilledOn, f)
+}
 
 func (s *Stream) started() {
 	for _, f := range s.onStarted {
@@ -292,6 +301,11 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 			// decode heard from: the wait for one is still a queue's.
 			if !s.heard && attempt>>8 == s.attempt>>8 {
 				s.started()
+			}
+			if attempt>>8 == s.attempt>>8 && len(data) > 0 {
+				for _, f := range s.onPrefilledOn {
+					f(string(data))
+				}
 			}
 			continue
 		}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -280,12 +281,14 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		s.Start(1)
 		started := 0
 		s.OnStarted(func() { started++ })
+		var on []string
+		s.OnPrefilledOn(func(engine string) { on = append(on, engine) })
 		subject := replies.Subject(p + "rp")
 		// An earlier generation's prefill is not this request's.
-		if err := newWriter(nc, subject, dispatcher.ReplyAttempt(0, 0)).Prefilled(); err != nil {
+		if err := newWriter(nc, subject, dispatcher.ReplyAttempt(0, 0)).Prefilled("e0"); err != nil {
 			t.Fatal(err)
 		}
-		if err := newWriter(nc, subject, dispatcher.ReplyAttempt(1, 0)).Prefilled(); err != nil {
+		if err := newWriter(nc, subject, dispatcher.ReplyAttempt(1, 0)).Prefilled("e1"); err != nil {
 			t.Fatal(err)
 		}
 		// Nothing but the prefills' ends comes: Next waits for a decode
@@ -297,6 +300,9 @@ func testReplies(t *testing.T, nc *nats.Conn, replies *Replies, p string, newWri
 		}
 		if started != 1 {
 			t.Fatalf("started %d times by the prefills' ends; want once, by this generation's", started)
+		}
+		if !slices.Equal(on, []string{"e1"}) {
+			t.Errorf("prefilled on %q; want this generation's engine, e1", on)
 		}
 		if s.Heard() {
 			t.Error("a prefill's end was heard as a decode: the stall time-out would run before any decode started")

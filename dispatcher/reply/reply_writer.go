@@ -139,14 +139,16 @@ func (w *Writer) ContinueAt(n int) {
 // its fair queue lets the next request in then, see Stream.OnStarted).
 func (w *Writer) BeatAtOnce() { w.beatAtOnce = true }
 
-// Prefilled tells the gateway that the request's prefill ended (see
-// dispatcher.KindPrefilled): its fair queue lets the next request in then,
-// not a hand-off later, when the decode starts. Nothing answers it; one
-// lost costs only that hand-off, the decode's start doing the same.
-func (w *Writer) Prefilled() error {
+// Prefilled tells the gateway that the request's prefill ended on the
+// engine keyed engine (see dispatcher.KindPrefilled): its fair queue lets
+// the next request in then, not a hand-off later, when the decode starts,
+// and its placer learns where a prompt it sent to no engine in particular
+// went. Nothing answers it; one lost costs only that hand-off, the
+// decode's start doing the same, and that prompt's place.
+func (w *Writer) Prefilled(engine string) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.send(w.msg(dispatcher.KindPrefilled, 0, nil))
+	return w.send(w.msg(dispatcher.KindPrefilled, 0, []byte(engine)))
 }
 
 // SetEndWait bounds the wait for the gateway's ack of the end.
