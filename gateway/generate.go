@@ -169,7 +169,9 @@ func (h *handlers) submit(c echo.Context, endpoint openai.Endpoint, id, clientID
 			var placed func()
 			if h.turnsEndAtStart() {
 				// The prefill's end names its engine: a prompt new to
-				// every engine goes to the first free one.
+				// every engine goes to the first free one, as the
+				// workers' pulls know which engine has a seat free and
+				// this gateway's count does not.
 				var learn func(string)
 				job.Prefer, sent, placed, learn = h.placer.PlaceLearning(hashes, h.registry.Engines(stage, job.Pool))
 				if learn != nil {

@@ -3,6 +3,7 @@ package tests
 import (
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -80,6 +81,22 @@ func affinityThroughUp(t *testing.T, limit string) {
 				case on != where:
 					t.Errorf("%s went to %s engine %s, the document's earlier requests to %s", id, st.name, on, where)
 				}
+			}
+		}
+	}
+	// The gateway, not the order of the workers' pulls, sent a document's
+	// later requests to its engine: they were queued preferring it.
+	up.mu.Lock()
+	recs := slices.Clone(up.recs)
+	up.mu.Unlock()
+	for doc, engine := range stages[0].where {
+		for q := 1; q < 3; q++ {
+			id := fmt.Sprintf("aff-%d-%d", doc, q)
+			i := slices.IndexFunc(recs, func(r map[string]any) bool { return r["msg"] == "request queued" && r["request_id"] == id })
+			if i < 0 {
+				t.Errorf("%s: no \"request queued\" in pdq up's log", id)
+			} else if got := recs[i]["prefer"]; got != dispatcher.EngineKey(engine) {
+				t.Errorf("%s was queued preferring %v, want the document's engine %s", id, got, dispatcher.EngineKey(engine))
 			}
 		}
 	}

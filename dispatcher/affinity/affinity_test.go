@@ -221,9 +221,12 @@ func TestPlacerLearning(t *testing.T) {
 	if engine != "" || learn == nil {
 		t.Fatalf("a new prompt: prefers %q, learn %v; want no engine, and a learn", engine, learn != nil)
 	}
+	if len(p.busy) != 0 {
+		t.Errorf("a prompt placed nowhere counted busy: %v", p.busy)
+	}
 	learn("e-not-a-worker")
-	if engine, _, _, _ := p.PlaceLearning(hashes(doc), workers); engine != "" {
-		t.Errorf("learned at an engine that is no worker's: prefers %q", engine)
+	if n := p.index.Matched(hashesOf(doc), "e-not-a-worker"); n != 0 {
+		t.Errorf("learned at an engine that is no worker's: %d chunks recorded there", n)
 	}
 	learn(b)
 	engine, sent, done, learn := p.PlaceLearning(hashes(doc), workers)

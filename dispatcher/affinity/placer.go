@@ -19,11 +19,12 @@ const placementIndexChunks = 1 << 16
 // prefill, or their decode), beyond the least loaded engine's: known at
 // once, unlike the workers' heartbeats. A gateway keeps one a stage.
 //
-// Place, Cached, and the functions Place returns, are called from any
-// number of request goroutines at once.
+// Place, PlaceLearning, Cached, and the functions they return, are called
+// from any number of request goroutines at once.
 type Placer struct {
 	// index is set by NewPlacer and has a lock of its own; Place records
-	// in it with mu held, so that its choice and its count go together.
+	// in it with mu held, so that its choice and its count go together
+	// (a learn records without: it counts nothing).
 	index *Index
 	// balance, when not 0, caps the slots an engine's load is a share of
 	// (see NewDecodePlacer).
@@ -70,14 +71,15 @@ func (p *Placer) Place(prompt func() []uint64, all []dispatcher.WorkerInfo) (eng
 
 // PlaceLearning is Place for a job whose gateway hears which engine ran
 // it (a prefill's end names its engine, see reply.Stream.OnPrefilledOn): a
-// prompt that no engine was sent any of prefers none, and goes to the
-// first worker with a free seat, as it would without affinity, and learn,
-// not nil then, records the prompt at the engine that ran it. Placed
-// anyway, by load alone, it would go to the engine this gateway thinks
-// least busy, while the workers' pulls know which engine has a seat free:
-// in the random workload at capacity the engines then idled between
-// prompts on one side while prompts queued on another (see
-// docs/scheduling.md).
+// prompt that the engine chosen for it holds none of (new to every
+// engine, or whose holders are busier than their share of it is worth)
+// prefers none, and goes to the first worker with a free seat, as it
+// would without affinity; learn, not nil then, records the prompt at the
+// engine that ran it. Placed anyway, by load alone, it would go to the
+// engine this gateway thinks least busy, while the workers' pulls know
+// which engine has a seat free: in the random workload at capacity the
+// engines then idled between prompts on one side while prompts queued
+// on another (see docs/scheduling.md).
 func (p *Placer) PlaceLearning(prompt func() []uint64, all []dispatcher.WorkerInfo) (engine string, sent, done func(), learn func(engine string)) {
 	return p.place(prompt, all, true)
 }
@@ -120,6 +122,9 @@ func (p *Placer) place(prompt func() []uint64, all []dispatcher.WorkerInfo, lear
 	c := Choose(p.index, hashes, engines)
 	if learning && c.Matched == 0 {
 		return "", none, none, func(engine string) {
+			// Only an engine it may prefer: another's worker takes
+			// no preferred jobs, and its record would only fill
+			// the index.
 			if slices.Contains(keys, engine) {
 				p.index.Record(hashes, engine)
 			}

@@ -130,9 +130,10 @@ func (r *Replies) deliver(msg *nats.Msg) delivery {
 // A stream is used by one goroutine at a time: the request's handler,
 // which in a batch hands each prompt's stream to a reader goroutine of its
 // own and closes it once the readers are done. Start, Whole, OnIdle,
-// OnStarted, Next, Heard, Rearm, Generation and Close are that goroutine's;
-// attempt, next, moved, base, heard, stall, idle, onStarted and pending
-// are read and written by it only, without a lock. Replies.deliver, on
+// OnStarted, OnPrefilledOn, Next, Heard, Rearm, Generation and Close are
+// that goroutine's; attempt, next, moved, base, heard, stall, idle,
+// onStarted, onPrefilledOn and pending are read and written by it only,
+// without a lock. Replies.deliver, on
 // other goroutines, uses only q, overflow and latest.
 type Stream struct {
 	// Set by Open, read without a lock.
@@ -302,7 +303,10 @@ func (s *Stream) Next(ctx context.Context, stall time.Duration) (Reply, error) {
 			if !s.heard && attempt>>8 == s.attempt>>8 {
 				s.started()
 			}
-			if attempt>>8 == s.attempt>>8 && len(data) > 0 {
+			// A later generation's prefill (a decode failed before
+			// its output, and the request went back) ran the same
+			// prompt: its engine is learned too.
+			if attempt>>8 >= s.attempt>>8 && len(data) > 0 {
 				for _, f := range s.onPrefilledOn {
 					f(string(data))
 				}

@@ -144,7 +144,11 @@ func (w *Writer) BeatAtOnce() { w.beatAtOnce = true }
 // the next request in then, not a hand-off later, when the decode starts,
 // and its placer learns where a prompt it sent to no engine in particular
 // went. Nothing answers it; one lost costs only that hand-off, the
-// decode's start doing the same, and that prompt's place.
+// decode's start doing the same, and that prompt's place. Sent early
+// (before the engine answers, see workers' prefillLead) by a prefill that
+// then fails, it names an engine that may not hold the prompt; the retry
+// names the engine that does, and the index holds both: rare, and it
+// costs a later turn at most a cache miss.
 func (w *Writer) Prefilled(engine string) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
