@@ -101,4 +101,37 @@ func TestClusterPartitions(t *testing.T) {
 			t.Errorf("accepted %d of 16, lost %d; want 16 accepted, none lost: %+v", r.accepted, r.lost, outs)
 		}
 	})
+	t.Run("a prefill worker cut off from NATS mid-prefill", func(t *testing.T) {
+		// Prefills of 2 s: the cut (4 s, past PDQ_ACK_WAIT) comes while
+		// the cut-off engine computes, and its answers find no NATS.
+		lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s")
+		p1 := lc.engine("p1", dispatcher.StagePrefill, 4, "--prefill-overhead", "2s")
+		p2 := lc.engine("p2", dispatcher.StagePrefill, 4, "--prefill-overhead", "2s")
+		lc.engine("d", dispatcher.StageDecode, 16, "--itl", "10ms")
+		lc.ready()
+
+		var outs []outcome
+		done := make(chan struct{})
+		go func() { outs = lc.load(8, "pcut", 0, streamed(20)); close(done) }()
+		p1.engine.WaitStats(t, 10*time.Second, "prefills on p1", func(s sim.Stats) bool { return s.Running >= 1 })
+		p1.host.Cut()
+		time.Sleep(4 * time.Second)
+		p1.host.Heal()
+		<-done
+
+		r := row{scenario: "a prefill worker cut off from NATS for 4 s mid-prefill"}
+		tally(&r, outs)
+		twice := 0
+		for i := range 8 {
+			id := fmt.Sprintf("pcut-%d", i)
+			if len(p1.engine.Requests(t, id)) > 0 && len(p2.engine.Requests(t, id)) > 0 {
+				twice++
+			}
+		}
+		t.Logf("%s: accepted %d, completed %d, errors %d, lost %d; prefilled on both engines: %d; p1 %+v; p2 %+v",
+			r.scenario, r.accepted, r.completed, r.errors, r.lost, twice, p1.engine.Stats(t), p2.engine.Stats(t))
+		if r.lost != 0 || r.accepted != 8 {
+			t.Errorf("accepted %d of 8, lost %d; want 8 accepted, none lost: %+v", r.accepted, r.lost, outs)
+		}
+	})
 }
