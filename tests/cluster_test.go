@@ -77,29 +77,13 @@ func TestClusterPartitions(t *testing.T) {
 		d2 := lc.engine("d2", dispatcher.StageDecode, 8, "--itl", "20ms")
 		lc.ready()
 
-		var outs []outcome
-		done := make(chan struct{})
-		go func() { outs = lc.load(16, "cut", 0, streamed(100)); close(done) }()
-		d1.engine.WaitStats(t, 10*time.Second, "decodes on d1", func(s sim.Stats) bool { return s.Running >= 2 })
-		d1.host.Cut()
-		time.Sleep(4 * time.Second) // past PDQ_ACK_WAIT
-		d1.host.Heal()
-		<-done
+		outs := cutWhile(d1.host, 4*time.Second,
+			func() []outcome { return lc.load(16, "cut", 0, streamed(100)) },
+			func() {
+				d1.engine.WaitStats(t, 10*time.Second, "decodes on d1", func(s sim.Stats) bool { return s.Running >= 2 })
+			})
 
-		r := row{scenario: "a decode worker cut off from NATS for 4 s mid-decode"}
-		tally(&r, outs)
-		twice := 0
-		for i := range 16 {
-			id := fmt.Sprintf("cut-%d", i)
-			if len(d1.engine.Requests(t, id)) > 0 && len(d2.engine.Requests(t, id)) > 0 {
-				twice++
-			}
-		}
-		t.Logf("%s: accepted %d, completed %d, errors %d, lost %d; decoded on both engines: %d; d1 %+v; d2 %+v",
-			r.scenario, r.accepted, r.completed, r.errors, r.lost, twice, d1.engine.Stats(t), d2.engine.Stats(t))
-		if r.lost != 0 || r.accepted != 16 {
-			t.Errorf("accepted %d of 16, lost %d; want 16 accepted, none lost: %+v", r.accepted, r.lost, outs)
-		}
+		partitionRow(t, "a decode worker cut off from NATS for 4 s mid-decode", "cut", outs, d1.engine, d2.engine)
 	})
 	t.Run("a prefill worker cut off from NATS mid-prefill", func(t *testing.T) {
 		// Prefills of 2 s: the cut (4 s, past PDQ_ACK_WAIT) comes while
@@ -110,28 +94,50 @@ func TestClusterPartitions(t *testing.T) {
 		lc.engine("d", dispatcher.StageDecode, 16, "--itl", "10ms")
 		lc.ready()
 
-		var outs []outcome
-		done := make(chan struct{})
-		go func() { outs = lc.load(8, "pcut", 0, streamed(20)); close(done) }()
-		p1.engine.WaitStats(t, 10*time.Second, "prefills on p1", func(s sim.Stats) bool { return s.Running >= 1 })
-		p1.host.Cut()
-		time.Sleep(4 * time.Second)
-		p1.host.Heal()
-		<-done
+		outs := cutWhile(p1.host, 4*time.Second,
+			func() []outcome { return lc.load(8, "pcut", 0, streamed(20)) },
+			func() {
+				p1.engine.WaitStats(t, 10*time.Second, "prefills on p1", func(s sim.Stats) bool { return s.Running >= 1 })
+			})
 
-		r := row{scenario: "a prefill worker cut off from NATS for 4 s mid-prefill"}
-		tally(&r, outs)
-		twice := 0
-		for i := range 8 {
-			id := fmt.Sprintf("pcut-%d", i)
-			if len(p1.engine.Requests(t, id)) > 0 && len(p2.engine.Requests(t, id)) > 0 {
-				twice++
-			}
-		}
-		t.Logf("%s: accepted %d, completed %d, errors %d, lost %d; prefilled on both engines: %d; p1 %+v; p2 %+v",
-			r.scenario, r.accepted, r.completed, r.errors, r.lost, twice, p1.engine.Stats(t), p2.engine.Stats(t))
-		if r.lost != 0 || r.accepted != 8 {
-			t.Errorf("accepted %d of 8, lost %d; want 8 accepted, none lost: %+v", r.accepted, r.lost, outs)
-		}
+		partitionRow(t, "a prefill worker cut off from NATS for 4 s mid-prefill", "pcut", outs, p1.engine, p2.engine)
 	})
+}
+
+// cutWhile runs load, and cuts h off from the lab once busy returns (its
+// engine is at work), for d, past PDQ_ACK_WAIT; then heals it, and
+// returns load's outcomes once every client has its answer.
+func cutWhile(h *netlab.Host, d time.Duration, load func() []outcome, busy func()) []outcome {
+	var outs []outcome
+	done := make(chan struct{})
+	go func() { outs = load(); close(done) }()
+	busy()
+	h.Cut()
+	time.Sleep(d)
+	h.Heal()
+	<-done
+	return outs
+}
+
+// partitionRow counts a partition's outcomes, requests prefix-0 to
+// prefix-<len(outs)-1>, as the fault suite's rows do, and the requests
+// both engines of the stage were sent (the work run twice); it logs them,
+// and fails the test if a request whose client waited was not accepted or
+// got no answer.
+func partitionRow(t *testing.T, scenario, prefix string, outs []outcome, a, b *simtest.Engine) {
+	t.Helper()
+	r := row{scenario: scenario}
+	tally(&r, outs)
+	twice := 0
+	for i := range outs {
+		id := fmt.Sprintf("%s-%d", prefix, i)
+		if len(a.Requests(t, id)) > 0 && len(b.Requests(t, id)) > 0 {
+			twice++
+		}
+	}
+	t.Logf("%s: accepted %d, completed %d, errors %d, lost %d; sent to both engines: %d; the cut-off engine %+v; the other %+v",
+		r.scenario, r.accepted, r.completed, r.errors, r.lost, twice, a.Stats(t), b.Stats(t))
+	if r.lost != 0 || r.accepted != len(outs) {
+		t.Errorf("accepted %d of %d, lost %d; want all accepted, none lost: %+v", r.accepted, len(outs), r.lost, outs)
+	}
 }
