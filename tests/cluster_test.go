@@ -2,6 +2,7 @@ package tests
 
 import (
 	"fmt"
+	"net/http"
 	"testing"
 	"time"
 
@@ -102,26 +103,64 @@ func TestClusterPartitions(t *testing.T) {
 
 		partitionRow(t, "a prefill worker cut off from NATS for 4 s mid-prefill", "pcut", outs, p1.engine, p2.engine)
 	})
+	t.Run("a gateway cut off from NATS, its clients still with it", func(t *testing.T) {
+		// Routes, not the link: the gateway and the NATS host blackhole
+		// each other, and the clients' side still reaches the gateway.
+		// Streams in flight lose their replies for 4 s (under the stall
+		// time-out, 5 s); requests that come meanwhile cannot be queued.
+		lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s")
+		lc.engine("p", dispatcher.StagePrefill, 4)
+		d := lc.engine("d", dispatcher.StageDecode, 16, "--itl", "20ms")
+		lc.ready()
+
+		var during []outcome
+		outs := cutWhile(nil, 4*time.Second,
+			func() []outcome { return lc.load(8, "gcut", 0, streamed(150)) },
+			func() {
+				d.engine.WaitStats(t, 10*time.Second, "decodes running", func(s sim.Stats) bool { return s.Running >= 4 })
+				lc.gwHost.CutFrom(false, lc.natsHost)
+				lc.natsHost.CutFrom(false, lc.gwHost)
+				// Requests sent while it is cut off: a clear 503, or
+				// served once it is back.
+				sent := make(chan struct{})
+				go func() { during = lc.load(2, "gcut-new", 0, streamed(5)); close(sent) }()
+				time.Sleep(4 * time.Second)
+				lc.gwHost.Heal()
+				lc.natsHost.Heal()
+				<-sent
+			})
+		partitionRow(t, "a gateway cut off from NATS for 4 s, its clients still with it", "gcut", outs, d.engine, nil)
+		r := row{}
+		tally(&r, during)
+		t.Logf("sent while cut off: accepted %d, completed %d, errors %d, lost %d: %+v", r.accepted, r.completed, r.errors, r.lost, during)
+		if r.lost != 0 || r.accepted != 2 {
+			t.Errorf("requests sent while the gateway was cut off: accepted %d of 2, lost %d", r.accepted, r.lost)
+		}
+	})
 }
 
 // cutWhile runs load, and cuts h off from the lab once busy returns (its
 // engine is at work), for d, past PDQ_ACK_WAIT; then heals it, and
-// returns load's outcomes once every client has its answer.
+// returns load's outcomes once every client has its answer. With h nil,
+// busy makes and heals a cut of its own.
 func cutWhile(h *netlab.Host, d time.Duration, load func() []outcome, busy func()) []outcome {
 	var outs []outcome
 	done := make(chan struct{})
 	go func() { outs = load(); close(done) }()
 	busy()
-	h.Cut()
-	time.Sleep(d)
-	h.Heal()
+	if h != nil {
+		h.Cut()
+		time.Sleep(d)
+		h.Heal()
+	}
 	<-done
 	return outs
 }
 
 // partitionRow counts a partition's outcomes, requests prefix-0 to
 // prefix-<len(outs)-1>, as the fault suite's rows do, and the requests
-// both engines of the stage were sent (the work run twice); it logs them,
+// both engines of the stage were sent (the work run twice; b nil: one
+// engine, none counted); it logs them,
 // and fails the test if a request whose client waited was not accepted or
 // got no answer.
 func partitionRow(t *testing.T, scenario, prefix string, outs []outcome, a, b *simtest.Engine) {
@@ -131,13 +170,49 @@ func partitionRow(t *testing.T, scenario, prefix string, outs []outcome, a, b *s
 	twice := 0
 	for i := range outs {
 		id := fmt.Sprintf("%s-%d", prefix, i)
-		if len(a.Requests(t, id)) > 0 && len(b.Requests(t, id)) > 0 {
+		if b != nil && len(a.Requests(t, id)) > 0 && len(b.Requests(t, id)) > 0 {
 			twice++
 		}
 	}
-	t.Logf("%s: accepted %d, completed %d, errors %d, lost %d; sent to both engines: %d; the cut-off engine %+v; the other %+v",
-		r.scenario, r.accepted, r.completed, r.errors, r.lost, twice, a.Stats(t), b.Stats(t))
+	t.Logf("%s: accepted %d, completed %d, errors %d, lost %d; sent to both engines: %d; the cut-off engine %+v",
+		r.scenario, r.accepted, r.completed, r.errors, r.lost, twice, a.Stats(t))
 	if r.lost != 0 || r.accepted != len(outs) {
 		t.Errorf("accepted %d of %d, lost %d; want all accepted, none lost: %+v", r.accepted, len(outs), r.lost, outs)
+	}
+}
+
+// TestClusterLab checks the lab's cuts themselves: a pdq sim on a host
+// of its own answers the test's process, and does not while its host is
+// cut off (its link down), or deaf to the test's process (CutFrom), and
+// answers again once healed.
+func TestClusterLab(t *testing.T) {
+	lab := netlab.New(t)
+	h := lab.Host("sim")
+	sp := startPDQOn(t, h, nil, "sim", "--addr", h.IP+":0", "--kv-host", h.IP, "--kv-port", "0")
+	url := "http://" + sp.waitLog(t, "simulated engine ready")["addr"].(string) + "/health"
+	client := &http.Client{Timeout: 500 * time.Millisecond}
+	reaches := func() bool {
+		r, err := client.Get(url)
+		if err != nil {
+			return false
+		}
+		r.Body.Close()
+		return r.StatusCode == http.StatusOK
+	}
+	for _, step := range []struct {
+		what string
+		do   func()
+		want bool
+	}{
+		{"before any cut", func() {}, true},
+		{"its link down", h.Cut, false},
+		{"healed", h.Heal, true},
+		{"deaf to the test's process", func() { h.CutFrom(true) }, false},
+		{"healed again", h.Heal, true},
+	} {
+		step.do()
+		if got := reaches(); got != step.want {
+			t.Errorf("%s: the sim answers %v, want %v", step.what, got, step.want)
+		}
 	}
 }
