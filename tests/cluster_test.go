@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"testing"
@@ -182,36 +183,50 @@ func partitionRow(t *testing.T, scenario, prefix string, outs []outcome, a, b *s
 }
 
 // TestClusterLab checks the lab's cuts themselves: a pdq sim on a host
-// of its own answers the test's process, and does not while its host is
-// cut off (its link down), or deaf to the test's process (CutFrom), and
-// answers again once healed.
+// of its own answers the test's process, and another host's pdq bench,
+// and does not while its host is cut off (its link down), or deaf to the
+// one asking (CutFrom), and answers again once healed.
 func TestClusterLab(t *testing.T) {
 	lab := netlab.New(t)
-	h := lab.Host("sim")
+	h, other := lab.Host("sim"), lab.Host("client")
 	sp := startPDQOn(t, h, nil, "sim", "--addr", h.IP+":0", "--kv-host", h.IP, "--kv-port", "0")
-	url := "http://" + sp.waitLog(t, "simulated engine ready")["addr"].(string) + "/health"
+	base := "http://" + sp.waitLog(t, "simulated engine ready")["addr"].(string)
 	client := &http.Client{Timeout: 500 * time.Millisecond}
-	reaches := func() bool {
-		r, err := client.Get(url)
+	// fromTest: the test's process reaches the sim.
+	fromTest := func() bool {
+		r, err := client.Get(base + "/health")
 		if err != nil {
 			return false
 		}
 		r.Body.Close()
 		return r.StatusCode == http.StatusOK
 	}
+	// fromHost: the other host reaches it, a pdq bench of one request
+	// there (it fails when its first request does; killed after 5 s).
+	fromHost := func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		cmd := other.Command(ctx, pdqBinary, "bench", "--base-url", base, "--model", "pdq-sim", "--num-prompts", "1",
+			"--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "2")
+		return cmd.Run() == nil
+	}
 	for _, step := range []struct {
-		what string
-		do   func()
-		want bool
+		what  string
+		do    func()
+		reach func() bool
+		want  bool
 	}{
-		{"before any cut", func() {}, true},
-		{"its link down", h.Cut, false},
-		{"healed", h.Heal, true},
-		{"deaf to the test's process", func() { h.CutFrom(true) }, false},
-		{"healed again", h.Heal, true},
+		{"before any cut", func() {}, fromTest, true},
+		{"its link down", h.Cut, fromTest, false},
+		{"healed", h.Heal, fromTest, true},
+		{"deaf to the test's process", func() { h.CutFrom(true) }, fromTest, false},
+		{"healed again", h.Heal, fromTest, true},
+		{"from another host", func() {}, fromHost, true},
+		{"deaf to that host", func() { h.CutFrom(false, other) }, fromHost, false},
+		{"healed from that host", h.Heal, fromHost, true},
 	} {
 		step.do()
-		if got := reaches(); got != step.want {
+		if got := step.reach(); got != step.want {
 			t.Errorf("%s: the sim answers %v, want %v", step.what, got, step.want)
 		}
 	}
