@@ -144,6 +144,19 @@ func TestDecodeGateCountsEnginesQueues(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The server counts a stored message in its consumers' pending after
+	// the publish's ack, from a loop of its own (nats-server's
+	// signalConsumersLoop): wait for the count, as the gate's next look
+	// in a worker would.
+	dispatchertest.WaitFor(t, "the consumers count the 4 handoffs", func() bool {
+		all, err := dispatcher.PoolConsumers(ctx, js, dispatcher.StageDecode, pool)
+		n := 0
+		for _, c := range all {
+			n += int(c.NumPending)
+		}
+		return err == nil && n == 4
+	})
+	g.fresh = 0
 	if g.isOpen(ctx) {
 		t.Errorf("4 handoffs wait for the engine's 2 decodes of 2 s (the gate saw %d): the gate is open", g.pending)
 	}
