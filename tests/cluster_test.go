@@ -50,6 +50,8 @@ type labEngine struct {
 	host   *netlab.Host
 	engine *simtest.Engine
 	worker *process
+	// metrics is the worker's /metrics URL.
+	metrics string
 }
 
 // engine starts, on a new host named name, a pdq sim with simArgs and a
@@ -61,9 +63,32 @@ func (lc *labCluster) engine(name string, stage dispatcher.Stage, slots int, sim
 	args := append([]string{"sim", "--addr", h.IP + ":0", "--kv-host", h.IP, "--kv-port", "0", "--prefill-overhead", "1ms", "--itl", "0s"}, simArgs...)
 	sp := startPDQOn(t, h, nil, args...)
 	e := &simtest.Engine{URL: "http://" + sp.waitLog(t, "simulated engine ready")["addr"].(string)}
-	w := startPDQOn(t, h, append([]string{"PDQ_ENGINE_URL=" + e.URL, fmt.Sprintf("PDQ_ENGINE_SLOTS=%d", slots)}, lc.env...), string(stage))
+	w := startPDQOn(t, h, append([]string{"PDQ_ENGINE_URL=" + e.URL, fmt.Sprintf("PDQ_ENGINE_SLOTS=%d", slots),
+		"PDQ_METRICS_ADDR=" + h.IP + ":0"}, lc.env...), string(stage))
+	metrics := "http://" + w.waitLog(t, "serving metrics")["addr"].(string) + "/metrics"
 	w.waitLog(t, "stage worker pulling")
-	return labEngine{host: h, engine: e, worker: w}
+	return labEngine{host: h, engine: e, worker: w, metrics: metrics}
+}
+
+// cutFromNATS blackholes the routes between h and the NATS host, both
+// ways, until heal: h's worker hears nothing from NATS, while the test's
+// process still reaches h's engine.
+func (lc *labCluster) cutFromNATS(h *netlab.Host) (heal func()) {
+	h.CutFrom(false, lc.natsHost)
+	lc.natsHost.CutFrom(false, h)
+	return func() {
+		h.Heal()
+		lc.natsHost.Heal()
+	}
+}
+
+// leaseLost is the count of pdq_leases_lapsed_total{stage,outcome} on a
+// worker's /metrics.
+func leaseLost(t *testing.T, e labEngine, stage dispatcher.Stage, outcome string) float64 {
+	t.Helper()
+	v, _ := metricValue(string(get(t, e.metrics).body), "pdq_leases_lapsed_total",
+		fmt.Sprintf("stage=%q", stage), fmt.Sprintf("outcome=%q", outcome))
+	return v
 }
 
 // TestClusterPartitions cuts hosts off while load runs, and counts from
@@ -86,6 +111,71 @@ func TestClusterPartitions(t *testing.T) {
 			})
 
 		partitionRow(t, "a decode worker cut off from NATS for 4 s mid-decode", "cut", outs, d1.engine, d2.engine)
+	})
+	t.Run("a prefill worker cut off past the ack wait, then healed", func(t *testing.T) {
+		// Prefills of 6 s; the cut, 3 s, outlasts PDQ_ACK_WAIT (1 s): NATS
+		// redelivers the cut-off worker's jobs, and the other engine, with
+		// room for them, runs them. Once healed, the worker finds them
+		// taken over and stops their engine calls, rather than running
+		// them to the end. Without affinity, so that both engines get
+		// prompts (they are alike).
+		lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s", "PDQ_AFFINITY=false")
+		p1 := lc.engine("p1", dispatcher.StagePrefill, 4, "--prefill-overhead", "6s")
+		p2 := lc.engine("p2", dispatcher.StagePrefill, 8, "--prefill-overhead", "6s")
+		lc.engine("d", dispatcher.StageDecode, 16, "--itl", "10ms")
+		lc.ready()
+
+		var atCut sim.Stats
+		outs := cutWhile(nil, 0,
+			func() []outcome { return lc.load(6, "lease", 0, streamed(20)) },
+			func() {
+				atCut = p1.engine.WaitStats(t, 10*time.Second, "prefills on p1", func(s sim.Stats) bool { return s.Running >= 1 })
+				heal := lc.cutFromNATS(p1.host)
+				time.Sleep(3 * time.Second)
+				heal()
+			})
+		partitionRow(t, "a prefill worker cut off from NATS for 3 s, past the ack wait, mid-prefill", "lease", outs, p1.engine, p2.engine)
+		after := p1.engine.Stats(t)
+		stopped := leaseLost(t, p1, dispatcher.StagePrefill, "stopped")
+		finished := leaseLost(t, p1, dispatcher.StagePrefill, "finished")
+		t.Logf("p1 ran %d prefills at the cut; after: %d aborted by pdq; leases lapsed: %v stopped once back, %v finished", atCut.Running, after.Aborts, stopped, finished)
+		if stopped < 1 || float64(after.Aborts) != stopped || finished != 0 {
+			t.Errorf("the cut-off worker stopped %v of its prefills as taken over (its engine aborted %d) and finished %v; want at least 1, each aborted, none finished",
+				stopped, after.Aborts, finished)
+		}
+	})
+	t.Run("a decode worker cut off past the stall time-out", func(t *testing.T) {
+		// Decodes of 6 s; the cut, 7 s, outlasts PDQ_STALL_TIMEOUT (3 s):
+		// the gateway has given up on, or NATS redelivered, every job the
+		// cut-off worker runs, and it stops their engine calls while
+		// still cut off.
+		lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=3s")
+		lc.engine("p", dispatcher.StagePrefill, 4)
+		d1 := lc.engine("d1", dispatcher.StageDecode, 8, "--itl", "40ms")
+		d2 := lc.engine("d2", dispatcher.StageDecode, 8, "--itl", "40ms")
+		lc.ready()
+
+		var atCut, cut sim.Stats
+		outs := cutWhile(nil, 0,
+			func() []outcome { return lc.load(6, "cap", 0, streamed(150)) },
+			func() {
+				atCut = d1.engine.WaitStats(t, 10*time.Second, "decodes on d1", func(s sim.Stats) bool { return s.Running >= 2 })
+				cutAt, heal := time.Now(), lc.cutFromNATS(d1.host)
+				defer heal()
+				var err error
+				cut, err = d1.engine.Poll(6*time.Second, func(s sim.Stats) bool { return s.Running == 0 })
+				if err != nil || cut.Aborts < atCut.Running {
+					t.Errorf("cut off for 6 s of a 3 s stall time-out, d1 still runs %d decodes, %d aborted of the %d at the cut (%v)",
+						cut.Running, cut.Aborts, atCut.Running, err)
+				}
+				time.Sleep(time.Until(cutAt.Add(7 * time.Second)))
+			})
+		partitionRow(t, "a decode worker cut off from NATS for 7 s, past the stall time-out, mid-decode", "cap", outs, d1.engine, d2.engine)
+		stopped := leaseLost(t, d1, dispatcher.StageDecode, "cut_off")
+		t.Logf("d1 ran %d decodes at the cut; %d aborted while cut off; %v leases given up as cut off", atCut.Running, cut.Aborts, stopped)
+		if stopped < float64(atCut.Running) {
+			t.Errorf("pdq_leases_lapsed_total{outcome=cut_off} = %v, want the %d decodes running at the cut", stopped, atCut.Running)
+		}
 	})
 	t.Run("a prefill worker cut off from NATS mid-prefill", func(t *testing.T) {
 		// Prefills of 2 s: the cut (4 s, past PDQ_ACK_WAIT) comes while

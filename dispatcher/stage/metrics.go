@@ -27,6 +27,9 @@ type Metrics struct {
 	wastedPrefills *prometheus.CounterVec
 	// pulled counts jobs by where the worker took them from.
 	pulled *prometheus.CounterVec
+	// leasesLapsed counts deliveries whose worker lost touch with NATS
+	// for the ack wait (see lease).
+	leasesLapsed *prometheus.CounterVec
 }
 
 // NewMetrics registers the workers' series with reg; shared are the
@@ -72,8 +75,12 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 		Name: "pdq_jobs_pulled_total",
 		Help: "Jobs workers took, by stage and where from: shared (the pool's queue), preferred (those that preferred the worker's engine, prefix-cache affinity), taken_over (those that preferred another engine, which was full or gone).",
 	}, []string{"stage", "from"})
+	m.leasesLapsed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "pdq_leases_lapsed_total",
+		Help: "Jobs whose worker went the ack wait without an answer from NATS while it ran them (cut off: NATS may have given the job to another worker), by how each ended: kept (still this worker's once back, as after a NATS restart), stopped (taken over meanwhile: its engine call stopped once back), cut_off (stopped while still cut off, past the ack wait and the stall time-out), finished (its engine call ended first: it may have run twice).",
+	}, []string{"stage", "outcome"})
 	if err := dispatcher.Register(reg, m.kvReleased, m.handoffsWithoutKV, m.migrations, m.queueWait, m.engineTime,
-		m.retries, m.inflight, m.queueDepth, m.wastedPrefills, m.pulled); err != nil {
+		m.retries, m.inflight, m.queueDepth, m.wastedPrefills, m.pulled, m.leasesLapsed); err != nil {
 		return nil, err
 	}
 	// Zeros from the start, so that a dashboard sees the series before the
@@ -82,6 +89,9 @@ func NewMetrics(reg prometheus.Registerer, shared *dispatcher.Metrics) (*Metrics
 		m.inflight.WithLabelValues(string(stage))
 		for _, from := range []string{pulledShared, pulledPreferred, pulledTakenOver} {
 			m.pulled.WithLabelValues(string(stage), from)
+		}
+		for _, outcome := range []string{lapseKept, lapseStopped, lapseCutOff, lapseFinished} {
+			m.leasesLapsed.WithLabelValues(string(stage), outcome)
 		}
 		for _, reason := range []string{"retry", "regenerate", "hand_back", "running_elsewhere", "ack_unconfirmed"} {
 			m.retries.WithLabelValues(string(stage), reason)
@@ -157,6 +167,13 @@ func (m *Metrics) wasted(reason verdict.Waste) {
 func (m *Metrics) retry(stage dispatcher.Stage, reason string) {
 	if m != nil {
 		m.retries.WithLabelValues(string(stage), reason).Inc()
+	}
+}
+
+// lapsed counts a lapsed lease by how it ended.
+func (m *Metrics) lapsed(stage dispatcher.Stage, outcome string) {
+	if m != nil {
+		m.leasesLapsed.WithLabelValues(string(stage), outcome).Inc()
 	}
 }
 

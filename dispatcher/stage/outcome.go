@@ -24,6 +24,9 @@ func outcomeOf(err, cause error, handedOff, shutdown bool) verdict.Outcome {
 		return verdict.Expired
 	case err == nil && handedOff && stoppedBy:
 		return verdict.Stopped
+	case err == nil && handedOff && errors.Is(cause, reply.ErrSuperseded):
+		// Its lease lost as the prefill ended: another delivery runs it.
+		return verdict.Superseded
 	case err == nil:
 		return verdict.OK
 	case stoppedBy:

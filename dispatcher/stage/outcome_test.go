@@ -31,6 +31,10 @@ func TestOutcomeOf(t *testing.T) {
 		{"deadline", failed, errExpired, false, false, verdict.Expired},
 		{"abandoned", cut, reply.ErrAbandoned, false, false, verdict.Abandoned},
 		{"superseded", cut, reply.ErrSuperseded, false, false, verdict.Superseded},
+		{"a lease lost mid-call", cut, errLeaseTaken, false, false, verdict.Superseded},
+		{"cut off past the stall time-out", cut, errCutOff, false, false, verdict.Superseded},
+		{"a handoff as its lease was lost", nil, errLeaseTaken, true, false, verdict.Superseded},
+		{"success as its lease was lost", nil, errLeaseTaken, false, false, verdict.OK},
 		{"shutdown", failed, errors.New("grace over"), false, true, verdict.Interrupted},
 		{"failed", failed, nil, false, false, verdict.Failed},
 	} {

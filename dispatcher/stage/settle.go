@@ -321,6 +321,9 @@ func (s *settle) carry(ctx context.Context, v verdict.Verdict, d *Delivery, err,
 			s.stopped(ctx, cause)
 		}
 	case verdict.ActNothing:
+		if v.Release {
+			s.queueRelease(ctx, d.handoff)
+		}
 		s.log.Debug("job stopped: a later attempt of the request runs")
 	case verdict.ActFail:
 		if v.Release {

@@ -186,7 +186,12 @@ type runningJob struct {
 	origin     int
 	attempt    int
 	delivery   string // the settle's: which delivery this is
-	cancel     context.CancelCauseFunc
+	// admitted is set once the delivery passed its checks and runs: only
+	// then does it answer a redelivery's running query (onRunning). Two
+	// deliveries both at their checks would each take the other for the
+	// one running.
+	admitted bool
+	cancel   context.CancelCauseFunc
 	// beating is when the delivery's handler began to beat to its
 	// gateway (Delivery.Replies); zero before, and again once it
 	// returned: the gateway's running query (dispatcher.DecodeBeating)

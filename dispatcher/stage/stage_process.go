@@ -44,15 +44,18 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 		l.unreadable(sctx, msg, job, err)
 		return
 	}
-	// The job stays in progress from its pull until it is settled: the
-	// checks before it runs (a KV release) and storing a handoff or a dead
-	// letter may take longer than the ack wait.
-	stopProgress := l.keepAlive(jobCtx, msg)
-	defer stopProgress()
-	// It is registered before the checks, so that a cancel broadcast sent
-	// while they run is not missed.
 	jctx, cancel := context.WithCancelCause(jobCtx)
 	defer cancel(nil)
+	s := l.settleOf(msg, job, attempt)
+	// The job stays in progress from its pull until it is settled: the
+	// checks before it runs (a KV release) and storing a handoff or a dead
+	// letter may take longer than the ack wait. A worker cut off from
+	// NATS meanwhile loses the lease, and its engine call stops (see
+	// lease).
+	ls := l.hold(jobCtx, msg, cancel, func(ctx context.Context) bool {
+		return l.wanted(job)(ctx) && !l.runningElsewhere(ctx, job, attempt, s.delivery)
+	}, s.log)
+	defer ls.release()
 	if !job.Deadline.IsZero() {
 		// Every engine call of the job ends at the request's deadline,
 		// whether or not a gateway is there to cancel it (a replay has
@@ -61,7 +64,8 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 		jctx, stop = context.WithDeadlineCause(jctx, job.Deadline, errExpired)
 		defer stop()
 	}
-	s := l.settleOf(msg, job, attempt)
+	// It is registered before the checks, so that a cancel broadcast sent
+	// while they run is not missed.
 	r := &runningJob{id: job.ID, gateway: job.GatewayID(), generation: job.Generation, origin: job.Origin, attempt: attempt,
 		delivery: s.delivery, cancel: cancel}
 	l.mu.Lock()
@@ -88,6 +92,8 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 			engineHeld = true
 		case errors.Is(cause, errCancelled), errors.Is(cause, errGatewayGone), errors.Is(cause, errExpired):
 			// Settled below, without a slot: it will not run.
+		case errors.Is(cause, reply.ErrSuperseded):
+			return // its lease lost: the job is another delivery's
 		default:
 			// The loop stops (a shutdown, or its model gone) before the
 			// job ran.
@@ -112,6 +118,8 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	case errors.Is(cause, errExpired):
 		s.expired(sctx)
 		return
+	case errors.Is(cause, reply.ErrSuperseded):
+		return // its lease lost during the checks: the job is another delivery's
 	case cause != nil: // the grace period ended during the checks
 		s.log.Warn("shutdown before the job ran; handing it back")
 		s.unrun(sctx, errors.New("shutdown before the job ran")) // its KV unread, for the next delivery
@@ -123,6 +131,11 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	d := &Delivery{Job: job, Attempt: attempt, loop: l, stopBeats: func() {}, running: r, permit: permit.Token, stop: cancel}
 	d.ctx = jctx
 	handled = true
+	// Admitted: from now on, a redelivery of the job that asks is told
+	// this one runs it (see onRunning).
+	l.mu.Lock()
+	r.admitted = true
+	l.mu.Unlock()
 	// A first delivery's wait is its queue time; a redelivery's, or a
 	// handed-back copy's, would count an earlier attempt too.
 	var waited time.Duration
@@ -152,6 +165,9 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	cause := context.Cause(jctx)
 	handedOff := err == nil && d.handoff != nil
 	o := outcomeOf(err, cause, handedOff, pullCtx.Err() != nil && jobCtx.Err() != nil)
+	if lapse := ls.outcome(cause, o == verdict.Superseded || o == verdict.Abandoned || o == verdict.Stopped); lapse != "" {
+		l.cfg.Metrics.lapsed(l.cfg.Stage, lapse)
+	}
 	if o == verdict.OK {
 		l.recordDuration(time.Since(start))
 		if l.cfg.Stage == dispatcher.StageDecode && !beganBeating.IsZero() {

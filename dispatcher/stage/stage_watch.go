@@ -88,7 +88,7 @@ func (l *Loop) onRunning(msg *nats.Msg) {
 		if delivery != "" {
 			other = r.delivery != delivery
 		}
-		if r.id == id && r.generation == gen && other {
+		if r.id == id && r.generation == gen && other && r.admitted {
 			_ = msg.Respond(nil) // a lost answer only costs a duplicate run
 			return
 		}

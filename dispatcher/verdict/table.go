@@ -140,7 +140,9 @@ func Decide(f Facts, o Outcome, errText string) Verdict {
 	case Expired:
 		return Verdict{Act: ActExpire, Release: f.HandedOff}
 	case Superseded:
-		return Verdict{Act: ActNothing}
+		// Another delivery runs the job: a prefill's answer that came
+		// meanwhile has no reader, and its KV is released.
+		return Verdict{Act: ActNothing, Release: f.HandedOff}
 	case Interrupted:
 		switch {
 		case f.Sent:

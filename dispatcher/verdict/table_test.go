@@ -35,6 +35,7 @@ func TestSettleTable(t *testing.T) {
 		{"a decode whose gateway dropped the request", decode, Abandoned, ActStop, false, 0, false},
 		{"a decode past its deadline", decode, Expired, ActExpire, false, 0, false},
 		{"a decode a later attempt took over", decode, Superseded, ActNothing, false, 0, false},
+		{"a prefill another delivery took over as it ended", with(prefill, func(f *Facts) { f.HandedOff = true }), Superseded, ActNothing, true, 0, false},
 		{"shutdown mid-answer", with(decode, func(f *Facts) { f.Sent = true }), Interrupted, ActFail, false, 502, true},
 		{"shutdown before the decode engine ran", with(decode, func(f *Facts) { f.Ran = false }), Interrupted, ActUnrun, false, 0, false},
 		{"shutdown while the decode engine ran", decode, Interrupted, ActRegenerate, false, 0, false},
