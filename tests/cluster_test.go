@@ -33,16 +33,26 @@ type labCluster struct {
 func startLabCluster(t *testing.T, env ...string) *labCluster {
 	t.Helper()
 	lab := netlab.New(t)
-	nh, gh := lab.Host("nats"), lab.Host("gw")
+	nh := lab.Host("nats")
 	node := natsNode{name: "n1", client: nh.IP + ":4222"}
 	startNATSServerOn(t, nh, node, writeNATSConf(t, t.TempDir(), node, nil, ""))
-	url := "nats://" + node.client
-	nc, js := waitJetStream(t, url)
-	c := &cluster{t: t, natsURL: url, nc: nc, js: js}
-	c.env = append([]string{"PDQ_NATS_URL=" + url, "PDQ_ACK_WAIT=1s"}, env...)
+	lc := labSide(t, lab, "nats://"+node.client, "gw", env...)
+	lc.natsHost = nh
+	return lc
+}
+
+// labSide starts a gateway on a new host named gw, joining the NATS at
+// natsURL, with env for every pdq service it and the side's engines
+// (engine) start with.
+func labSide(t *testing.T, lab *netlab.Lab, natsURL, gw string, env ...string) *labCluster {
+	t.Helper()
+	gh := lab.Host(gw)
+	nc, js := waitJetStream(t, natsURL)
+	c := &cluster{t: t, natsURL: natsURL, nc: nc, js: js}
+	c.env = append([]string{"PDQ_NATS_URL=" + natsURL, "PDQ_ACK_WAIT=1s"}, env...)
 	c.gateway = startPDQOn(t, gh, append([]string{"PDQ_HTTP_ADDR=" + gh.IP + ":8000"}, c.env...), "gateway")
 	c.url = "http://" + c.gateway.waitLog(t, "gateway listening")["addr"].(string)
-	return &labCluster{cluster: c, lab: lab, natsHost: nh, gwHost: gh}
+	return &labCluster{cluster: c, lab: lab, gwHost: gh}
 }
 
 // labEngine is an engine and its worker, on a host of their own.
@@ -226,6 +236,96 @@ func TestClusterPartitions(t *testing.T) {
 		t.Logf("sent while cut off: accepted %d, completed %d, errors %d, lost %d: %+v", r.accepted, r.completed, r.errors, r.lost, during)
 		if r.lost != 0 || r.accepted != 2 {
 			t.Errorf("requests sent while the gateway was cut off: accepted %d of 2, lost %d", r.accepted, r.lost)
+		}
+	})
+}
+
+// TestClusterOneWay cuts one direction of a host's traffic while load
+// runs: a host that still sends, and hears nothing (CutFrom). TCP carries
+// on in neither direction for long (what is sent goes unacknowledged),
+// so each is a cut, as the connection sees it, that begins a little
+// later.
+func TestClusterOneWay(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// deaf picks the host that hears nothing from the NATS host.
+		deaf func(lc *labCluster, d labEngine) *netlab.Host
+	}{
+		{"a decode worker that hears nothing from NATS", func(_ *labCluster, d labEngine) *netlab.Host { return d.host }},
+		{"a gateway that hears nothing from NATS", func(lc *labCluster, _ labEngine) *netlab.Host { return lc.gwHost }},
+		{"a NATS server that hears nothing from a decode worker", func(lc *labCluster, _ labEngine) *netlab.Host { return lc.natsHost }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s")
+			lc.engine("p", dispatcher.StagePrefill, 4)
+			d1 := lc.engine("d1", dispatcher.StageDecode, 8, "--itl", "20ms")
+			d2 := lc.engine("d2", dispatcher.StageDecode, 8, "--itl", "20ms")
+			lc.ready()
+			h := tc.deaf(lc, d1)
+			outs := cutWhile(nil, 0,
+				func() []outcome { return lc.load(12, "oneway", 0, streamed(150)) },
+				func() {
+					d1.engine.WaitStats(t, 10*time.Second, "decodes on d1", func(s sim.Stats) bool { return s.Running >= 2 })
+					if h == lc.natsHost {
+						h.CutFrom(false, d1.host)
+					} else {
+						h.CutFrom(false, lc.natsHost)
+					}
+					time.Sleep(4 * time.Second)
+					h.Heal()
+				})
+			partitionRow(t, tc.name+", for 4 s", "oneway", outs, d1.engine, d2.engine)
+		})
+	}
+}
+
+// TestClusterClientsCutOff cuts the clients' side off from the gateway
+// (the gateway still reaches NATS and the engines): clients that wait get
+// their answers once healed; clients that give up meanwhile are gone for
+// good, and their engine calls stop once the gateway can tell (its writes
+// fail after the heal).
+func TestClusterClientsCutOff(t *testing.T) {
+	lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s")
+	lc.engine("p", dispatcher.StagePrefill, 4)
+	d := lc.engine("d", dispatcher.StageDecode, 16, "--itl", "20ms")
+	lc.ready()
+
+	t.Run("clients that wait", func(t *testing.T) {
+		outs := cutWhile(nil, 0,
+			func() []outcome { return lc.load(8, "ccut", 0, streamed(150)) },
+			func() {
+				d.engine.WaitStats(t, 10*time.Second, "decodes running", func(s sim.Stats) bool { return s.Running >= 4 })
+				lc.gwHost.CutFrom(true)
+				time.Sleep(4 * time.Second)
+				lc.gwHost.Heal()
+			})
+		partitionRow(t, "the clients' side cut off from the gateway for 4 s, the clients waiting", "ccut", outs, d.engine, nil)
+	})
+	t.Run("clients that give up", func(t *testing.T) {
+		before := d.engine.Stats(t)
+		var outs []outcome
+		cutWhile(nil, 0,
+			func() []outcome {
+				outs = lc.load(6, "cgone", 3*time.Second, streamed(400)) // 8 s each
+				return outs
+			},
+			func() {
+				d.engine.WaitStats(t, 10*time.Second, "decodes running", func(s sim.Stats) bool { return s.Running >= 6 })
+				lc.gwHost.CutFrom(true)
+				time.Sleep(4 * time.Second) // the clients give up meanwhile
+				lc.gwHost.Heal()
+			})
+		r := row{}
+		tally(&r, outs)
+		after, err := d.engine.Poll(10*time.Second, func(s sim.Stats) bool { return s.Running == 0 })
+		t.Logf("the clients' side cut off for 4 s, its 6 clients giving up after 3 s: left %d, lost %d; the engine aborted %d, %d still run (%v)",
+			r.left, r.lost, after.Aborts-before.Aborts, after.Running, err)
+		if r.left != 6 {
+			t.Errorf("%d of 6 clients left; want all: %+v", r.left, outs)
+		}
+		if got := after.Aborts - before.Aborts; got != 6 || err != nil {
+			t.Errorf("the engine aborted %d of the 6 decodes whose clients left, and runs %d; want all stopped before their end: %v",
+				got, after.Running, err)
 		}
 	})
 }
