@@ -241,7 +241,10 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 	}
 	m := nats.NewMsg(subject)
 	h := m.Header
-	h[HeaderVersion] = versionBody
+	h[HeaderVersion] = writeBody
+	if writeBody[0] != versionBody[0] {
+		h[HeaderReadsAs] = versionBody
+	}
 	h[HeaderID] = []string{j.ID}
 	h[HeaderModel] = []string{j.Model}
 	h[HeaderPool] = []string{j.Pool}
@@ -313,7 +316,12 @@ func (j *Job) Msg(stage Stage) *nats.Msg {
 		// What grows with the request follows the body in the payload:
 		// a handoff's params grow with the prompt, a continuation's text
 		// with the answer. The body is copied once, before them.
-		h[HeaderVersion] = versionParts
+		h[HeaderVersion] = writeParts
+		if writeParts[0] != versionParts[0] {
+			h[HeaderReadsAs] = versionParts
+		} else {
+			delete(h, HeaderReadsAs)
+		}
 		parts := ""
 		data := make([]byte, 0, len(j.Body)+len(j.KV)+len(j.Sent))
 		data = append(data, j.Body...)
@@ -343,6 +351,10 @@ const maxHeaderKV = 16 << 10
 var (
 	versionBody  = []string{strconv.Itoa(EnvelopeVersion)}
 	versionParts = []string{strconv.Itoa(EnvelopeParts)}
+	// writeBody and writeParts are the versions this build writes: its
+	// own, or with the pdqnext build tag a version higher, read as these
+	// (see envelope_next.go).
+	writeBody, writeParts = versionBody, versionParts
 )
 
 // The parts a version 3 payload may carry after the body: a handoff's
@@ -396,7 +408,12 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 		ClientID: h.Get(HeaderClientID), Body: data, Prefer: h.Get(HeaderPrefer), PreferDecode: h.Get(HeaderPreferDecode),
 		Rebuilt: h.Get(HeaderRebuilt) != "",
 	}
-	switch v := h.Get(HeaderVersion); v {
+	v := h.Get(HeaderVersion)
+	as := v
+	if v != versionBody[0] && v != versionParts[0] && h.Get(HeaderReadsAs) != "" {
+		as = h.Get(HeaderReadsAs) // a later build's job, readable as one of these
+	}
+	switch as {
 	case versionBody[0]:
 		// A handoff whose params fit a header has them there (and one
 		// written by a prefill worker of the build before, whatever their

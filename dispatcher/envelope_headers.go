@@ -2,7 +2,13 @@ package dispatcher
 
 // Headers of a job message.
 const (
-	HeaderVersion    = "Pdq-Version"
+	HeaderVersion = "Pdq-Version"
+	// HeaderReadsAs is the envelope version a job of a later version can
+	// be read as, by a build that does not know its own: the later
+	// version only adds what such a build may ignore. A build that writes
+	// a version its predecessor cannot read says so here, and the two run
+	// side by side during a rolling upgrade (docs/operations.md).
+	HeaderReadsAs = "Pdq-Reads-As"
 	HeaderID         = "Pdq-Id"
 	HeaderModel      = "Pdq-Model"
 	HeaderPool       = "Pdq-Pool"

@@ -2,6 +2,7 @@ package dispatcher
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"reflect"
 	"strings"
@@ -128,5 +129,44 @@ func TestJobPayloadParts(t *testing.T) {
 				t.Errorf("parts %q read as %d bytes of body, %d of params; want an error", tc.parts, len(got.Body), len(got.KV))
 			}
 		})
+	}
+}
+
+// TestEnvelopeReadsAs: a job of a version this build does not know is
+// read as the version its HeaderReadsAs names, when that is one it
+// knows; without one, or with one it does not know, it is refused.
+func TestEnvelopeReadsAs(t *testing.T) {
+	long := json.RawMessage(`{"remote_block_ids":[` + strings.Repeat("123456,", 3000) + `1]}`)
+	for _, tc := range []struct {
+		name             string
+		kv               json.RawMessage
+		version, readsAs string
+		ok               bool
+	}{
+		{"a later body-only job, read as 2", nil, "4", "2", true},
+		{"a later job with parts, read as 3", long, "5", "3", true},
+		{"a later job, no reads-as", nil, "4", "", false},
+		{"a later job, read as a version unknown too", nil, "4", "9", false},
+		{"a known version: reads-as ignored", nil, "2", "9", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			job := &Job{ID: "req-n", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: json.RawMessage(`{"model":"m"}`), KV: tc.kv}
+			m := job.Msg(StageDecode)
+			m.Header.Set(HeaderVersion, tc.version)
+			m.Header.Del(HeaderReadsAs)
+			if tc.readsAs != "" {
+				m.Header.Set(HeaderReadsAs, tc.readsAs)
+			}
+			got, err := ParseJob(m.Header, m.Data)
+			if tc.ok && (err != nil || string(got.Body) != string(job.Body) || string(got.KV) != string(job.KV)) {
+				t.Errorf("read as body %s, %d bytes of params (%v); want the job", got.Body, len(got.KV), err)
+			}
+			if !tc.ok && !errors.Is(err, ErrEnvelopeVersion) {
+				t.Errorf("read with error %v; want ErrEnvelopeVersion", err)
+			}
+		})
+	}
+	if m := (&Job{ID: "req-w", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: json.RawMessage(`{}`)}).Msg(StagePrefill); m.Header.Get(HeaderReadsAs) != "" {
+		t.Errorf("this build writes %s: %q; want none (it writes its own version)", HeaderReadsAs, m.Header.Get(HeaderReadsAs))
 	}
 }
