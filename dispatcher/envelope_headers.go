@@ -8,7 +8,7 @@ const (
 	// version only adds what such a build may ignore. A build that writes
 	// a version its predecessor cannot read says so here, and the two run
 	// side by side during a rolling upgrade (docs/operations.md).
-	HeaderReadsAs = "Pdq-Reads-As"
+	HeaderReadsAs    = "Pdq-Reads-As"
 	HeaderID         = "Pdq-Id"
 	HeaderModel      = "Pdq-Model"
 	HeaderPool       = "Pdq-Pool"

@@ -155,10 +155,10 @@ func TestClusterPartitions(t *testing.T) {
 		}
 	})
 	t.Run("a decode worker cut off past the stall time-out", func(t *testing.T) {
-		// Decodes of 6 s; the cut, 7 s, outlasts PDQ_STALL_TIMEOUT (3 s):
-		// the gateway has given up on, or NATS redelivered, every job the
-		// cut-off worker runs, and it stops their engine calls while
-		// still cut off.
+		// Decodes of 8 s; the cut, 7 s, outlasts PDQ_ACK_WAIT and
+		// PDQ_STALL_TIMEOUT together (1 + 3 s): NATS has redelivered every
+		// job the cut-off worker runs, or the gateway has given up on it,
+		// and the worker stops their engine calls while still cut off.
 		lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=3s")
 		lc.engine("p", dispatcher.StagePrefill, 4)
 		d1 := lc.engine("d1", dispatcher.StageDecode, 8, "--itl", "40ms")
@@ -167,7 +167,7 @@ func TestClusterPartitions(t *testing.T) {
 
 		var atCut, cut sim.Stats
 		outs := cutWhile(nil, 0,
-			func() []outcome { return lc.load(6, "cap", 0, streamed(150)) },
+			func() []outcome { return lc.load(6, "cap", 0, streamed(200)) },
 			func() {
 				atCut = d1.engine.WaitStats(t, 10*time.Second, "decodes on d1", func(s sim.Stats) bool { return s.Running >= 2 })
 				cutAt, heal := time.Now(), lc.cutFromNATS(d1.host)
@@ -175,7 +175,7 @@ func TestClusterPartitions(t *testing.T) {
 				var err error
 				cut, err = d1.engine.Poll(6*time.Second, func(s sim.Stats) bool { return s.Running == 0 })
 				if err != nil || cut.Aborts < atCut.Running {
-					t.Errorf("cut off for 6 s of a 3 s stall time-out, d1 still runs %d decodes, %d aborted of the %d at the cut (%v)",
+					t.Errorf("cut off for 6 s, past its 1 s ack wait and 3 s stall time-out, d1 still runs %d decodes, %d aborted of the %d at the cut (%v)",
 						cut.Running, cut.Aborts, atCut.Running, err)
 				}
 				time.Sleep(time.Until(cutAt.Add(7 * time.Second)))

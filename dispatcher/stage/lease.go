@@ -29,15 +29,19 @@ import (
 //     the job is still its own (its request still wants this generation,
 //     and no other delivery runs it, see Loop.onRunning); if not, its
 //     engine call stops;
-//   - a worker that hears nothing for max(ack wait, stall time-out) stops
-//     the engine call while still cut off: by then the job has gone to
-//     another worker, or its gateway has given up on a decode that went
+//     and it asks again at each answer for a while after (a redelivered
+//     copy still at its own checks answers nobody, see onRunning);
+//   - a worker that hears nothing for the ack wait and the stall
+//     time-out together stops the engine call while still cut off: by
+//     then the job has gone to another worker, which has run it for a
+//     stall time-out, or its gateway has given up on a decode that went
 //     silent that long.
 //
 // So once NATS could give the job to another worker, the cut-off one's
 // engine goes on with it for no longer than the cut lasts (plus a signal's
-// round) and no longer than the stall time-out. pdq_leases_lapsed_total
-// counts each lapse by how it ended.
+// round) and no longer than the stall time-out. Once the handler has
+// returned, the lease only signals: the delivery settles as it decided.
+// pdq_leases_lapsed_total counts each lapse by how it ended.
 type lease struct {
 	l     *Loop
 	msg   jetstream.Msg
@@ -53,6 +57,8 @@ type lease struct {
 	lapsed    bool      // it went the ack wait unanswered, at some time
 	unsure    bool      // it has lapsed, and not been found ours since
 	kept      bool      // it lapsed, and was found ours once back
+	recheck   time.Time // found ours once back: asked again at each answer until then
+	settling  bool      // the handler returned: signals only
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -80,6 +86,15 @@ func (l *Loop) hold(ctx context.Context, msg jetstream.Msg, stop context.CancelC
 	ls.cancel = cancel
 	go ls.run(kctx)
 	return ls
+}
+
+// settle marks the handler returned: the lease goes on signalling while
+// the delivery settles, and no longer judges whether the job is its own
+// (its own settling may end the request's record).
+func (ls *lease) settle() {
+	ls.mu.Lock()
+	ls.settling = true
+	ls.mu.Unlock()
 }
 
 // release stops the signals.
@@ -115,23 +130,18 @@ func (ls *lease) renew(ctx context.Context) (over bool) {
 	}
 	now := time.Now()
 	ls.mu.Lock()
-	if err == nil {
-		ls.confirmed = now
-		unsure := ls.unsure
-		ls.mu.Unlock()
-		if !unsure {
-			return false
-		}
-		if !ls.ours(ctx) {
-			ls.log.Warn("back in touch with NATS: the job went to another delivery meanwhile; stopping this one")
-			ls.stop(errLeaseTaken)
-			return true
-		}
-		ls.log.Info("back in touch with NATS: the job is still this delivery's")
-		ls.mu.Lock()
-		ls.unsure, ls.kept = false, true
+	if ls.settling {
 		ls.mu.Unlock()
 		return false
+	}
+	if err == nil {
+		ls.confirmed = now
+		ask := ls.unsure || now.Before(ls.recheck)
+		ls.mu.Unlock()
+		if !ask {
+			return false
+		}
+		return ls.judge(ctx, now)
 	}
 	silent := now.Sub(ls.confirmed)
 	if silent >= ls.l.cfg.AckWait && !ls.unsure {
@@ -140,11 +150,38 @@ func (ls *lease) renew(ctx context.Context) (over bool) {
 			logging.Ms("silent_ms", silent))
 	}
 	ls.mu.Unlock()
-	if silent >= max(ls.l.cfg.AckWait, ls.l.cfg.StallTimeout) {
+	if silent >= ls.l.cfg.AckWait+ls.l.cfg.StallTimeout {
 		ls.log.Warn("no answer from NATS past the ack wait and the stall time-out: stopping the job, which is another worker's by now",
 			logging.Ms("silent_ms", silent))
 		ls.stop(errCutOff)
 		return true
+	}
+	return false
+}
+
+// judge asks, once NATS answers again after a lapse, whether the job is
+// still this delivery's, and stops it if not. A copy redelivered just
+// before may still be at its checks, and answers nobody until it runs:
+// the question is asked again at each answer for as long as such a copy
+// can wait for its own answer, and a signal's round more.
+func (ls *lease) judge(ctx context.Context, now time.Time) (over bool) {
+	ours := ls.ours(ctx)
+	if ctx.Err() != nil {
+		return true // released meanwhile: the answer means nothing
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	if ls.settling {
+		return false
+	}
+	if !ours {
+		ls.log.Warn("back in touch with NATS: the job went to another delivery meanwhile; stopping this one")
+		ls.stop(errLeaseTaken)
+		return true
+	}
+	if ls.unsure {
+		ls.log.Info("back in touch with NATS: the job is still this delivery's")
+		ls.unsure, ls.kept, ls.recheck = false, true, now.Add(runningQueryWaitReconnected+ls.every)
 	}
 	return false
 }
@@ -167,7 +204,7 @@ func (ls *lease) outcome(cause error, stopped bool) string {
 		return ""
 	case errors.Is(cause, errCutOff):
 		return lapseCutOff
-	case stopped:
+	case stopped, errors.Is(cause, errLeaseTaken):
 		return lapseStopped
 	case ls.kept && !ls.unsure:
 		return lapseKept

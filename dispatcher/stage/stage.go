@@ -186,10 +186,10 @@ type runningJob struct {
 	origin     int
 	attempt    int
 	delivery   string // the settle's: which delivery this is
-	// admitted is set once the delivery passed its checks and runs: only
-	// then does it answer a redelivery's running query (onRunning). Two
-	// deliveries both at their checks would each take the other for the
-	// one running.
+	// admitted is set once the delivery passed its checks and runs: from
+	// then on it answers a redelivery's running query (onRunning); before,
+	// only a later delivery's, so that of two copies at their checks one
+	// gives way, not both.
 	admitted bool
 	cancel   context.CancelCauseFunc
 	// beating is when the delivery's handler began to beat to its

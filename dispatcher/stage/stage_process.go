@@ -56,6 +56,14 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 		return l.wanted(job)(ctx) && !l.runningElsewhere(ctx, job, attempt, s.delivery)
 	}, s.log)
 	defer ls.release()
+	// Each lapse is counted, however the delivery ends (stopped: the
+	// handler stopped, by the lease, the gateway or a cancel).
+	stopped := false
+	defer func() {
+		if lapse := ls.outcome(context.Cause(jctx), stopped); lapse != "" {
+			l.cfg.Metrics.lapsed(l.cfg.Stage, lapse)
+		}
+	}()
 	if !job.Deadline.IsZero() {
 		// Every engine call of the job ends at the request's deadline,
 		// whether or not a gateway is there to cancel it (a replay has
@@ -144,6 +152,7 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	}
 	l.cfg.Metrics.JobStarted(l.cfg.Stage, waited)
 	err = l.handle(jctx, d)
+	ls.settle()
 	s.run.Ms = float64(time.Since(start).Microseconds()) / 1000
 	releaseEngine()
 	var took time.Duration
@@ -165,9 +174,7 @@ func (l *Loop) process(pullCtx, jobCtx context.Context, msg jetstream.Msg, permi
 	cause := context.Cause(jctx)
 	handedOff := err == nil && d.handoff != nil
 	o := outcomeOf(err, cause, handedOff, pullCtx.Err() != nil && jobCtx.Err() != nil)
-	if lapse := ls.outcome(cause, o == verdict.Superseded || o == verdict.Abandoned || o == verdict.Stopped); lapse != "" {
-		l.cfg.Metrics.lapsed(l.cfg.Stage, lapse)
-	}
+	stopped = o == verdict.Superseded || o == verdict.Abandoned || o == verdict.Stopped
 	if o == verdict.OK {
 		l.recordDuration(time.Since(start))
 		if l.cfg.Stage == dispatcher.StageDecode && !beganBeating.IsZero() {

@@ -88,7 +88,10 @@ func (l *Loop) onRunning(msg *nats.Msg) {
 		if delivery != "" {
 			other = r.delivery != delivery
 		}
-		if r.id == id && r.generation == gen && other && r.admitted {
+		// A delivery answers once it runs, or while at its checks when
+		// it is the earlier: of two copies at their checks, the later
+		// gives way.
+		if r.id == id && r.generation == gen && other && (r.admitted || r.attempt < asker) {
 			_ = msg.Respond(nil) // a lost answer only costs a duplicate run
 			return
 		}
