@@ -26,6 +26,13 @@ const gateRecheck = 50 * time.Millisecond
 // waiting, so a burst of fast prefills cannot overrun it.
 const gateFresh = 50 * time.Millisecond
 
+// gateIdleFresh is how long a look serves that found nothing waiting and
+// the gate open, while no prefill has been let through since: an idle
+// pool's prefill workers looked 4 times a second each, a list of every
+// decode consumer each time (docs/scaling.md). The first prefill let
+// through brings the next look back to gateFresh after the last.
+const gateIdleFresh = time.Second
+
 // DecodeGate is admission by capacity for a prefill stage: a prefill
 // starts only while its handoff can be expected to start decoding within
 // the KV TTL. Prefilling further ahead would only make KV that expires
@@ -49,6 +56,9 @@ type DecodeGate struct {
 	log      *slog.Logger
 
 	fresh time.Duration // how long a look serves: gateFresh; tests change it between calls
+	// idleFresh is how long a look that found the pool idle serves:
+	// gateIdleFresh; tests that look again at will set it to 0.
+	idleFresh time.Duration
 
 	// mu guards the fields below. isOpen holds it across its JetStream
 	// calls: one look at a time.
@@ -78,7 +88,8 @@ func NewDecodeGate(ctx context.Context, js jetstream.JetStream, pool string, ttl
 	if err != nil {
 		return nil, err
 	}
-	return &DecodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh, heads: map[string]*head{}}, nil
+	return &DecodeGate{js: js, pool: pool, ttl: ttl, registry: registry, log: log, fresh: gateFresh, idleFresh: gateIdleFresh,
+		heads: map[string]*head{}}, nil
 }
 
 // Wait returns once a prefill may start, or when ctx ends.
@@ -108,7 +119,11 @@ func (g *DecodeGate) Took() {
 func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if time.Since(g.looked) >= g.fresh {
+	serves := g.fresh
+	if g.open && g.pending == 0 && g.since == 0 && g.headAge == 0 {
+		serves = max(serves, g.idleFresh)
+	}
+	if time.Since(g.looked) >= serves {
 		shared, all, err := g.backlog(ctx)
 		if err != nil {
 			g.open = true

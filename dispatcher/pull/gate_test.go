@@ -43,7 +43,7 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 	if g.isOpen(ctx) {
 		t.Fatal("a second prefill within one look, for one decode slot: the gate is open")
 	}
-	g.fresh = 0 // the next call looks again: nothing was handed off
+	g.fresh, g.idleFresh = 0, 0 // the next call looks again: nothing was handed off
 	if !g.isOpen(ctx) {
 		t.Fatal("a fresh look at an empty backlog: the gate is closed")
 	}
@@ -87,7 +87,7 @@ func TestDecodeGateHeadAge(t *testing.T) {
 	handoff(other, "old-other")
 	time.Sleep(ttl / 2)
 	handoff(pool, "new")
-	g.fresh = 0
+	g.fresh, g.idleFresh = 0, 0
 	if !g.isOpen(ctx) {
 		t.Fatalf("a fresh handoff waits (another pool's has waited %v): the gate is closed", ttl/2)
 	}
@@ -133,7 +133,7 @@ func TestDecodeGateCountsEnginesQueues(t *testing.T) {
 		t.Fatal(err)
 	}
 	dispatchertest.WaitFor(t, "the worker registered", func() bool { return len(g.registry.Engines(dispatcher.StageDecode, pool)) == 1 })
-	g.fresh = 0
+	g.fresh, g.idleFresh = 0, 0
 	if !g.isOpen(ctx) {
 		t.Fatal("no handoff waits: the gate is closed")
 	}
@@ -156,7 +156,7 @@ func TestDecodeGateCountsEnginesQueues(t *testing.T) {
 		}
 		return err == nil && n == 4
 	})
-	g.fresh = 0
+	g.fresh, g.idleFresh = 0, 0
 	if g.isOpen(ctx) {
 		t.Errorf("4 handoffs wait for the engine's 2 decodes of 2 s (the gate saw %d): the gate is open", g.pending)
 	}
@@ -181,7 +181,7 @@ func TestDecodeGateHeadAgePreferred(t *testing.T) {
 	if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
 		t.Fatal(err)
 	}
-	g.fresh = 0
+	g.fresh, g.idleFresh = 0, 0
 	if !g.isOpen(ctx) {
 		t.Fatal("a fresh handoff waits: the gate is closed")
 	}
@@ -212,5 +212,36 @@ func TestDecodeRoom(t *testing.T) {
 		if got := decodeRoom(tc.pending, tc.idle, tc.slots, tc.avg, ttl); got != tc.want {
 			t.Errorf("%s: decodeRoom(%d, %d, %d, %v) = %v, want %v", tc.name, tc.pending, tc.idle, tc.slots, tc.avg, got, tc.want)
 		}
+	}
+}
+
+// TestDecodeGateIdleLooks: a look that found the pool idle (nothing
+// waiting, the gate open) serves for gateIdleFresh, not gateFresh; a
+// prefill let through since brings the next look back to gateFresh.
+func TestDecodeGateIdleLooks(t *testing.T) {
+	_, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	g, err := NewDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !g.isOpen(ctx) {
+		t.Fatal("an empty decode backlog: the gate is closed")
+	}
+	first := g.looked
+	time.Sleep(4 * gateFresh)
+	g.isOpen(ctx)
+	if g.looked != first {
+		t.Errorf("an idle gate looked again after %v; want its look to serve %v", 4*gateFresh, gateIdleFresh)
+	}
+	g.Took()
+	time.Sleep(2 * gateFresh)
+	g.isOpen(ctx)
+	if g.looked == first {
+		t.Errorf("a prefill let through, %v later the gate had not looked again", 2*gateFresh)
 	}
 }

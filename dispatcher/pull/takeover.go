@@ -23,9 +23,20 @@ import (
 // decode gate closed for a look after a job it just took) is not taken
 // from. A take-over pull that finds only running jobs comes back empty
 // after TakeOverWait.
+//
+// A look lists the stage's consumers (two JetStream API requests, and an
+// answer that grows with the engines). While every engine's consumer is
+// idle, the looks slow down, doubling up to takeOverIdleEvery: an idle
+// fleet of 100 workers made some 2,000 such requests a second, most of
+// what its JetStream served (docs/scaling.md). The first look to find a
+// job waiting, or an engine's consumer with jobs and no pull, brings
+// them back to TakeOverEvery; so at the start of a burst after a quiet
+// spell, a job that prefers a full engine may wait up to
+// takeOverIdleEvery longer than it would have.
 const (
-	TakeOverEvery = 100 * time.Millisecond
-	takeOverAfter = 100 * time.Millisecond
+	TakeOverEvery     = 100 * time.Millisecond
+	takeOverIdleEvery = 1600 * time.Millisecond
+	takeOverAfter     = 100 * time.Millisecond
 )
 
 // TakeOverWait is a take-over pull's wait: the job seen waiting may have
@@ -49,6 +60,7 @@ type TakeOver struct {
 	log     *slog.Logger
 
 	looks  int
+	every  time.Duration    // until the next look (Every)
 	stuck  map[string]bool  // consumers that looked stuck on the last look
 	stream jetstream.Stream // the stage's, for behind; found at its first use
 }
@@ -64,7 +76,22 @@ type Stuck struct {
 // wait of the consumers it makes for orphaned jobs.
 func NewTakeOver(js jetstream.JetStream, stage dispatcher.Stage, pool, engine string, ackWait time.Duration, log *slog.Logger) *TakeOver {
 	return &TakeOver{js: js, stage: stage, pool: pool, own: dispatcher.EngineConsumerName(stage, pool, engine),
-		ackWait: ackWait, log: log, stuck: map[string]bool{}}
+		ackWait: ackWait, log: log, stuck: map[string]bool{}, every: TakeOverEvery}
+}
+
+// Every is how long its loop waits before the next look: TakeOverEvery
+// after a look that found work waiting in an engine's consumer, or could
+// not look; longer after each look that found all idle.
+func (t *TakeOver) Every() time.Duration { return t.every }
+
+// paced sets the wait before the next look, after one that found work
+// waiting (busy) or not.
+func (t *TakeOver) paced(busy bool) {
+	if busy {
+		t.every = TakeOverEvery
+		return
+	}
+	t.every = min(2*t.every, takeOverIdleEvery)
 }
 
 // Look returns the consumers to take jobs from now: those stuck on this
@@ -79,18 +106,25 @@ func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
 	t.looks++
 	if full {
 		clear(t.stuck)
+		t.paced(true) // nothing asked of NATS: the next look as soon as a slot frees
 		return nil
 	}
 	infos, err := dispatcher.EngineConsumers(ctx, t.js, t.stage, t.pool)
 	if err != nil {
+		t.paced(true)
 		return nil // the next look
 	}
 	next := map[string]bool{}
 	var take []Stuck
+	busy := false
 	for _, info := range infos {
+		if info.Name != t.own && info.NumPending > 0 {
+			busy = true
+		}
 		if info.Name == t.own || !stuckConsumer(info) && !t.behind(ctx, info) {
 			continue
 		}
+		busy = true
 		if next[info.Name] = true; !t.stuck[info.Name] {
 			continue
 		}
@@ -101,6 +135,7 @@ func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
 		take = append(take, Stuck{Consumer: cons, Jobs: int(info.NumPending) + info.NumAckPending})
 	}
 	t.stuck = next
+	t.paced(busy)
 	return take
 }
 

@@ -40,3 +40,21 @@ func TestStuckConsumer(t *testing.T) {
 		}
 	}
 }
+
+// TestTakeOverPace: looks that find all idle come further apart, doubling
+// up to takeOverIdleEvery; one that finds work waiting brings them back
+// to TakeOverEvery.
+func TestTakeOverPace(t *testing.T) {
+	to := NewTakeOver(nil, "prefill", "p", "e", time.Second, nil)
+	want := []time.Duration{200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond, takeOverIdleEvery, takeOverIdleEvery}
+	for i, w := range want {
+		to.paced(false)
+		if got := to.Every(); got != w {
+			t.Errorf("after %d idle looks: next in %v, want %v", i+1, got, w)
+		}
+	}
+	to.paced(true)
+	if got := to.Every(); got != TakeOverEvery {
+		t.Errorf("after a busy look: next in %v, want %v", got, TakeOverEvery)
+	}
+}

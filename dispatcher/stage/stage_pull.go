@@ -143,7 +143,7 @@ func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *
 			wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
 		}
 	}()
-	t := time.NewTicker(pull.TakeOverEvery)
+	t := time.NewTimer(look.Every())
 	defer t.Stop()
 	for {
 		select {
@@ -169,5 +169,6 @@ func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *
 				}
 			}
 		}
+		t.Reset(look.Every()) // paced by what this look found
 	}
 }
