@@ -33,6 +33,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -168,12 +169,12 @@ func streams(args []string) error {
 		return err
 	}
 	defer r.close()
+	slots := (*n + *workers - 1) / *workers
 	_, recs, err := r.start(nil, "simulated engine ready", *workers, "sim", "--engines", strconv.Itoa(*workers), "--addr", "127.0.0.1:0",
-		"--kv-port", "0", "--kv-host", "127.0.0.1", "--itl", itl.String())
+		"--kv-port", "0", "--kv-host", "127.0.0.1", "--itl", itl.String(), "--max-num-seqs", strconv.Itoa(slots+slots/4))
 	if err != nil {
 		return err
 	}
-	slots := (*n + *workers - 1) / *workers
 	for _, rec := range recs {
 		if _, _, err := r.start([]string{"PDQ_ENGINE_URL=http://" + rec["addr"].(string), fmt.Sprintf("PDQ_ENGINE_SLOTS=%d", slots),
 			"PDQ_STALL_TIMEOUT=60s"}, "stage worker pulling", 1, "decode"); err != nil {
@@ -212,6 +213,7 @@ func streams(args []string) error {
 		err  string
 	}
 	results := make([]result, *n)
+	var opened, ended atomic.Int64
 	var open sync.WaitGroup // every stream has its first token
 	open.Add(*n)
 	var wg sync.WaitGroup
@@ -221,6 +223,7 @@ func streams(args []string) error {
 		wg.Go(func() {
 			res := &results[i]
 			first := false
+			defer ended.Add(1)
 			defer func() {
 				if !first {
 					open.Done()
@@ -259,6 +262,7 @@ func streams(args []string) error {
 				if !first {
 					first = true
 					res.ttft = now.Sub(start)
+					opened.Add(1)
 					open.Done()
 				} else {
 					res.gaps = append(res.gaps, now.Sub(last))
@@ -267,12 +271,19 @@ func streams(args []string) error {
 			}
 		})
 	}
-	opened := make(chan struct{})
-	go func() { open.Wait(); close(opened) }()
+	allOpen := make(chan struct{})
+	go func() { open.Wait(); close(allOpen) }()
 	select {
-	case <-opened:
+	case <-allOpen:
 	case <-time.After(*ramp + 60*time.Second):
-		return fmt.Errorf("not every stream had its first token within %v of the ramp", 60*time.Second)
+		errs := map[string]int{}
+		for i := range results {
+			if e := results[i].err; e != "" {
+				errs[e[:min(len(e), 120)]]++
+			}
+		}
+		return fmt.Errorf("%d of %d streams had their first token within %v of the ramp; %d ended; errors: %v",
+			opened.Load(), *n, 60*time.Second, ended.Load(), errs)
 	}
 	openAt := time.Since(t0)
 	// Every stream is open: measure the gateways over a window while
