@@ -185,10 +185,12 @@ func TestClusterNATSPartitions(t *testing.T) {
 				tally(&rd, during[i])
 				t.Logf("%s side (%s): in flight: accepted %d, completed %d, errors %d, lost %d; sent during the cut: accepted %d, completed %d, errors %d, lost %d",
 					s.name, s.lc.natsURL, r.accepted, r.completed, r.errors, r.lost, rd.accepted, rd.completed, rd.errors, rd.lost)
-				for _, o := range append(outs[i], during[i]...) {
-					if !o.ok {
-						t.Logf("  not whole: %d %s %q", o.status, o.err, o.tail)
-						break
+				for _, group := range [][]outcome{outs[i], during[i]} {
+					for _, o := range group {
+						if !o.ok {
+							t.Logf("  not whole: %d %s %q", o.status, o.err, o.tail[max(len(o.tail)-160, 0):])
+							break
+						}
 					}
 				}
 				if r.lost != 0 || rd.lost != 0 || r.accepted != len(outs[i]) || rd.accepted != len(during[i]) {
