@@ -429,6 +429,11 @@ func ParseJob(h nats.Header, data []byte) (*Job, error) {
 		}
 		j.Body, j.KV, j.Sent = body, kv, sent
 	default:
+		// Its generation still: the refusal is answered, and recorded, as
+		// the generation the gateway waits for (a reply of generation 0
+		// would be taken for an earlier one's, and dropped).
+		j.Generation, _ = strconv.Atoi(h.Get(HeaderGeneration))
+		j.Origin, _ = strconv.Atoi(h.Get(HeaderOrigin))
 		return j, fmt.Errorf("%w %q (this pdq reads %d and %d)", ErrEnvelopeVersion, v, EnvelopeVersion, EnvelopeParts)
 	}
 	var errs []error

@@ -88,6 +88,9 @@ func TestJobEnvelope(t *testing.T) {
 // version 3 payload whose parts do not add up, or name a part this build
 // does not know, is refused rather than run without it.
 func TestJobPayloadParts(t *testing.T) {
+	if writeBody[0] != versionBody[0] {
+		t.Skip("built with -tags pdqnext: the versions written are checked by TestNextEnvelope")
+	}
 	small := json.RawMessage(`{"remote_block_ids":[1]}`)
 	if m := (&Job{ID: "req-0", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: json.RawMessage(`{}`), KV: small}).Msg(StageDecode); m.Header.Get(HeaderVersion) != "2" || m.Header.Get(HeaderKV) != string(small) {
 		t.Errorf("a handoff with short params is written as version %s with params %q in the header, want 2: a worker of the build before reads it",
@@ -166,7 +169,7 @@ func TestEnvelopeReadsAs(t *testing.T) {
 			}
 		})
 	}
-	if m := (&Job{ID: "req-w", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: json.RawMessage(`{}`)}).Msg(StagePrefill); m.Header.Get(HeaderReadsAs) != "" {
+	if m := (&Job{ID: "req-w", Model: "m", Pool: "m", Endpoint: openai.Chat, Generation: 1, Body: json.RawMessage(`{}`)}).Msg(StagePrefill); writeBody[0] == versionBody[0] && m.Header.Get(HeaderReadsAs) != "" {
 		t.Errorf("this build writes %s: %q; want none (it writes its own version)", HeaderReadsAs, m.Header.Get(HeaderReadsAs))
 	}
 }

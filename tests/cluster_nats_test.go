@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/pkg/sim"
 	"github.com/pdq-dev/pdq/tests/netlab"
@@ -17,6 +20,8 @@ import (
 // labNATS is a 3-node NATS cluster on a lab's hosts, with pdq's streams
 // and buckets created in 3 replicas.
 type labNATS struct {
+	nc    *nats.Conn
+	js    jetstream.JetStream
 	hosts []*netlab.Host
 	urls  []string
 	// leaders are the nodes' hosts by the stage stream each leads.
@@ -43,7 +48,8 @@ func startLabNATS(t *testing.T, lab *netlab.Lab) *labNATS {
 		}
 		startNATSServerOn(t, ln.hosts[i], n, writeNATSConf(t, ndir, n, nodes, ""))
 	}
-	_, js := waitJetStream(t, strings.Join(ln.urls, ","))
+	nc, js := waitJetStream(t, strings.Join(ln.urls, ","))
+	ln.nc, ln.js = nc, js
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	for {
@@ -72,6 +78,40 @@ func startLabNATS(t *testing.T, lab *netlab.Lab) *labNATS {
 		}
 	}
 	return ln
+}
+
+// lead makes node h the leader of stream again if another took over
+// (pdq's processes starting can move it): it asks the leader to step down
+// until h is elected, and reads the leaders again.
+func (ln *labNATS) lead(t *testing.T, stream string, h *netlab.Host) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for try := 0; ; try++ {
+		st, err := ln.js.Stream(ctx, stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for name := range ln.leaders {
+			if s, err := ln.js.Stream(ctx, name); err == nil && s.CachedInfo().Cluster != nil {
+				for _, o := range ln.hosts {
+					if s.CachedInfo().Cluster.Leader == o.Name {
+						ln.leaders[name] = o
+					}
+				}
+			}
+		}
+		if c := st.CachedInfo().Cluster; c != nil && c.Leader == h.Name {
+			return
+		}
+		if try == 10 {
+			t.Fatalf("%s: %s not elected its leader in 10 step-downs", stream, h.Name)
+		}
+		if _, err := ln.nc.Request("$JS.API.STREAM.LEADER.STEPDOWN."+stream, nil, 5*time.Second); err != nil {
+			t.Logf("step-down of %s's leader: %v", stream, err)
+		}
+		time.Sleep(time.Second)
+	}
 }
 
 // cutNode cuts node h off from the other nodes, both ways; its own
@@ -124,6 +164,8 @@ func TestClusterNATSPartitions(t *testing.T) {
 		name string
 		// victim picks the node to cut off.
 		victim func(*labNATS) *netlab.Host
+		// leader: the victim must still lead the prefill stream at the cut.
+		leader bool
 	}{
 		{"a NATS node that leads no stage stream", func(ln *labNATS) *netlab.Host {
 			for _, h := range ln.hosts {
@@ -132,8 +174,8 @@ func TestClusterNATSPartitions(t *testing.T) {
 				}
 			}
 			return nil
-		}},
-		{"the leader of the prefill stream", func(ln *labNATS) *netlab.Host { return ln.leaders[dispatcher.StreamPrefill] }},
+		}, false},
+		{"the leader of the prefill stream", func(ln *labNATS) *netlab.Host { return ln.leaders[dispatcher.StreamPrefill] }, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			lab := netlab.New(t)
@@ -158,17 +200,20 @@ func TestClusterNATSPartitions(t *testing.T) {
 			for _, s := range sides {
 				s.lc.ready()
 			}
-			t.Logf("cutting off %s (leads %s)", victim.Name, leads(ln, victim))
 
 			outs := make([][]outcome, len(sides))
 			during := make([][]outcome, len(sides))
-			done := make(chan int)
+			done := make(chan int, 2*len(sides)) // a failing test leaves none blocked
 			for i, s := range sides {
 				go func() { outs[i] = s.lc.load(8, "np-"+s.name, 0, streamed(100)); done <- i }()
 			}
 			for _, s := range sides {
 				s.dec.engine.WaitStats(t, 10*time.Second, "decodes on the "+s.name+" side", func(st sim.Stats) bool { return st.Running >= 1 })
 			}
+			if tc.leader {
+				ln.lead(t, dispatcher.StreamPrefill, victim)
+			}
+			t.Logf("at the cut, %s leads %s", victim.Name, leads(ln, victim))
 			heal := ln.cutNode(victim)
 			for i, s := range sides {
 				go func() { during[i] = s.lc.load(2, "np-cut-"+s.name, 0, streamed(5)); done <- i }()

@@ -123,15 +123,15 @@ func TestClusterPartitions(t *testing.T) {
 		partitionRow(t, "a decode worker cut off from NATS for 4 s mid-decode", "cut", outs, d1.engine, d2.engine)
 	})
 	t.Run("a prefill worker cut off past the ack wait, then healed", func(t *testing.T) {
-		// Prefills of 6 s; the cut, 3 s, outlasts PDQ_ACK_WAIT (1 s): NATS
+		// Prefills of 10 s; the cut, 3 s, outlasts PDQ_ACK_WAIT (1 s): NATS
 		// redelivers the cut-off worker's jobs, and the other engine, with
 		// room for them, runs them. Once healed, the worker finds them
 		// taken over and stops their engine calls, rather than running
 		// them to the end. Without affinity, so that both engines get
 		// prompts (they are alike).
 		lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s", "PDQ_AFFINITY=false")
-		p1 := lc.engine("p1", dispatcher.StagePrefill, 4, "--prefill-overhead", "6s")
-		p2 := lc.engine("p2", dispatcher.StagePrefill, 8, "--prefill-overhead", "6s")
+		p1 := lc.engine("p1", dispatcher.StagePrefill, 4, "--prefill-overhead", "10s")
+		p2 := lc.engine("p2", dispatcher.StagePrefill, 8, "--prefill-overhead", "10s")
 		lc.engine("d", dispatcher.StageDecode, 16, "--itl", "10ms")
 		lc.ready()
 
@@ -283,7 +283,7 @@ func TestClusterOneWay(t *testing.T) {
 // (the gateway still reaches NATS and the engines): clients that wait get
 // their answers once healed; clients that give up meanwhile are gone for
 // good, and their engine calls stop once the gateway can tell (its writes
-// fail after the heal).
+// fail after the heal), well before their end.
 func TestClusterClientsCutOff(t *testing.T) {
 	lc := startLabCluster(t, "PDQ_STALL_TIMEOUT=5s")
 	lc.engine("p", dispatcher.StagePrefill, 4)
@@ -306,19 +306,19 @@ func TestClusterClientsCutOff(t *testing.T) {
 		var outs []outcome
 		cutWhile(nil, 0,
 			func() []outcome {
-				outs = lc.load(6, "cgone", 3*time.Second, streamed(400)) // 8 s each
+				outs = lc.load(6, "cgone", 5*time.Second, streamed(600)) // 12 s each
 				return outs
 			},
 			func() {
 				d.engine.WaitStats(t, 10*time.Second, "decodes running", func(s sim.Stats) bool { return s.Running >= 6 })
 				lc.gwHost.CutFrom(true)
-				time.Sleep(4 * time.Second) // the clients give up meanwhile
+				time.Sleep(6 * time.Second) // the clients give up meanwhile
 				lc.gwHost.Heal()
 			})
 		r := row{}
 		tally(&r, outs)
 		after, err := d.engine.Poll(10*time.Second, func(s sim.Stats) bool { return s.Running == 0 })
-		t.Logf("the clients' side cut off for 4 s, its 6 clients giving up after 3 s: left %d, lost %d; the engine aborted %d, %d still run (%v)",
+		t.Logf("the clients' side cut off for 6 s, its 6 clients giving up after 5 s: left %d, lost %d; the engine aborted %d, %d still run (%v)",
 			r.left, r.lost, after.Aborts-before.Aborts, after.Running, err)
 		if r.left != 6 {
 			t.Errorf("%d of 6 clients left; want all: %+v", r.left, outs)

@@ -8,10 +8,12 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
@@ -109,6 +111,7 @@ type upgradeLoad struct {
 	results  []upgradeResult
 	wg       sync.WaitGroup
 	stop     chan struct{}
+	stopped  chan struct{} // closed when run returns: no request is started after
 }
 
 type upgradeResult struct {
@@ -131,6 +134,7 @@ func (u *upgradeLoad) gateway() string {
 }
 
 func (u *upgradeLoad) run() {
+	defer close(u.stopped)
 	t := time.NewTicker(50 * time.Millisecond)
 	defer t.Stop()
 	for i := 0; ; i++ {
@@ -145,7 +149,7 @@ func (u *upgradeLoad) run() {
 			for r.tries < 4 {
 				r.tries++
 				c := &cluster{t: u.t, url: u.gateway()}
-				r.last = c.send(id, time.Minute, streamed(20)(0))
+				r.last = c.send(id, 30*time.Second, streamed(20)(0))
 				if r.last.ok || !(r.last.status == 0 || r.last.status == 503 || r.last.cut) {
 					break
 				}
@@ -182,7 +186,7 @@ func TestClusterRollingUpgrade(t *testing.T) {
 		urls = append(urls, "nats://"+n.client)
 	}
 	natsURL := strings.Join(urls, ",")
-	_, js := waitJetStream(t, natsURL)
+	nc, js := waitJetStream(t, natsURL)
 	env := []string{"PDQ_NATS_URL=" + natsURL, "PDQ_NATS_REPLICAS=3", "PDQ_ACK_WAIT=5s", "PDQ_STALL_TIMEOUT=10s", "PDQ_SHUTDOWN_GRACE=20s"}
 	_, pre := startSimProcess(t)
 	_, dec := startSimProcess(t, "--itl", "10ms")
@@ -203,9 +207,31 @@ func TestClusterRollingUpgrade(t *testing.T) {
 	waitServing(t, urlB)
 	waitCurrent(t, js, "n1")
 
-	u := &upgradeLoad{t: t, stop: make(chan struct{})}
+	// Which envelope versions the jobs were written in, by stage, and in
+	// which phase of the upgrade: heard on the stage subjects.
+	var phase atomic.Int32
+	var seen sync.Mutex
+	versions := map[string]int{} // "<phase> <stage> v<version>" → jobs
+	for _, stage := range []dispatcher.Stage{dispatcher.StagePrefill, dispatcher.StageDecode} {
+		sub, err := nc.Subscribe(dispatcher.StageSubject(stage)+".>", func(m *nats.Msg) {
+			seen.Lock()
+			versions[fmt.Sprintf("%d %s v%s", phase.Load(), stage, m.Header.Get(dispatcher.HeaderVersion))]++
+			seen.Unlock()
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sub.Unsubscribe()
+	}
+	u := &upgradeLoad{t: t, stop: make(chan struct{}), stopped: make(chan struct{})}
 	u.setGateways(urlA, urlB)
 	go u.run()
+	stopLoad := sync.OnceFunc(func() {
+		close(u.stop)
+		<-u.stopped
+		u.wg.Wait()
+	})
+	t.Cleanup(stopLoad) // a step that fails stops the load too
 	pause := func() { time.Sleep(2 * time.Second) }
 	pause()
 	steps := []struct {
@@ -222,20 +248,23 @@ func TestClusterRollingUpgrade(t *testing.T) {
 			waitCurrent(t, js, nodes[i].name)
 		}})
 	}
+	// Gateway A first: the old prefill worker reads its jobs; then the
+	// prefill worker: it reads gateway B's, and the old decode worker its
+	// handoffs.
 	steps = append(steps, []struct {
 		what string
 		do   func()
 	}{
-		{"the prefill worker: the next build", func() {
-			next := worker(startPDQNext, dispatcher.StagePrefill, pre.URL)
-			sigterm(t, pw)
-			pw = next
-		}},
 		{"gateway A: the next build", func() {
 			g, url := gateway(startPDQNext)
 			u.setGateways(url, urlB)
 			sigterm(t, gA)
 			gA, urlA = g, url
+		}},
+		{"the prefill worker: the next build", func() {
+			next := worker(startPDQNext, dispatcher.StagePrefill, pre.URL)
+			sigterm(t, pw)
+			pw = next
 		}},
 		{"gateway B: the next build", func() {
 			g, url := gateway(startPDQNext)
@@ -249,14 +278,25 @@ func TestClusterRollingUpgrade(t *testing.T) {
 			dw = next
 		}},
 	}...)
-	for _, s := range steps {
+	for i, s := range steps {
 		start := time.Now()
 		s.do()
+		phase.Store(int32(i + 1))
 		t.Logf("%s in %v", s.what, time.Since(start).Round(time.Millisecond))
 		pause()
 	}
-	close(u.stop)
-	u.wg.Wait()
+	stopLoad()
+	// After gateway A's upgrade (step 4) the old prefill worker read its
+	// jobs, written a version higher; after the prefill worker's (step 5)
+	// the old decode worker read its handoffs.
+	seen.Lock()
+	t.Logf("jobs by phase, stage and envelope version: %v", versions)
+	for _, want := range []string{"4 prefill v4", "5 decode v4"} {
+		if versions[want] == 0 {
+			t.Errorf("no job %q: the next build wrote no job of a version higher for the old one to read", want)
+		}
+	}
+	seen.Unlock()
 
 	retried, failed := 0, 0
 	for _, r := range u.results {

@@ -44,9 +44,12 @@ const (
 // another engine's consumer would compete with that engine for its next.
 const TakeOverWait = 20 * time.Millisecond
 
-// orphanLookEvery is how many take-over looks apart a loop looks for jobs
-// that prefer an engine without a consumer (see adoptOrphans).
-const orphanLookEvery = 10
+// orphanEvery is how often a loop looks for jobs that prefer an engine
+// without a consumer (see adoptOrphans), whatever the pace of its looks:
+// such jobs count in no consumer, so they never speed the looks up. While
+// none waits it is one stream info request, filtered to the pool's
+// preferred subjects.
+const orphanEvery = time.Second
 
 // TakeOver finds, for one loop, the engines' consumers it is to
 // take jobs from, so that affinity never leaves its engine idle while
@@ -59,10 +62,11 @@ type TakeOver struct {
 	ackWait time.Duration
 	log     *slog.Logger
 
-	looks  int
-	every  time.Duration    // until the next look (Every)
-	stuck  map[string]bool  // consumers that looked stuck on the last look
-	stream jetstream.Stream // the stage's, for behind; found at its first use
+	looks   int
+	adopted time.Time        // when adoptOrphans last ran
+	every   time.Duration    // until the next look (Every)
+	stuck   map[string]bool  // consumers that looked stuck on the last look
+	stream  jetstream.Stream // the stage's, for behind; found at its first use
 }
 
 // Stuck is a consumer to take jobs from, and how many it held.
@@ -97,10 +101,11 @@ func (t *TakeOver) paced(busy bool) {
 // Look returns the consumers to take jobs from now: those stuck on this
 // look and the one before; none while the loop's engine has no slot free
 // (full), whose look forgets what was stuck, as there is nothing to take
-// it with. Every orphanLookEvery looks it first gives a consumer to jobs
+// it with. Every orphanEvery it first gives a consumer to jobs
 // whose engine has none. With NATS away it finds none.
 func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
-	if t.looks%orphanLookEvery == 0 {
+	if time.Since(t.adopted) >= orphanEvery {
+		t.adopted = time.Now()
 		t.adoptOrphans(ctx)
 	}
 	t.looks++

@@ -59,6 +59,9 @@ type lease struct {
 	kept      bool      // it lapsed, and was found ours once back
 	recheck   time.Time // found ours once back: asked again at each answer until then
 	settling  bool      // the handler returned: signals only
+	judging   bool      // a judge runs (beside the signals, which go on)
+	lost      bool      // judged another's: the job stopped
+	judges    sync.WaitGroup
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -101,6 +104,7 @@ func (ls *lease) settle() {
 func (ls *lease) release() {
 	ls.cancel()
 	<-ls.done
+	ls.judges.Wait()
 }
 
 func (ls *lease) run(ctx context.Context) {
@@ -119,8 +123,9 @@ func (ls *lease) run(ctx context.Context) {
 	}
 }
 
-// renew sends one signal and judges the lease by its answer; true once
-// the lease is lost (the job stopped) or released.
+// renew sends one signal and judges the lease by its answer (the
+// question of ownership beside it, see judge); true once the lease is lost
+// (the job stopped) or released.
 func (ls *lease) renew(ctx context.Context) (over bool) {
 	rctx, cancel := context.WithTimeout(ctx, ls.every)
 	_, err := ls.l.nc.RequestWithContext(rctx, ls.msg.Reply(), ackProgress)
@@ -130,18 +135,24 @@ func (ls *lease) renew(ctx context.Context) (over bool) {
 	}
 	now := time.Now()
 	ls.mu.Lock()
+	if ls.lost {
+		ls.mu.Unlock()
+		return true
+	}
 	if ls.settling {
 		ls.mu.Unlock()
 		return false
 	}
 	if err == nil {
 		ls.confirmed = now
-		ask := ls.unsure || now.Before(ls.recheck)
-		ls.mu.Unlock()
-		if !ask {
-			return false
+		if (ls.unsure || now.Before(ls.recheck)) && !ls.judging {
+			// Beside the signals: asking may take a second (a running
+			// query nobody answers), longer than a signal's round.
+			ls.judging = true
+			ls.judges.Go(func() { ls.judge(ctx, now) })
 		}
-		return ls.judge(ctx, now)
+		ls.mu.Unlock()
+		return false
 	}
 	silent := now.Sub(ls.confirmed)
 	if silent >= ls.l.cfg.AckWait && !ls.unsure {
@@ -164,27 +175,31 @@ func (ls *lease) renew(ctx context.Context) (over bool) {
 // before may still be at its checks, and answers nobody until it runs:
 // the question is asked again at each answer for as long as such a copy
 // can wait for its own answer, and a signal's round more.
-func (ls *lease) judge(ctx context.Context, now time.Time) (over bool) {
-	ours := ls.ours(ctx)
-	if ctx.Err() != nil {
-		return true // released meanwhile: the answer means nothing
-	}
+func (ls *lease) judge(ctx context.Context, now time.Time) {
+	jctx, cancel := context.WithTimeout(ctx, judgeWait)
+	ours := ls.ours(jctx)
+	cancel()
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	if ls.settling {
-		return false
+	ls.judging = false
+	if ctx.Err() != nil || ls.settling {
+		return // released, or settling, meanwhile: the answer means nothing
 	}
 	if !ours {
 		ls.log.Warn("back in touch with NATS: the job went to another delivery meanwhile; stopping this one")
+		ls.lost = true
 		ls.stop(errLeaseTaken)
-		return true
+		return
 	}
 	if ls.unsure {
 		ls.log.Info("back in touch with NATS: the job is still this delivery's")
 		ls.unsure, ls.kept, ls.recheck = false, true, now.Add(runningQueryWaitReconnected+ls.every)
 	}
-	return false
 }
+
+// judgeWait bounds a judge: the record's read and a running query (a
+// second, just after a reconnect).
+const judgeWait = 2 * time.Second
 
 // How a lapsed lease ended, for pdq_leases_lapsed_total.
 const (

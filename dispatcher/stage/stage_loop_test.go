@@ -612,8 +612,9 @@ func TestLifecycle(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
+			s.Start(2) // as the gateway waits for it: a reply of an earlier generation is dropped
 			job := &dispatcher.Job{ID: tc.id, Model: "m", Pool: lt.pool, Endpoint: openai.Chat, Body: []byte(`{}`),
-				ReplyTo: lt.replies.Subject(tc.id), Generation: 1}
+				ReplyTo: lt.replies.Subject(tc.id), Generation: 2}
 			m := job.Msg(dispatcher.StagePrefill)
 			tc.spoil(m)
 			if _, err := js.PublishMsg(ctx, m); err != nil {
