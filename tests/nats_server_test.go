@@ -19,31 +19,39 @@ import (
 	"github.com/pdq-dev/pdq/tests/netlab"
 )
 
-// natsServerBin is the nats-server command built from the module pdq
-// depends on, once per test binary.
-var natsServerBin struct {
+// builtBinary is a command built once per test binary, next to the pdq
+// binary (removed with it when the tests end).
+type builtBinary struct {
 	once sync.Once
 	path string
 	err  error
 }
 
-// natsServerBinary builds nats-server next to the pdq binary (removed with
-// it when the tests end).
-func natsServerBinary(t *testing.T) string {
+// get builds the command named name with go build and args (flags, then
+// the package) at its first call, and returns its path.
+func (b *builtBinary) get(t *testing.T, name string, args ...string) string {
 	t.Helper()
-	natsServerBin.once.Do(func() {
-		path := filepath.Join(filepath.Dir(pdqBinary), "nats-server")
-		out, err := exec.Command("go", "build", "-o", path, "github.com/nats-io/nats-server/v2").CombinedOutput()
+	b.once.Do(func() {
+		path := filepath.Join(filepath.Dir(pdqBinary), name)
+		out, err := exec.Command("go", append([]string{"build", "-o", path}, args...)...).CombinedOutput()
 		if err != nil {
-			natsServerBin.err = fmt.Errorf("build nats-server: %w\n%s", err, out)
+			b.err = fmt.Errorf("build %s: %w\n%s", name, err, out)
 			return
 		}
-		natsServerBin.path = path
+		b.path = path
 	})
-	if natsServerBin.err != nil {
-		t.Fatal(natsServerBin.err)
+	if b.err != nil {
+		t.Fatal(b.err)
 	}
-	return natsServerBin.path
+	return b.path
+}
+
+// natsServerBin is nats-server, built from the module pdq depends on.
+var natsServerBin builtBinary
+
+func natsServerBinary(t *testing.T) string {
+	t.Helper()
+	return natsServerBin.get(t, "nats-server", "github.com/nats-io/nats-server/v2")
 }
 
 // natsServer is a nats-server process that a test can kill -9 and start

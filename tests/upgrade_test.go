@@ -22,27 +22,11 @@ import (
 // pdqNextBin is pdq built with -tags pdqnext: it writes its jobs one
 // envelope version higher (see dispatcher/envelope_next.go), as the next
 // build would.
-var pdqNextBin struct {
-	once sync.Once
-	path string
-	err  error
-}
+var pdqNextBin builtBinary
 
 func pdqNextBinary(t *testing.T) string {
 	t.Helper()
-	pdqNextBin.once.Do(func() {
-		path := filepath.Join(filepath.Dir(pdqBinary), "pdq-next")
-		out, err := exec.Command("go", "build", "-tags", "pdqnext", "-o", path, "github.com/pdq-dev/pdq/cmd/pdq").CombinedOutput()
-		if err != nil {
-			pdqNextBin.err = fmt.Errorf("build pdq -tags pdqnext: %w\n%s", err, out)
-			return
-		}
-		pdqNextBin.path = path
-	})
-	if pdqNextBin.err != nil {
-		t.Fatal(pdqNextBin.err)
-	}
-	return pdqNextBin.path
+	return pdqNextBin.get(t, "pdq-next", "-tags", "pdqnext", "github.com/pdq-dev/pdq/cmd/pdq")
 }
 
 // startPDQNext is startPDQ with the next build.

@@ -31,6 +31,7 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 
+	"github.com/pdq-dev/pdq/tools/internal/natsstats"
 	"github.com/pdq-dev/pdq/tools/internal/proc"
 )
 
@@ -129,7 +130,7 @@ func run(n, conc, tokens, words int, bin string) error {
 		return fmt.Errorf("%d of the 20 warm-up requests failed", failed)
 	}
 	time.Sleep(2 * time.Second) // the warm-up's records and releases settle
-	before, err := snapshot(srv)
+	before, err := natsstats.Take(srv)
 	if err != nil {
 		return err
 	}
@@ -137,7 +138,7 @@ func run(n, conc, tokens, words int, bin string) error {
 	failed := load(url, "cost", n, conc, prompt, tokens)
 	took := time.Since(t0)
 	time.Sleep(2 * time.Second)
-	after, err := snapshot(srv)
+	after, err := natsstats.Take(srv)
 	if err != nil {
 		return err
 	}
@@ -179,79 +180,35 @@ func load(url, prefix string, n, conc int, prompt string, tokens int) int {
 	return int(failed.Load())
 }
 
-// counts are a connection's, or a stream's, counters.
-type counts struct{ inMsgs, outMsgs, inBytes, outBytes int64 }
-
-type snap struct {
-	conns   map[string]counts // by connection name (summed)
-	streams map[string]uint64 // last sequence, by stream
-	api     uint64            // JetStream API requests
-}
-
-func snapshot(srv *server.Server) (snap, error) {
-	s := snap{conns: map[string]counts{}, streams: map[string]uint64{}}
-	cz, err := srv.Connz(&server.ConnzOptions{Limit: 4096})
-	if err != nil {
-		return s, err
-	}
-	for _, c := range cz.Conns {
-		name := c.Name
-		if name == "" {
-			name = "(unnamed)"
-		}
-		k := s.conns[name]
-		k.inMsgs += c.InMsgs
-		k.outMsgs += c.OutMsgs
-		k.inBytes += c.InBytes
-		k.outBytes += c.OutBytes
-		s.conns[name] = k
-	}
-	jz, err := srv.Jsz(&server.JSzOptions{Streams: true, Accounts: true})
-	if err != nil {
-		return s, err
-	}
-	s.api = jz.API.Total
-	for _, a := range jz.AccountDetails {
-		for _, st := range a.Streams {
-			s.streams[st.Name] = st.State.LastSeq
-		}
-	}
-	return s, nil
-}
-
-func report(w io.Writer, before, after snap, n, failed, conc, tokens, words int, took time.Duration) {
+func report(w io.Writer, before, after natsstats.Snap, n, failed, conc, tokens, words int, took time.Duration) {
 	fmt.Fprintf(w, "natscost: %d streamed chat requests (%d at once, a %d-word prompt, %d output tokens), %d failed, in %v (%.0f req/s)\n\n",
 		n, conc, words, tokens, failed, took.Round(time.Millisecond), float64(n)/took.Seconds())
 	per := func(v int64) string { return fmt.Sprintf("%.1f", float64(v)/float64(n)) }
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "connection\tmsgs sent\tmsgs received\tbytes sent\tbytes received\t")
-	names := make([]string, 0, len(after.conns))
-	for name := range after.conns {
+	names := make([]string, 0, len(after.Conns))
+	for name := range after.Conns {
 		names = append(names, name)
 	}
 	sort.Strings(names)
-	var total counts
+	var total natsstats.Counts
 	for _, name := range names {
-		a, b := after.conns[name], before.conns[name]
-		d := counts{a.inMsgs - b.inMsgs, a.outMsgs - b.outMsgs, a.inBytes - b.inBytes, a.outBytes - b.outBytes}
-		total.inMsgs += d.inMsgs
-		total.outMsgs += d.outMsgs
-		total.inBytes += d.inBytes
-		total.outBytes += d.outBytes
+		d := after.Conns[name].Sub(before.Conns[name])
+		total = total.Add(d)
 		// The server's in is the client's sent, its out the client's received.
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t\n", name, per(d.inMsgs), per(d.outMsgs), per(d.inBytes), per(d.outBytes))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t\n", name, per(d.InMsgs), per(d.OutMsgs), per(d.InBytes), per(d.OutBytes))
 	}
-	fmt.Fprintf(tw, "all\t%s\t%s\t%s\t%s\t\n", per(total.inMsgs), per(total.outMsgs), per(total.inBytes), per(total.outBytes))
+	fmt.Fprintf(tw, "all\t%s\t%s\t%s\t%s\t\n", per(total.InMsgs), per(total.OutMsgs), per(total.InBytes), per(total.OutBytes))
 	tw.Flush()
-	fmt.Fprintf(w, "\nper request: %.1f JetStream API requests\n", float64(after.api-before.api)/float64(n))
-	streams := make([]string, 0, len(after.streams))
-	for name := range after.streams {
+	fmt.Fprintf(w, "\nper request: %.1f JetStream API requests\n", float64(after.API-before.API)/float64(n))
+	streams := make([]string, 0, len(after.Streams))
+	for name := range after.Streams {
 		streams = append(streams, name)
 	}
 	sort.Strings(streams)
 	fmt.Fprintln(w, "messages stored per request, by stream:")
 	for _, name := range streams {
-		if d := after.streams[name] - before.streams[name]; d > 0 {
+		if d := after.Streams[name] - before.Streams[name]; d > 0 {
 			fmt.Fprintf(w, "  %-28s %.2f\n", name, float64(d)/float64(n))
 		}
 	}

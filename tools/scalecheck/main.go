@@ -42,6 +42,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher/registry"
+	"github.com/pdq-dev/pdq/tools/internal/natsstats"
 	"github.com/pdq-dev/pdq/tools/internal/proc"
 )
 
@@ -417,7 +418,7 @@ func engines(args []string) error {
 
 	// The idle fleet's traffic: what every process sends and receives,
 	// and what JetStream does, while no request runs.
-	before, err := snapshot(r.srv)
+	before, err := natsstats.Take(r.srv)
 	if err != nil {
 		return err
 	}
@@ -445,7 +446,7 @@ func engines(args []string) error {
 	}
 	time.Sleep(*window)
 	sniff.Unsubscribe()
-	after, err := snapshot(r.srv)
+	after, err := natsstats.Take(r.srv)
 	if err != nil {
 		return err
 	}
@@ -470,23 +471,16 @@ func engines(args []string) error {
 	fmt.Printf("\nidle, over %v, a second:\n", *window)
 	fmt.Printf("%-16s %10s %10s %12s %12s\n", "connections", "msgs in", "msgs out", "bytes in", "bytes out")
 	for _, group := range []string{"pdq prefill", "pdq decode", "pdq gateway"} {
-		var d counts
-		conns := 0
-		for name, a := range after.conns {
-			if !strings.HasPrefix(name, group) {
-				continue
+		var d natsstats.Counts
+		for name, a := range after.Conns {
+			if strings.HasPrefix(name, group) {
+				d = d.Add(a.Sub(before.Conns[name]))
 			}
-			b := before.conns[name]
-			conns += a.conns
-			d.inMsgs += a.inMsgs - b.inMsgs
-			d.outMsgs += a.outMsgs - b.outMsgs
-			d.inBytes += a.inBytes - b.inBytes
-			d.outBytes += a.outBytes - b.outBytes
 		}
 		fmt.Printf("%-16s %10.1f %10.1f %12.0f %12.0f   (%d connections; server's view: in = sent by them)\n", group,
-			float64(d.inMsgs)/secs, float64(d.outMsgs)/secs, float64(d.inBytes)/secs, float64(d.outBytes)/secs, conns)
+			float64(d.InMsgs)/secs, float64(d.OutMsgs)/secs, float64(d.InBytes)/secs, float64(d.OutBytes)/secs, d.Conns)
 	}
-	fmt.Printf("JetStream API requests: %.1f a second; by kind:\n", float64(after.api-before.api)/secs)
+	fmt.Printf("JetStream API requests: %.1f a second; by kind:\n", float64(after.API-before.API)/secs)
 	apiMu.Lock()
 	kinds := make([]string, 0, len(apiKinds))
 	for k := range apiKinds {
@@ -497,8 +491,8 @@ func engines(args []string) error {
 		fmt.Printf("  %-40s %8.1f a second\n", k, float64(apiKinds[k])/secs)
 	}
 	apiMu.Unlock()
-	for name, seq := range after.streams {
-		if d := seq - before.streams[name]; d > 0 {
+	for name, seq := range after.Streams {
+		if d := seq - before.Streams[name]; d > 0 {
 			fmt.Printf("stored in %s: %.1f a second\n", name, float64(d)/secs)
 		}
 	}
@@ -523,44 +517,4 @@ func apiKind(subject string) string {
 		return f[0] + "." + f[1]
 	}
 	return subject
-}
-
-// counts are a group of connections' counters.
-type counts struct {
-	conns                              int
-	inMsgs, outMsgs, inBytes, outBytes int64
-}
-
-type snap struct {
-	conns   map[string]counts // by connection name, summed
-	streams map[string]uint64 // last sequence, by stream
-	api     uint64
-}
-
-func snapshot(srv *server.Server) (snap, error) {
-	s := snap{conns: map[string]counts{}, streams: map[string]uint64{}}
-	cz, err := srv.Connz(&server.ConnzOptions{Limit: 1 << 16})
-	if err != nil {
-		return s, err
-	}
-	for _, c := range cz.Conns {
-		k := s.conns[c.Name]
-		k.conns++
-		k.inMsgs += c.InMsgs
-		k.outMsgs += c.OutMsgs
-		k.inBytes += c.InBytes
-		k.outBytes += c.OutBytes
-		s.conns[c.Name] = k
-	}
-	jz, err := srv.Jsz(&server.JSzOptions{Streams: true, Accounts: true})
-	if err != nil {
-		return s, err
-	}
-	s.api = jz.API.Total
-	for _, a := range jz.AccountDetails {
-		for _, st := range a.Streams {
-			s.streams[st.Name] = st.State.LastSeq
-		}
-	}
-	return s, nil
 }
