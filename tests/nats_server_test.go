@@ -140,6 +140,7 @@ func (s *natsServer) start() {
 	}
 	w := &lockedWriter{mu: &s.mu, w: &s.out}
 	cmd.Stdout, cmd.Stderr = w, w
+	dieWithTests(cmd)
 	if err := cmd.Start(); err != nil {
 		s.t.Fatal(err)
 	}

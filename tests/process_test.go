@@ -84,6 +84,7 @@ func startPDQOn(t *testing.T, h *netlab.Host, env []string, args ...string) *pro
 func startPDQCmd(t *testing.T, cmd *exec.Cmd, env []string, args []string) *process {
 	t.Helper()
 	cmd.Env = processEnv(env)
+	dieWithTests(cmd)
 	p := &process{name: strings.Join(args, " "), cmd: cmd, grew: make(chan struct{}), exited: make(chan struct{})}
 	cmd.Stdout = &lockedWriter{mu: &p.mu, w: &p.stdout}
 	stderr, err := cmd.StderrPipe()
@@ -301,4 +302,14 @@ func TestCommandLine(t *testing.T) {
 			}
 		})
 	}
+}
+
+// dieWithTests has the kernel kill cmd when the test binary's thread that
+// started it exits: a test binary that panics (a test's time-out) runs no
+// clean-ups, and would leave its engines, workers and NATS servers running.
+func dieWithTests(cmd *exec.Cmd) {
+	if cmd.SysProcAttr == nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
+	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
 }
