@@ -205,7 +205,10 @@ func TestClusterNATSPartitions(t *testing.T) {
 			during := make([][]outcome, len(sides))
 			done := make(chan int, 2*len(sides)) // a failing test leaves none blocked
 			for i, s := range sides {
-				go func() { outs[i] = s.lc.load(8, "np-"+s.name, 0, streamed(100)); done <- i }()
+				// Clients wait up to a minute: a request caught by the cut
+				// may wait out the stall time-out and a redelivery before
+				// its first byte.
+				go func() { outs[i] = s.lc.loadWithin(8, "np-"+s.name, time.Minute, streamed(100)); done <- i }()
 			}
 			for _, s := range sides {
 				s.dec.engine.WaitStats(t, 10*time.Second, "decodes on the "+s.name+" side", func(st sim.Stats) bool { return st.Running >= 1 })
@@ -216,7 +219,7 @@ func TestClusterNATSPartitions(t *testing.T) {
 			t.Logf("at the cut, %s leads %s", victim.Name, leads(ln, victim))
 			heal := ln.cutNode(victim)
 			for i, s := range sides {
-				go func() { during[i] = s.lc.load(2, "np-cut-"+s.name, 0, streamed(5)); done <- i }()
+				go func() { during[i] = s.lc.loadWithin(2, "np-cut-"+s.name, time.Minute, streamed(5)); done <- i }()
 			}
 			time.Sleep(5 * time.Second)
 			heal()

@@ -181,6 +181,24 @@ func (c *cluster) load(n int, idPrefix string, giveUp time.Duration, mk func(i i
 	return out
 }
 
+// loadWithin is load with clients that wait up to bound for an answer
+// (not the test's 20 s): one with none by then is lost.
+func (c *cluster) loadWithin(n int, idPrefix string, bound time.Duration, mk func(i int) body) []outcome {
+	out := make([]outcome, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			o := c.send(fmt.Sprintf("%s-%d", idPrefix, i), bound, mk(i))
+			if o.err != "" && o.status == 0 {
+				o.err = "lost: " + o.err
+			}
+			out[i] = o
+		})
+	}
+	wg.Wait()
+	return out
+}
+
 // one sends a request and reads its whole answer.
 func (c *cluster) one(id string, giveUp time.Duration, b body) outcome {
 	o := c.send(id, giveUp, b)
