@@ -218,10 +218,11 @@ func TestClusterRollingUpgrade(t *testing.T) {
 	t.Cleanup(stopLoad) // a step that fails stops the load too
 	pause := func() { time.Sleep(2 * time.Second) }
 	pause()
-	steps := []struct {
+	type step struct {
 		what string
 		do   func()
-	}{}
+	}
+	var steps []step
 	for i, s := range servers {
 		steps = append(steps, struct {
 			what string
@@ -235,10 +236,7 @@ func TestClusterRollingUpgrade(t *testing.T) {
 	// Gateway A first: the old prefill worker reads its jobs; then the
 	// prefill worker: it reads gateway B's, and the old decode worker its
 	// handoffs.
-	steps = append(steps, []struct {
-		what string
-		do   func()
-	}{
+	steps = append(steps, []step{
 		{"gateway A: the next build", func() {
 			g, url := gateway(startPDQNext)
 			u.setGateways(url, urlB)

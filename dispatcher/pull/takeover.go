@@ -62,7 +62,6 @@ type TakeOver struct {
 	ackWait time.Duration
 	log     *slog.Logger
 
-	looks   int
 	adopted time.Time        // when adoptOrphans last ran
 	every   time.Duration    // until the next look (Every)
 	stuck   map[string]bool  // consumers that looked stuck on the last look
@@ -108,7 +107,6 @@ func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
 		t.adopted = time.Now()
 		t.adoptOrphans(ctx)
 	}
-	t.looks++
 	if full {
 		clear(t.stuck)
 		t.paced(true) // nothing asked of NATS: the next look as soon as a slot frees
