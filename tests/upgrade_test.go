@@ -224,10 +224,7 @@ func TestClusterRollingUpgrade(t *testing.T) {
 	}
 	var steps []step
 	for i, s := range servers {
-		steps = append(steps, struct {
-			what string
-			do   func()
-		}{fmt.Sprintf("NATS node %s restarted", nodes[i].name), func() {
+		steps = append(steps, step{fmt.Sprintf("NATS node %s restarted", nodes[i].name), func() {
 			s.stop()
 			s.start()
 			waitCurrent(t, js, nodes[i].name)
