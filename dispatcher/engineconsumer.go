@@ -65,6 +65,12 @@ func PoolConsumers(ctx context.Context, js jetstream.StreamManager, stage Stage,
 	if err != nil {
 		return nil, err
 	}
+	return PoolConsumersOf(ctx, st, stage, pool)
+}
+
+// PoolConsumersOf is PoolConsumers on stage's stream st, found before:
+// one list request, without the stream info that finding it costs.
+func PoolConsumersOf(ctx context.Context, st jetstream.Stream, stage Stage, pool string) ([]*jetstream.ConsumerInfo, error) {
 	shared := ConsumerName(stage, pool)
 	var out []*jetstream.ConsumerInfo
 	list := st.ListConsumers(ctx)

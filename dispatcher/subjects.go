@@ -273,6 +273,14 @@ const (
 // collide with "ask".
 func WorkerSubject(id string) string { return subjectWorkers + "." + id }
 
+// QueuesSubject is where one worker of pool's stage loops publishes what
+// the pool's queues of stage hold (dispatcher/queues): the take-over, the
+// decode gates and the queue-depth metric of the others read it instead
+// of each listing the consumers.
+func QueuesSubject(stage Stage, pool string) string {
+	return "pdq.queues." + string(stage) + "." + pool
+}
+
 // KeeperNote is a keeper's body, for whoever reads the stream.
 const KeeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"
 

@@ -256,6 +256,7 @@ func (w *Worker) loopConfig(m vllm.Model, entry string) stage.Config {
 		Replicas:       w.cfg.Replicas,
 		Metrics:        w.cfg.Metrics,
 		LocalReplies:   w.cfg.LocalReplies,
+		Registry:       w.peers,
 		Worker: dispatcher.WorkerInfo{
 			ID: entry, Worker: w.id, Model: m.ID, Engine: w.engine.URL(), Started: time.Now(),
 			Affinity:    w.cfg.Affinity,

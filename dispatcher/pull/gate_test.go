@@ -11,6 +11,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/queues"
+	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/pkg/logging"
 	"github.com/pdq-dev/pdq/pkg/openai"
 )
@@ -26,10 +28,7 @@ func TestDecodeGateCountsWhatItLetThrough(t *testing.T) {
 	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
 		t.Fatal(err)
 	}
-	g, err := NewDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	g := newGate(t, js, pool, 10*time.Second)
 	// No decode worker is registered: the gate counts one slot, so one
 	// handoff may wait for it.
 	g.fresh = time.Hour // every call below within one look
@@ -67,10 +66,7 @@ func TestDecodeGateHeadAge(t *testing.T) {
 		}
 	}
 	const ttl = time.Second
-	g, err := NewDecodeGate(ctx, js, pool, ttl, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	g := newGate(t, js, pool, ttl)
 	// A decode worker that reports room for a hundred handoffs.
 	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Slots: 100, AvgJobMs: 1})
 	if err := nc.Publish(dispatcher.WorkerSubject("w1"), info); err != nil {
@@ -91,10 +87,27 @@ func TestDecodeGateHeadAge(t *testing.T) {
 	if !g.isOpen(ctx) {
 		t.Fatalf("a fresh handoff waits (another pool's has waited %v): the gate is closed", ttl/2)
 	}
-	time.Sleep(ttl/2 + headEvery)
+	time.Sleep(ttl/2 + 250*time.Millisecond) // a head is read anew at most every 250 ms
 	if g.isOpen(ctx) {
 		t.Errorf("the next handoff has waited %v of a %v TTL: the gate is open (it waited %v by the gate)", ttl/2, ttl, g.headAge)
 	}
+}
+
+// newGate makes the decode gate of pool, with a watch of its decode
+// queues and a registry of its own, until the test ends.
+func newGate(t *testing.T, js jetstream.JetStream, pool string, ttl time.Duration) *DecodeGate {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	watch, err := queues.Open(ctx, js, dispatcher.StageDecode, pool, queues.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg, err := registry.WatchWorkers(ctx, js, logging.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return NewDecodeGate(watch, reg, pool, ttl, logging.Discard())
 }
 
 // engineGate makes a decode gate of ttl for a pool of its own, with the
@@ -110,10 +123,7 @@ func engineGate(t *testing.T, ttl time.Duration) (*nats.Conn, jetstream.JetStrea
 	if _, err := dispatcher.EnsureEngineConsumer(ctx, js, dispatcher.StageDecode, pool, dispatcher.EngineKey("http://decode"), time.Second); err != nil {
 		t.Fatal(err)
 	}
-	g, err := NewDecodeGate(ctx, js, pool, ttl, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	g := newGate(t, js, pool, ttl)
 	return nc, js, g
 }
 
@@ -185,7 +195,7 @@ func TestDecodeGateHeadAgePreferred(t *testing.T) {
 	if !g.isOpen(ctx) {
 		t.Fatal("a fresh handoff waits: the gate is closed")
 	}
-	time.Sleep(ttl/2 + headEvery)
+	time.Sleep(ttl/2 + 250*time.Millisecond) // a head is read anew at most every 250 ms
 	if g.isOpen(ctx) {
 		t.Errorf("the next handoff, preferring an engine, has waited %v of a %v TTL: the gate is open (it waited %v by the gate)", ttl/2, ttl, g.headAge)
 	}
@@ -225,10 +235,7 @@ func TestDecodeGateIdleLooks(t *testing.T) {
 	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
 		t.Fatal(err)
 	}
-	g, err := NewDecodeGate(ctx, js, pool, 10*time.Second, logging.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	g := newGate(t, js, pool, 10*time.Second)
 	if !g.isOpen(ctx) {
 		t.Fatal("an empty decode backlog: the gate is closed")
 	}

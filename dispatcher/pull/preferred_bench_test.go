@@ -13,6 +13,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/dispatchertest"
+	"github.com/pdq-dev/pdq/dispatcher/queues"
 	"github.com/pdq-dev/pdq/pkg/logging"
 )
 
@@ -147,7 +148,18 @@ func preferredScenario(b *testing.B, mode, scenario string) (shareE, meanMs, max
 		}
 	} else {
 		workers.Go(func() {
-			look := NewTakeOver(js, dispatcher.StagePrefill, pool, f, ackWait, logging.Discard())
+			// The pool's shared consumer, which a report needs, and the watch
+			// that lists for the take-over.
+			if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StagePrefill, pool, ackWait); err != nil {
+				b.Error(err)
+				return
+			}
+			watch, err := queues.Open(ctx, js, dispatcher.StagePrefill, pool, queues.Options{Publish: true})
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			look := NewTakeOver(js, watch, dispatcher.StagePrefill, pool, f, ackWait, logging.Discard())
 			t := time.NewTicker(TakeOverEvery)
 			defer t.Stop()
 			for {

@@ -9,35 +9,26 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/pdq-dev/pdq/dispatcher"
+	"github.com/pdq-dev/pdq/dispatcher/queues"
 )
 
-// A loop with affinity (see dispatcher.Job.Preferred) looks every
-// TakeOverEvery, while it has a free engine slot, for jobs waiting for
-// other engines that cannot take them. A consumer is taken from when two
-// looks in a row find jobs in it (never delivered, or delivered and not
-// acked: a redelivery waits among those), no pull waiting on it, and
-// nothing delivered from it for takeOverAfter: its engine is busy with
-// all it can run, or gone; or when two looks in a row find its next job
-// stored takeOverAfter ago or more, no pull waiting: its engine delivers,
-// but takes less than comes for it. An engine briefly without a pull waiting (its
-// decode gate closed for a look after a job it just took) is not taken
-// from. A take-over pull that finds only running jobs comes back empty
-// after TakeOverWait.
+// A loop with affinity (see dispatcher.Job.Preferred) takes, while it
+// has a free engine slot, the jobs of the consumers its pool's report
+// names stuck (queues.Stuck): jobs in them on two listings in a row (never
+// delivered, or delivered and not acked: a redelivery waits among those),
+// no pull waiting on them, and nothing delivered from them for
+// queues.StuckAfter: their engine is busy with all it can run, or gone; or
+// their next job stored StuckAfter ago or more, no pull waiting: their
+// engine delivers, but takes less than comes for it. An engine briefly
+// without a pull waiting (its decode gate closed for a listing after a job
+// it just took) is not taken from. A take-over pull that finds only
+// running jobs comes back empty after TakeOverWait.
 //
-// A look lists the stage's consumers (two JetStream API requests, and an
-// answer that grows with the engines). While every engine's consumer is
-// idle, the looks slow down, doubling up to takeOverIdleEvery: an idle
-// fleet of 100 workers made some 2,000 such requests a second, most of
-// what its JetStream served (docs/scaling.md). The first look to find a
-// job waiting, or an engine's consumer with jobs and no pull, brings
-// them back to TakeOverEvery; so at the start of a burst after a quiet
-// spell, a job that prefers a full engine may wait up to
-// takeOverIdleEvery longer than it would have.
-const (
-	TakeOverEvery     = 100 * time.Millisecond
-	takeOverIdleEvery = 1600 * time.Millisecond
-	takeOverAfter     = 100 * time.Millisecond
-)
+// One worker of the pool lists the consumers and publishes the report
+// (dispatcher/queues); each look reads the last one, at its pace:
+// TakeOverEvery while jobs wait or run, slowing to queues.IdleEvery while
+// all is idle.
+const TakeOverEvery = queues.BusyEvery
 
 // TakeOverWait is a take-over pull's wait: the job seen waiting may have
 // been taken by its own engine meanwhile, and a pull left waiting on
@@ -56,16 +47,16 @@ const orphanEvery = time.Second
 // work waits for another. Its loop calls it, one call at a time.
 type TakeOver struct {
 	js      jetstream.JetStream
+	watch   *queues.Watch // the pool's queues of the loop's stage
 	stage   dispatcher.Stage
 	pool    string
 	own     string // the loop's own engine consumer, never taken from
 	ackWait time.Duration
 	log     *slog.Logger
 
-	adopted time.Time        // when adoptOrphans last ran
-	every   time.Duration    // until the next look (Every)
-	stuck   map[string]bool  // consumers that looked stuck on the last look
-	stream  jetstream.Stream // the stage's, for behind; found at its first use
+	adopted time.Time      // when adoptOrphans last ran
+	every   time.Duration  // until the next look (Every)
+	last    *queues.Report // the report of the last look
 }
 
 // Stuck is a consumer to take jobs from, and how many it held.
@@ -75,70 +66,51 @@ type Stuck struct {
 }
 
 // NewTakeOver makes the take-over of the loop of stage and pool whose
-// engine's key is engine (see dispatcher.EngineKey). ackWait is the ack
+// engine's key is engine (see dispatcher.EngineKey), reading watch, the
+// pool's queues of stage. ackWait is the ack
 // wait of the consumers it makes for orphaned jobs.
-func NewTakeOver(js jetstream.JetStream, stage dispatcher.Stage, pool, engine string, ackWait time.Duration, log *slog.Logger) *TakeOver {
-	return &TakeOver{js: js, stage: stage, pool: pool, own: dispatcher.EngineConsumerName(stage, pool, engine),
-		ackWait: ackWait, log: log, stuck: map[string]bool{}, every: TakeOverEvery}
+func NewTakeOver(js jetstream.JetStream, watch *queues.Watch, stage dispatcher.Stage, pool, engine string, ackWait time.Duration, log *slog.Logger) *TakeOver {
+	return &TakeOver{js: js, watch: watch, stage: stage, pool: pool, own: dispatcher.EngineConsumerName(stage, pool, engine),
+		ackWait: ackWait, log: log, every: TakeOverEvery}
 }
 
-// Every is how long its loop waits before the next look: TakeOverEvery
-// after a look that found work waiting in an engine's consumer, or could
-// not look; longer after each look that found all idle.
+// Every is how long its loop waits before the next look: the report's
+// pace (see queues.BusyEvery), TakeOverEvery after a look that could not
+// read one.
 func (t *TakeOver) Every() time.Duration { return t.every }
 
-// paced sets the wait before the next look, after one that found work
-// waiting (busy) or not.
-func (t *TakeOver) paced(busy bool) {
-	if busy {
-		t.every = TakeOverEvery
-		return
-	}
-	t.every = min(2*t.every, takeOverIdleEvery)
-}
-
-// Look returns the consumers to take jobs from now: those stuck on this
-// look and the one before; none while the loop's engine has no slot free
-// (full), whose look forgets what was stuck, as there is nothing to take
-// it with. Every orphanEvery it first gives a consumer to jobs
-// whose engine has none. With NATS away it finds none.
+// Look returns the consumers to take jobs from now: those the pool's last
+// report names stuck, but for the loop's own; none while the loop's
+// engine has no slot free (full), nor twice for one report. Every
+// orphanEvery, unless the reporter does it (queues.Report.Adopts), it
+// first gives a consumer to jobs whose engine has none. With NATS away it
+// finds none.
 func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
-	if time.Since(t.adopted) >= orphanEvery {
+	r, err := t.watch.Latest(ctx, TakeOverEvery)
+	if err != nil {
+		t.every = TakeOverEvery
+		return nil // the next look
+	}
+	t.every = max(time.Duration(r.NextMs)*time.Millisecond, TakeOverEvery)
+	if (r.By == t.watch.ID() || !r.Adopts) && time.Since(t.adopted) >= orphanEvery {
 		t.adopted = time.Now()
 		t.adoptOrphans(ctx)
 	}
-	if full {
-		clear(t.stuck)
-		t.paced(true) // nothing asked of NATS: the next look as soon as a slot frees
-		return nil
+	if full || r == t.last {
+		return nil // nothing to take it with, or nothing new
 	}
-	infos, err := dispatcher.EngineConsumers(ctx, t.js, t.stage, t.pool)
-	if err != nil {
-		t.paced(true)
-		return nil // the next look
-	}
-	next := map[string]bool{}
+	t.last = r
 	var take []Stuck
-	busy := false
-	for _, info := range infos {
-		if info.Name != t.own && info.NumPending > 0 {
-			busy = true
-		}
-		if info.Name == t.own || !stuckConsumer(info) && !t.behind(ctx, info) {
+	for _, s := range r.Stuck {
+		if s.Consumer == t.own {
 			continue
 		}
-		busy = true
-		if next[info.Name] = true; !t.stuck[info.Name] {
-			continue
-		}
-		cons, err := t.js.Consumer(ctx, info.Stream, info.Name)
+		cons, err := t.js.Consumer(ctx, dispatcher.StageStream(t.stage), s.Consumer)
 		if err != nil {
 			continue
 		}
-		take = append(take, Stuck{Consumer: cons, Jobs: int(info.NumPending) + info.NumAckPending})
+		take = append(take, Stuck{Consumer: cons, Jobs: s.Jobs})
 	}
-	t.stuck = next
-	t.paced(busy)
 	return take
 }
 
@@ -176,35 +148,4 @@ func (t *TakeOver) adoptOrphans(ctx context.Context) {
 			}
 		}
 	}
-}
-
-// behind says whether an engine's consumer delivers, but not fast enough:
-// jobs wait undelivered, no pull is waiting (its engine's seats are all
-// busy), and the next job to be delivered was stored takeOverAfter ago or
-// more. An engine over its capacity that ends a job every few tens of
-// milliseconds is never stuck (it delivers), yet its queue grows while
-// other engines idle. It reads the next job's stored time: one message
-// get, only for such a consumer.
-func (t *TakeOver) behind(ctx context.Context, info *jetstream.ConsumerInfo) bool {
-	if info.NumPending == 0 || info.NumWaiting > 0 {
-		return false
-	}
-	stored := nextStored(ctx, t.js, &t.stream, info)
-	return !stored.IsZero() && info.TimeStamp.Sub(stored) >= takeOverAfter
-}
-
-// stuckConsumer says whether an engine's consumer has jobs that its engine
-// does not take: pending, or delivered and not acked (NumPending does not
-// count a job nak'd, or whose ack wait ran out, to be delivered again),
-// with no pull waiting and nothing delivered for takeOverAfter (by the
-// server's clock).
-func stuckConsumer(info *jetstream.ConsumerInfo) bool {
-	if info.NumPending == 0 && info.NumAckPending == 0 || info.NumWaiting > 0 {
-		return false
-	}
-	last := info.Created
-	if info.Delivered.Last != nil {
-		last = *info.Delivered.Last
-	}
-	return info.TimeStamp.Sub(last) >= takeOverAfter
 }

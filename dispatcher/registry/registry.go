@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 
@@ -55,6 +56,7 @@ type Registry struct {
 type registryEntry struct {
 	info dispatcher.WorkerInfo
 	at   time.Time // when this process last heard the worker, on its clock
+	raw  []byte    // the heartbeat info came from
 }
 
 // syncWait bounds how long WaitSynced waits for workers that the bucket
@@ -196,12 +198,20 @@ func (r *Registry) onBeat(m *nats.Msg) {
 		delete(r.workers, id)
 		return
 	}
+	if e, ok := r.workers[id]; ok && bytes.Equal(e.raw, m.Data) {
+		// The beat of a worker whose entry did not change (an idle one's):
+		// every registry hears every worker, so a fleet of N idle workers
+		// would decode some N² entries every heartbeat interval.
+		e.at = at
+		r.workers[id] = e
+		return
+	}
 	var info dispatcher.WorkerInfo
 	if err := json.Unmarshal(m.Data, &info); err != nil || info.ID != id {
 		r.log.Warn("ignoring an unreadable worker heartbeat", "subject", m.Subject, logging.Err(err))
 		return
 	}
-	r.workers[id] = registryEntry{info: info, at: at}
+	r.workers[id] = registryEntry{info: info, at: at, raw: m.Data}
 	r.models[info.Model] = true
 }
 

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdq-dev/pdq/dispatcher"
 	"github.com/pdq-dev/pdq/dispatcher/pull"
+	"github.com/pdq-dev/pdq/dispatcher/queues"
 	"github.com/pdq-dev/pdq/dispatcher/registry"
 	"github.com/pdq-dev/pdq/dispatcher/reply"
 )
@@ -116,6 +117,11 @@ type Config struct {
 	// LocalReplies are the gateways in this process, which take replies
 	// without NATS; nil sends every reply over NATS.
 	LocalReplies *reply.LocalReplies
+	// Registry, when set, is the worker's view of the live workers, which
+	// a prefill loop's decode gate reads; nil makes the loop its own.
+	// Each registry hears every worker's heartbeats: one a process, not
+	// one a loop.
+	Registry *registry.Registry
 }
 
 // Permit is what Config.Ready grants a pull.
@@ -152,6 +158,7 @@ type Loop struct {
 	kvReads *dispatcher.KVReads
 	// decodeGate is a prefill loop's (nil for decode).
 	decodeGate *pull.DecodeGate
+	queues     *queues.Watch // the pool's queues of this stage, once Run started
 	liveness   *registry.Liveness
 	log        *slog.Logger
 
@@ -364,11 +371,26 @@ func (l *Loop) Run(ctx context.Context) error {
 	if aw := cons.CachedInfo().Config.AckWait; aw > 0 {
 		l.cfg.AckWait = aw
 	}
+	// This loop's pool's queues, and on prefill the decode pool's, for
+	// the take-over, the queue-depth metric and the decode gate: one
+	// worker of the pool lists them for all (dispatcher/queues).
+	if l.queues, err = queues.Open(ctx, l.js, l.cfg.Stage, l.cfg.Pool, queues.Options{
+		ID: l.cfg.Worker.ID, Publish: true, Adopts: l.affinity(), Log: l.log}); err != nil {
+		return fmt.Errorf("watch the pool's queues: %w", err)
+	}
 	var gate *pull.DecodeGate
 	if l.cfg.Stage == dispatcher.StagePrefill {
-		if gate, err = pull.NewDecodeGate(ctx, l.js, l.cfg.Pool, l.cfg.KVTTL, l.log); err != nil {
-			return err
+		decode, err := queues.Open(ctx, l.js, dispatcher.StageDecode, l.cfg.Pool, queues.Options{Log: l.log})
+		if err != nil {
+			return fmt.Errorf("watch the pool's decode queues: %w", err)
 		}
+		reg := l.cfg.Registry
+		if reg == nil {
+			if reg, err = registry.WatchWorkers(ctx, l.js, l.log); err != nil {
+				return err
+			}
+		}
+		gate = pull.NewDecodeGate(decode, reg, l.cfg.Pool, l.cfg.KVTTL, l.log)
 		l.decodeGate = gate
 	}
 	cancelSub, err := l.nc.Subscribe(dispatcher.CancelSubject("*"), l.onCancel)

@@ -136,7 +136,7 @@ func (l *Loop) pullOne(ctx, jobCtx context.Context, src *pullSource, slots chan 
 // or the engines are gone (stopped, their breaker open, their worker
 // dead). So affinity never leaves this engine idle while work waits.
 func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *pull.DecodeGate, keep *pull.Keeper, wg *sync.WaitGroup) {
-	look := pull.NewTakeOver(l.js, l.cfg.Stage, l.cfg.Pool, l.engineKey(), l.cfg.AckWait, l.log)
+	look := pull.NewTakeOver(l.js, l.queues, l.cfg.Stage, l.cfg.Pool, l.engineKey(), l.cfg.AckWait, l.log)
 	src := &pullSource{from: pulledTakenOver, pulls: pull.NewPuller(ctx, l.nc, l.js, pull.TakeOverWait)}
 	defer func() {
 		for _, msg := range src.pulls.Stop() {

@@ -35,10 +35,10 @@ func (l *Loop) sampleDepth(ctx context.Context) {
 	defer t.Stop()
 	for {
 		qctx, cancel := context.WithTimeout(ctx, time.Second)
-		n, err := dispatcher.QueueDepth(qctx, l.js, l.cfg.Stage, l.cfg.Pool) // the engines' consumers too (affinity)
+		r, err := l.queues.Latest(qctx, dispatcher.HeartbeatInterval) // the engines' consumers too (affinity)
 		cancel()
 		if err == nil { // else NATS away: the last value stands
-			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, uint64(n))
+			l.cfg.Metrics.depth(l.cfg.Stage, l.cfg.Pool, uint64(r.Pending))
 		}
 		select {
 		case <-ctx.Done():
