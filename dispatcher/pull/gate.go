@@ -117,20 +117,41 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 			g.open = true
 			return true // no decode consumer yet: nothing is waiting for one
 		}
-		g.looked = time.Now()
-		if r != g.report { // a report not yet counted: the prefills since its listing count on
-			g.report, g.pending, g.idle, g.since, g.headAge = r, r.Pending, r.Waiting, 0, r.Head()
+		g.read(r)
+	}
+	was := g.open
+	g.open = g.decide()
+	// Closed by the prefills it let through since a report older than a
+	// look: they may have been decoded long since. Ask for news.
+	if !g.open && g.since > 0 && g.report != nil && g.report.Age() >= g.fresh {
+		if r, err := g.watch.Fresh(ctx, g.fresh); err == nil {
+			g.read(r)
+			g.open = g.decide()
 		}
 	}
-	was, waiting := g.open, g.pending+g.since
-	slots, avg := g.registry.DecodeCapacity(g.pool)
-	g.open = g.headAge < g.ttl/2 && decodeRoom(waiting, g.idle, slots, avg, g.ttl)
 	if g.open != was {
-		g.log.Debug("decode backlog gate", "open", g.open, "handoffs_waiting", waiting,
+		slots, avg := g.registry.DecodeCapacity(g.pool)
+		g.log.Debug("decode backlog gate", "open", g.open, "handoffs_waiting", g.pending+g.since,
 			"idle_decode_slots", g.idle, "decode_slots", slots, logging.Ms("avg_decode_ms", avg),
 			logging.Ms("oldest_waiting_ms", g.headAge))
 	}
 	return g.open
+}
+
+// read takes the decode pool's report r, when it is news: the prefills
+// let through since the last count on. g.mu is held.
+func (g *DecodeGate) read(r *queues.Report) {
+	g.looked = time.Now()
+	if r != g.report {
+		g.report, g.pending, g.idle, g.since, g.headAge = r, r.Pending, r.Waiting, 0, r.Head()
+	}
+}
+
+// decide is the gate's answer on its last report, with the prefills let
+// through since counted as waiting handoffs. g.mu is held.
+func (g *DecodeGate) decide() bool {
+	slots, avg := g.registry.DecodeCapacity(g.pool)
+	return g.headAge < g.ttl/2 && decodeRoom(g.pending+g.since, g.idle, slots, avg, g.ttl)
 }
 
 // Preferable says whether a handoff may prefer the decode engine keyed

@@ -252,3 +252,47 @@ func TestDecodeGateIdleLooks(t *testing.T) {
 		t.Errorf("a prefill let through, %v later the gate had not looked again", 2*gateFresh)
 	}
 }
+
+// TestDecodeGateAsksForNews: a gate closed by the prefills it let through
+// since the decode pool's last report asks the reporter for news, and
+// opens on its answer, rather than waiting for the next report, which an
+// idle reporter sends only every queues.IdleEvery (the regression that
+// sent a document's prefill to another engine in TestAffinityThroughUp).
+// The test is the reporter: its first report says its next is a minute
+// away, and it answers each ask with the same news.
+func TestDecodeGateAsksForNews(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	pool := dispatcher.PoolName(t.Name())
+	if _, err := dispatcher.EnsureConsumer(ctx, js, dispatcher.StageDecode, pool, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	report, _ := json.Marshal(queues.Report{By: "reporter", NextMs: time.Minute.Milliseconds()})
+	asked := make(chan struct{}, 100)
+	sub, err := nc.Subscribe(dispatcher.QueuesAskSubject(dispatcher.StageDecode, pool), func(m *nats.Msg) {
+		asked <- struct{}{}
+		_ = nc.Publish(dispatcher.QueuesSubject(dispatcher.StageDecode, pool), report)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Unsubscribe()
+	g := newGate(t, js, pool, 10*time.Second)
+	if err := nc.Publish(dispatcher.QueuesSubject(dispatcher.StageDecode, pool), report); err != nil {
+		t.Fatal(err)
+	}
+	dispatchertest.WaitFor(t, "the gate reads the report", func() bool {
+		r, err := g.watch.Latest(ctx, time.Hour)
+		return err == nil && r.By == "reporter"
+	})
+	// No decode worker registered: one slot, no average; one prefill let
+	// through fills it.
+	if !g.isOpen(ctx) {
+		t.Fatal("nothing waits: the gate is closed")
+	}
+	g.Took()
+	dispatchertest.WaitFor(t, "the gate opens on news", func() bool { return g.isOpen(ctx) })
+	if len(asked) == 0 {
+		t.Error("the gate opened without asking")
+	}
+}

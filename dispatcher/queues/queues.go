@@ -119,10 +119,15 @@ type Watch struct {
 	wasStuck map[string]bool  // stuck on the last listing
 	pace     time.Duration    // until the next listing, when reporting
 
-	// mu guards heard and own.
+	// poke wakes the reporting loop for a listing asked for (Fresh).
+	poke chan struct{}
+
+	// mu guards the fields below.
 	mu    sync.Mutex
-	heard *Report // the last report of another, the first-sorting heard
-	own   *Report // this watch's last listing
+	heard *Report       // the last report of another, the first-sorting heard
+	own   *Report       // this watch's last listing
+	asked time.Time     // when Fresh last asked the reporter
+	news  chan struct{} // closed, and made anew, when a report is heard
 }
 
 // head is the next job a consumer delivers: stored at time, read when the
@@ -140,14 +145,29 @@ func Open(ctx context.Context, js jetstream.JetStream, stage dispatcher.Stage, p
 	if opts.Log == nil {
 		opts.Log = logging.Discard()
 	}
-	w := &Watch{js: js, nc: js.Conn(), stage: stage, pool: pool, opts: opts, heads: map[string]*head{}, pace: BusyEvery}
+	w := &Watch{js: js, nc: js.Conn(), stage: stage, pool: pool, opts: opts, heads: map[string]*head{}, pace: BusyEvery,
+		poke: make(chan struct{}, 1), news: make(chan struct{})}
 	sub, err := w.nc.Subscribe(dispatcher.QueuesSubject(stage, pool), w.onReport)
 	if err != nil {
 		return nil, err
 	}
+	var ask *nats.Subscription
+	if opts.Publish {
+		ask, err = w.nc.Subscribe(dispatcher.QueuesAskSubject(stage, pool), func(*nats.Msg) {
+			select {
+			case w.poke <- struct{}{}:
+			default:
+			}
+		})
+		if err != nil {
+			sub.Unsubscribe()
+			return nil, err
+		}
+	}
 	go func() {
 		defer sub.Unsubscribe()
 		if opts.Publish {
+			defer ask.Unsubscribe()
 			w.report(ctx)
 			return
 		}
@@ -168,6 +188,43 @@ func (w *Watch) Latest(ctx context.Context, maxAge time.Duration) (*Report, erro
 	}
 	return w.listNow(ctx, maxAge)
 }
+
+// Fresh is Latest for a reader that needs news younger than maxAge (a
+// decode gate closed by the prefills it let through since its last
+// report): when the reporter's last is older, it asks the reporter to
+// list now (at most once a maxAge), and waits up to maxAge for the
+// answer. The reporter lists at its own pace otherwise, which is up to
+// IdleEvery after the pool was idle.
+func (w *Watch) Fresh(ctx context.Context, maxAge time.Duration) (*Report, error) {
+	r, err := w.Latest(ctx, maxAge)
+	if err != nil || r.By == w.opts.ID || r.Age() < maxAge {
+		return r, err
+	}
+	w.mu.Lock()
+	ask, news := time.Since(w.asked) >= maxAge, w.news
+	if ask {
+		w.asked = time.Now()
+	}
+	w.mu.Unlock()
+	if ask {
+		_ = w.nc.Publish(dispatcher.QueuesAskSubject(w.stage, w.pool), nil) // lost: the reporter's pace
+	}
+	t := time.NewTimer(maxAge)
+	defer t.Stop()
+	select {
+	case <-news:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return w.Latest(ctx, maxAge)
+}
+
+// Age is how long ago this process made or heard the report.
+func (r *Report) Age() time.Duration { return time.Since(r.at) }
+
+// askedFresh is the youngest listing a reporter keeps, asked for a fresh
+// one: many gates asking at once are answered by one listing.
+const askedFresh = 25 * time.Millisecond
 
 // last is the report Latest may return without listing, or nil.
 func (w *Watch) last(maxAge time.Duration) *Report {
@@ -222,10 +279,13 @@ func (w *Watch) report(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
+		asked := false
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-w.poke:
+			asked = true
 		}
 		w.mu.Lock()
 		reporting, heard := w.reporting(), w.heard
@@ -237,6 +297,9 @@ func (w *Watch) report(ctx context.Context) {
 		w.listMu.Lock()
 		pace := w.pace
 		w.listMu.Unlock()
+		if asked {
+			pace = askedFresh
+		}
 		if _, err := w.listNow(ctx, pace); err != nil && ctx.Err() == nil {
 			w.opts.Log.Debug("could not list the pool's consumers", "stage", w.stage, "pool", w.pool, logging.Err(err))
 		}
@@ -265,6 +328,8 @@ func (w *Watch) onReport(m *nats.Msg) {
 		return
 	}
 	w.heard = r
+	close(w.news)
+	w.news = make(chan struct{})
 }
 
 // list reads the state of the pool's consumers, in one list request.
