@@ -282,8 +282,10 @@ func QueuesSubject(stage Stage, pool string) string {
 }
 
 // QueuesAskSubject is where a decode gate whose report is older than it
-// can use asks the pool's reporter to list and publish now.
-func QueuesAskSubject(stage Stage, pool string) string { return QueuesSubject(stage, pool) + ".ask" }
+// can use asks the pool's reporter, by its id, to list and publish now.
+func QueuesAskSubject(stage Stage, pool, reporter string) string {
+	return QueuesSubject(stage, pool) + ".ask." + reporter
+}
 
 // KeeperNote is a keeper's body, for whoever reads the stream.
 const KeeperNote = "pdq: kept so that the stream's last file block never empties; no worker takes it"

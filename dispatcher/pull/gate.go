@@ -113,7 +113,7 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	}
 	if time.Since(g.looked) >= serves {
 		r, err := g.watch.Latest(ctx, serves)
-		if err != nil {
+		if err != nil || r.Shared.Missing {
 			g.open = true
 			return true // no decode consumer yet: nothing is waiting for one
 		}
@@ -124,7 +124,7 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 	// Closed by the prefills it let through since a report older than a
 	// look: they may have been decoded long since. Ask for news.
 	if !g.open && g.since > 0 && g.report != nil && g.report.Age() >= g.fresh {
-		if r, err := g.watch.Fresh(ctx, g.fresh); err == nil {
+		if r, err := g.watch.Fresh(ctx, g.fresh); err == nil && !r.Shared.Missing {
 			g.read(r)
 			g.open = g.decide()
 		}
@@ -139,11 +139,23 @@ func (g *DecodeGate) isOpen(ctx context.Context) bool {
 }
 
 // read takes the decode pool's report r, when it is news: the prefills
-// let through since the last count on. g.mu is held.
+// let through since the last count on. While a decode worker of the pool
+// takes the jobs that prefer its engine, handoffs wait in the engines'
+// consumers too (dispatcher.Job.PreferDecode), and all of them count: a
+// handoff waits there while its engine is full, until another takes it
+// over. Otherwise only the pool's shared consumer does: what waits in an
+// engine's consumer then (left from before affinity was turned off)
+// is no one's to decode, and must not close the gate. g.mu is held.
 func (g *DecodeGate) read(r *queues.Report) {
 	g.looked = time.Now()
-	if r != g.report {
-		g.report, g.pending, g.idle, g.since, g.headAge = r, r.Pending, r.Waiting, 0, r.Head()
+	if r == g.report {
+		return
+	}
+	g.report, g.idle, g.since = r, r.Waiting, 0
+	if slices.ContainsFunc(g.registry.Engines(dispatcher.StageDecode, g.pool), func(w dispatcher.WorkerInfo) bool { return w.Affinity }) {
+		g.pending, g.headAge = r.Pending, r.Head()
+	} else {
+		g.pending, g.headAge = r.Shared.Pending, time.Duration(r.Shared.HeadMs)*time.Millisecond
 	}
 }
 

@@ -269,7 +269,7 @@ func TestDecodeGateAsksForNews(t *testing.T) {
 	}
 	report, _ := json.Marshal(queues.Report{By: "reporter", NextMs: time.Minute.Milliseconds()})
 	asked := make(chan struct{}, 100)
-	sub, err := nc.Subscribe(dispatcher.QueuesAskSubject(dispatcher.StageDecode, pool), func(m *nats.Msg) {
+	sub, err := nc.Subscribe(dispatcher.QueuesAskSubject(dispatcher.StageDecode, pool, "reporter"), func(m *nats.Msg) {
 		asked <- struct{}{}
 		_ = nc.Publish(dispatcher.QueuesSubject(dispatcher.StageDecode, pool), report)
 	})
@@ -294,5 +294,38 @@ func TestDecodeGateAsksForNews(t *testing.T) {
 	dispatchertest.WaitFor(t, "the gate opens on news", func() bool { return g.isOpen(ctx) })
 	if len(asked) == 0 {
 		t.Error("the gate opened without asking")
+	}
+}
+
+// TestDecodeGateNoAffinity: while no decode worker of the pool takes the
+// jobs that prefer its engine, handoffs left in an engine's consumer
+// (affinity turned off, or a rollback) are no one's to decode: the gate
+// counts only the pool's queue, and stays open (a reviewer's finding: the
+// pool's report counts every consumer).
+func TestDecodeGateNoAffinity(t *testing.T) {
+	ctx := context.Background()
+	nc, js, g := engineGate(t, time.Second)
+	pool, engine := g.pool, "http://decode"
+	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Engine: engine, Slots: 100, AvgJobMs: 1})
+	if err := nc.Publish(dispatcher.WorkerSubject("w1"), info); err != nil {
+		t.Fatal(err)
+	}
+	dispatchertest.WaitFor(t, "the worker registered", func() bool { return len(g.registry.Engines(dispatcher.StageDecode, pool)) == 1 })
+	for i := range 4 {
+		job := &dispatcher.Job{ID: fmt.Sprintf("h-%d", i), Model: "m", Pool: pool, Endpoint: openai.Chat, Body: []byte(`{}`), KV: []byte(`{}`),
+			PreferDecode: dispatcher.EngineKey(engine)}
+		if _, err := js.PublishMsg(ctx, job.Msg(dispatcher.StageDecode)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g.fresh, g.idleFresh = 0, 0
+	dispatchertest.WaitFor(t, "the report counts the 4 handoffs", func() bool {
+		r, err := g.watch.Latest(ctx, 0)
+		return err == nil && r.Pending == 4
+	})
+	time.Sleep(g.ttl/2 + 250*time.Millisecond) // old enough to close the gate, were they counted
+	if !g.isOpen(ctx) {
+		t.Errorf("4 handoffs left in an engine's consumer, no decode worker with affinity (the gate saw %d, the oldest %v): the gate is closed",
+			g.pending, g.headAge)
 	}
 }

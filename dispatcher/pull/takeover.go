@@ -36,10 +36,10 @@ const TakeOverEvery = queues.BusyEvery
 const TakeOverWait = 20 * time.Millisecond
 
 // orphanEvery is how often a loop looks for jobs that prefer an engine
-// without a consumer (see adoptOrphans), whatever the pace of its looks:
-// such jobs count in no consumer, so they never speed the looks up. While
-// none waits it is one stream info request, filtered to the pool's
-// preferred subjects.
+// without a consumer (see AdoptOrphans), when the pool's reporter does not
+// (queues.Report.Adopts): such jobs count in no consumer, so no report
+// names them. While none waits it is one stream info request, filtered
+// to the pool's preferred subjects.
 const orphanEvery = time.Second
 
 // TakeOver finds, for one loop, the engines' consumers it is to
@@ -54,9 +54,10 @@ type TakeOver struct {
 	ackWait time.Duration
 	log     *slog.Logger
 
-	adopted time.Time      // when adoptOrphans last ran
-	every   time.Duration  // until the next look (Every)
-	last    *queues.Report // the report of the last look
+	adopted time.Time                     // when AdoptOrphans last ran here
+	every   time.Duration                 // the longest wait before the next look (Every)
+	last    *queues.Report                // the report of the last look
+	handles map[string]jetstream.Consumer // the stuck consumers of the last report, by name
 }
 
 // Stuck is a consumer to take jobs from, and how many it held.
@@ -71,12 +72,13 @@ type Stuck struct {
 // wait of the consumers it makes for orphaned jobs.
 func NewTakeOver(js jetstream.JetStream, watch *queues.Watch, stage dispatcher.Stage, pool, engine string, ackWait time.Duration, log *slog.Logger) *TakeOver {
 	return &TakeOver{js: js, watch: watch, stage: stage, pool: pool, own: dispatcher.EngineConsumerName(stage, pool, engine),
-		ackWait: ackWait, log: log, every: TakeOverEvery}
+		ackWait: ackWait, log: log, every: TakeOverEvery, handles: map[string]jetstream.Consumer{}}
 }
 
-// Every is how long its loop waits before the next look: the report's
-// pace (see queues.BusyEvery), TakeOverEvery after a look that could not
-// read one.
+// Every is the longest its loop waits before the next look, should no
+// report come before (watch.News): the next report's time, or
+// TakeOverEvery while the loop's engine is full (a slot that frees makes
+// the last report worth reading again) or no report could be read.
 func (t *TakeOver) Every() time.Duration { return t.every }
 
 // Look returns the consumers to take jobs from now: those the pool's last
@@ -92,43 +94,61 @@ func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
 		return nil // the next look
 	}
 	t.every = max(time.Duration(r.NextMs)*time.Millisecond, TakeOverEvery)
-	if (r.By == t.watch.ID() || !r.Adopts) && time.Since(t.adopted) >= orphanEvery {
+	if !r.Adopts && time.Since(t.adopted) >= orphanEvery {
 		t.adopted = time.Now()
-		t.adoptOrphans(ctx)
+		AdoptOrphans(ctx, t.js, t.stage, t.pool, t.ackWait, t.log)
 	}
-	if full || r == t.last {
-		return nil // nothing to take it with, or nothing new
+	if full {
+		t.every = TakeOverEvery
+		return nil // nothing to take it with
+	}
+	if r == t.last {
+		return nil // nothing new
 	}
 	t.last = r
 	var take []Stuck
+	named := map[string]bool{}
 	for _, s := range r.Stuck {
 		if s.Consumer == t.own {
 			continue
 		}
-		cons, err := t.js.Consumer(ctx, dispatcher.StageStream(t.stage), s.Consumer)
-		if err != nil {
-			continue
+		named[s.Consumer] = true
+		cons := t.handles[s.Consumer]
+		if cons == nil {
+			// One consumer info, at the first report that names it stuck.
+			if cons, err = t.js.Consumer(ctx, dispatcher.StageStream(t.stage), s.Consumer); err != nil {
+				continue
+			}
+			t.handles[s.Consumer] = cons
 		}
 		take = append(take, Stuck{Consumer: cons, Jobs: s.Jobs})
+	}
+	for name := range t.handles {
+		if !named[name] {
+			delete(t.handles, name)
+		}
 	}
 	return take
 }
 
-// adoptOrphans gives a consumer to the jobs that prefer an engine which
-// has none: an engine that left before it ever pulled, or whose consumer
-// was removed as idle. Those jobs would otherwise wait for nobody; with a
-// consumer, they are taken over like any others of a gone engine.
-func (t *TakeOver) adoptOrphans(ctx context.Context) {
-	st, err := t.js.Stream(ctx, dispatcher.StageStream(t.stage))
+// AdoptOrphans gives a consumer to the jobs of stage and pool that prefer
+// an engine which has none: an engine that left before it ever pulled, or
+// whose consumer was removed as idle. Those jobs would otherwise wait for
+// nobody; with a consumer, they are taken over like any others of a gone
+// engine. ackWait is the consumers'. The pool's reporter runs it
+// (queues.Options.Adopt), or each loop with affinity when the reporter
+// does not.
+func AdoptOrphans(ctx context.Context, js jetstream.JetStream, stage dispatcher.Stage, pool string, ackWait time.Duration, log *slog.Logger) {
+	st, err := js.Stream(ctx, dispatcher.StageStream(stage))
 	if err != nil {
 		return
 	}
-	prefix := dispatcher.StageSubject(t.stage) + "." + t.pool + "."
+	prefix := dispatcher.StageSubject(stage) + "." + pool + "."
 	info, err := st.Info(ctx, jetstream.WithSubjectFilter(prefix+"*.*"))
 	if err != nil || len(info.State.Subjects) == 0 {
 		return
 	}
-	infos, err := dispatcher.EngineConsumers(ctx, t.js, t.stage, t.pool)
+	infos, err := dispatcher.EngineConsumers(ctx, js, stage, pool)
 	if err != nil {
 		return
 	}
@@ -141,10 +161,10 @@ func (t *TakeOver) adoptOrphans(ctx context.Context) {
 		if !dispatcher.IsEngineKey(engine) {
 			continue
 		}
-		if name := dispatcher.EngineConsumerName(t.stage, t.pool, engine); !have[name] {
-			if _, err := dispatcher.EnsureEngineConsumer(ctx, t.js, t.stage, t.pool, engine, t.ackWait, dispatcher.WithLogger(t.log)); err == nil {
+		if name := dispatcher.EngineConsumerName(stage, pool, engine); !have[name] {
+			if _, err := dispatcher.EnsureEngineConsumer(ctx, js, stage, pool, engine, ackWait, dispatcher.WithLogger(log)); err == nil {
 				have[name] = true
-				t.log.Info("jobs wait for an engine without a consumer; gave it one, to take them over", "engine", engine)
+				log.Info("jobs wait for an engine without a consumer; gave it one, to take them over", "engine", engine)
 			}
 		}
 	}

@@ -27,7 +27,8 @@ const (
 )
 
 // StuckAfter is how long an engine's consumer must have delivered
-// nothing, or its next job waited, to count as stuck (see Stuck).
+// nothing, or its next job waited, and then stayed so, to be named stuck
+// (see Stuck).
 const StuckAfter = 100 * time.Millisecond
 
 // headEvery is how often a consumer's next job is read anew to time its
@@ -35,12 +36,18 @@ const StuckAfter = 100 * time.Millisecond
 // prompt included.
 const headEvery = 250 * time.Millisecond
 
+// askedFresh is the youngest listing a reporter keeps when asked for a
+// fresh one (Fresh): many gates asking at once are answered by one
+// listing.
+const askedFresh = 25 * time.Millisecond
+
 // Report is what a pool's queues of one stage held at a listing.
 type Report struct {
 	// By is the id of the watch that listed: the pool's reporter.
 	By string `json:"by"`
-	// NextMs is how long until its next report: a report not followed by
-	// another within twice that is stale.
+	// NextMs is how long until its next report, the listing's own time
+	// included: a report not followed by another within twice that is
+	// stale.
 	NextMs int64 `json:"next_ms"`
 	// Pending is how many jobs wait undelivered, in the shared consumer
 	// and the engines'; Held how many are delivered and not yet acked.
@@ -53,12 +60,22 @@ type Report struct {
 	// waited, by the server's clock (a job waiting to be delivered again
 	// is not counted); 0 when none waits or it could not be read.
 	HeadMs int64 `json:"head_ms,omitempty"`
-	// Stuck are the engines' consumers stuck on this listing and the one
-	// before: for the pool's other workers to take their jobs over.
+	// Shared is the shared consumer's part of Pending and HeadMs: what
+	// counts while no worker takes the jobs that prefer its engine. With
+	// Missing set, the shared consumer was not there (no worker of the
+	// pool has started, or it is being made again).
+	Shared struct {
+		Pending int   `json:"pending"`
+		HeadMs  int64 `json:"head_ms,omitempty"`
+		Missing bool  `json:"missing,omitempty"`
+	} `json:"shared"`
+	// Stuck are the engines' consumers stuck on this listing and on those
+	// before it for StuckAfter: for the pool's other workers to take
+	// their jobs over.
 	Stuck []Stuck `json:"stuck,omitempty"`
 	// Adopts says the reporter gives a consumer to the jobs that prefer
-	// an engine without one (its loop has affinity), so the others need
-	// not look for them.
+	// an engine without one (Options.Adopt), so the others need not look
+	// for them.
 	Adopts bool `json:"adopts,omitempty"`
 
 	at time.Time // when this process made or heard it
@@ -82,10 +99,13 @@ func (r *Report) Head() time.Duration { return time.Duration(r.HeadMs) * time.Mi
 // Busy says whether jobs waited or ran at the listing.
 func (r *Report) Busy() bool { return r.Pending > 0 || r.Held > 0 || len(r.Stuck) > 0 }
 
-// fresh says whether a report heard is still the reporter's last: the
-// next was due by now, with a margin for a slow listing.
+// Age is how long ago this process made or heard the report.
+func (r *Report) Age() time.Duration { return time.Since(r.at) }
+
+// fresh says whether a report is still its reporter's last: the next was
+// due by now, with a margin.
 func (r *Report) fresh() bool {
-	return time.Since(r.at) < 2*time.Duration(r.NextMs)*time.Millisecond+250*time.Millisecond
+	return r.Age() < 2*time.Duration(r.NextMs)*time.Millisecond+250*time.Millisecond
 }
 
 // Options configure a Watch.
@@ -97,10 +117,15 @@ type Options struct {
 	// of the stage publish, others (a prefill worker's decode gate) only
 	// listen.
 	Publish bool
-	// Adopts is Report.Adopts of this watch's reports.
-	Adopts bool
-	Log    *slog.Logger
+	// Adopt, when set, gives a consumer to the jobs that prefer an engine
+	// without one; the reporter calls it at most every adoptEvery, from
+	// its reporting loop (Report.Adopts).
+	Adopt func(ctx context.Context)
+	Log   *slog.Logger
 }
+
+// adoptEvery is how often a reporter calls Options.Adopt.
+const adoptEvery = time.Second
 
 // Watch is one process's view of a pool's queues of one stage. Its
 // methods may be called from any goroutine.
@@ -113,21 +138,21 @@ type Watch struct {
 
 	// listMu is held across a listing: one at a time. It guards the
 	// fields below it.
-	listMu   sync.Mutex
-	stream   jetstream.Stream // the stage's, found at the first listing
-	heads    map[string]*head // consumer → its next job
-	wasStuck map[string]bool  // stuck on the last listing
-	pace     time.Duration    // until the next listing, when reporting
-
-	// poke wakes the reporting loop for a listing asked for (Fresh).
-	poke chan struct{}
+	listMu  sync.Mutex
+	stream  jetstream.Stream     // the stage's, found at the first listing
+	heads   map[string]*head     // consumer → its next job
+	since   map[string]time.Time // consumer → when it was first seen stuck, on the listings in a row up to the last
+	listed  time.Time            // when the last listing was made
+	pace    time.Duration        // until the next listing, when reporting
+	adopted time.Time            // when Options.Adopt last ran
+	poke    chan struct{}        // wakes the reporting loop for a listing asked for (Fresh)
 
 	// mu guards the fields below.
 	mu    sync.Mutex
 	heard *Report       // the last report of another, the first-sorting heard
 	own   *Report       // this watch's last listing
 	asked time.Time     // when Fresh last asked the reporter
-	news  chan struct{} // closed, and made anew, when a report is heard
+	news  chan struct{} // closed, and made anew, when a report is made or heard
 }
 
 // head is the next job a consumer delivers: stored at time, read when the
@@ -145,29 +170,37 @@ func Open(ctx context.Context, js jetstream.JetStream, stage dispatcher.Stage, p
 	if opts.Log == nil {
 		opts.Log = logging.Discard()
 	}
-	w := &Watch{js: js, nc: js.Conn(), stage: stage, pool: pool, opts: opts, heads: map[string]*head{}, pace: BusyEvery,
-		poke: make(chan struct{}, 1), news: make(chan struct{})}
+	w := &Watch{js: js, nc: js.Conn(), stage: stage, pool: pool, opts: opts, heads: map[string]*head{}, since: map[string]time.Time{},
+		pace: BusyEvery, poke: make(chan struct{}, 1), news: make(chan struct{})}
+	subs := []*nats.Subscription{}
+	unsubscribe := func() {
+		for _, s := range subs {
+			s.Unsubscribe()
+		}
+	}
 	sub, err := w.nc.Subscribe(dispatcher.QueuesSubject(stage, pool), w.onReport)
 	if err != nil {
 		return nil, err
 	}
-	var ask *nats.Subscription
+	subs = append(subs, sub)
 	if opts.Publish {
-		ask, err = w.nc.Subscribe(dispatcher.QueuesAskSubject(stage, pool), func(*nats.Msg) {
+		// Asks are addressed to the reporter by its id: the pool's other
+		// workers hear none.
+		sub, err := w.nc.Subscribe(dispatcher.QueuesAskSubject(stage, pool, opts.ID), func(*nats.Msg) {
 			select {
 			case w.poke <- struct{}{}:
 			default:
 			}
 		})
 		if err != nil {
-			sub.Unsubscribe()
+			unsubscribe()
 			return nil, err
 		}
+		subs = append(subs, sub)
 	}
 	go func() {
-		defer sub.Unsubscribe()
+		defer unsubscribe()
 		if opts.Publish {
-			defer ask.Unsubscribe()
 			w.report(ctx)
 			return
 		}
@@ -179,9 +212,18 @@ func Open(ctx context.Context, js jetstream.JetStream, stage dispatcher.Stage, p
 // ID is the watch's id, Report.By of its own reports.
 func (w *Watch) ID() string { return w.opts.ID }
 
+// News is closed at the next report this watch makes or hears.
+func (w *Watch) News() <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.news
+}
+
 // Latest returns the pool's report: the reporter's last, when this watch
 // hears a fresh one; otherwise its own, listed anew when older than
-// maxAge (and published, when this watch publishes).
+// maxAge (and published, when this watch reports). The reporter's own
+// last serves until its next listing is due, whatever maxAge: its
+// reporting loop lists at the pace the pool's state asks for.
 func (w *Watch) Latest(ctx context.Context, maxAge time.Duration) (*Report, error) {
 	if r := w.last(maxAge); r != nil {
 		return r, nil
@@ -207,7 +249,7 @@ func (w *Watch) Fresh(ctx context.Context, maxAge time.Duration) (*Report, error
 	}
 	w.mu.Unlock()
 	if ask {
-		_ = w.nc.Publish(dispatcher.QueuesAskSubject(w.stage, w.pool), nil) // lost: the reporter's pace
+		_ = w.nc.Publish(dispatcher.QueuesAskSubject(w.stage, w.pool, r.By), nil) // lost: the reporter's pace
 	}
 	t := time.NewTimer(maxAge)
 	defer t.Stop()
@@ -219,13 +261,6 @@ func (w *Watch) Fresh(ctx context.Context, maxAge time.Duration) (*Report, error
 	return w.Latest(ctx, maxAge)
 }
 
-// Age is how long ago this process made or heard the report.
-func (r *Report) Age() time.Duration { return time.Since(r.at) }
-
-// askedFresh is the youngest listing a reporter keeps, asked for a fresh
-// one: many gates asking at once are answered by one listing.
-const askedFresh = 25 * time.Millisecond
-
 // last is the report Latest may return without listing, or nil.
 func (w *Watch) last(maxAge time.Duration) *Report {
 	w.mu.Lock()
@@ -233,7 +268,7 @@ func (w *Watch) last(maxAge time.Duration) *Report {
 	if h := w.heard; h != nil && h.fresh() {
 		return h
 	}
-	if o := w.own; o != nil && time.Since(o.at) < maxAge {
+	if o := w.own; o != nil && (o.Age() < maxAge || w.reporting() && o.fresh()) {
 		return o
 	}
 	return nil
@@ -252,8 +287,11 @@ func (w *Watch) reporting() bool {
 func (w *Watch) listNow(ctx context.Context, maxAge time.Duration) (*Report, error) {
 	w.listMu.Lock()
 	defer w.listMu.Unlock()
-	if r := w.last(maxAge); r != nil {
-		return r, nil
+	w.mu.Lock()
+	o := w.own
+	w.mu.Unlock()
+	if o != nil && o.Age() < maxAge {
+		return o, nil
 	}
 	r, err := w.list(ctx)
 	if err != nil {
@@ -262,6 +300,8 @@ func (w *Watch) listNow(ctx context.Context, maxAge time.Duration) (*Report, err
 	w.mu.Lock()
 	w.own = r
 	send := w.reporting()
+	close(w.news)
+	w.news = make(chan struct{})
 	w.mu.Unlock()
 	if send {
 		if data, err := json.Marshal(r); err == nil {
@@ -274,7 +314,8 @@ func (w *Watch) listNow(ctx context.Context, maxAge time.Duration) (*Report, err
 
 // report lists and publishes at the pace of what it finds, while this
 // watch is the reporter, until ctx ends; while another reports, it wakes
-// when that one's report would go stale.
+// when that one's report would go stale. The reporter also adopts
+// orphaned jobs (Options.Adopt).
 func (w *Watch) report(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
@@ -296,9 +337,18 @@ func (w *Watch) report(ctx context.Context) {
 		}
 		w.listMu.Lock()
 		pace := w.pace
-		w.listMu.Unlock()
 		if asked {
 			pace = askedFresh
+		}
+		adopt := w.opts.Adopt != nil && time.Since(w.adopted) >= adoptEvery
+		if adopt {
+			w.adopted = time.Now()
+		}
+		w.listMu.Unlock()
+		if adopt {
+			actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			w.opts.Adopt(actx)
+			cancel()
 		}
 		if _, err := w.listNow(ctx, pace); err != nil && ctx.Err() == nil {
 			w.opts.Log.Debug("could not list the pool's consumers", "stage", w.stage, "pool", w.pool, logging.Err(err))
@@ -342,6 +392,7 @@ func (w *Watch) list(ctx context.Context) (*Report, error) {
 		}
 		w.stream = st
 	}
+	began := time.Now()
 	infos, err := dispatcher.PoolConsumersOf(ctx, w.stream, w.stage, w.pool)
 	if err != nil {
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -349,9 +400,15 @@ func (w *Watch) list(ctx context.Context) (*Report, error) {
 		}
 		return nil, err
 	}
+	if began.Sub(w.listed) > 2*w.pace+250*time.Millisecond {
+		// What the listings before saw is too old to say what stayed so.
+		clear(w.since)
+		clear(w.heads)
+	}
 	shared := dispatcher.ConsumerName(w.stage, w.pool)
-	r := &Report{By: w.opts.ID, Adopts: w.opts.Adopts, at: time.Now()}
-	stuck, seen := map[string]bool{}, map[string]bool{}
+	r := &Report{By: w.opts.ID, Adopts: w.opts.Adopt != nil}
+	r.Shared.Missing = true
+	seen := map[string]bool{}
 	for _, info := range infos {
 		seen[info.Name] = true
 		r.Pending += int(info.NumPending)
@@ -362,15 +419,21 @@ func (w *Watch) list(ctx context.Context) (*Report, error) {
 		age := w.waited(ctx, info, candidate)
 		r.HeadMs = max(r.HeadMs, age.Milliseconds())
 		if info.Name == shared {
-			r.Waiting = info.NumWaiting
+			r.Waiting, r.Shared.Pending, r.Shared.HeadMs, r.Shared.Missing = info.NumWaiting, int(info.NumPending), age.Milliseconds(), false
 			continue
 		}
 		// Behind: it delivers, but takes less than comes for it.
 		behind := candidate && age >= StuckAfter
 		if !stuckConsumer(info) && !behind {
+			delete(w.since, info.Name)
 			continue
 		}
-		if stuck[info.Name] = true; w.wasStuck[info.Name] {
+		first, ok := w.since[info.Name]
+		if !ok {
+			first = began
+			w.since[info.Name] = first
+		}
+		if began.Sub(first) >= StuckAfter {
 			r.Stuck = append(r.Stuck, Stuck{Consumer: info.Name, Jobs: int(info.NumPending) + info.NumAckPending})
 		}
 	}
@@ -379,16 +442,21 @@ func (w *Watch) list(ctx context.Context) (*Report, error) {
 			delete(w.heads, name)
 		}
 	}
-	w.wasStuck = stuck
-	if !seen[shared] {
-		return nil, jetstream.ErrConsumerNotFound // no shared consumer yet: no worker of the pool has started
+	for name := range w.since {
+		if !seen[name] {
+			delete(w.since, name)
+		}
 	}
+	now := time.Now()
+	w.listed = now
 	if r.Busy() {
 		w.pace = BusyEvery
 	} else {
 		w.pace = min(2*w.pace, IdleEvery)
 	}
-	r.NextMs = w.pace.Milliseconds()
+	// The next report comes a pace after this one, and takes as long to
+	// list.
+	r.NextMs, r.at = (w.pace + now.Sub(began)).Milliseconds(), now
 	return r, nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -78,6 +79,11 @@ func TestReportCounts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	pace := func() int64 {
+		w.listMu.Lock()
+		defer w.listMu.Unlock()
+		return w.pace.Milliseconds()
+	}
 	var paces []int64
 	for range 5 {
 		r, err := w.Latest(ctx, 0)
@@ -87,7 +93,10 @@ func TestReportCounts(t *testing.T) {
 		if r.Busy() {
 			t.Fatalf("no job: the report says busy: %+v", r)
 		}
-		paces = append(paces, r.NextMs)
+		if r.NextMs < pace() {
+			t.Errorf("a report's next in %d ms, under the pace %d ms", r.NextMs, pace())
+		}
+		paces = append(paces, pace())
 	}
 	if want := []int64{200, 400, 800, 1600, 1600}; !equal(paces, want) {
 		t.Errorf("idle listings' paces %v ms, want %v", paces, want)
@@ -109,12 +118,12 @@ func TestReportCounts(t *testing.T) {
 		r, err = w.Latest(ctx, 0)
 		return err == nil && r.Pending == 3
 	})
-	if r.NextMs != BusyEvery.Milliseconds() {
-		t.Errorf("jobs wait: next listing in %d ms, want %v", r.NextMs, BusyEvery)
+	if pace() != BusyEvery.Milliseconds() {
+		t.Errorf("jobs wait: next listing in %d ms, want %v", pace(), BusyEvery)
 	}
 	time.Sleep(2 * StuckAfter)
 	// A watch of its own, which has not listed before: stuck on its first
-	// listing is not enough, on the second it is.
+	// listing is not enough; still stuck StuckAfter later, it is.
 	w2, err := Open(ctx, js, dispatcher.StagePrefill, p, Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -123,8 +132,9 @@ func TestReportCounts(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(r.Stuck) != 0 {
-		t.Errorf("a first listing names %+v stuck; want none until the second", r.Stuck)
+		t.Errorf("a first listing names %+v stuck; want none until one StuckAfter later", r.Stuck)
 	}
+	time.Sleep(StuckAfter)
 	if r, err = w2.Latest(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -190,11 +200,15 @@ func TestReporter(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	stop := map[string]context.CancelFunc{}
+	adopted := map[string]*atomic.Int64{}
 	for _, id := range []string{"b", "a", "c"} {
 		var wctx context.Context
 		wctx, stop[id] = context.WithCancel(ctx)
 		defer stop[id]()
-		if _, err := Open(wctx, js, dispatcher.StagePrefill, p, Options{ID: id, Publish: true}); err != nil {
+		n := &atomic.Int64{}
+		adopted[id] = n
+		adopt := func(context.Context) { n.Add(1) }
+		if _, err := Open(wctx, js, dispatcher.StagePrefill, p, Options{ID: id, Publish: true, Adopt: adopt}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -206,9 +220,15 @@ func TestReporter(t *testing.T) {
 		r, err := listener.Latest(ctx, time.Hour)
 		return err == nil && r.By == "a"
 	})
-	// Idle, a report every IdleEvery: over 3 of them, a's alone.
+	// Idle, a report every IdleEvery: over 3 of them, a's alone; and only
+	// the reporter adopts orphaned jobs.
+	b0, c0 := adopted["b"].Load(), adopted["c"].Load()
 	if n := heard(3 * IdleEvery); n["a"] == 0 || len(n) != 1 {
 		t.Errorf("reports by the publishing watches, idle, over %v: %v; want a's alone", 3*IdleEvery, n)
+	}
+	if adopted["a"].Load() == 0 || adopted["b"].Load() != b0 || adopted["c"].Load() != c0 {
+		t.Errorf("adoptions while a reports: a %d, b %d more, c %d more; want a's alone",
+			adopted["a"].Load(), adopted["b"].Load()-b0, adopted["c"].Load()-c0)
 	}
 	stop["a"]()
 	dispatchertest.WaitFor(t, "the listener reads b's reports", func() bool {

@@ -373,14 +373,23 @@ func (l *Loop) Run(ctx context.Context) error {
 	}
 	// This loop's pool's queues, and on prefill the decode pool's, for
 	// the take-over, the queue-depth metric and the decode gate: one
-	// worker of the pool lists them for all (dispatcher/queues).
-	if l.queues, err = queues.Open(ctx, l.js, l.cfg.Stage, l.cfg.Pool, queues.Options{
-		ID: l.cfg.Worker.ID, Publish: true, Adopts: l.affinity(), Log: l.log}); err != nil {
+	// worker of the pool lists them for all (dispatcher/queues). The
+	// watches end with Run, however it ends: a loop that failed must not
+	// go on reporting for its pool.
+	wctx, stopWatches := context.WithCancel(ctx)
+	defer stopWatches()
+	opts := queues.Options{ID: l.cfg.Worker.ID, Publish: true, Log: l.log}
+	if l.affinity() {
+		opts.Adopt = func(ctx context.Context) {
+			pull.AdoptOrphans(ctx, l.js, l.cfg.Stage, l.cfg.Pool, l.cfg.AckWait, l.log)
+		}
+	}
+	if l.queues, err = queues.Open(wctx, l.js, l.cfg.Stage, l.cfg.Pool, opts); err != nil {
 		return fmt.Errorf("watch the pool's queues: %w", err)
 	}
 	var gate *pull.DecodeGate
 	if l.cfg.Stage == dispatcher.StagePrefill {
-		decode, err := queues.Open(ctx, l.js, dispatcher.StageDecode, l.cfg.Pool, queues.Options{Log: l.log})
+		decode, err := queues.Open(wctx, l.js, dispatcher.StageDecode, l.cfg.Pool, queues.Options{Log: l.log})
 		if err != nil {
 			return fmt.Errorf("watch the pool's decode queues: %w", err)
 		}

@@ -143,14 +143,20 @@ func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *
 			wg.Go(func() { l.giveBack(context.WithoutCancel(ctx), msg) })
 		}
 	}()
+	// Each report of the pool's queues is read as it comes (News); the
+	// timer covers a reporter gone quiet, and a full engine's wait for a
+	// free slot.
 	t := time.NewTimer(look.Every())
 	defer t.Stop()
+	news := l.queues.News()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-news:
 		}
+		news = l.queues.News()
 		full := false
 		if l.cfg.EngineSlots != nil {
 			used, limit, _ := l.cfg.EngineSlots.Load()
@@ -169,6 +175,6 @@ func (l *Loop) takeOver(ctx, jobCtx context.Context, slots chan struct{}, gate *
 				}
 			}
 		}
-		t.Reset(look.Every()) // paced by what this look found
+		t.Reset(look.Every())
 	}
 }
