@@ -3,6 +3,7 @@ package queues
 import (
 	"context"
 	"encoding/json"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -98,7 +99,7 @@ func TestReportCounts(t *testing.T) {
 		}
 		paces = append(paces, pace())
 	}
-	if want := []int64{200, 400, 800, 1600, 1600}; !equal(paces, want) {
+	if want := []int64{200, 400, 800, 1600, 1600}; !slices.Equal(paces, want) {
 		t.Errorf("idle listings' paces %v ms, want %v", paces, want)
 	}
 
@@ -148,18 +149,6 @@ func TestReportCounts(t *testing.T) {
 	if r.Waiting != 0 {
 		t.Errorf("no pull waits: the report says %d", r.Waiting)
 	}
-}
-
-func equal(a, b []int64) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // TestReporter: of the watches that publish for a pool, only the one
