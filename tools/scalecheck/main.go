@@ -9,9 +9,10 @@
 // requests to slow simulated engines with room for all), and reports each
 // gateway's memory and CPU a stream, and the tokens' added latency.
 //
-//	go run ./tools/scalecheck engines -engines 100
+//	go run ./tools/scalecheck engines -engines 100 [-nodes 3]
 //
-// starts that many simulated engines, each with its worker, and reports
+// starts that many simulated engines, each with its worker, on one NATS
+// server or a cluster of 3 (streams replicated 3 times), and reports
 // the NATS traffic the idle fleet makes (registry, heartbeats, queue
 // status), and how long the gateway takes to notice a worker gone.
 package main
@@ -25,7 +26,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -66,15 +69,19 @@ func main() {
 	}
 }
 
-// rig is a NATS server in this process and the pdq processes started on it.
+// rig is a NATS server in this process, or a cluster of them, and the pdq
+// processes started on it.
 type rig struct {
 	work  string
 	bin   string
-	srv   *server.Server
+	srvs  []*server.Server
+	env   []string // what every pdq process is given: where NATS is, and its replicas
 	procs []*proc.Proc
 }
 
-func newRig(bin string) (*rig, error) {
+// newRig starts nodes NATS servers with JetStream in this process: one, or
+// a cluster whose streams pdq makes with 3 replicas (nodes 3 or more).
+func newRig(bin string, nodes int) (*rig, error) {
 	work, err := os.MkdirTemp("", "scalecheck-")
 	if err != nil {
 		return nil, err
@@ -86,23 +93,97 @@ func newRig(bin string) (*rig, error) {
 			return nil, err
 		}
 	}
-	r.srv, err = server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: filepath.Join(work, "js"),
-		MaxPayload: 8 << 20, NoSigs: true, MaxConn: 1 << 16})
-	if err != nil {
-		return nil, err
+	ports := make([]int, nodes)
+	for i := range ports {
+		if ports[i], err = freePort(); err != nil {
+			return nil, err
+		}
 	}
-	go r.srv.Start()
-	if !r.srv.ReadyForConnections(10 * time.Second) {
-		return nil, fmt.Errorf("nats server not ready")
+	var urls []string
+	for i := range nodes {
+		opts := &server.Options{ServerName: fmt.Sprintf("n%d", i+1), Host: "127.0.0.1", Port: -1, JetStream: true,
+			StoreDir: filepath.Join(work, fmt.Sprintf("js%d", i+1)), MaxPayload: 8 << 20, NoSigs: true, MaxConn: 1 << 16}
+		if nodes > 1 {
+			opts.Cluster = server.ClusterOpts{Name: "scalecheck", Host: "127.0.0.1", Port: ports[i]}
+			for j, p := range ports {
+				if j != i {
+					opts.Routes = append(opts.Routes, &url.URL{Scheme: "nats-route", Host: fmt.Sprintf("127.0.0.1:%d", p)})
+				}
+			}
+		}
+		srv, err := server.NewServer(opts)
+		if err != nil {
+			return nil, err
+		}
+		go srv.Start()
+		if !srv.ReadyForConnections(10 * time.Second) {
+			return nil, fmt.Errorf("nats server %d not ready", i+1)
+		}
+		r.srvs = append(r.srvs, srv)
+		urls = append(urls, srv.ClientURL())
+	}
+	r.env = []string{"PDQ_NATS_URL=" + strings.Join(urls, ",")}
+	if nodes >= 3 {
+		r.env = append(r.env, "PDQ_NATS_REPLICAS=3")
+		// JetStream serves once the cluster has a meta leader.
+		for deadline := time.Now().Add(30 * time.Second); !anyLeader(r.srvs); {
+			if time.Now().After(deadline) {
+				return nil, fmt.Errorf("no JetStream meta leader after 30s")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
 	}
 	return r, nil
+}
+
+func anyLeader(srvs []*server.Server) bool {
+	for _, s := range srvs {
+		if s.JetStreamIsLeader() {
+			return true
+		}
+	}
+	return false
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// url is where this tool's own connection goes: the first server.
+func (r *rig) url() string { return r.srvs[0].ClientURL() }
+
+// take reads every server's counters, summed: each connection is on one
+// server; each node counts the API requests it answered.
+func (r *rig) take() (natsstats.Snap, error) {
+	all := natsstats.Snap{Conns: map[string]natsstats.Counts{}, Streams: map[string]uint64{}}
+	for _, srv := range r.srvs {
+		s, err := natsstats.Take(srv)
+		if err != nil {
+			return all, err
+		}
+		for name, c := range s.Conns {
+			all.Conns[name] = all.Conns[name].Add(c)
+		}
+		for name, seq := range s.Streams {
+			all.Streams[name] = max(all.Streams[name], seq)
+		}
+		all.API += s.API
+	}
+	return all, nil
 }
 
 func (r *rig) close() {
 	for _, p := range r.procs {
 		p.Stop()
 	}
-	r.srv.Shutdown()
+	for _, srv := range r.srvs {
+		srv.Shutdown()
+	}
 	os.RemoveAll(r.work)
 }
 
@@ -110,7 +191,7 @@ func (r *rig) close() {
 // whose msg is ready.
 func (r *rig) start(env []string, ready string, n int, args ...string) (*proc.Proc, []map[string]any, error) {
 	cmd := exec.Command(r.bin, args...)
-	cmd.Env = append(os.Environ(), append([]string{"PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=info", "PDQ_NATS_URL=" + r.srv.ClientURL()}, env...)...)
+	cmd.Env = append(os.Environ(), append(append([]string{"PDQ_LOG_FORMAT=json", "PDQ_LOG_LEVEL=info"}, r.env...), env...)...)
 	p, err := proc.Start(cmd)
 	if err != nil {
 		return nil, nil, err
@@ -165,7 +246,7 @@ func streams(args []string) error {
 	bin := fs.String("pdq", "", "a pdq binary (default: build ./cmd/pdq)")
 	fs.Parse(args)
 
-	r, err := newRig(*bin)
+	r, err := newRig(*bin, 1)
 	if err != nil {
 		return err
 	}
@@ -349,10 +430,11 @@ func engines(args []string) error {
 	fs := flag.NewFlagSet("engines", flag.ExitOnError)
 	n := fs.Int("engines", 100, "engines, half prefill and half decode, each with a worker of its own")
 	window := fs.Duration("window", 30*time.Second, "how long the idle fleet's traffic is measured")
+	nodes := fs.Int("nodes", 1, "NATS servers: 1, or a cluster of 3 with the streams replicated 3 times")
 	bin := fs.String("pdq", "", "a pdq binary (default: build ./cmd/pdq)")
 	fs.Parse(args)
 
-	r, err := newRig(*bin)
+	r, err := newRig(*bin, *nodes)
 	if err != nil {
 		return err
 	}
@@ -391,7 +473,7 @@ func engines(args []string) error {
 	up := time.Since(started)
 
 	// A registry of this process's own, as the gateway keeps one.
-	nc, err := nats.Connect(r.srv.ClientURL(), nats.Name("scalecheck"))
+	nc, err := nats.Connect(r.url(), nats.Name("scalecheck"))
 	if err != nil {
 		return err
 	}
@@ -418,7 +500,7 @@ func engines(args []string) error {
 
 	// The idle fleet's traffic: what every process sends and receives,
 	// and what JetStream does, while no request runs.
-	before, err := natsstats.Take(r.srv)
+	before, err := r.take()
 	if err != nil {
 		return err
 	}
@@ -446,7 +528,7 @@ func engines(args []string) error {
 	}
 	time.Sleep(*window)
 	sniff.Unsubscribe()
-	after, err := natsstats.Take(r.srv)
+	after, err := r.take()
 	if err != nil {
 		return err
 	}
@@ -465,8 +547,8 @@ func engines(args []string) error {
 	}
 	noticed := time.Since(killed)
 
-	fmt.Printf("scalecheck engines: %d engines (%d prefill, %d decode), each with its worker, and a gateway; all up and registered in %v\n",
-		*n, *n/2, *n-*n/2, up.Round(time.Millisecond))
+	fmt.Printf("scalecheck engines: %d engines (%d prefill, %d decode), each with its worker, and a gateway, on %d NATS server(s); all up and registered in %v\n",
+		*n, *n/2, *n-*n/2, *nodes, up.Round(time.Millisecond))
 	secs := window.Seconds()
 	fmt.Printf("\nidle, over %v, a second:\n", *window)
 	fmt.Printf("%-16s %10s %10s %12s %12s\n", "connections", "msgs in", "msgs out", "bytes in", "bytes out")
@@ -497,7 +579,7 @@ func engines(args []string) error {
 		}
 	}
 	fmt.Printf("the gateway: RSS %.1f MB, CPU %.2f%%\n", mb(afterUse.rss), 100*float64(afterUse.cpu-beforeUse.cpu)/float64(*window))
-	fmt.Printf("the %d workers: RSS %.0f MB in all, CPU %.1f%% of a core in all; the NATS server (and this tool): CPU %.1f%%\n",
+	fmt.Printf("the %d workers: RSS %.0f MB in all, CPU %.1f%% of a core in all; the NATS servers (and this tool): CPU %.1f%%\n",
 		len(workers), mb(afterFleet.rss), 100*float64(afterFleet.cpu-beforeFleet.cpu)/float64(*window),
 		100*float64(afterSelf.cpu-beforeSelf.cpu)/float64(*window))
 	fmt.Printf("\na worker killed (kill -9): a registry took %v to count it gone\n", noticed.Round(time.Millisecond))
