@@ -152,7 +152,7 @@ func (g *DecodeGate) read(r *queues.Report) {
 		return
 	}
 	g.report, g.idle, g.since = r, r.Waiting, 0
-	if slices.ContainsFunc(g.registry.Engines(dispatcher.StageDecode, g.pool), func(w dispatcher.WorkerInfo) bool { return w.Affinity }) {
+	if g.registry.AnyAffinity(dispatcher.StageDecode, g.pool) {
 		g.pending, g.headAge = r.Pending, r.Head()
 	} else {
 		g.pending, g.headAge = r.Shared.Pending, time.Duration(r.Shared.HeadMs)*time.Millisecond

@@ -132,17 +132,27 @@ func engineGate(t *testing.T, ttl time.Duration) (*nats.Conn, jetstream.JetStrea
 // in the pool's; the gate counts them, and closes when they fill what the
 // pool's decode workers can start within the TTL.
 func TestDecodeGateCountsEnginesQueues(t *testing.T) {
+	// Also while the worker's breaker is open (its engine failing): the
+	// handoffs still wait in its consumer (a reviewer's finding: the gate
+	// looked for affinity among the healthy workers only).
+	for _, breaker := range []dispatcher.BreakerState{dispatcher.BreakerClosed, dispatcher.BreakerOpen} {
+		t.Run(string(breaker), func(t *testing.T) { testDecodeGateCountsEnginesQueues(t, breaker) })
+	}
+}
+
+func testDecodeGateCountsEnginesQueues(t *testing.T, breaker dispatcher.BreakerState) {
 	ctx := context.Background()
 	nc, js, g := engineGate(t, 10*time.Second)
 	pool, engine := g.pool, "http://decode"
 	// Its one decode worker runs 2 decodes at once, each 2 s long, and
 	// takes the jobs that prefer its engine: with a 10 s TTL, 3 handoffs
 	// may wait, the last for 3 rounds (6 s) would not.
-	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Engine: engine, Slots: 2, AvgJobMs: 2000, Affinity: true})
+	info, _ := json.Marshal(dispatcher.WorkerInfo{ID: "w1", Role: dispatcher.StageDecode, Pool: pool, Engine: engine, Slots: 2, AvgJobMs: 2000,
+		Affinity: true, Breaker: breaker})
 	if err := nc.Publish(dispatcher.WorkerSubject("w1"), info); err != nil {
 		t.Fatal(err)
 	}
-	dispatchertest.WaitFor(t, "the worker registered", func() bool { return len(g.registry.Engines(dispatcher.StageDecode, pool)) == 1 })
+	dispatchertest.WaitFor(t, "the worker registered", func() bool { return g.registry.AnyAffinity(dispatcher.StageDecode, pool) })
 	g.fresh, g.idleFresh = 0, 0
 	if !g.isOpen(ctx) {
 		t.Fatal("no handoff waits: the gate is closed")

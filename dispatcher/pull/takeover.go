@@ -14,20 +14,20 @@ import (
 
 // A loop with affinity (see dispatcher.Job.Preferred) takes, while it
 // has a free engine slot, the jobs of the consumers its pool's report
-// names stuck (queues.Stuck): jobs in them on two listings in a row (never
-// delivered, or delivered and not acked: a redelivery waits among those),
-// no pull waiting on them, and nothing delivered from them for
-// queues.StuckAfter: their engine is busy with all it can run, or gone; or
-// their next job stored StuckAfter ago or more, no pull waiting: their
+// names stuck (queues.Stuck): on listings queues.StuckAfter apart or more,
+// jobs in them (never delivered, or delivered and not acked: a redelivery
+// waits among those), no pull waiting on them, and nothing delivered from
+// them for StuckAfter: their engine is busy with all it can run, or gone;
+// or their next job stored StuckAfter ago or more, no pull waiting: their
 // engine delivers, but takes less than comes for it. An engine briefly
-// without a pull waiting (its decode gate closed for a listing after a job
+// without a pull waiting (its decode gate closed for a look after a job
 // it just took) is not taken from. A take-over pull that finds only
 // running jobs comes back empty after TakeOverWait.
 //
 // One worker of the pool lists the consumers and publishes the report
-// (dispatcher/queues); each look reads the last one, at its pace:
-// TakeOverEvery while jobs wait or run, slowing to queues.IdleEvery while
-// all is idle.
+// (dispatcher/queues): every TakeOverEvery while jobs wait or run,
+// slowing to queues.IdleEvery while all is idle. Its loop looks at each
+// report as it comes (queues.Watch.News).
 const TakeOverEvery = queues.BusyEvery
 
 // TakeOverWait is a take-over pull's wait: the job seen waiting may have

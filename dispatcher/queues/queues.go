@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -138,14 +139,18 @@ type Watch struct {
 
 	// listMu is held across a listing: one at a time. It guards the
 	// fields below it.
-	listMu  sync.Mutex
-	stream  jetstream.Stream     // the stage's, found at the first listing
-	heads   map[string]*head     // consumer → its next job
-	since   map[string]time.Time // consumer → when it was first seen stuck, on the listings in a row up to the last
-	listed  time.Time            // when the last listing was made
-	pace    time.Duration        // until the next listing, when reporting
-	adopted time.Time            // when Options.Adopt last ran
-	poke    chan struct{}        // wakes the reporting loop for a listing asked for (Fresh)
+	listMu sync.Mutex
+	stream jetstream.Stream     // the stage's, found at the first listing
+	heads  map[string]*head     // consumer → its next job
+	since  map[string]time.Time // consumer → when it was first seen stuck, on the listings in a row up to the last
+	listed time.Time            // when the last listing was made
+	pace   time.Duration        // until the next listing, when reporting
+	poke   chan struct{}        // wakes the reporting loop for a listing asked for (Fresh)
+
+	// adopting is set while Options.Adopt runs, on its own goroutine;
+	// adopted is when it last ended (unix nanoseconds).
+	adopting atomic.Bool
+	adopted  atomic.Int64
 
 	// mu guards the fields below.
 	mu    sync.Mutex
@@ -268,7 +273,9 @@ func (w *Watch) last(maxAge time.Duration) *Report {
 	if h := w.heard; h != nil && h.fresh() {
 		return h
 	}
-	if o := w.own; o != nil && (o.Age() < maxAge || w.reporting() && o.fresh()) {
+	// The reporter's own last serves until its next is due; not one made
+	// before another's was heard (a reporter back after a while).
+	if o := w.own; o != nil && (o.Age() < maxAge || w.reporting() && o.fresh() && (w.heard == nil || o.at.After(w.heard.at))) {
 		return o
 	}
 	return nil
@@ -319,6 +326,9 @@ func (w *Watch) listNow(ctx context.Context, maxAge time.Duration) (*Report, err
 func (w *Watch) report(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
+	var adopting sync.WaitGroup
+	defer adopting.Wait()
+	was := false // reporting on the last round
 	for {
 		asked := false
 		select {
@@ -331,24 +341,31 @@ func (w *Watch) report(ctx context.Context) {
 		w.mu.Lock()
 		reporting, heard := w.reporting(), w.heard
 		w.mu.Unlock()
-		if !reporting {
+		if was = was && reporting; !reporting {
 			t.Reset(time.Until(heard.at.Add(2*time.Duration(heard.NextMs)*time.Millisecond + 250*time.Millisecond)))
 			continue
 		}
 		w.listMu.Lock()
 		pace := w.pace
-		if asked {
+		switch {
+		case !was:
+			pace = 0 // reporting again: what it listed before another reported is old
+		case asked:
 			pace = askedFresh
 		}
-		adopt := w.opts.Adopt != nil && time.Since(w.adopted) >= adoptEvery
-		if adopt {
-			w.adopted = time.Now()
-		}
 		w.listMu.Unlock()
-		if adopt {
-			actx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			w.opts.Adopt(actx)
-			cancel()
+		was = true
+		// Adoption runs beside the listings, one at a time, a second
+		// after the last ended: it may take a while (a consumer made while
+		// JetStream elects a leader), and the reports must come on time.
+		if w.opts.Adopt != nil && time.Since(time.Unix(0, w.adopted.Load())) >= adoptEvery && w.adopting.CompareAndSwap(false, true) {
+			adopting.Go(func() {
+				defer w.adopting.Store(false)
+				actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				defer cancel()
+				w.opts.Adopt(actx)
+				w.adopted.Store(time.Now().UnixNano())
+			})
 		}
 		if _, err := w.listNow(ctx, pace); err != nil && ctx.Err() == nil {
 			w.opts.Log.Debug("could not list the pool's consumers", "stage", w.stage, "pool", w.pool, logging.Err(err))

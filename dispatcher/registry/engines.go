@@ -28,6 +28,19 @@ func (r *Registry) Engines(stage dispatcher.Stage, pool string) []dispatcher.Wor
 	return out
 }
 
+// AnyAffinity says whether a live worker of stage and pool, its engine
+// healthy or not, takes the jobs that prefer its engine (PDQ_AFFINITY):
+// then such jobs wait in the engines' consumers, and count as the pool's
+// backlog, also while those engines' breakers are open.
+func (r *Registry) AnyAffinity(stage dispatcher.Stage, pool string) bool {
+	return r.sumLive(stage, pool, func(w dispatcher.WorkerInfo) int {
+		if w.Affinity {
+			return 1
+		}
+		return 0
+	}) > 0
+}
+
 // MostSlots sums the slots of pool's live workers of stage: the most jobs
 // they take at once (PDQ_ENGINE_SLOTS), whatever their engines run now.
 // What a gateway lets in must not be bounded by Slots (their engines'

@@ -395,7 +395,7 @@ func (l *Loop) Run(ctx context.Context) error {
 		}
 		reg := l.cfg.Registry
 		if reg == nil {
-			if reg, err = registry.WatchWorkers(ctx, l.js, l.log); err != nil {
+			if reg, err = registry.WatchWorkers(wctx, l.js, l.log); err != nil {
 				return err
 			}
 		}
