@@ -179,13 +179,19 @@ func recoveredRevision(stored *dispatcher.Record, rev uint64, claim *dispatcher.
 }
 
 // claimRetry takes over the record of an earlier request with rec's id,
-// if that request has ended without delivering.
+// if that request has ended without delivering. The record may be this
+// claim's own: a create that went unanswered and was tried again can be
+// stored after all, late (a NATS node cut off from its cluster holds it
+// on its route, and delivers it once healed), and the retry then finds
+// the key taken.
 func (s *Submitter) claimRetry(ctx context.Context, rec *dispatcher.Record) (uint64, error) {
 	old, rev, err := s.records.Get(ctx, rec.ID)
 	if err != nil {
 		return 0, err
 	}
 	switch {
+	case old.Gateway == rec.Gateway && old.Created.Equal(rec.Created) && old.Generation == rec.Generation:
+		return recoveredRevision(old, rev, rec), nil
 	case old.State == dispatcher.StateDone:
 		return 0, fmt.Errorf("request %s: %w", rec.ID, dispatcher.ErrDuplicate)
 	case old.Live() && !old.Deadline.Before(time.Now()) && s.liveness.Alive(ctx, old.Gateway):

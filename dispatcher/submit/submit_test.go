@@ -190,3 +190,41 @@ func TestUnrun(t *testing.T) {
 		t.Errorf("the live request's record %+v, %v; want it left queued", rec, err)
 	}
 }
+
+// TestClaimFindsItsOwn: a claim whose create went unanswered, tried
+// again, finds the record its first create stored late (a NATS node cut
+// off from its cluster holds the request on its route and delivers it
+// once healed): that is this claim, not another request's. Before, the
+// retry's create found the key taken and the client was answered 409 for
+// its own request (TestClusterNATSPartitions, the minority side).
+func TestClaimFindsItsOwn(t *testing.T) {
+	nc, js := dispatchertest.JetStream(t)
+	ctx := context.Background()
+	records, _ := dispatcher.OpenRecords(ctx, js)
+	pings, err := registry.AnswerPings(nc, "gw-alive")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pings.Unsubscribe()
+	sub := NewSubmitter(js, records, registry.NewLiveness(nc))
+	job := &dispatcher.Job{ID: "own-1", Model: "m", Pool: "p", Endpoint: openai.Chat, Body: []byte(`{}`),
+		ReplyTo: dispatcher.ReplySubject("gw-alive", "own-1"), Deadline: time.Now().Add(time.Minute), Submitted: time.Now()}
+	rec := recordOf(job, dispatcher.StagePrefill)
+	if _, err := records.Create(ctx, rec); err != nil { // the first create, stored after its answer was lost
+		t.Fatal(err)
+	}
+	claim, err := sub.Claim(ctx, recordOf(job, dispatcher.StagePrefill))
+	if err != nil {
+		t.Fatalf("the claim that stored the record, tried again: %v", err)
+	}
+	if claim.rec.Generation != 1 {
+		t.Errorf("the claim runs generation %d, want 1", claim.rec.Generation)
+	}
+	// Another request with the id, from the same gateway a moment later,
+	// is still refused.
+	other := *job
+	other.Submitted = job.Submitted.Add(time.Millisecond)
+	if _, err := sub.Claim(ctx, recordOf(&other, dispatcher.StagePrefill)); !errors.Is(err, dispatcher.ErrDuplicate) {
+		t.Errorf("another request with a live request's id: %v, want ErrDuplicate", err)
+	}
+}
