@@ -155,7 +155,7 @@ func (g *DecodeGate) read(r *queues.Report) {
 	if g.registry.AnyAffinity(dispatcher.StageDecode, g.pool) {
 		g.pending, g.headAge = r.Pending, r.Head()
 	} else {
-		g.pending, g.headAge = r.Shared.Pending, time.Duration(r.Shared.HeadMs)*time.Millisecond
+		g.pending, g.headAge = r.Shared.Pending, r.Shared.Head()
 	}
 }
 

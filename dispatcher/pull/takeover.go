@@ -107,27 +107,22 @@ func (t *TakeOver) Look(ctx context.Context, full bool) []Stuck {
 	}
 	t.last = r
 	var take []Stuck
-	named := map[string]bool{}
+	handles := map[string]jetstream.Consumer{} // those this report names, kept for the next
 	for _, s := range r.Stuck {
 		if s.Consumer == t.own {
 			continue
 		}
-		named[s.Consumer] = true
 		cons := t.handles[s.Consumer]
 		if cons == nil {
 			// One consumer info, at the first report that names it stuck.
 			if cons, err = t.js.Consumer(ctx, dispatcher.StageStream(t.stage), s.Consumer); err != nil {
 				continue
 			}
-			t.handles[s.Consumer] = cons
 		}
+		handles[s.Consumer] = cons
 		take = append(take, Stuck{Consumer: cons, Jobs: s.Jobs})
 	}
-	for name := range t.handles {
-		if !named[name] {
-			delete(t.handles, name)
-		}
-	}
+	t.handles = handles
 	return take
 }
 

@@ -62,14 +62,8 @@ type Report struct {
 	// is not counted); 0 when none waits or it could not be read.
 	HeadMs int64 `json:"head_ms,omitempty"`
 	// Shared is the shared consumer's part of Pending and HeadMs: what
-	// counts while no worker takes the jobs that prefer its engine. With
-	// Missing set, the shared consumer was not there (no worker of the
-	// pool has started, or it is being made again).
-	Shared struct {
-		Pending int   `json:"pending"`
-		HeadMs  int64 `json:"head_ms,omitempty"`
-		Missing bool  `json:"missing,omitempty"`
-	} `json:"shared"`
+	// counts while no worker takes the jobs that prefer its engine.
+	Shared Shared `json:"shared"`
 	// Stuck are the engines' consumers stuck on this listing and on those
 	// before it for StuckAfter: for the pool's other workers to take
 	// their jobs over.
@@ -94,19 +88,40 @@ type Stuck struct {
 	Jobs int `json:"jobs"`
 }
 
+// Shared is what a report says of the pool's shared consumer.
+type Shared struct {
+	Pending int   `json:"pending"`
+	HeadMs  int64 `json:"head_ms,omitempty"`
+	// Missing says the shared consumer was not there (no worker of the
+	// pool has started, or it is being made again).
+	Missing bool `json:"missing,omitempty"`
+}
+
+// Head is how long the shared consumer's next job had waited.
+func (s Shared) Head() time.Duration { return time.Duration(s.HeadMs) * time.Millisecond }
+
 // Head is how long the longest-waiting next job had waited.
 func (r *Report) Head() time.Duration { return time.Duration(r.HeadMs) * time.Millisecond }
 
-// Busy says whether jobs waited or ran at the listing.
-func (r *Report) Busy() bool { return r.Pending > 0 || r.Held > 0 || len(r.Stuck) > 0 }
+// Busy says whether jobs waited or ran at the listing (a consumer named
+// stuck holds some).
+func (r *Report) Busy() bool { return r.Pending > 0 || r.Held > 0 }
 
 // Age is how long ago this process made or heard the report.
 func (r *Report) Age() time.Duration { return time.Since(r.at) }
 
-// fresh says whether a report is still its reporter's last: the next was
-// due by now, with a margin.
-func (r *Report) fresh() bool {
-	return r.Age() < 2*time.Duration(r.NextMs)*time.Millisecond+250*time.Millisecond
+// fresh says whether a report is still its reporter's last: the next is
+// not overdue (see staleAfter).
+func (r *Report) fresh() bool { return r.Age() < staleAfter(time.Duration(r.NextMs)*time.Millisecond) }
+
+// staleAfter is how long a report whose next is due after next stands: a
+// listing may come late, once.
+func staleAfter(next time.Duration) time.Duration { return 2*next + 250*time.Millisecond }
+
+// announce tells News's readers of a report made or heard. w.mu is held.
+func (w *Watch) announce() {
+	close(w.news)
+	w.news = make(chan struct{})
 }
 
 // Options configure a Watch.
@@ -307,8 +322,7 @@ func (w *Watch) listNow(ctx context.Context, maxAge time.Duration) (*Report, err
 	w.mu.Lock()
 	w.own = r
 	send := w.reporting()
-	close(w.news)
-	w.news = make(chan struct{})
+	w.announce()
 	w.mu.Unlock()
 	if send {
 		if data, err := json.Marshal(r); err == nil {
@@ -342,7 +356,7 @@ func (w *Watch) report(ctx context.Context) {
 		reporting, heard := w.reporting(), w.heard
 		w.mu.Unlock()
 		if was = was && reporting; !reporting {
-			t.Reset(time.Until(heard.at.Add(2*time.Duration(heard.NextMs)*time.Millisecond + 250*time.Millisecond)))
+			t.Reset(time.Until(heard.at.Add(staleAfter(time.Duration(heard.NextMs) * time.Millisecond))))
 			continue
 		}
 		w.listMu.Lock()
@@ -395,8 +409,7 @@ func (w *Watch) onReport(m *nats.Msg) {
 		return
 	}
 	w.heard = r
-	close(w.news)
-	w.news = make(chan struct{})
+	w.announce()
 }
 
 // list reads the state of the pool's consumers, in one list request.
@@ -417,7 +430,7 @@ func (w *Watch) list(ctx context.Context) (*Report, error) {
 		}
 		return nil, err
 	}
-	if began.Sub(w.listed) > 2*w.pace+250*time.Millisecond {
+	if began.Sub(w.listed) > staleAfter(w.pace) {
 		// What the listings before saw is too old to say what stayed so.
 		clear(w.since)
 		clear(w.heads)
